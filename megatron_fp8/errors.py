@@ -1,0 +1,51 @@
+"""Exception types shared by every stage of the pipeline.
+
+Every error raised on bad input names the offending tensor, key or block and
+says what to do about it. All of them derive from :class:`MegatronFP8Error` so
+callers can catch the whole family at once.
+"""
+
+from __future__ import annotations
+
+
+class MegatronFP8Error(Exception):
+    """Base class of every error raised by megatron-fp8."""
+
+
+class QuantInputError(MegatronFP8Error, ValueError):
+    """A tensor handed to a quantizer has the wrong rank, dtype, or is empty."""
+
+
+class NonFiniteError(MegatronFP8Error, ValueError):
+    """A tensor holds NaN or Inf where a finite value is required.
+
+    Attributes:
+        name: tensor name when the caller supplied one, else ``None``.
+        block: index of the first offending block, e.g. ``(row_block, col_block)``
+            or ``(expert, row_block, col_block)``.
+    """
+
+    def __init__(self, message: str, *, name: str | None = None, block: tuple[int, ...] | None = None):
+        super().__init__(message)
+        self.name = name
+        self.block = block
+
+
+class ConfigError(MegatronFP8Error, ValueError):
+    """A run configuration is malformed or inconsistent."""
+
+
+class RecipeUnsupportedError(MegatronFP8Error, RuntimeError):
+    """The requested FP8 recipe cannot run on this GPU / CUDA / TransformerEngine."""
+
+
+class ManifestError(MegatronFP8Error, ValueError):
+    """The FP8 manifest is stale, inconsistent with the weight stream, or unreadable."""
+
+
+class RefitError(MegatronFP8Error, RuntimeError):
+    """A refit failed; the engine keeps serving its last fully applied version."""
+
+
+class TransportTimeoutError(RefitError, TimeoutError):
+    """A peer did not answer within the transport's timeout."""

@@ -1,0 +1,1 @@
+"""megatron stage (see megatron_fp8 package docstring)."""

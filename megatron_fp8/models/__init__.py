@@ -1,0 +1,1 @@
+"""models stage (see megatron_fp8 package docstring)."""

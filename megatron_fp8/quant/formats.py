@@ -1,0 +1,95 @@
+"""FP8 element type, scale formats and the amax -> scale rule.
+
+The rules (DESIGN.md, "Formats that must be exactly right"):
+
+* element type ``torch.float8_e4m3fn``, largest finite value 448;
+* ``scale_inv = amax / 448`` in float32 (a *multiplier*: ``x ~= q * scale_inv``);
+* an all-zero block (``amax == 0``) gets ``scale_inv = 1.0``, never inf/NaN;
+* ``scale_format="ue8m0"`` rounds the scale up to a power of two,
+  ``2 ** ceil(log2(amax / 448))``, so it is exactly representable as UE8M0
+  (what DeepGEMM wants on Blackwell, and TransformerEngine's blockwise default);
+* a scale is never smaller than float32's smallest normal number (2**-126), so a
+  block of tiny but non-zero values neither divides by zero nor loses itself to
+  a subnormal scale.
+
+The quantized value is ``q = fp8(clamp(x_fp32 / scale_inv, -448, 448))`` with a
+correctly rounded float32 division and round-to-nearest-even into e4m3. Because
+float32 carries more than ``2 * 4 + 2`` mantissa bits, this equals rounding the
+exact (float64) quotient directly, which is what the tests prove.
+"""
+
+from __future__ import annotations
+
+from typing import Callable, Literal
+
+import torch
+
+from megatron_fp8.errors import QuantInputError
+
+FP8_DTYPE: torch.dtype = torch.float8_e4m3fn
+"""The FP8 element type vLLM, DeepGEMM and TransformerEngine use for weights."""
+
+FP8_MAX: float = float(torch.finfo(torch.float8_e4m3fn).max)  # 448.0
+"""Largest finite e4m3fn value."""
+
+MIN_SCALE: float = float(torch.finfo(torch.float32).tiny)  # 2**-126
+"""Smallest scale_inv ever produced (float32's smallest normal number)."""
+
+ScaleFormat = Literal["fp32", "ue8m0"]
+
+FLOAT_INPUT_DTYPES: tuple[torch.dtype, ...] = (torch.bfloat16, torch.float16, torch.float32)
+"""Input dtypes the quantizers accept."""
+
+NonFinitePolicy = Literal["raise", "sanitize"]
+
+
+def _fp32_scale(amax: torch.Tensor) -> torch.Tensor:
+    scale = (amax / FP8_MAX).clamp_min_(MIN_SCALE)
+    return torch.where(amax == 0, torch.ones_like(scale), scale)
+
+
+def _ue8m0_scale(amax: torch.Tensor) -> torch.Tensor:
+    ratio = (amax / FP8_MAX).clamp_min_(MIN_SCALE)
+    # ratio = m * 2**e with m in [0.5, 1): ceil(log2(ratio)) is e - 1 when m == 0.5
+    # (ratio is already a power of two) and e otherwise. Exact, unlike log2().
+    mantissa, exponent = torch.frexp(ratio)
+    exponent = exponent - (mantissa == 0.5).to(exponent.dtype)
+    scale = torch.ldexp(torch.ones_like(ratio), exponent)
+    return torch.where(amax == 0, torch.ones_like(scale), scale)
+
+
+SCALE_FORMATS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
+    "fp32": _fp32_scale,
+    "ue8m0": _ue8m0_scale,
+}
+"""Registry: scale format name -> ``amax (float32) -> scale_inv (float32)``."""
+
+
+def check_scale_format(scale_format: str) -> None:
+    """Raise :class:`QuantInputError` listing the valid names for an unknown format."""
+    if scale_format not in SCALE_FORMATS:
+        raise QuantInputError(
+            f"unknown scale_format {scale_format!r}; valid names: {sorted(SCALE_FORMATS)}"
+        )
+
+
+def scale_from_amax(amax: torch.Tensor, *, scale_format: ScaleFormat = "fp32") -> torch.Tensor:
+    """Turn per-block absolute maxima into ``scale_inv`` multipliers.
+
+    Args:
+        amax: float tensor of non-negative block maxima, any shape. NaN/Inf
+            entries propagate (the callers check them and name the block).
+        scale_format: ``"fp32"`` (``amax / 448``) or ``"ue8m0"`` (rounded up to
+            a power of two).
+
+    Returns:
+        float32 tensor of ``amax``'s shape; 1.0 where ``amax == 0``.
+    """
+    check_scale_format(scale_format)
+    return SCALE_FORMATS[scale_format](amax.to(torch.float32))
+
+
+def is_pow2(scale: torch.Tensor) -> torch.Tensor:
+    """Elementwise: is each (positive, finite) float32 value an exact power of two."""
+    mantissa, _ = torch.frexp(scale.to(torch.float32))
+    return mantissa == 0.5

@@ -1,0 +1,1 @@
+"""recipes stage (see megatron_fp8 package docstring)."""

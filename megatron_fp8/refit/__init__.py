@@ -1,0 +1,1 @@
+"""refit stage (see megatron_fp8 package docstring)."""

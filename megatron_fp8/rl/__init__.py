@@ -1,0 +1,1 @@
+"""rl stage (see megatron_fp8 package docstring)."""

@@ -1,0 +1,1 @@
+"""vllm stage (see megatron_fp8 package docstring)."""
