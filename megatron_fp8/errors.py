@@ -49,3 +49,25 @@ class RefitError(MegatronFP8Error, RuntimeError):
 
 class TransportTimeoutError(RefitError, TimeoutError):
     """A peer did not answer within the transport's timeout."""
+
+
+class RefitAbortedError(RefitError):
+    """The sender gave up on a refit version mid-stream (e.g. a NaN weight); nothing of it was applied."""
+
+
+class TransportClosedError(RefitError):
+    """The other end of a refit transport closed it in an orderly way; no more buckets will come."""
+
+
+class WeightStreamError(RefitError, ValueError):
+    """A weight-stream item (refit or checkpoint) has an unknown name, a wrong shape/dtype or bad scales.
+
+    Raised before anything is applied: the receiver keeps its previous weights.
+
+    Attributes:
+        name: the offending tensor's name, when there is one.
+    """
+
+    def __init__(self, message: str, *, name: str | None = None):
+        super().__init__(message)
+        self.name = name

@@ -13,9 +13,14 @@ The rules (DESIGN.md, "Formats that must be exactly right"):
   a subnormal scale.
 
 The quantized value is ``q = fp8(clamp(x_fp32 / scale_inv, -448, 448))`` with a
-correctly rounded float32 division and round-to-nearest-even into e4m3. Because
-float32 carries more than ``2 * 4 + 2`` mantissa bits, this equals rounding the
-exact (float64) quotient directly, which is what the tests prove.
+correctly rounded float32 division and round-to-nearest-even into e4m3: the
+quotient is rounded to float32 *first* (what every GPU kernel does). This is
+not always the e4m3 value nearest the exact quotient: when the float32 rounding
+lands exactly on an e4m3 midpoint, ties-to-even decides (e.g. a block with
+amax ``448 + 2**-15`` has scale ``1 + 2**-23`` and maps ``1.1875 + 2**-23`` to
+1.25, though the exact quotient lies just below the midpoint 1.1875). The tests
+check the bytes against a float64 reference of this two-step rule
+(:mod:`megatron_fp8.quant.reference`) and pin that example.
 """
 
 from __future__ import annotations

@@ -1,0 +1,180 @@
+"""torch.distributed + Megatron-Core model-parallel state on CPU (gloo).
+
+Megatron-Core modules read their tensor/pipeline/expert groups from
+``megatron.core.parallel_state`` even for a single process, so every model build
+happens inside :func:`megatron_parallel`, which
+
+1. initialises a gloo process group (single process by default, or the
+   ``RANK`` / ``WORLD_SIZE`` / ``MASTER_ADDR`` / ``MASTER_PORT`` of a launcher such
+   as ``torchrun`` or ``srun``), choosing a free TCP port when none is given;
+2. calls ``parallel_state.initialize_model_parallel`` with the requested sizes;
+3. tears both down on exit, in reverse order, even on error. A process group that
+   already existed before entry is reused and left alone.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import socket
+from collections.abc import Iterator
+from dataclasses import dataclass
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+from megatron_fp8.errors import ConfigError
+from megatron_fp8.megatron.te_shim import cpu_device_patches
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class ParallelState:
+    """What :func:`megatron_parallel` set up.
+
+    Attributes:
+        rank: global rank of this process.
+        world_size: number of processes.
+        tensor_parallel_size: Megatron tensor-parallel size.
+        pipeline_parallel_size: Megatron pipeline-parallel size.
+        expert_parallel_size: Megatron expert-parallel size.
+        backend: torch.distributed backend (``"gloo"`` on CPU).
+        owns_process_group: whether this context created (and will destroy) the process group.
+    """
+
+    rank: int
+    world_size: int
+    tensor_parallel_size: int
+    pipeline_parallel_size: int
+    expert_parallel_size: int
+    backend: str
+    owns_process_group: bool
+
+
+def find_free_port(host: str = "127.0.0.1") -> int:
+    """Ask the OS for a TCP port that is free right now on ``host``.
+
+    Returns:
+        Port number. Another process may take it before it is bound again; the
+        window is small and :func:`megatron_parallel` binds it at once.
+    """
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind((host, 0))
+        return int(sock.getsockname()[1])
+
+
+def _env_int(name: str) -> int | None:
+    value = os.environ.get(name)
+    if value is None or value == "":
+        return None
+    try:
+        return int(value)
+    except ValueError:
+        raise ConfigError(f"environment variable {name}={value!r} is not an integer") from None
+
+
+@contextlib.contextmanager
+def megatron_parallel(
+    *,
+    tensor_parallel_size: int = 1,
+    pipeline_parallel_size: int = 1,
+    expert_parallel_size: int = 1,
+    rank: int | None = None,
+    world_size: int | None = None,
+    master_addr: str | None = None,
+    master_port: int | None = None,
+    backend: str = "gloo",
+    timeout_s: float = 300.0,
+    seed: int = 1234,
+) -> Iterator[ParallelState]:
+    """Initialise torch.distributed and Megatron-Core parallel state; tear both down on exit.
+
+    Args:
+        tensor_parallel_size: Megatron TP size (must divide ``world_size``).
+        pipeline_parallel_size: Megatron PP size.
+        expert_parallel_size: Megatron EP size (MoE).
+        rank: global rank; defaults to ``$RANK`` or 0.
+        world_size: number of processes; defaults to ``$WORLD_SIZE`` or 1.
+        master_addr: rendezvous host; defaults to ``$MASTER_ADDR`` or 127.0.0.1.
+        master_port: rendezvous port; defaults to ``$MASTER_PORT``, else a free port
+            (only valid for a single process: several processes must agree on it).
+        backend: torch.distributed backend; ``"gloo"`` for CPU.
+        timeout_s: collective timeout in seconds.
+        seed: seed for Megatron's model-parallel RNG tracker (and ``torch.manual_seed``).
+
+    Yields:
+        The :class:`ParallelState` that was set up.
+
+    Raises:
+        ConfigError: inconsistent sizes, a missing port for multi-process runs, or
+            Megatron parallel state that is already initialised.
+    """
+    from megatron.core import parallel_state, tensor_parallel
+
+    rank = rank if rank is not None else (_env_int("RANK") or 0)
+    world_size = world_size if world_size is not None else (_env_int("WORLD_SIZE") or 1)
+    model_parallel = tensor_parallel_size * pipeline_parallel_size
+    if min(tensor_parallel_size, pipeline_parallel_size, expert_parallel_size, world_size) < 1:
+        raise ConfigError("parallel sizes and world_size must be >= 1")
+    if world_size % model_parallel:
+        raise ConfigError(
+            f"world_size {world_size} is not divisible by tensor_parallel_size x pipeline_parallel_size "
+            f"= {model_parallel}; change the sizes or the number of processes"
+        )
+    if not 0 <= rank < world_size:
+        raise ConfigError(f"rank {rank} is outside [0, {world_size})")
+    if parallel_state.model_parallel_is_initialized():
+        raise ConfigError(
+            "Megatron-Core parallel state is already initialised; nest model builds inside one "
+            "megatron_parallel() context instead of opening a second one"
+        )
+
+    owns_pg = not dist.is_initialized()
+    if owns_pg:
+        addr = master_addr or os.environ.get("MASTER_ADDR") or "127.0.0.1"
+        port = master_port or _env_int("MASTER_PORT")
+        if port is None:
+            if world_size > 1:
+                raise ConfigError(
+                    f"world_size {world_size} > 1 needs a shared master_port (or $MASTER_PORT) so ranks can meet"
+                )
+            port = find_free_port(addr)
+        logger.debug("init_process_group(%s) rank %d/%d at %s:%d", backend, rank, world_size, addr, port)
+        dist.init_process_group(
+            backend=backend,
+            init_method=f"tcp://{addr}:{port}",
+            rank=rank,
+            world_size=world_size,
+            timeout=timedelta(seconds=timeout_s),
+        )
+    else:
+        rank, world_size = dist.get_rank(), dist.get_world_size()
+    try:
+        parallel_state.initialize_model_parallel(
+            tensor_model_parallel_size=tensor_parallel_size,
+            pipeline_model_parallel_size=pipeline_parallel_size,
+            expert_model_parallel_size=expert_parallel_size,
+            distributed_timeout_minutes=max(1, int(timeout_s // 60)),
+        )
+        try:
+            torch.manual_seed(seed)
+            with cpu_device_patches():
+                tensor_parallel.model_parallel_cuda_manual_seed(seed)
+            yield ParallelState(
+                rank=rank,
+                world_size=world_size,
+                tensor_parallel_size=tensor_parallel_size,
+                pipeline_parallel_size=pipeline_parallel_size,
+                expert_parallel_size=expert_parallel_size,
+                backend=backend,
+                owns_process_group=owns_pg,
+            )
+        finally:
+            parallel_state.destroy_model_parallel()
+    finally:
+        if owns_pg and dist.is_initialized():
+            dist.destroy_process_group()

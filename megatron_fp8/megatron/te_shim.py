@@ -1,0 +1,238 @@
+"""The one narrow TransformerEngine import shim, and every other CPU patch Megatron needs.
+
+Why this exists
+---------------
+megatron-bridge 0.3.1 imports TransformerEngine (TE) at import time, even on code
+paths that never run TE: ``megatron/bridge/peft/lora_layers.py`` and
+``megatron/bridge/peft/lora.py`` do ``import transformer_engine.pytorch as te``,
+subclass ``te.Linear`` and annotate methods with ``te.ops.Sequential``; both are
+reached from ``import megatron.bridge`` (AutoBridge -> model_bridge -> peft_bridge
+-> canonical_lora -> lora_layers). TE has no CPU build, so without help the
+bridge cannot even be imported on a CPU-only machine.
+
+:func:`install` registers stand-in ``transformer_engine`` /
+``transformer_engine.pytorch`` / ``transformer_engine.pytorch.ops`` modules holding
+only the attributes those import-time statements touch (``Linear``,
+``LayerNormLinear``, ``ops.Sequential``), and nothing else. Every stand-in class
+raises :class:`TransformerEngineMissingError` when instantiated, so any code path
+that would use TE for real math fails loudly instead of computing something else.
+Deeper imports (``from transformer_engine.pytorch import fp8_autocast``,
+``import transformer_engine_torch``) still raise ``ImportError`` as before, so the
+libraries' own ``try/except ImportError`` fallbacks keep working.
+
+Megatron-Core probes ``import transformer_engine`` in many modules and caches
+``HAVE_TE`` at import. :func:`install` therefore imports the Megatron-Core modules
+the bridge pulls in *before* registering the stand-ins, so they all keep
+``HAVE_TE = False`` and choose their local (non-TE) paths;
+:func:`mcore_modules_that_saw_the_shim` lists any that did not (the tests check it
+is empty). A few megatron-bridge modules (model providers for Qwen, GLM, DeepSeek,
+OLMoE, and PEFT helpers) record ``HAVE_TE = True`` because their only probe is a
+bare ``import transformer_engine``; for the Qwen3 paths used here that flag is not
+read.
+
+The shim is never active when the real TE is importable (:func:`install` returns
+``False`` and changes nothing), and it is idempotent.
+
+Other CPU patches
+-----------------
+:func:`cpu_device_patches` is a context manager that answers
+``torch.cuda.current_device()`` with ``0`` while it is active, only when torch has
+no CUDA at all (a CPU-only build or no visible GPU). Megatron-Core calls it while
+building and running modules (e.g. to place RNG trackers and temporary buffers)
+even when ``use_cpu_initialization=True``; on CPU-only torch it raises. The value
+0 is only used as a device index that is never dereferenced on these paths. No
+other module of megatron-fp8 patches Megatron, TE or torch.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib
+import importlib.util
+import logging
+import sys
+import types
+from collections.abc import Iterator
+
+import torch
+
+from megatron_fp8.errors import MegatronFP8Error
+
+logger = logging.getLogger(__name__)
+
+SHIM_MARKER = "__megatron_fp8_te_shim__"
+"""Attribute set to ``True`` on every stand-in module."""
+
+REMEDY = "TransformerEngine is not installed; this code path needs a GPU build — use the image from `make image`"
+"""Text of the error raised whenever a stand-in is used for real work."""
+
+_STANDIN_MODULES = ("transformer_engine", "transformer_engine.pytorch", "transformer_engine.pytorch.ops")
+
+# Megatron-Core modules that probe `import transformer_engine` and that megatron-bridge
+# (or our model build) imports; importing them before the stand-ins exist keeps HAVE_TE False.
+_MCORE_PREIMPORTS = (
+    "megatron.core.utils",
+    "megatron.core.fp8_utils",
+    "megatron.core.fp4_utils",
+    "megatron.core.tensor_parallel",
+    "megatron.core.tensor_parallel.layers",
+    "megatron.core.tensor_parallel.random",
+    "megatron.core.extensions.transformer_engine",
+    "megatron.core.transformer.attention",
+    "megatron.core.transformer.mlp",
+    "megatron.core.transformer.transformer_block",
+    "megatron.core.transformer.multi_latent_attention",
+    "megatron.core.transformer.multi_token_prediction",
+    "megatron.core.transformer.moe.experts",
+    "megatron.core.transformer.moe.moe_layer",
+    "megatron.core.transformer.moe.moe_utils",
+    "megatron.core.transformer.moe.shared_experts",
+    "megatron.core.transformer.heterogeneous.linear_replacements",
+    "megatron.core.models.gpt.gpt_layer_specs",
+    "megatron.core.models.gpt.experimental_attention_variant_module_specs",
+    "megatron.core.models.gpt.heterogeneous.heterogeneous_layer_specs",
+    "megatron.core.models.multimodal.llava_model",
+    "megatron.core.models.gpt",
+    "megatron.core.optimizer",
+    "megatron.core.distributed",
+    "megatron.core.dist_checkpointing.strategies.torch",
+    "megatron.core.post_training.modelopt.layers",
+)
+
+
+class TransformerEngineMissingError(MegatronFP8Error, RuntimeError):
+    """A TransformerEngine stand-in was used for real work on a machine without TE."""
+
+
+def _standin_class(qualname: str) -> type:
+    def __init__(self, *args: object, **kwargs: object) -> None:
+        raise TransformerEngineMissingError(f"{qualname} was constructed, but {REMEDY}")
+
+    return type(
+        qualname.rsplit(".", 1)[-1],
+        (torch.nn.Module,),
+        {"__init__": __init__, "__module__": qualname.rsplit(".", 1)[0], "__doc__": f"Stand-in for {qualname}."},
+    )
+
+
+def _standin_getattr(module_name: str):
+    def __getattr__(name: str) -> object:
+        if name.startswith("__"):
+            raise AttributeError(name)
+        raise AttributeError(f"{module_name}.{name} is not available: {REMEDY}")
+
+    return __getattr__
+
+
+def real_te_available() -> bool:
+    """Whether a real TransformerEngine install is importable (the shim never counts)."""
+    mod = sys.modules.get("transformer_engine")
+    if mod is not None:
+        return not getattr(mod, SHIM_MARKER, False)
+    try:
+        return importlib.util.find_spec("transformer_engine") is not None
+    except (ImportError, ValueError):
+        return False
+
+
+def is_installed() -> bool:
+    """Whether the stand-in modules are currently registered in ``sys.modules``."""
+    return getattr(sys.modules.get("transformer_engine"), SHIM_MARKER, False) is True
+
+
+def _build_standins() -> dict[str, types.ModuleType]:
+    te = types.ModuleType("transformer_engine", "megatron-fp8 stand-in: TransformerEngine is not installed.")
+    pt = types.ModuleType("transformer_engine.pytorch", "megatron-fp8 stand-in for transformer_engine.pytorch.")
+    ops = types.ModuleType("transformer_engine.pytorch.ops", "megatron-fp8 stand-in for transformer_engine.pytorch.ops.")
+    for mod in (te, pt, ops):
+        setattr(mod, SHIM_MARKER, True)
+        mod.__getattr__ = _standin_getattr(mod.__name__)  # type: ignore[attr-defined]
+    # Exactly what megatron-bridge 0.3.1 touches at import time (peft/lora_layers.py, peft/lora.py).
+    pt.Linear = _standin_class("transformer_engine.pytorch.Linear")  # type: ignore[attr-defined]
+    pt.LayerNormLinear = _standin_class("transformer_engine.pytorch.LayerNormLinear")  # type: ignore[attr-defined]
+    ops.Sequential = _standin_class("transformer_engine.pytorch.ops.Sequential")  # type: ignore[attr-defined]
+    te.pytorch = pt  # type: ignore[attr-defined]
+    pt.ops = ops  # type: ignore[attr-defined]
+    return {m.__name__: m for m in (te, pt, ops)}
+
+
+def install() -> bool:
+    """Register the TransformerEngine stand-ins when TE is not importable.
+
+    Imports the Megatron-Core modules that probe TE first (so they keep
+    ``HAVE_TE = False``), then registers the stand-ins. Idempotent.
+
+    Returns:
+        ``True`` when the stand-ins are registered (now or already), ``False`` when a
+        real TransformerEngine is importable and nothing was changed.
+    """
+    if is_installed():
+        return True
+    if real_te_available():
+        logger.debug("real TransformerEngine found; TE shim not installed")
+        return False
+    for name in _MCORE_PREIMPORTS:
+        importlib.import_module(name)
+    sys.modules.update(_build_standins())
+    logger.info("TransformerEngine not installed: registered import-time stand-ins (megatron_fp8.megatron.te_shim)")
+    return True
+
+
+def uninstall() -> None:
+    """Remove the stand-ins from ``sys.modules`` (modules that already imported them keep their references)."""
+    if not is_installed():
+        return
+    for name in _STANDIN_MODULES:
+        sys.modules.pop(name, None)
+
+
+def import_megatron_bridge() -> types.ModuleType:
+    """Import ``megatron.bridge`` with the shim installed when needed.
+
+    Returns:
+        The ``megatron.bridge`` module.
+    """
+    install()
+    return importlib.import_module("megatron.bridge")
+
+
+def mcore_modules_that_saw_the_shim() -> list[str]:
+    """Megatron-Core modules that cached ``HAVE_TE = True`` although TE is a stand-in.
+
+    Returns:
+        Sorted module names; empty when the shim is not installed or no module was affected.
+    """
+    if not is_installed():
+        return []
+    return sorted(
+        name
+        for name, mod in list(sys.modules.items())
+        if name.startswith("megatron.core") and isinstance(mod, types.ModuleType) and mod.__dict__.get("HAVE_TE") is True
+    )
+
+
+def _torch_has_cuda() -> bool:
+    return torch.version.cuda is not None and torch.cuda.is_available()
+
+
+@contextlib.contextmanager
+def cpu_device_patches() -> Iterator[bool]:
+    """Answer ``torch.cuda.current_device()`` with 0 while active, on torch without CUDA only.
+
+    Yields:
+        ``True`` when the patch is active, ``False`` when CUDA is available and nothing
+        was patched.
+    """
+    if _torch_has_cuda():
+        yield False
+        return
+    original = torch.cuda.current_device
+
+    def current_device() -> int:
+        return 0
+
+    torch.cuda.current_device = current_device
+    try:
+        yield True
+    finally:
+        torch.cuda.current_device = original

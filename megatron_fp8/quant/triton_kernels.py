@@ -1,0 +1,343 @@
+"""Triton kernels for blockwise and per-token-group FP8 quantization on CUDA.
+
+They produce the same bytes as the torch path (:mod:`megatron_fp8.quant.blockwise`,
+:mod:`megatron_fp8.quant.token_group`) because they follow the same rule
+(:mod:`megatron_fp8.quant.formats`) step by step:
+
+* ``amax`` over the tile's real elements (masked loads fill edge tiles with 0,
+  which never raises a maximum of ``|x|``); NaN is mapped to +inf before the
+  reduction, because the GPU's ``max`` drops NaN operands, so a NaN anywhere in
+  a tile always makes its ``amax`` non-finite;
+* ``scale = max(div_rn(amax, 448), 2**-126)``, 1.0 where ``amax == 0``;
+  ``tl.math.div_rn`` is the correctly rounded IEEE division (plain ``/`` is an
+  approximate division on NVIDIA GPUs and would differ in the last bit);
+* ``ue8m0``: ``2**ceil(log2(ratio))`` from the float32 bits of ``ratio``
+  (exponent + 1 when any mantissa bit is set), exact, no ``log2``;
+* ``q = fp8_e4m3fn(clamp(div_rn(x_fp32, scale), -448, 448))``, round to nearest
+  even (Triton's default for float32 -> float8e4nv, ``cvt.rn.satfinite`` on sm_89+).
+
+Each kernel also writes the per-tile ``amax`` so the caller can raise
+:class:`~megatron_fp8.errors.NonFiniteError` naming the first bad block, with
+the same message as the torch path.
+
+The kernels read every input byte once and write every output byte once: one
+program per ``bn x bk`` tile (or per ``cols_per_program`` adjacent tiles along
+K), the tile held in registers between the reduction and the cast.
+
+Testing without a GPU: with ``TRITON_INTERPRET=1`` set before Triton is
+imported, the kernels run on CPU tensors in Triton's numpy interpreter. The
+interpreter's float32 -> float8 conversion is not round-to-nearest-even (it
+rounds half up on the cut-off bit and does not carry into the exponent), so
+the launchers take ``fp8_out=False`` to store the clamped float32 quotient
+instead and let torch do the final cast: that checks tiling, masking, amax,
+scale and division in the interpreter; the hardware cast itself is checked by
+the GPU tests.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import os
+
+import torch
+
+from megatron_fp8.errors import QuantInputError
+from megatron_fp8.quant import _checks
+from megatron_fp8.quant.formats import FP8_DTYPE, FP8_MAX, MIN_SCALE, SCALE_FORMATS
+
+logger = logging.getLogger(__name__)
+
+try:  # Triton is optional: without it the module imports and available() is False
+    import triton
+    import triton.language as tl
+except Exception as _exc:  # ImportError, or a broken install raising at import time
+    triton = None
+    tl = None
+    _IMPORT_ERROR: Exception | None = _exc
+else:
+    _IMPORT_ERROR = None
+
+__all__ = [
+    "available",
+    "interpreter_active",
+    "quantize_blockwise_triton",
+    "quantize_per_token_group_triton",
+]
+
+
+def _triton_importable() -> bool:
+    return triton is not None
+
+
+def interpreter_active() -> bool:
+    """Whether Triton runs kernels in its CPU interpreter (``TRITON_INTERPRET=1``)."""
+    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0") and _triton_importable()
+
+
+def available() -> bool:
+    """Whether the Triton kernels can run on CUDA tensors here (Triton imports and CUDA is up)."""
+    return _triton_importable() and torch.cuda.is_available()
+
+
+if triton is not None:
+
+    @triton.jit
+    def _scale_from_amax(amax, UE8M0: tl.constexpr):
+        # amax: float32 (scalar or vector). Same rule as formats.SCALE_FORMATS.
+        ratio = tl.maximum(tl.math.div_rn(amax, 448.0), 1.1754943508222875e-38)  # 2**-126
+        if UE8M0:
+            bits = ratio.to(tl.int32, bitcast=True)
+            exponent = (bits >> 23) & 0xFF
+            exponent = exponent + ((bits & 0x7FFFFF) != 0).to(tl.int32)
+            ratio = (exponent << 23).to(tl.float32, bitcast=True)
+        return tl.where(amax == 0.0, 1.0, ratio)
+
+    @triton.jit
+    def _blockwise_kernel(
+        x_ptr,
+        q_ptr,
+        scale_ptr,
+        amax_ptr,
+        N,
+        K,
+        NB,
+        KB,
+        BN: tl.constexpr,
+        BK: tl.constexpr,
+        BN_P2: tl.constexpr,
+        BK_P2: tl.constexpr,
+        COLS: tl.constexpr,
+        UE8M0: tl.constexpr,
+        FP8_OUT: tl.constexpr,
+    ):
+        pid_k = tl.program_id(0)
+        pid_n = tl.program_id(1)
+        expert = tl.program_id(2).to(tl.int64)
+        r = tl.arange(0, BN_P2)
+        c = tl.arange(0, BK_P2)
+        rows = pid_n * BN + r
+        row_ok = (r < BN) & (rows < N)
+        row_off = expert * N * K + rows.to(tl.int64) * K
+        for i in tl.static_range(COLS):
+            kb = pid_k * COLS + i
+            cols = kb * BK + c
+            mask = row_ok[:, None] & ((c < BK) & (cols < K))[None, :]
+            offs = row_off[:, None] + cols[None, :]
+            x = tl.load(x_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+            ax = tl.abs(x)
+            ax = tl.where(ax == ax, ax, float("inf"))  # NaN -> inf: GPU max drops NaN
+            amax = tl.max(tl.max(ax, axis=1), axis=0)
+            scale = _scale_from_amax(amax, UE8M0)
+            y = tl.math.div_rn(x, scale)
+            y = tl.minimum(tl.maximum(y, -448.0), 448.0)
+            if FP8_OUT:
+                tl.store(q_ptr + offs, y.to(tl.float8e4nv), mask=mask)
+            else:
+                tl.store(q_ptr + offs, y, mask=mask)
+            s_idx = (expert * NB + pid_n) * KB + kb
+            tl.store(scale_ptr + s_idx, scale, mask=kb < KB)
+            tl.store(amax_ptr + s_idx, amax, mask=kb < KB)
+
+    @triton.jit
+    def _token_group_kernel(
+        x_ptr,
+        q_ptr,
+        scale_ptr,
+        amax_ptr,
+        M,
+        K,
+        NG,
+        G: tl.constexpr,
+        G_P2: tl.constexpr,
+        ROWS: tl.constexpr,
+        UE8M0: tl.constexpr,
+        FP8_OUT: tl.constexpr,
+    ):
+        pid_m = tl.program_id(0)
+        grp = tl.program_id(1)
+        r = pid_m * ROWS + tl.arange(0, ROWS)
+        c = tl.arange(0, G_P2)
+        cols = grp * G + c
+        row_ok = r < M
+        mask = row_ok[:, None] & ((c < G) & (cols < K))[None, :]
+        offs = r.to(tl.int64)[:, None] * K + cols[None, :]
+        x = tl.load(x_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+        ax = tl.abs(x)
+        ax = tl.where(ax == ax, ax, float("inf"))
+        amax = tl.max(ax, axis=1)
+        scale = _scale_from_amax(amax, UE8M0)
+        y = tl.math.div_rn(x, scale[:, None])
+        y = tl.minimum(tl.maximum(y, -448.0), 448.0)
+        if FP8_OUT:
+            tl.store(q_ptr + offs, y.to(tl.float8e4nv), mask=mask)
+        else:
+            tl.store(q_ptr + offs, y, mask=mask)
+        s_idx = r.to(tl.int64) * NG + grp
+        tl.store(scale_ptr + s_idx, scale, mask=row_ok)
+        tl.store(amax_ptr + s_idx, amax, mask=row_ok)
+
+
+def _kernels():
+    if triton is None:
+        raise QuantInputError(f"backend='triton' needs the triton package ({_IMPORT_ERROR}); use backend='torch'")
+    return triton, _blockwise_kernel, _token_group_kernel
+
+
+def _next_pow2(n: int) -> int:
+    return 1 << max(0, (int(n) - 1).bit_length())
+
+
+def _check_runnable(x: torch.Tensor, scale_format: str, what: str, name: str | None) -> None:
+    if scale_format not in SCALE_FORMATS:
+        raise QuantInputError(f"unknown scale_format {scale_format!r}; valid names: {sorted(SCALE_FORMATS)}")
+    if not _triton_importable():
+        raise QuantInputError(f"{what}: backend='triton' needs the triton package; use backend='torch'")
+    if not x.is_cuda and not interpreter_active():
+        raise QuantInputError(
+            f"{what}: tensor {name!r} is on {x.device}; the Triton kernels need a CUDA tensor "
+            "(or TRITON_INTERPRET=1 set before triton is imported, for CPU testing). Use backend='torch'."
+        )
+
+
+def _default_num_warps(tile_elems: int) -> int:
+    """Warps per program: about 32 float32 elements per thread, 4..16 warps."""
+    return int(min(16, max(4, tile_elems // (32 * 32))))
+
+
+def quantize_blockwise_triton(
+    x3: torch.Tensor,
+    bn: int,
+    bk: int,
+    scale_format: str,
+    *,
+    name: str | None,
+    fp8_out: bool = True,
+    cols_per_program: int = 1,
+    num_warps: int | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Blockwise FP8 quantization of a ``[E, N, K]`` stack with one Triton program per tile.
+
+    Args:
+        x3: ``[E, N, K]`` bfloat16/float16/float32 CUDA tensor (made contiguous
+            if it is not). Validation of dtype/rank/emptiness is the caller's
+            (:func:`megatron_fp8.quant.quantize_blockwise`).
+        bn: block rows (along N); any positive int (padded to a power of two
+            inside the kernel and masked).
+        bk: block columns (along K).
+        scale_format: ``"fp32"`` or ``"ue8m0"``.
+        name: tensor name for error messages.
+        fp8_out: ``True`` (default) casts to float8_e4m3fn in the kernel;
+            ``False`` stores the clamped float32 quotient and casts with torch
+            afterwards (for Triton's CPU interpreter, whose fp8 cast is inexact).
+        cols_per_program: adjacent tiles along K handled by one program.
+        num_warps: warps per program; ``None`` picks from the tile size.
+
+    Returns:
+        ``(q, scale_inv)``: float8_e4m3fn ``[E, N, K]`` and float32
+        ``[E, ceil(N/bn), ceil(K/bk)]`` on ``x3``'s device.
+
+    Raises:
+        NonFiniteError: a tile holds NaN/Inf (names expert, row block and column block).
+        QuantInputError: Triton missing, or a CPU tensor outside the interpreter.
+    """
+    what = "quantize_blockwise"
+    _check_runnable(x3, scale_format, what, name)
+    if x3.dim() != 3:
+        raise QuantInputError(f"{what}: tensor {name!r} must be [E, N, K] here, got shape {tuple(x3.shape)}")
+    triton, blockwise_kernel, _ = _kernels()
+    x3 = x3.contiguous()
+    e, n, k = x3.shape
+    nb, kb = math.ceil(n / bn), math.ceil(k / bk)
+    cols = max(1, min(int(cols_per_program), kb))
+    out_dtype = FP8_DTYPE if fp8_out else torch.float32
+    q = torch.empty((e, n, k), dtype=out_dtype, device=x3.device)
+    scale = torch.empty((e, nb, kb), dtype=torch.float32, device=x3.device)
+    amax = torch.empty_like(scale)
+    bn_p2, bk_p2 = _next_pow2(bn), _next_pow2(bk)
+    warps = num_warps if num_warps is not None else _default_num_warps(bn_p2 * bk_p2)
+    grid = (triton.cdiv(kb, cols), nb, e)
+    blockwise_kernel[grid](
+        x3, q, scale, amax, n, k, nb, kb,
+        BN=bn, BK=bk, BN_P2=bn_p2, BK_P2=bk_p2, COLS=cols,
+        UE8M0=scale_format == "ue8m0", FP8_OUT=fp8_out, num_warps=warps,
+    )  # fmt: skip
+    _checks.raise_on_nonfinite_amax(
+        x3 if e > 1 else x3[0],
+        amax if e > 1 else amax[0],
+        block_size=(bn, bk),
+        axis_names=(("expert",) if e > 1 else ()) + ("row_block", "col_block"),
+        name=name,
+        what=what,
+    )
+    if not fp8_out:
+        q = q.to(FP8_DTYPE)
+    return q, scale
+
+
+def quantize_per_token_group_triton(
+    x2: torch.Tensor,
+    group_size: int,
+    scale_format: str,
+    *,
+    name: str | None,
+    fp8_out: bool = True,
+    rows_per_program: int | None = None,
+    num_warps: int | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-token-group FP8 quantization of ``[M, K]`` activations.
+
+    Args:
+        x2: ``[M, K]`` bfloat16/float16/float32 CUDA tensor (made contiguous if needed).
+        group_size: elements per group along K; a partial last group uses only
+            its real elements.
+        scale_format: ``"fp32"`` or ``"ue8m0"``.
+        name: tensor name for error messages.
+        fp8_out: see :func:`quantize_blockwise_triton`.
+        rows_per_program: tokens per program (a power of two); ``None`` picks
+            about 8192 elements per program.
+        num_warps: warps per program; ``None`` picks from the tile size.
+
+    Returns:
+        ``(q, scale_inv)``: float8_e4m3fn ``[M, K]`` and float32 ``[M, ceil(K/group_size)]``.
+
+    Raises:
+        NonFiniteError: a group holds NaN/Inf (names token and group).
+        QuantInputError: Triton missing, or a CPU tensor outside the interpreter.
+    """
+    what = "quantize_per_token_group"
+    _check_runnable(x2, scale_format, what, name)
+    if x2.dim() != 2:
+        raise QuantInputError(f"{what}: tensor {name!r} must be [M, K] here, got shape {tuple(x2.shape)}")
+    triton, _, token_group_kernel = _kernels()
+    x2 = x2.contiguous()
+    m, k = x2.shape
+    ng = math.ceil(k / group_size)
+    g_p2 = _next_pow2(group_size)
+    if rows_per_program is None:
+        rows = min(_next_pow2(m), max(1, 8192 // g_p2))
+    else:
+        rows = _next_pow2(rows_per_program)
+    out_dtype = FP8_DTYPE if fp8_out else torch.float32
+    q = torch.empty((m, k), dtype=out_dtype, device=x2.device)
+    scale = torch.empty((m, ng), dtype=torch.float32, device=x2.device)
+    amax = torch.empty_like(scale)
+    warps = num_warps if num_warps is not None else _default_num_warps(rows * g_p2)
+    grid = (triton.cdiv(m, rows), ng)
+    token_group_kernel[grid](
+        x2, q, scale, amax, m, k, ng,
+        G=group_size, G_P2=g_p2, ROWS=rows,
+        UE8M0=scale_format == "ue8m0", FP8_OUT=fp8_out, num_warps=warps,
+    )  # fmt: skip
+    _checks.raise_on_nonfinite_amax(
+        x2, amax, block_size=(1, group_size), axis_names=("token", "group"), name=name, what=what
+    )
+    if not fp8_out:
+        q = q.to(FP8_DTYPE)
+    return q, scale
+
+
+# The kernels hard-code these constants (a jitted function cannot read Python
+# float globals); fail loudly at import if formats.py ever changes them.
+if FP8_MAX != 448.0 or MIN_SCALE != 2.0**-126:
+    raise RuntimeError("formats.FP8_MAX / MIN_SCALE changed: update the constants in triton_kernels")

