@@ -52,7 +52,15 @@ class TransportTimeoutError(RefitError, TimeoutError):
 
 
 class RefitAbortedError(RefitError):
-    """The sender gave up on a refit version mid-stream (e.g. a NaN weight); nothing of it was applied."""
+    """The sender gave up on a refit version mid-stream (e.g. a NaN weight); nothing of it was applied.
+
+    Attributes:
+        version: the abandoned refit version when known, else ``None``.
+    """
+
+    def __init__(self, message: str, *, version: int | None = None):
+        super().__init__(message)
+        self.version = version
 
 
 class TransportClosedError(RefitError):

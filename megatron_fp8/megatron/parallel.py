@@ -26,7 +26,7 @@ import torch
 import torch.distributed as dist
 
 from megatron_fp8.errors import ConfigError
-from megatron_fp8.megatron.te_shim import cpu_device_patches
+from megatron_fp8.megatron.te_shim import reset_rng_tracker, use_cpu_rng_tracker
 
 logger = logging.getLogger(__name__)
 
@@ -162,7 +162,7 @@ def megatron_parallel(
         )
         try:
             torch.manual_seed(seed)
-            with cpu_device_patches():
+            if not use_cpu_rng_tracker():
                 tensor_parallel.model_parallel_cuda_manual_seed(seed)
             yield ParallelState(
                 rank=rank,
@@ -174,6 +174,7 @@ def megatron_parallel(
                 owns_process_group=owns_pg,
             )
         finally:
+            reset_rng_tracker()
             parallel_state.destroy_model_parallel()
     finally:
         if owns_pg and dist.is_initialized():

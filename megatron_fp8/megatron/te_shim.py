@@ -36,11 +36,13 @@ The shim is never active when the real TE is importable (:func:`install` returns
 Other CPU patches
 -----------------
 :func:`cpu_device_patches` is a context manager that answers
-``torch.cuda.current_device()`` with ``0`` while it is active, only when torch has
-no CUDA at all (a CPU-only build or no visible GPU). Megatron-Core calls it while
-building and running modules (e.g. to place RNG trackers and temporary buffers)
-even when ``use_cpu_initialization=True``; on CPU-only torch it raises. The value
-0 is only used as a device index that is never dereferenced on these paths. No
+``torch.cuda.current_device()`` with ``torch.device("cpu")`` while it is active,
+only when torch has no usable CUDA (a CPU-only build or no visible GPU).
+Megatron-Core calls it to place tensors even when ``use_cpu_initialization=True``:
+e.g. ``RotaryEmbedding.get_emb`` moves ``inv_freq`` to
+``torch.cuda.current_device()`` on the first forward, and DDP / optimizer buffers
+are allocated there. On CPU-only torch the call raises, and the index ``0`` would
+mean ``cuda:0``; answering the CPU device makes those placements land on CPU. No
 other module of megatron-fp8 patches Megatron, TE or torch.
 """
 
@@ -98,6 +100,10 @@ _MCORE_PREIMPORTS = (
     "megatron.core.dist_checkpointing.strategies.torch",
     "megatron.core.post_training.modelopt.layers",
 )
+
+
+_PRELOADED: set[str] = set()
+"""Megatron-Core modules already imported when the stand-ins were registered."""
 
 
 class TransformerEngineMissingError(MegatronFP8Error, RuntimeError):
@@ -173,9 +179,17 @@ def install() -> bool:
         return False
     for name in _MCORE_PREIMPORTS:
         importlib.import_module(name)
+    _bind_missing_mcore_names()
+    _PRELOADED.update(n for n in sys.modules if n.startswith("megatron.core"))
     sys.modules.update(_build_standins())
     logger.info("TransformerEngine not installed: registered import-time stand-ins (megatron_fp8.megatron.te_shim)")
     return True
+
+
+def _bind_missing_mcore_names() -> None:
+    moe_utils = importlib.import_module("megatron.core.transformer.moe.moe_utils")
+    if "te_general_gemm" not in moe_utils.__dict__:
+        moe_utils.te_general_gemm = None  # read unguarded by RouterGatingLinearFunction.forward
 
 
 def uninstall() -> None:
@@ -197,7 +211,10 @@ def import_megatron_bridge() -> types.ModuleType:
 
 
 def mcore_modules_that_saw_the_shim() -> list[str]:
-    """Megatron-Core modules that cached ``HAVE_TE = True`` although TE is a stand-in.
+    """Megatron-Core modules imported after the stand-ins were registered that cached ``HAVE_TE = True``.
+
+    Modules imported before :func:`install` cannot have seen the stand-ins (some set
+    ``HAVE_TE = True`` for reasons unrelated to the TE import and are not listed).
 
     Returns:
         Sorted module names; empty when the shim is not installed or no module was affected.
@@ -207,7 +224,10 @@ def mcore_modules_that_saw_the_shim() -> list[str]:
     return sorted(
         name
         for name, mod in list(sys.modules.items())
-        if name.startswith("megatron.core") and isinstance(mod, types.ModuleType) and mod.__dict__.get("HAVE_TE") is True
+        if name.startswith("megatron.core")
+        and name not in _PRELOADED
+        and isinstance(mod, types.ModuleType)
+        and mod.__dict__.get("HAVE_TE") is True
     )
 
 
@@ -217,7 +237,7 @@ def _torch_has_cuda() -> bool:
 
 @contextlib.contextmanager
 def cpu_device_patches() -> Iterator[bool]:
-    """Answer ``torch.cuda.current_device()`` with 0 while active, on torch without CUDA only.
+    """Answer ``torch.cuda.current_device()`` with the CPU device while active, without CUDA only.
 
     Yields:
         ``True`` when the patch is active, ``False`` when CUDA is available and nothing
@@ -228,11 +248,35 @@ def cpu_device_patches() -> Iterator[bool]:
         return
     original = torch.cuda.current_device
 
-    def current_device() -> int:
-        return 0
+    def current_device() -> torch.device:
+        return torch.device("cpu")
 
     torch.cuda.current_device = current_device
     try:
         yield True
     finally:
         torch.cuda.current_device = original
+
+
+def use_cpu_rng_tracker() -> bool:
+    """Install Megatron's no-op-fork RNG tracker when CUDA is unavailable (see the module docstring).
+
+    Returns:
+        ``True`` when the CPU tracker was installed, ``False`` when CUDA is available
+        (the caller should use ``model_parallel_cuda_manual_seed`` instead).
+    """
+    if _torch_has_cuda():
+        return False
+    from megatron.core.tensor_parallel import random as mp_random
+
+    mp_random.initialize_rng_tracker(inference_rng_tracker=True, force_reset=True)
+    return True
+
+
+def reset_rng_tracker() -> None:
+    """Drop Megatron's RNG tracker so the next model build starts from a fresh one."""
+    from megatron.core.tensor_parallel import random as mp_random
+
+    mp_random.initialize_rng_tracker(force_reset=True)
+    mp_random._CUDA_RNG_STATE_TRACKER = None
+    mp_random._CUDA_RNG_STATE_TRACKER_INITIALIZED = False

@@ -1,1 +1,59 @@
-"""refit stage (see megatron_fp8 package docstring)."""
+"""Refit: move one version of the weights trainer -> rollout engine, exactly and atomically.
+
+``stream of (hf_name, tensor)`` -> :func:`pack_buckets` (single pass, bounded
+memory, validated) -> :class:`Transport` (``inproc`` / ``gloo`` / ``nccl`` /
+``cuda_ipc``, every wait with a deadline) -> :class:`RefitReceiver` (stages a
+whole version, then ``begin`` / ``stage`` / ``commit`` on a
+:class:`RefitApplier`, or ``abort`` on any failure).
+"""
+
+from megatron_fp8.refit.buckets import (
+    ALIGN,
+    DTYPES,
+    Bucket,
+    RefitVersion,
+    TensorMeta,
+    check_finite,
+    default_bucket_bytes,
+    pack_buckets,
+    payload_checksum,
+    unpack_bucket,
+)
+from megatron_fp8.refit.receiver import CallableApplier, DictApplier, ReceiveReport, RefitApplier, RefitReceiver
+from megatron_fp8.refit.sender import PAYLOAD_CLASSES, RefitSender, SendReport, payload_class
+from megatron_fp8.refit.transport import (
+    TRANSPORTS,
+    CudaIpcTransport,
+    InProcTransport,
+    TorchDistTransport,
+    Transport,
+    make_transport,
+)
+
+__all__ = [
+    "ALIGN",
+    "DTYPES",
+    "PAYLOAD_CLASSES",
+    "TRANSPORTS",
+    "Bucket",
+    "CallableApplier",
+    "CudaIpcTransport",
+    "DictApplier",
+    "InProcTransport",
+    "ReceiveReport",
+    "RefitApplier",
+    "RefitReceiver",
+    "RefitSender",
+    "RefitVersion",
+    "SendReport",
+    "TensorMeta",
+    "TorchDistTransport",
+    "Transport",
+    "check_finite",
+    "default_bucket_bytes",
+    "make_transport",
+    "pack_buckets",
+    "payload_checksum",
+    "payload_class",
+    "unpack_bucket",
+]

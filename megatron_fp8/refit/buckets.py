@@ -216,7 +216,7 @@ def payload_checksum(payload: torch.Tensor) -> int:
 
     Cost: one read of the payload plus an int64 temporary of 2x the chunk
     (~63 MiB) on the payload's device, two small reductions per chunk and one
-    host sync per chunk; on a CPU core roughly 1-2 GB/s, on an H100 memory-bound.
+    host sync per chunk; measured ~0.4 GB/s on one shared CPU core, memory-bound on a GPU.
 
     Args:
         payload: 1-D ``torch.uint8`` tensor (any device, contiguous).

@@ -176,7 +176,9 @@ class InProcTransport(Transport):
             raise TransportClosedError("inproc transport: the sender closed it; no more buckets will come")
         if kind == _KIND_ABORT:
             version, index, reason = item
-            raise RefitAbortedError(f"the sender abandoned refit version {version} at bucket {index}: {reason}")
+            raise RefitAbortedError(
+                f"the sender abandoned refit version {version} at bucket {index}: {reason}", version=version
+            )
         self.buckets_received += 1
         return item
 
@@ -398,8 +400,9 @@ class TorchDistTransport(Transport):
         meta_bytes = meta.cpu().numpy().tobytes()
         if kind == _KIND_ABORT:
             reason = meta_bytes.decode("utf-8", errors="replace")
-            raise RefitAbortedError(f"sender rank {self.src} abandoned refit version {version} at bucket {index}: "
-                                    f"{reason}")
+            raise RefitAbortedError(
+                f"sender rank {self.src} abandoned refit version {version} at bucket {index}: {reason}", version=version
+            )
         if not is_last:
             work_next, header_next = self._post_header()
             self._prefetch = (work_next, header_next, time.monotonic())
@@ -555,8 +558,11 @@ class CudaIpcTransport(Transport):
             self._closed = True
             raise TransportClosedError("cuda_ipc: the sender closed the transport")
         if kind == _KIND_ABORT:
-            raise RefitAbortedError(f"the sender abandoned refit version {version} at bucket {index}: "
-                                    f"{meta.decode('utf-8', errors='replace')}")
+            raise RefitAbortedError(
+                f"the sender abandoned refit version {version} at bucket {index}: "
+                f"{meta.decode('utf-8', errors='replace')}",
+                version=version,
+            )
         try:
             shared = rebuild(*args)
             payload = torch.empty(shared.numel(), dtype=torch.uint8, device=self.device)

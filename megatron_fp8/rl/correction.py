@@ -382,8 +382,7 @@ def ppo_loss(
         advantages = advantages[:, None].expand_as(logp_new)
     if advantages.shape != logp_new.shape:
         raise ConfigError(
-            f"advantages must be [B] or [B, T] matching logp_new {tuple(logp_new.shape)}, "
-            f"got {tuple(advantages.shape)}"
+            f"advantages must be [B] or [B, T] matching logp_new {tuple(logp_new.shape)}, got {tuple(advantages.shape)}"
         )
     adv = torch.where(real, advantages.detach().float(), torch.zeros_like(real_f))
 

@@ -213,7 +213,9 @@ def compute_kv_scales(
         inferred = local_count
     total = inferred if num_layers is None else int(num_layers)
     if total < inferred:
-        raise ConfigError(f"num_layers={num_layers} but layer {inferred - 1} was recorded; pass the model's layer count")
+        raise ConfigError(
+            f"num_layers={num_layers} but layer {inferred - 1} was recorded; pass the model's layer count"
+        )
     if total == 0:
         raise ConfigError(
             "no q/k/v amax was recorded: attach the recorder with attach_kv_amax_hooks(model, recorder) "
@@ -413,7 +415,9 @@ def _hook_linear_qkv(name: str, attn: nn.Module, recorder: KVAmaxRecorder) -> An
     head_dim = int(attn.hidden_size_per_attention_head)
     cfg = getattr(attn, "config", None)
     if getattr(cfg, "attention_output_gate", False):
-        raise ConfigError(f"{name}: gated attention adds a gate slice to linear_qkv; use megatron_source='core_attention'")
+        raise ConfigError(
+            f"{name}: gated attention adds a gate slice to linear_qkv; use megatron_source='core_attention'"
+        )
     if cfg is not None and getattr(attn, "world_size", 1) > int(cfg.num_query_groups):
         raise ConfigError(
             f"{name}: tensor-parallel size {attn.world_size} > num_query_groups {cfg.num_query_groups}, so "

@@ -19,7 +19,8 @@ key                          definition
 ``js_divergence``            Jensen-Shannon (nats) with ``m = (p_r + p_t)/2``:
                              ``0.5 E_r[log(p_r/m)] + 0.5 E_t[log(p_t/m)]``
                              ``= mean(0.5 log(2/(1+r)) + 0.5 r log(2r/(1+r)))`` (>= 0 per token)
-``chi2_token``               ``mean(r^2) - 1`` (chi-square divergence of the token ratio)
+``chi2_token``               ``mean(r^2) - 1`` (chi-square divergence of the token ratio; unbiased
+                             because E_rollout[r] = 1, so a finite sample can give a value < 0)
 ``chi2_seq``                 ``mean_seq(W^2) - 1``, ``W = exp(clamp(sum_t d_t, -c, c))``
 ``ess_token``                ``(sum r)^2 / (n sum r^2)`` in (0, 1]: normalized effective sample size
 ``ess_seq``                  same with sequence weights ``W`` and n = number of sequences

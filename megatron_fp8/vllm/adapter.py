@@ -238,3 +238,22 @@ def reload_weights(model_runner: Any, weights: Iterable[tuple[str, torch.Tensor]
     # Older vLLM: call the model's own loader; it copies into the existing
     # Parameters through their weight_loader (no rebinding of .data).
     model_runner.model.load_weights(weights=iter(weights))  # pragma: no cover - vLLM < 0.31
+
+
+def shutdown_llm(llm: Any) -> None:
+    """Release an engine and vLLM's process-global parallel state.
+
+    An in-process vLLM engine owns process-wide groups (TP/PP/EP); a second
+    engine in the same process needs them torn down first.
+    """
+    import gc
+
+    from vllm.distributed.parallel_state import cleanup_dist_env_and_memory
+
+    engine = getattr(llm, "llm_engine", None)
+    core = getattr(engine, "engine_core", None)
+    if core is not None and hasattr(core, "shutdown"):
+        core.shutdown()
+    del llm, engine, core
+    gc.collect()
+    cleanup_dist_env_and_memory()

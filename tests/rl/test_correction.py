@@ -168,9 +168,7 @@ def test_ppo_token_mean_values_and_gradient():
     old = torch.tensor([[-1.0, -2.0, -0.7, -0.2, 0.0]])
     new = (old + torch.log(torch.tensor([[*ratios, 1.0]]))).requires_grad_(True)
     mask = torch.tensor([[1, 1, 1, 1, 0]], dtype=torch.bool)
-    loss, stats = ppo_loss(
-        new, old, torch.tensor([[*advs, 5.0]]), mask, is_weights=torch.tensor([[*weights, 9.0]])
-    )
+    loss, stats = ppo_loss(new, old, torch.tensor([[*advs, 5.0]]), mask, is_weights=torch.tensor([[*weights, 9.0]]))
     ref = [_ppo_reference(r, a, w) for r, a, w in zip(ratios, advs, weights, strict=True)]
     assert loss.item() == pytest.approx(sum(x[0] for x in ref) / 4, rel=1e-6)
     loss.backward()
@@ -251,3 +249,22 @@ def test_weights_respect_cap_band_and_mask(diffs, mask_bits, variant):
         kept = res.weights[res.mask]
         assert ((kept >= 0.5 * (1 - 1e-6)) & (kept <= 2.0 * (1 + 1e-6))).all()
     assert 0.0 <= res.truncated_fraction <= 1.0 and 0.0 <= res.masked_fraction <= 1.0
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("variant", sorted(IS_VARIANTS))
+def test_cuda_matches_cpu(variant):
+    cap = None if variant == "seq_is" else 2.0
+    cfg = ISConfig(variant=variant, cap=cap, lo=0.7, hi=1.5)
+    args = (torch.tensor(LOGP_OLD), torch.tensor(LOGP_ROLL), torch.tensor(MASK, dtype=torch.bool))
+    cpu = compute_is_weights(*args, config=cfg)
+    gpu = compute_is_weights(*(t.cuda() for t in args), config=cfg)
+    torch.testing.assert_close(gpu.weights.cpu(), cpu.weights, rtol=1e-6, atol=1e-7)
+    assert torch.equal(gpu.mask.cpu(), cpu.mask)
+    assert gpu.masked_fraction == cpu.masked_fraction and gpu.truncated_fraction == cpu.truncated_fraction
+    new = torch.zeros(2, 4, device="cuda", requires_grad=True)
+    loss, _ = ppo_loss(
+        new, torch.zeros(2, 4, device="cuda"), torch.ones(2, 4, device="cuda"), args[2].cuda(), is_weights=gpu
+    )
+    ref, _ = ppo_loss(torch.zeros(2, 4), torch.zeros(2, 4), torch.ones(2, 4), args[2], is_weights=cpu)
+    assert loss.item() == pytest.approx(ref.item(), rel=1e-6)

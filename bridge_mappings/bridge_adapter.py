@@ -1,0 +1,97 @@
+"""Every Megatron-Bridge version difference, in one place.
+
+* megatron-bridge 0.3.x (the newest for Python 3.11, used on CPU machines) has
+  ``AutoBridge.export_hf_weights(model, cpu=..., show_progress=...)`` only;
+* newer releases (in the container) add ``export_hf_weights_quant(model,
+  quantization_checker, quant_fn, quant_block_size=...)`` and, for ``fp8_param``
+  blockwise models, ``build_export_fp8_tasks`` which sends TransformerEngine's own
+  FP8 data and scales without requantizing.
+
+Callers use :func:`hf_weight_stream` and :func:`quantized_hf_weight_stream`; they
+never test versions themselves.
+"""
+
+from __future__ import annotations
+
+import importlib.metadata
+import logging
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import torch
+
+logger = logging.getLogger(__name__)
+
+
+def bridge_version() -> str | None:
+    """Installed megatron-bridge version, or ``None``."""
+    try:
+        return importlib.metadata.version("megatron-bridge")
+    except importlib.metadata.PackageNotFoundError:
+        return None
+
+
+def has_quantized_export(bridge: Any) -> bool:
+    """Whether the bridge offers a quantized export hook (newer than 0.3.x)."""
+    return callable(getattr(bridge, "export_hf_weights_quant", None))
+
+
+def has_fp8_param_export(bridge: Any) -> bool:
+    """Whether the bridge can export TE's own FP8 data + scales (``fp8_param`` models)."""
+    return callable(getattr(bridge, "build_export_fp8_tasks", None))
+
+
+def hf_weight_stream(bridge: Any, model: list[torch.nn.Module], *, cpu: bool = True,
+                     show_progress: bool = False) -> Iterator[tuple[str, torch.Tensor]]:
+    """``(hf_name, tensor)`` for every weight, through Megatron-Bridge's own mappings.
+
+    QKV/gated-MLP splits, TP gathers and PP broadcasts are Megatron-Bridge's job.
+    """
+    for item in bridge.export_hf_weights(model, cpu=cpu, show_progress=show_progress):
+        name, tensor = item[0], item[1]
+        yield name, tensor
+
+
+def quantized_hf_weight_stream(
+    bridge: Any,
+    model: list[torch.nn.Module],
+    *,
+    is_fp8: Callable[[str], bool],
+    quant_fn: Callable[[str, torch.Tensor], tuple[torch.Tensor, torch.Tensor]],
+    block_size: tuple[int, int],
+    cpu: bool = True,
+) -> Iterator[tuple[str, torch.Tensor]]:
+    """The quantizing export: FP8 weight + ``_scale_inv`` for ``is_fp8`` names, BF16 otherwise.
+
+    Uses the bridge's ``export_hf_weights_quant`` hook where it exists, else
+    quantizes each gathered tensor as it leaves :func:`hf_weight_stream`.
+    """
+    if has_fp8_param_export(bridge) and _model_has_fp8_params(model):
+        logger.info("megatron-bridge %s: exporting TransformerEngine's own FP8 data and scales", bridge_version())
+        tasks = bridge.build_export_fp8_tasks(model)
+        for item in bridge.export_hf_weights(model, cpu=cpu, show_progress=False, conversion_tasks=tasks):
+            yield item[0], item[1]
+        return
+    if has_quantized_export(bridge):
+        def hook(tensor: torch.Tensor, *args: Any, **kwargs: Any) -> tuple[torch.Tensor, torch.Tensor]:
+            return quant_fn(kwargs.get("name", "<bridge tensor>"), tensor)
+
+        for item in bridge.export_hf_weights_quant(model, is_fp8, hook, quant_block_size=block_size, cpu=cpu,
+                                                   show_progress=False):
+            yield item[0], item[1]
+        return
+    for name, tensor in hf_weight_stream(bridge, model, cpu=cpu):
+        if is_fp8(name):
+            q, scale = quant_fn(name, tensor)
+            yield name, q
+            yield name + "_scale_inv", scale
+        else:
+            yield name, tensor
+
+
+def _model_has_fp8_params(model: list[torch.nn.Module]) -> bool:
+    for chunk in model:
+        for p in chunk.parameters():
+            if type(p).__name__ in ("Float8BlockwiseQTensor", "Float8Tensor", "MXFP8Tensor"):
+                return True
+    return False

@@ -1,0 +1,70 @@
+"""The run configuration: one typed schema, loaded from YAML with dotted overrides.
+
+``load_config(None)`` gives the embedded default (``configs/tiny_cpu.yaml``,
+shipped as package data); NeMo-RL's FP8 key names load unchanged. See
+:mod:`megatron_fp8.config.schema` for the layout and
+:mod:`megatron_fp8.config.validate` for the cross-field rules.
+"""
+
+from __future__ import annotations
+
+from megatron_fp8.config.loader import (
+    DEFAULT_CONFIG_NAME,
+    build_dataclass,
+    config_from_dict,
+    default_config_text,
+    load_config,
+)
+from megatron_fp8.config.models import KNOWN_MODELS, ModelDims, known_dims, model_key
+from megatron_fp8.config.schema import (
+    ARMS,
+    IS_VARIANTS,
+    TRANSPORTS,
+    FP8TrainConfig,
+    GenerationConfig,
+    GRPOConfig,
+    KVCacheConfig,
+    LoggingConfig,
+    LossConfig,
+    MegatronConfig,
+    ModelConfig,
+    OptimizerConfig,
+    PolicyConfig,
+    QuantizationConfig,
+    RefitConfig,
+    RunConfig,
+    VllmConfig,
+)
+from megatron_fp8.config.validate import tp_sizes_that_work, validate_config, validate_tp_divisibility
+
+__all__ = [
+    "ARMS",
+    "DEFAULT_CONFIG_NAME",
+    "IS_VARIANTS",
+    "KNOWN_MODELS",
+    "TRANSPORTS",
+    "FP8TrainConfig",
+    "GRPOConfig",
+    "GenerationConfig",
+    "KVCacheConfig",
+    "LoggingConfig",
+    "LossConfig",
+    "MegatronConfig",
+    "ModelConfig",
+    "ModelDims",
+    "OptimizerConfig",
+    "PolicyConfig",
+    "QuantizationConfig",
+    "RefitConfig",
+    "RunConfig",
+    "VllmConfig",
+    "build_dataclass",
+    "config_from_dict",
+    "default_config_text",
+    "known_dims",
+    "load_config",
+    "model_key",
+    "tp_sizes_that_work",
+    "validate_config",
+    "validate_tp_divisibility",
+]

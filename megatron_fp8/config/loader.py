@@ -1,0 +1,318 @@
+"""Load a :class:`~megatron_fp8.config.schema.RunConfig` from YAML plus dotted overrides.
+
+The YAML is read with OmegaConf (interpolations resolve), the overrides
+(``policy.generation.vllm_cfg.precision=fp8``) are merged with
+``OmegaConf.from_dotlist``, and the result is converted into the frozen schema by
+a strict converter: unknown keys anywhere are rejected with a did-you-mean that
+names the full dotted path, type errors name the key and the expected type.
+Keys not given keep the schema defaults. Then the model dimensions are filled
+from :mod:`megatron_fp8.config.models` and the cross-field rules of
+:mod:`megatron_fp8.config.validate` run.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import logging
+import types
+import typing
+from importlib import resources
+from pathlib import Path
+from typing import Any, Literal
+
+from megatron_fp8.config.models import known_dims
+from megatron_fp8.config.schema import RunConfig
+from megatron_fp8.config.validate import validate_config
+from megatron_fp8.errors import ConfigError
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_CONFIG_NAME = "tiny_cpu.yaml"
+"""File name of the embedded default, shipped as package data in ``megatron_fp8/config/defaults/``."""
+
+
+def default_config_text() -> str:
+    """The embedded default config (``megatron_fp8/config/defaults/tiny_cpu.yaml``) as text."""
+    return resources.files("megatron_fp8.config").joinpath("defaults", DEFAULT_CONFIG_NAME).read_text()
+
+
+# --------------------------------------------------------------------------- strict conversion
+
+
+def _type_name(tp: Any) -> str:
+    origin = typing.get_origin(tp)
+    if origin is Literal:
+        return "one of " + ", ".join(repr(a) for a in typing.get_args(tp))
+    if origin in (typing.Union, types.UnionType):
+        return " or ".join(_type_name(a) for a in typing.get_args(tp))
+    if origin is tuple:
+        return f"list of {_type_name(typing.get_args(tp)[0])}"
+    if origin is dict:
+        return "mapping of name -> string"
+    if tp is type(None):
+        return "null"
+    if dataclasses.is_dataclass(tp):
+        return "mapping"
+    return getattr(tp, "__name__", str(tp))
+
+
+def _type_error(path: str, tp: Any, value: Any) -> ConfigError:
+    return ConfigError(f"{path}: expected {_type_name(tp)}, got {type(value).__name__} {value!r}")
+
+
+def _convert(tp: Any, value: Any, path: str) -> Any:
+    origin = typing.get_origin(tp)
+    if origin in (typing.Union, types.UnionType):
+        args = typing.get_args(tp)
+        if value is None:
+            if type(None) in args:
+                return None
+            raise _type_error(path, tp, value)
+        for arg in args:
+            if arg is type(None):
+                continue
+            try:
+                return _convert(arg, value, path)
+            except ConfigError:
+                if len([a for a in args if a is not type(None)]) == 1:
+                    raise
+        raise _type_error(path, tp, value)
+    if origin is Literal:
+        if value not in typing.get_args(tp):
+            raise _type_error(path, tp, value)
+        return value
+    if origin is tuple:
+        if not isinstance(value, (list, tuple)):
+            raise _type_error(path, tp, value)
+        (item,) = typing.get_args(tp)[:1]
+        return tuple(_convert(item, v, f"{path}[{i}]") for i, v in enumerate(value))
+    if origin is dict:
+        if not isinstance(value, dict):
+            raise _type_error(path, tp, value)
+        out: dict[str, str] = {}
+        for k, v in value.items():
+            if isinstance(v, bool) or not isinstance(v, (str, int, float)):
+                raise ConfigError(f"{path}.{k}: expected a string (or number), got {type(v).__name__} {v!r}")
+            out[str(k)] = str(v)
+        return out
+    if dataclasses.is_dataclass(tp):
+        return build_dataclass(tp, value, path)
+    if tp is bool:
+        if not isinstance(value, bool):
+            raise _type_error(path, tp, value)
+        return value
+    if tp is int:
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise _type_error(path, tp, value)
+        return value
+    if tp is float:
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise _type_error(path, tp, value)
+        return float(value)
+    if tp is str:
+        if not isinstance(value, str):
+            raise _type_error(path, tp, value)
+        return value
+    raise TypeError(f"schema type {tp!r} at {path} is not handled by the config converter")  # schema bug
+
+
+def build_dataclass(cls: type, data: Any, path: str = "") -> Any:
+    """Build a schema dataclass from a plain mapping, strictly.
+
+    Args:
+        cls: a frozen schema dataclass (``RunConfig`` or a section).
+        data: mapping of key -> value (``None`` means all defaults).
+        path: dotted path of ``data`` in the whole config, for messages.
+
+    Raises:
+        ConfigError: unknown key (with a did-you-mean and the valid keys), type mismatch, or an alias given
+            together with its canonical key.
+    """
+    where = path or "the config root"
+    if data is None:
+        data = {}
+    if not isinstance(data, dict):
+        raise ConfigError(f"{where}: expected a mapping, got {type(data).__name__} {data!r}")
+    hints = typing.get_type_hints(cls)
+    names = [f.name for f in dataclasses.fields(cls)]
+    aliases: dict[str, str] = getattr(cls, "ALIASES", {})
+    kwargs: dict[str, Any] = {}
+    for key, value in data.items():
+        key = str(key)
+        name = aliases.get(key, key)
+        full = f"{path}.{key}" if path else key
+        if name not in names:
+            valid = names + list(aliases)
+            close = difflib.get_close_matches(key, valid, n=1, cutoff=0.6)
+            hint = f"did you mean '{(path + '.') if path else ''}{close[0]}'? " if close else ""
+            raise ConfigError(f"unknown key '{full}'; {hint}valid keys in {where}: {', '.join(names)}")
+        if name in kwargs:
+            raise ConfigError(
+                f"'{full}' and '{(path + '.') if path else ''}{name}' are the same setting ('{key}' is an alias); "
+                "give only one"
+            )
+        if name != key:
+            logger.debug("config: %s is an alias of %s", full, name)
+        kwargs[name] = _convert(hints[name], value, f"{path}.{name}" if path else name)
+    return cls(**kwargs)
+
+
+# --------------------------------------------------------------------------- loading
+
+
+def _to_plain(node: Any) -> dict[str, Any]:
+    from omegaconf import OmegaConf
+    from omegaconf.errors import OmegaConfBaseException
+
+    try:
+        plain = OmegaConf.to_container(node, resolve=True)
+    except OmegaConfBaseException as exc:
+        raise ConfigError(f"config interpolation failed: {exc}") from exc
+    return plain if isinstance(plain, dict) else {}
+
+
+def _merge(path: str | Path | None, overrides: typing.Sequence[str]) -> dict[str, Any]:
+    from omegaconf import OmegaConf
+    from omegaconf.errors import OmegaConfBaseException
+
+    try:
+        if path is None:
+            base = OmegaConf.create(default_config_text())
+        else:
+            p = Path(path)
+            if not p.is_file():
+                raise ConfigError(f"config file {str(p)!r} not found; pass an existing YAML file or omit --config")
+            base = OmegaConf.load(p)
+    except OmegaConfBaseException as exc:
+        raise ConfigError(f"cannot parse config {str(path) if path else DEFAULT_CONFIG_NAME!r}: {exc}") from exc
+    except Exception as exc:  # yaml.YAMLError and friends
+        if isinstance(exc, ConfigError):
+            raise
+        raise ConfigError(f"cannot parse config {str(path) if path else DEFAULT_CONFIG_NAME!r}: {exc}") from exc
+    if base is None or not OmegaConf.is_dict(base):
+        if base is not None and not OmegaConf.is_dict(base):
+            raise ConfigError(f"config {str(path)!r} must be a YAML mapping at the top level")
+        base = OmegaConf.create({})
+    cleaned: list[str] = []
+    for item in overrides:
+        text = item.lstrip("+")
+        if "=" not in text or text.startswith("="):
+            raise ConfigError(f"override {item!r} is not of the form dotted.key=value (e.g. grpo.num_steps=3)")
+        cleaned.append(text)
+    try:
+        dotted = OmegaConf.from_dotlist(cleaned)
+    except OmegaConfBaseException as exc:
+        raise ConfigError(f"cannot parse overrides {list(overrides)}: {exc}") from exc
+    # Aliases are renamed per source first, so an override spelled with an alias replaces the file's value.
+    base_plain = _canonicalize(_to_plain(base), RunConfig, "")
+    over_plain = _canonicalize(_to_plain(dotted), RunConfig, "")
+    try:
+        return _to_plain(OmegaConf.merge(OmegaConf.create(base_plain), OmegaConf.create(over_plain)))
+    except OmegaConfBaseException as exc:
+        raise ConfigError(f"cannot apply overrides {list(overrides)}: {exc}") from exc
+
+
+def _section_type(tp: Any) -> type | None:
+    """The schema dataclass inside ``tp`` (unwrapping ``X | None``), else ``None``."""
+    if dataclasses.is_dataclass(tp):
+        return tp  # type: ignore[return-value]
+    if typing.get_origin(tp) in (typing.Union, types.UnionType):
+        for arg in typing.get_args(tp):
+            if dataclasses.is_dataclass(arg):
+                return arg
+    return None
+
+
+def _canonicalize(data: Any, cls: type, path: str) -> Any:
+    """Rename alias keys to their canonical names, recursively (unknown keys are left for the converter)."""
+    if not isinstance(data, dict):
+        return data
+    aliases: dict[str, str] = getattr(cls, "ALIASES", {})
+    out: dict[str, Any] = {}
+    for key, value in data.items():
+        name = aliases.get(str(key), str(key))
+        if name in out:
+            prefix = f"{path}." if path else ""
+            raise ConfigError(
+                f"'{prefix}{key}' and '{prefix}{name}' are the same setting (one is an alias); give only one"
+            )
+        out[name] = value
+    hints = typing.get_type_hints(cls)
+    for name, value in out.items():
+        section = _section_type(hints[name]) if name in hints else None
+        if section is not None:
+            out[name] = _canonicalize(value, section, f"{path}.{name}" if path else name)
+    return out
+
+
+def _reconcile_model_name(raw: dict[str, Any]) -> None:
+    policy = raw.get("policy")
+    if not isinstance(policy, dict) or policy.get("model_name") is None:
+        return
+    model = raw.setdefault("model", {})
+    if not isinstance(model, dict):
+        return
+    given = model.get("name_or_path")
+    if given is not None and given != policy["model_name"]:
+        raise ConfigError(
+            f"policy.model_name ({policy['model_name']!r}) and model.name_or_path ({given!r}) disagree; "
+            "give one of them"
+        )
+    model["name_or_path"] = policy["model_name"]
+
+
+def _fill_model(cfg: RunConfig) -> RunConfig:
+    m = cfg.model
+    dims = known_dims(m.name_or_path)
+    updates: dict[str, Any] = {}
+    if dims is not None:
+        for key in (
+            "num_layers",
+            "hidden_size",
+            "intermediate_size",
+            "num_attention_heads",
+            "num_key_value_heads",
+            "head_dim",
+            "moe_intermediate_size",
+            "num_experts",
+        ):
+            if getattr(m, key) is None:
+                updates[key] = getattr(dims, key)
+    if m.is_moe is None:
+        experts = updates.get("num_experts", m.num_experts)
+        updates["is_moe"] = bool(experts)
+    if not updates:
+        return cfg
+    return dataclasses.replace(cfg, model=dataclasses.replace(m, **updates))
+
+
+def config_from_dict(data: dict[str, Any]) -> RunConfig:
+    """Build and validate a :class:`RunConfig` from a plain nested dict (e.g. :meth:`RunConfig.to_dict`).
+
+    Raises:
+        ConfigError: unknown keys, type errors, or a failed cross-field rule.
+    """
+    raw = dict(data)
+    _reconcile_model_name(raw)
+    cfg = _fill_model(build_dataclass(RunConfig, raw))
+    validate_config(cfg)
+    return cfg
+
+
+def load_config(path: str | Path | None = None, overrides: typing.Sequence[str] = ()) -> RunConfig:
+    """Load, override, fill in and validate a run config.
+
+    Args:
+        path: a YAML file; ``None`` loads the embedded default (``tiny_cpu.yaml``, package data).
+        overrides: dotted ``key=value`` strings applied after the file (``grpo.num_steps=3``); values are
+            parsed as YAML scalars / flow lists (``grpo.arms=[bf16,fp8]``).
+
+    Returns:
+        The frozen, validated :class:`RunConfig`.
+
+    Raises:
+        ConfigError: missing or unparsable file, malformed override, unknown key (did-you-mean), type error,
+            or a failed cross-field rule; each message names the dotted key and the fix.
+    """
+    return config_from_dict(_merge(path, list(overrides)))

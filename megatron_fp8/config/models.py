@@ -1,0 +1,95 @@
+"""Dimensions of the models megatron-fp8 knows, for validation before anything is loaded.
+
+The tiny models mirror :data:`megatron_fp8.models.tiny.TINY_MODELS` (a test keeps
+them equal) but are repeated here so that loading a config never imports torch.
+The public models are the published Hugging Face ``config.json`` values.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class ModelDims:
+    """Shapes that decide FP8 block and TP divisibility.
+
+    Attributes:
+        num_layers: decoder layers.
+        hidden_size: model width (elements).
+        intermediate_size: dense MLP width (elements).
+        num_attention_heads: query heads.
+        num_key_value_heads: key/value heads.
+        head_dim: elements per head.
+        moe_intermediate_size: width of each expert MLP, ``None`` for dense models.
+        num_experts: routed experts per layer, 0 for dense models.
+    """
+
+    num_layers: int
+    hidden_size: int
+    intermediate_size: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    moe_intermediate_size: int | None = None
+    num_experts: int = 0
+
+    @property
+    def is_moe(self) -> bool:
+        """Whether the model has routed experts."""
+        return self.num_experts > 0
+
+
+_TINY = ModelDims(
+    num_layers=4, hidden_size=256, intermediate_size=512, num_attention_heads=4, num_key_value_heads=2, head_dim=64
+)
+
+KNOWN_MODELS: dict[str, ModelDims] = {
+    "tiny": _TINY,
+    "tiny-moe": ModelDims(**{**_TINY.__dict__, "moe_intermediate_size": 128, "num_experts": 4}),
+    "llama-3.1-8b": ModelDims(
+        num_layers=32,
+        hidden_size=4096,
+        intermediate_size=14336,
+        num_attention_heads=32,
+        num_key_value_heads=8,
+        head_dim=128,
+    ),
+    "qwen3-8b": ModelDims(
+        num_layers=36,
+        hidden_size=4096,
+        intermediate_size=12288,
+        num_attention_heads=32,
+        num_key_value_heads=8,
+        head_dim=128,
+    ),
+    "qwen3-30b-a3b": ModelDims(
+        num_layers=48,
+        hidden_size=2048,
+        intermediate_size=6144,
+        num_attention_heads=32,
+        num_key_value_heads=4,
+        head_dim=128,
+        moe_intermediate_size=768,
+        num_experts=128,
+    ),
+}
+"""Known models by canonical key (lower-case base name without ``-instruct`` / ``-base``)."""
+
+MODEL_NAME_ALIASES: dict[str, str] = {"dense": "tiny", "moe": "tiny-moe"}
+"""Alternative spellings of the tiny models (as :mod:`megatron_fp8.models` accepts)."""
+
+
+def model_key(name_or_path: str) -> str:
+    """Canonical :data:`KNOWN_MODELS` key for a model name or path (it may not be in the table)."""
+    name = MODEL_NAME_ALIASES.get(name_or_path, name_or_path)
+    base = name.rstrip("/").rsplit("/", 1)[-1].lower()
+    for suffix in ("-instruct", "-base"):
+        if base.endswith(suffix):
+            base = base[: -len(suffix)]
+    return base
+
+
+def known_dims(name_or_path: str) -> ModelDims | None:
+    """Dimensions of a known model, ``None`` for any other name or path."""
+    return KNOWN_MODELS.get(model_key(name_or_path))

@@ -1,0 +1,392 @@
+"""The run configuration schema: frozen dataclasses, NeMo-RL key names where they exist.
+
+Layout (dotted paths)::
+
+    model.{name_or_path, is_moe, num_layers, hidden_size, intermediate_size, num_attention_heads,
+           num_key_value_heads, head_dim, moe_intermediate_size, num_experts}
+    policy.model_name                                  (NeMo-RL spelling of model.name_or_path)
+    policy.megatron_cfg.{enabled, tensor_model_parallel_size, pipeline_model_parallel_size,
+                         context_parallel_size, expert_model_parallel_size, sequence_parallel}
+    policy.megatron_cfg.fp8_cfg.{enabled, fp8, fp8_recipe, fp8_param,
+                                 num_first_layers_in_bf16, num_last_layers_in_bf16}
+    policy.megatron_cfg.optimizer.{use_precision_aware_optimizer, clip_grad}
+    policy.megatron_cfg.env_vars.{NAME: value}
+    policy.generation.vllm_cfg.{precision, use_deep_gemm, gpu_memory_utilization,
+                                num_first_layers_in_bf16, num_last_layers_in_bf16,
+                                pow2_weight_scaling_factors, pow2_activation_scaling_factors,
+                                kv_cache_dtype, tensor_parallel_size, quantization_config}
+    loss_fn.{use_importance_sampling_correction, is_variant, is_cap, is_lower, is_upper,
+             ratio_clip_min, ratio_clip_max, log_ratio_clamp}
+    grpo.{num_steps, num_prompts_per_step, num_generations_per_prompt, max_new_tokens,
+          temperature, learning_rate, seed, arms}
+    refit.{bucket_size_mb, transport, timeout_s, verify}
+    kv_cache.{percentile, margin}
+    logging.{level, log_every}
+    out_dir
+
+Aliases (older or NeMo-RL spellings, accepted on input, never written out) are
+declared per section in ``ALIASES``: ``use_weight_pow2_scale`` ->
+``pow2_weight_scaling_factors``, ``use_activation_pow2_scale`` ->
+``pow2_activation_scaling_factors``, ``grpo.max_num_steps`` -> ``grpo.num_steps``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+from typing import Any, ClassVar, Literal
+
+IS_VARIANTS: dict[str, str] = {
+    "token_tis": "per-token truncated importance sampling, weight min(ratio, is_cap)",
+    "seq_is": "one sequence-level ratio (product of token ratios), truncated at is_cap",
+    "token_mask": "drop tokens whose ratio leaves [is_lower, is_upper]",
+    "seq_mask_sum": "drop sequences whose summed log-ratio leaves the bounds",
+    "seq_mask_geo": "drop sequences whose geometric-mean ratio leaves [is_lower, is_upper]",
+    "icepop": "token ratios outside [is_lower, is_upper] get weight 0, others weight 1 x ratio",
+    "seq_mask_tis": "sequence mask (geometric mean) then token TIS",
+    "none": "no importance-sampling correction",
+}
+"""``loss_fn.is_variant`` values (the rl stage implements them)."""
+
+ARMS: dict[str, str] = {
+    "bf16": "BF16 training and BF16 rollout (baseline)",
+    "fp8": "FP8 rollout without importance-sampling correction",
+    "fp8_tis": "FP8 rollout with the configured importance-sampling correction",
+}
+"""``grpo.arms`` values."""
+
+TRANSPORTS: dict[str, str] = {
+    "inproc": "same process: hand tensors over directly",
+    "gloo": "torch.distributed gloo (CPU)",
+    "nccl": "torch.distributed NCCL broadcast (GPU)",
+    "cuda_ipc": "CUDA IPC handles between processes on one node",
+}
+"""``refit.transport`` values."""
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """Which model, and its dimensions when megatron-fp8 does not know them.
+
+    Attributes:
+        name_or_path: ``"tiny"``, ``"tiny-moe"``, a Hugging Face repo id or a local path.
+        is_moe: whether the model has routed experts; ``None`` = derive from the known dims.
+        num_layers: decoder layers; ``None`` = from the known-model table.
+        hidden_size: model width (elements).
+        intermediate_size: dense MLP width (elements).
+        num_attention_heads: query heads.
+        num_key_value_heads: key/value heads.
+        head_dim: elements per head.
+        moe_intermediate_size: width of each expert MLP (MoE only).
+        num_experts: routed experts per MoE layer.
+    """
+
+    name_or_path: str = "tiny"
+    is_moe: bool | None = None
+    num_layers: int | None = None
+    hidden_size: int | None = None
+    intermediate_size: int | None = None
+    num_attention_heads: int | None = None
+    num_key_value_heads: int | None = None
+    head_dim: int | None = None
+    moe_intermediate_size: int | None = None
+    num_experts: int | None = None
+
+
+@dataclass(frozen=True)
+class FP8TrainConfig:
+    """``policy.megatron_cfg.fp8_cfg`` (NeMo-RL names).
+
+    Attributes:
+        enabled: train with FP8 at all.
+        fp8: Megatron-Core format, ``"e4m3"`` or ``"hybrid"``.
+        fp8_recipe: recipe name from :mod:`megatron_fp8.recipes` (``tensorwise``, ``blockwise``, ``fp8_param``,
+            ``delayed``, ``mxfp8``).
+        fp8_param: FP8 primary weights; with ``fp8_recipe: blockwise`` this is the ``fp8_param`` recipe.
+        num_first_layers_in_bf16: training layers at the start kept in BF16.
+        num_last_layers_in_bf16: training layers at the end kept in BF16.
+    """
+
+    enabled: bool = False
+    fp8: Literal["e4m3", "hybrid"] = "e4m3"
+    fp8_recipe: str = "blockwise"
+    fp8_param: bool = False
+    num_first_layers_in_bf16: int = 0
+    num_last_layers_in_bf16: int = 0
+
+
+@dataclass(frozen=True)
+class OptimizerConfig:
+    """``policy.megatron_cfg.optimizer``.
+
+    Attributes:
+        use_precision_aware_optimizer: Megatron-Core's precision-aware optimizer (NeMo-RL key).
+        clip_grad: gradient-norm clip (L2).
+    """
+
+    use_precision_aware_optimizer: bool = False
+    clip_grad: float = 1.0
+
+
+@dataclass(frozen=True)
+class MegatronConfig:
+    """``policy.megatron_cfg`` (NeMo-RL names).
+
+    Attributes:
+        enabled: train through Megatron-Core.
+        tensor_model_parallel_size: training TP.
+        pipeline_model_parallel_size: training PP.
+        context_parallel_size: training CP.
+        expert_model_parallel_size: training EP.
+        sequence_parallel: Megatron sequence parallelism.
+        fp8_cfg: FP8 training settings.
+        optimizer: optimizer settings.
+        env_vars: environment variables set for the training workers (values as strings).
+    """
+
+    enabled: bool = True
+    tensor_model_parallel_size: int = 1
+    pipeline_model_parallel_size: int = 1
+    context_parallel_size: int = 1
+    expert_model_parallel_size: int = 1
+    sequence_parallel: bool = False
+    fp8_cfg: FP8TrainConfig = field(default_factory=FP8TrainConfig)
+    optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)
+    env_vars: dict[str, str] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class QuantizationConfig:
+    """``policy.generation.vllm_cfg.quantization_config``: the explicit vLLM ``hf_overrides`` entry.
+
+    With ``weight_block_size`` the rollout is blockwise (then ``quant_method``, ``fmt`` and
+    ``activation_scheme`` are required); without it, vLLM quantizes per tensor.
+
+    Attributes:
+        quant_method: ``"fp8"``.
+        fmt: ``"e4m3"``.
+        activation_scheme: ``"dynamic"`` (per-token groups) or ``"static"``.
+        weight_block_size: ``[block_n, block_k]``, e.g. ``[128, 128]``.
+        ignored_layers: module names vLLM keeps in BF16.
+    """
+
+    quant_method: Literal["fp8"] | None = None
+    fmt: Literal["e4m3"] | None = None
+    activation_scheme: Literal["dynamic", "static"] | None = None
+    weight_block_size: tuple[int, ...] | None = None
+    ignored_layers: tuple[str, ...] = ()
+
+
+@dataclass(frozen=True)
+class VllmConfig:
+    """``policy.generation.vllm_cfg`` (NeMo-RL names).
+
+    Attributes:
+        precision: rollout weights/activations, ``"bf16"`` or ``"fp8"``.
+        use_deep_gemm: DeepGEMM kernels for blockwise FP8 GEMMs.
+        gpu_memory_utilization: fraction of GPU memory vLLM may take, in (0, 1].
+        num_first_layers_in_bf16: decoder layers at the start vLLM keeps in BF16.
+        num_last_layers_in_bf16: decoder layers at the end vLLM keeps in BF16.
+        pow2_weight_scaling_factors: round weight scales up to powers of 2 (UE8M0).
+        pow2_activation_scaling_factors: round activation scales up to powers of 2.
+        kv_cache_dtype: ``"auto"`` (model dtype) or ``"fp8"`` (needs ``precision: fp8``).
+        tensor_parallel_size: rollout TP.
+        quantization_config: explicit vLLM quantization config; ``None`` = blockwise 128x128 dynamic.
+    """
+
+    precision: Literal["bf16", "fp8"] = "bf16"
+    use_deep_gemm: bool = False
+    gpu_memory_utilization: float = 0.5
+    num_first_layers_in_bf16: int = 0
+    num_last_layers_in_bf16: int = 0
+    pow2_weight_scaling_factors: bool = False
+    pow2_activation_scaling_factors: bool = False
+    kv_cache_dtype: Literal["auto", "fp8"] = "auto"
+    tensor_parallel_size: int = 1
+    quantization_config: QuantizationConfig | None = None
+
+    ALIASES: ClassVar[dict[str, str]] = {
+        "use_weight_pow2_scale": "pow2_weight_scaling_factors",
+        "use_activation_pow2_scale": "pow2_activation_scaling_factors",
+    }
+
+
+@dataclass(frozen=True)
+class GenerationConfig:
+    """``policy.generation``.
+
+    Attributes:
+        backend: the rollout engine (only ``"vllm"``).
+        vllm_cfg: vLLM settings.
+    """
+
+    backend: Literal["vllm"] = "vllm"
+    vllm_cfg: VllmConfig = field(default_factory=VllmConfig)
+
+
+@dataclass(frozen=True)
+class PolicyConfig:
+    """``policy``.
+
+    Attributes:
+        model_name: NeMo-RL's spelling of ``model.name_or_path`` (either may be given, not both differently).
+        megatron_cfg: training settings.
+        generation: rollout settings.
+    """
+
+    model_name: str | None = None
+    megatron_cfg: MegatronConfig = field(default_factory=MegatronConfig)
+    generation: GenerationConfig = field(default_factory=GenerationConfig)
+
+
+@dataclass(frozen=True)
+class LossConfig:
+    """``loss_fn``: clipped policy gradient with importance-sampling correction of the rollout mismatch.
+
+    Attributes:
+        use_importance_sampling_correction: NeMo-RL switch; the correction runs when this is true and
+            ``is_variant`` is not ``"none"``.
+        is_variant: a key of :data:`IS_VARIANTS`.
+        is_cap: truncation cap C of the IS weight (token TIS default 2.0).
+        is_lower: lower ratio bound of the masking variants (``None`` = variant default).
+        is_upper: upper ratio bound of the masking variants (``None`` = variant default).
+        ratio_clip_min: PPO clip epsilon below 1 (ratio >= 1 - eps).
+        ratio_clip_max: PPO clip epsilon above 1 (ratio <= 1 + eps).
+        log_ratio_clamp: clamp |log ratio| to this before exponentiating (overflow guard).
+    """
+
+    use_importance_sampling_correction: bool = False
+    is_variant: Literal[
+        "token_tis", "seq_is", "token_mask", "seq_mask_sum", "seq_mask_geo", "icepop", "seq_mask_tis", "none"
+    ] = "token_tis"
+    is_cap: float = 2.0
+    is_lower: float | None = None
+    is_upper: float | None = None
+    ratio_clip_min: float = 0.2
+    ratio_clip_max: float = 0.2
+    log_ratio_clamp: float = 20.0
+
+    @property
+    def correction_enabled(self) -> bool:
+        """Whether an IS correction is applied."""
+        return self.use_importance_sampling_correction and self.is_variant != "none"
+
+
+@dataclass(frozen=True)
+class GRPOConfig:
+    """``grpo``.
+
+    Attributes:
+        num_steps: training steps per arm.
+        num_prompts_per_step: prompts per step.
+        num_generations_per_prompt: samples per prompt (the GRPO group size).
+        max_new_tokens: generation length limit (tokens).
+        temperature: sampling temperature.
+        learning_rate: optimizer learning rate.
+        seed: RNG seed (prompts, sampling, init).
+        arms: which arms to run, keys of :data:`ARMS`.
+    """
+
+    num_steps: int = 20
+    num_prompts_per_step: int = 8
+    num_generations_per_prompt: int = 4
+    max_new_tokens: int = 16
+    temperature: float = 1.0
+    learning_rate: float = 1e-5
+    seed: int = 0
+    arms: tuple[str, ...] = ("bf16", "fp8", "fp8_tis")
+
+    ALIASES: ClassVar[dict[str, str]] = {"max_num_steps": "num_steps"}
+
+
+@dataclass(frozen=True)
+class RefitConfig:
+    """``refit``: moving weights trainer -> vLLM after each step.
+
+    Attributes:
+        bucket_size_mb: transfer bucket size in MiB.
+        transport: a key of :data:`TRANSPORTS`.
+        timeout_s: per-bucket peer timeout in seconds.
+        verify: read back and compare after every refit.
+    """
+
+    bucket_size_mb: int = 512
+    transport: Literal["inproc", "gloo", "nccl", "cuda_ipc"] = "inproc"
+    timeout_s: float = 120.0
+    verify: bool = True
+
+
+@dataclass(frozen=True)
+class KVCacheConfig:
+    """``kv_cache``: FP8 KV-cache scale calibration.
+
+    Attributes:
+        percentile: per layer, percentile (0-100] of the per-call amax.
+        margin: multiplier (>= 1) on that percentile before dividing by 448.
+    """
+
+    percentile: float = 99.9
+    margin: float = 1.05
+
+
+@dataclass(frozen=True)
+class LoggingConfig:
+    """``logging``.
+
+    Attributes:
+        level: Python logging level name.
+        log_every: log metrics every this many steps.
+    """
+
+    level: Literal["DEBUG", "INFO", "WARNING", "ERROR"] = "INFO"
+    log_every: int = 1
+
+
+@dataclass(frozen=True)
+class RunConfig:
+    """The whole run configuration (see the module docstring for the layout)."""
+
+    model: ModelConfig = field(default_factory=ModelConfig)
+    policy: PolicyConfig = field(default_factory=PolicyConfig)
+    loss_fn: LossConfig = field(default_factory=LossConfig)
+    grpo: GRPOConfig = field(default_factory=GRPOConfig)
+    refit: RefitConfig = field(default_factory=RefitConfig)
+    kv_cache: KVCacheConfig = field(default_factory=KVCacheConfig)
+    logging: LoggingConfig = field(default_factory=LoggingConfig)
+    out_dir: str = "out"
+
+    @property
+    def training_recipe(self) -> str:
+        """The :mod:`megatron_fp8.recipes` name the trainer uses (``"bf16"`` when FP8 training is off)."""
+        fp8 = self.policy.megatron_cfg.fp8_cfg
+        if not fp8.enabled:
+            return "bf16"
+        if fp8.fp8_param and fp8.fp8_recipe == "blockwise":
+            return "fp8_param"
+        return fp8.fp8_recipe
+
+    @property
+    def rollout_blockwise(self) -> bool:
+        """Whether the FP8 rollout uses block scales (``False`` = per tensor or BF16 rollout)."""
+        vllm = self.policy.generation.vllm_cfg
+        if vllm.precision != "fp8":
+            return False
+        qc = vllm.quantization_config
+        return qc is None or qc.weight_block_size is not None
+
+    def to_dict(self) -> dict[str, Any]:
+        """Plain nested dict (tuples as lists) that :func:`megatron_fp8.config.load_config` reads back."""
+        return _plain(asdict(self))
+
+    def dump_yaml(self) -> str:
+        """The config as YAML text."""
+        import yaml
+
+        return yaml.safe_dump(self.to_dict(), sort_keys=False)
+
+
+def _plain(value: Any) -> Any:
+    if isinstance(value, dict):
+        return {k: _plain(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_plain(v) for v in value]
+    return value

@@ -1,0 +1,291 @@
+"""Build a Megatron-Core GPT model from a Hugging Face checkpoint through Megatron-Bridge.
+
+:func:`build_megatron_model` is the one place where a trainer model is made:
+
+1. ``AutoBridge.from_hf_pretrained(path)`` reads the checkpoint;
+2. ``bridge.to_megatron_provider(load_weights=False)`` gives the model provider
+   (a Megatron-Core ``TransformerConfig`` subclass) describing the architecture;
+3. the provider is set up for the machine: on CPU the local (non-TE) layer spec
+   (``get_gpt_layer_local_spec`` with ``qk_layernorm`` for Qwen3 and the MoE
+   arguments for Qwen3-MoE), every fusion off, ``use_cpu_initialization=True``,
+   ``perform_initialization=False`` (the weights are loaded next), and for MoE the
+   ``allgather`` token dispatcher with per-expert ``SequentialMLP`` (the
+   ``alltoall`` dispatcher creates CUDA streams, grouped GEMM needs TE);
+4. the FP8 recipe is applied with :func:`megatron_fp8.recipes.apply_recipe_with_report`;
+5. the model is created (``Float16Module``-wrapped for BF16) and wrapped in
+   Megatron-Core's ``DistributedDataParallel`` (needed by ``get_megatron_optimizer``);
+6. the Hugging Face weights are loaded through ``bridge.load_hf_weights``.
+
+FP8 on CPU: without a GPU, every FP8 recipe is applied in ``"bf16-emulated"``
+mode (see :mod:`megatron_fp8.recipes.apply`): the FP8 fields are validated and
+recorded in :attr:`MegatronModel.recipe_application` (whose ``config`` carries
+them), but the model is built from the provider *without* them, because
+Megatron-Core would otherwise enter TransformerEngine's ``fp8_autocast`` in every
+forward. On a GPU with TE (``math == "fp8"`` or ``"unchecked"``) the model is
+built from the recipe's config and the TE layer spec, and the GEMMs run in FP8.
+
+Must be called inside :func:`megatron_fp8.megatron.parallel.megatron_parallel`.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from megatron_fp8.errors import ConfigError
+from megatron_fp8.megatron.te_shim import cpu_device_patches, import_megatron_bridge, real_te_available
+
+logger = logging.getLogger(__name__)
+
+FUSIONS_OFF: tuple[str, ...] = (
+    "gradient_accumulation_fusion",
+    "bias_activation_fusion",
+    "masked_softmax_fusion",
+    "persist_layer_norm",
+    "apply_rope_fusion",
+    "bias_dropout_fusion",
+    "cross_entropy_loss_fusion",
+    "moe_permute_fusion",
+    "moe_router_fusion",
+)
+"""Provider fields set to ``False`` for CPU builds: each selects an Apex / TE / CUDA kernel."""
+
+DTYPES: dict[str, torch.dtype] = {"bf16": torch.bfloat16, "fp32": torch.float32}
+"""Parameter dtypes :func:`build_megatron_model` supports, by short name."""
+
+_RECIPES_BUILT_WITH_FP8_FIELDS = frozenset({"fp8", "unchecked"})
+
+
+@dataclass(frozen=True)
+class MegatronModel:
+    """A Megatron-Core model built from a Hugging Face checkpoint.
+
+    Attributes:
+        bridge: the Megatron-Bridge ``AutoBridge`` (knows the HF <-> Megatron name mappings).
+        model: the model chunks as Megatron-Bridge returns them (one per virtual pipeline
+            stage; DDP-wrapped, and ``Float16Module``-wrapped for BF16).
+        provider: the ``GPTModelProvider`` the model was built from.
+        transformer_config: the config the modules hold (``model[0].config``).
+        recipe_application: :class:`megatron_fp8.recipes.RecipeApplication` describing the
+            recipe: fields, environment, and ``math`` (``"bf16"``, ``"bf16-emulated"``,
+            ``"fp8"``, ``"unchecked"``).
+        hf_path: the checkpoint folder.
+        dtype: parameter dtype (``torch.bfloat16`` or ``torch.float32``).
+        vocab_size: the Hugging Face vocabulary size (logits are cut to it).
+        ddp_config: the Megatron-Core ``DistributedDataParallelConfig`` used for wrapping.
+    """
+
+    bridge: Any
+    model: list[torch.nn.Module]
+    provider: Any
+    transformer_config: Any
+    recipe_application: Any
+    hf_path: Path
+    dtype: torch.dtype
+    vocab_size: int
+    ddp_config: Any
+
+    @property
+    def is_moe(self) -> bool:
+        """Whether the model has routed experts."""
+        return bool(getattr(self.transformer_config, "num_moe_experts", None))
+
+    def modules(self) -> list[torch.nn.Module]:
+        """The model chunks (alias of :attr:`model`)."""
+        return self.model
+
+
+def _resolve_dtype(dtype: torch.dtype | str) -> torch.dtype:
+    if isinstance(dtype, str):
+        try:
+            return DTYPES[dtype]
+        except KeyError:
+            raise ConfigError(f"unknown dtype {dtype!r}; valid: {', '.join(DTYPES)}") from None
+    if dtype not in DTYPES.values():
+        raise ConfigError(f"dtype {dtype} is not supported; valid: {', '.join(str(d) for d in DTYPES.values())}")
+    return dtype
+
+
+def _local_layer_spec(provider: Any) -> Any:
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+
+    return get_gpt_layer_local_spec(
+        num_experts=provider.num_moe_experts,
+        moe_grouped_gemm=False,
+        qk_layernorm=bool(provider.qk_layernorm),
+        normalization=provider.normalization,
+    )
+
+
+def _configure_for_cpu(provider: Any) -> None:
+    """Local layer spec, fusions off, CPU init; every change is a documented provider field."""
+    provider.transformer_layer_spec = _local_layer_spec(provider)
+    for name in FUSIONS_OFF:
+        if hasattr(provider, name):
+            setattr(provider, name, False)
+    if provider.num_moe_experts:
+        provider.moe_grouped_gemm = False
+        provider.moe_token_dispatcher_type = "allgather"
+    provider.use_cpu_initialization = True
+
+
+def _set_dtype(provider: Any, dtype: torch.dtype) -> None:
+    provider.bf16 = dtype == torch.bfloat16
+    provider.fp16 = False
+    provider.params_dtype = dtype
+    provider.pipeline_dtype = dtype
+    if hasattr(provider, "autocast_dtype"):
+        provider.autocast_dtype = dtype
+
+
+def _wrap_ddp(model: list[torch.nn.Module], ddp_config: Any) -> list[torch.nn.Module]:
+    """Megatron-Core DDP around each chunk.
+
+    Megatron-Bridge's own ``_ddp_wrap`` builds the wrappers on a ``torch.cuda.Stream`` (for
+    CUDA graphs), which does not exist on CPU; this is the same construction without the stream.
+    """
+    from megatron.core.distributed import DistributedDataParallel
+    from megatron.core.process_groups_config import ProcessGroupCollection
+    from megatron.core.utils import get_model_config
+
+    pg_collection = ProcessGroupCollection.use_mpu_process_groups()
+    wrapped = [
+        DistributedDataParallel(
+            config=get_model_config(chunk),
+            ddp_config=ddp_config,
+            module=chunk,
+            disable_bucketing=index > 0,
+            pg_collection=pg_collection,
+        )
+        for index, chunk in enumerate(model)
+    ]
+    for chunk in wrapped:
+        chunk.broadcast_params()
+    return wrapped
+
+
+def build_megatron_model(
+    hf_path: str | Path,
+    *,
+    recipe: str = "bf16",
+    num_first_layers_in_bf16: int = 0,
+    num_last_layers_in_bf16: int = 0,
+    dtype: torch.dtype | str = torch.bfloat16,
+    check_capability: bool = True,
+    configure: Callable[[Any], None] | None = None,
+) -> MegatronModel:
+    """Build a Megatron-Core model from a Hugging Face checkpoint and load its weights.
+
+    Args:
+        hf_path: Hugging Face checkpoint folder (e.g. from
+            :func:`megatron_fp8.models.resolve_model`).
+        recipe: FP8 recipe name from :data:`megatron_fp8.recipes.RECIPES` (``"bf16"``,
+            ``"tensorwise"``, ``"blockwise"``, ``"fp8_param"``, ...).
+        num_first_layers_in_bf16: transformer layers at the start kept in BF16 by the recipe.
+        num_last_layers_in_bf16: transformer layers at the end kept in BF16 by the recipe.
+        dtype: parameter / compute dtype, ``torch.bfloat16`` (default, as in training) or
+            ``torch.float32`` (exact comparisons on CPU); the strings ``"bf16"`` / ``"fp32"``
+            are accepted.
+        check_capability: check the recipe against this machine (see :mod:`megatron_fp8.recipes`).
+        configure: optional callback run on the provider after every other setting and before
+            the model is created (e.g. to change ``moe_aux_loss_coeff``).
+
+    Returns:
+        The :class:`MegatronModel`.
+
+    Raises:
+        ConfigError: not inside ``megatron_parallel()``, unknown recipe or dtype, or a
+            checkpoint the bridge cannot handle.
+        megatron_fp8.errors.RecipeUnsupportedError: an FP8 recipe this GPU cannot run.
+    """
+    from megatron.core import parallel_state
+
+    from megatron_fp8.recipes import apply_recipe_with_report
+
+    if not parallel_state.model_parallel_is_initialized():
+        raise ConfigError(
+            "Megatron-Core parallel state is not initialised; call build_megatron_model inside "
+            "`with megatron_fp8.megatron.parallel.megatron_parallel():`"
+        )
+    dtype = _resolve_dtype(dtype)
+    hf_path = Path(hf_path)
+    bridge_mod = import_megatron_bridge()
+    from megatron.core.distributed import DistributedDataParallelConfig
+
+    try:
+        bridge = bridge_mod.AutoBridge.from_hf_pretrained(str(hf_path), dtype=dtype)
+    except ValueError as exc:
+        raise ConfigError(f"Megatron-Bridge cannot load {hf_path}: {exc}") from exc
+    provider = bridge.to_megatron_provider(load_weights=False)
+    on_cpu = not torch.cuda.is_available() or not real_te_available()
+    if on_cpu:
+        _configure_for_cpu(provider)
+    _set_dtype(provider, dtype)
+    provider.perform_initialization = False
+
+    application = apply_recipe_with_report(
+        provider,
+        recipe,
+        num_first_layers_in_bf16=num_first_layers_in_bf16,
+        num_last_layers_in_bf16=num_last_layers_in_bf16,
+        check_capability=check_capability,
+    )
+    if application.math in _RECIPES_BUILT_WITH_FP8_FIELDS:
+        if on_cpu:
+            raise ConfigError(
+                f"recipe {recipe!r} would run FP8 GEMMs (math={application.math!r}) but TransformerEngine or CUDA "
+                "is missing; keep check_capability=True on CPU so the recipe is recorded and the math runs in BF16"
+            )
+        provider = application.config
+    else:
+        logger.info("recipe %r: %s; building the model without FP8 fields", recipe, application.math_note)
+    if configure is not None:
+        configure(provider)
+    if hasattr(provider, "finalize"):
+        provider.finalize()
+
+    ddp_config = DistributedDataParallelConfig(
+        grad_reduce_in_fp32=True,
+        overlap_grad_reduce=False,
+        overlap_param_gather=False,
+        use_distributed_optimizer=False,
+        check_for_nan_in_grad=True,
+    )
+    with cpu_device_patches():
+        model = provider.provide_distributed_model(
+            wrap_with_ddp=False,
+            bf16=dtype == torch.bfloat16,
+            use_cpu_initialization=on_cpu,
+            pre_wrap_hook=[],
+        )
+        model = _wrap_ddp(model, ddp_config)
+        bridge.load_hf_weights(model)
+    for chunk in model:
+        chunk.eval()
+    config = model[0].config if hasattr(model[0], "config") else provider
+    hf_config = bridge.hf_pretrained.config
+    logger.info(
+        "built %s from %s: dtype %s, recipe %s (%s)",
+        type(model[0]).__name__,
+        hf_path,
+        dtype,
+        application.recipe,
+        application.math,
+    )
+    return MegatronModel(
+        bridge=bridge,
+        model=model,
+        provider=provider,
+        transformer_config=config,
+        recipe_application=application,
+        hf_path=hf_path,
+        dtype=dtype,
+        vocab_size=int(hf_config.vocab_size),
+        ddp_config=ddp_config,
+    )
+

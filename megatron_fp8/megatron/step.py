@@ -1,0 +1,262 @@
+"""Forward, log-probabilities, optimizer and one training step on a Megatron-Core model.
+
+These are the trainer-side primitives of one RL step. They work on a
+:class:`~megatron_fp8.megatron.build.MegatronModel` (DDP-wrapped, ``Float16Module``
+for BF16) and are written for a single pipeline stage (``pp=1``).
+
+Masks: Megatron-Core's GPT model takes a boolean ``[B, 1, T, T]`` mask where
+``True`` means "masked out". :func:`build_attention_mask` makes it explicit
+(causal, plus padded keys when an ``attention_mask`` is given), and
+:func:`position_ids_for` numbers the real tokens of each row from 0 (left padding
+does not shift the positions), which is what vLLM sees for an unpadded prompt.
+
+Optimizer: :func:`make_optimizer` uses Megatron-Core's own ``get_megatron_optimizer``
+with ``OptimizerConfig(optimizer="adam", use_distributed_optimizer=False)``. It runs
+on CPU: without Apex / TE, Megatron-Core falls back to ``torch.optim.AdamW`` and its
+local multi-tensor helpers; for BF16 it keeps FP32 main weights
+(``Float16OptimizerWithFloat16Params``).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from megatron_fp8.errors import ConfigError
+from megatron_fp8.megatron.build import MegatronModel
+from megatron_fp8.megatron.te_shim import cpu_device_patches
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class StepResult:
+    """Outcome of :func:`train_step`.
+
+    Attributes:
+        loss: the loss value returned by ``loss_fn`` (before the update).
+        grad_norm: global L2 norm of the gradients (before clipping).
+        update_successful: ``False`` when the optimizer skipped the step (non-finite gradients).
+        num_zeros_in_grad: zero gradient elements, when the optimizer counts them, else ``None``.
+    """
+
+    loss: float
+    grad_norm: float
+    update_successful: bool = True
+    num_zeros_in_grad: int | None = None
+
+
+def _check_ids(input_ids: torch.Tensor, m: MegatronModel) -> None:
+    if not isinstance(input_ids, torch.Tensor) or input_ids.dim() != 2:
+        raise ConfigError(f"input_ids must be a [B, T] tensor, got {getattr(input_ids, 'shape', type(input_ids))}")
+    if input_ids.dtype not in (torch.int64, torch.int32):
+        raise ConfigError(f"input_ids must be int64 (or int32), got {input_ids.dtype}")
+    if input_ids.numel() and (int(input_ids.min()) < 0 or int(input_ids.max()) >= m.vocab_size):
+        raise ConfigError(
+            f"input_ids hold ids outside [0, {m.vocab_size}) (min {int(input_ids.min())}, max {int(input_ids.max())})"
+        )
+
+
+def build_attention_mask(input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None) -> torch.Tensor:
+    """Megatron-Core attention mask: ``True`` where attention is NOT allowed.
+
+    Args:
+        input_ids: ``[B, T]`` token ids (only the shape and device are used).
+        attention_mask: optional ``[B, T]`` with 1 / ``True`` for real tokens and 0 for padding.
+
+    Returns:
+        Boolean ``[B, 1, T, T]``: causal mask, plus padded keys masked when ``attention_mask`` is given.
+        Every query keeps at least itself unmasked so the softmax stays finite on padding rows.
+    """
+    b, t = input_ids.shape
+    causal = torch.triu(torch.ones(t, t, dtype=torch.bool, device=input_ids.device), diagonal=1)
+    mask = causal.expand(b, 1, t, t).clone()
+    if attention_mask is not None:
+        if attention_mask.shape != input_ids.shape:
+            raise ConfigError(f"attention_mask shape {tuple(attention_mask.shape)} != input_ids {tuple(input_ids.shape)}")
+        pad_key = ~attention_mask.to(torch.bool)
+        mask |= pad_key[:, None, None, :]
+        eye = torch.eye(t, dtype=torch.bool, device=input_ids.device)
+        mask &= ~eye
+    return mask
+
+
+def position_ids_for(input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None) -> torch.Tensor:
+    """Position ids ``[B, T]`` int64: ``0..T-1``, or numbered over real tokens when padding is given."""
+    b, t = input_ids.shape
+    if attention_mask is None:
+        return torch.arange(t, device=input_ids.device).unsqueeze(0).expand(b, t)
+    keep = attention_mask.to(torch.int64)
+    return (keep.cumsum(dim=1) - 1).clamp(min=0)
+
+
+def _forward(m: MegatronModel, input_ids: torch.Tensor, attention_mask: torch.Tensor | None) -> torch.Tensor:
+    if len(m.model) != 1:
+        raise ConfigError(f"forward_logits supports one model chunk (pp=1, no virtual pipeline), got {len(m.model)}")
+    _check_ids(input_ids, m)
+    ids = input_ids.to(torch.int64)
+    with cpu_device_patches():
+        logits = m.model[0](
+            input_ids=ids,
+            position_ids=position_ids_for(ids, attention_mask),
+            attention_mask=build_attention_mask(ids, attention_mask),
+        )
+    return logits[..., : m.vocab_size].float()
+
+
+def forward_logits(
+    m: MegatronModel, input_ids: torch.Tensor, *, attention_mask: torch.Tensor | None = None
+) -> torch.Tensor:
+    """Logits of every position.
+
+    Runs with gradients enabled when the caller has them enabled (``train_step`` relies on it);
+    wrap in ``torch.no_grad()`` for inference.
+
+    Args:
+        m: the model.
+        input_ids: ``[B, T]`` int64 token ids.
+        attention_mask: optional ``[B, T]`` padding mask (1 = real token).
+
+    Returns:
+        ``[B, T, V]`` float32 logits, ``V`` = the Hugging Face vocabulary size.
+    """
+    return _forward(m, input_ids, attention_mask)
+
+
+def logprobs_from_logits(logits: torch.Tensor, input_ids: torch.Tensor, *, temperature: float = 1.0) -> torch.Tensor:
+    """Log-probability of each next token.
+
+    Args:
+        logits: ``[B, T, V]`` float logits.
+        input_ids: ``[B, T]`` token ids.
+        temperature: sampling temperature the logits are divided by (> 0).
+
+    Returns:
+        ``[B, T-1]`` float32: entry ``[b, t]`` is ``log p(input_ids[b, t+1] | input_ids[b, :t+1])``.
+    """
+    if temperature <= 0:
+        raise ConfigError(f"temperature must be > 0, got {temperature}")
+    scaled = logits[:, :-1].float() / temperature
+    targets = input_ids[:, 1:].to(torch.int64).unsqueeze(-1)
+    return torch.log_softmax(scaled, dim=-1).gather(-1, targets).squeeze(-1)
+
+
+def token_logprobs(
+    m: MegatronModel,
+    input_ids: torch.Tensor,
+    *,
+    temperature: float = 1.0,
+    attention_mask: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Log-probability of each next token under the model.
+
+    Args:
+        m: the model.
+        input_ids: ``[B, T]`` int64 token ids.
+        temperature: sampling temperature (> 0), as used by the rollout engine.
+        attention_mask: optional ``[B, T]`` padding mask (1 = real token).
+
+    Returns:
+        ``[B, T-1]`` float32 log-probabilities (see :func:`logprobs_from_logits`).
+    """
+    logits = forward_logits(m, input_ids, attention_mask=attention_mask)
+    return logprobs_from_logits(logits, input_ids, temperature=temperature)
+
+
+def make_optimizer(
+    m: MegatronModel, *, lr: float, weight_decay: float = 0.0, clip_grad: float = 1.0, adam_eps: float = 1e-8
+) -> Any:
+    """Megatron-Core's optimizer for the model.
+
+    Args:
+        m: the model.
+        lr: learning rate.
+        weight_decay: decoupled weight decay.
+        clip_grad: global gradient-norm clip (0 disables clipping).
+        adam_eps: Adam epsilon.
+
+    Returns:
+        A ``megatron.core.optimizer.MegatronOptimizer`` (``step()`` returns
+        ``(update_successful, grad_norm, num_zeros_in_grad)``).
+    """
+    from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+
+    if lr <= 0:
+        raise ConfigError(f"lr must be > 0, got {lr}")
+    config = OptimizerConfig(
+        optimizer="adam",
+        lr=lr,
+        min_lr=lr,
+        weight_decay=weight_decay,
+        adam_eps=adam_eps,
+        clip_grad=clip_grad,
+        bf16=m.dtype == torch.bfloat16,
+        params_dtype=m.dtype,
+        use_distributed_optimizer=False,
+    )
+    with cpu_device_patches():
+        optimizer = get_megatron_optimizer(config, m.model)
+    logger.debug("made %s (lr %g, weight decay %g)", type(optimizer).__name__, lr, weight_decay)
+    return optimizer
+
+
+def _unpack_batch(batch: torch.Tensor | Mapping[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor | None]:
+    if isinstance(batch, torch.Tensor):
+        return batch, None
+    if isinstance(batch, Mapping) and "input_ids" in batch:
+        return batch["input_ids"], batch.get("attention_mask")
+    raise ConfigError("batch must be a [B, T] input_ids tensor or a mapping with 'input_ids' (and 'attention_mask')")
+
+
+def train_step(
+    m: MegatronModel,
+    optimizer: Any,
+    loss_fn: Callable[[torch.Tensor], torch.Tensor],
+    batch: torch.Tensor | Mapping[str, torch.Tensor],
+    *,
+    temperature: float = 1.0,
+) -> StepResult:
+    """Forward, backward and one optimizer step.
+
+    Args:
+        m: the model.
+        optimizer: from :func:`make_optimizer`.
+        loss_fn: maps the ``[B, T-1]`` float32 token log-probabilities (with grad) to a scalar loss.
+        batch: ``[B, T]`` int64 input ids, or a mapping with ``"input_ids"`` and optional
+            ``"attention_mask"``.
+        temperature: temperature applied to the logits before the log-softmax.
+
+    Returns:
+        :class:`StepResult` with the loss before the update and the gradient norm.
+
+    Raises:
+        ConfigError: bad batch, or a loss that is not a finite scalar.
+    """
+    input_ids, attention_mask = _unpack_batch(batch)
+    for chunk in m.model:
+        chunk.train()
+        chunk.zero_grad_buffer()
+    optimizer.zero_grad()
+    with cpu_device_patches():
+        logprobs = token_logprobs(m, input_ids, temperature=temperature, attention_mask=attention_mask)
+        loss = loss_fn(logprobs)
+        if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
+            raise ConfigError(f"loss_fn must return a scalar tensor, got {getattr(loss, 'shape', type(loss))}")
+        if not torch.isfinite(loss.detach()):
+            raise ConfigError(f"loss_fn returned a non-finite loss ({float(loss)})")
+        loss.backward()
+        for chunk in m.model:
+            chunk.finish_grad_sync()
+        update_successful, grad_norm, num_zeros = optimizer.step()
+    for chunk in m.model:
+        chunk.eval()
+    return StepResult(
+        loss=float(loss.detach()),
+        grad_norm=float(grad_norm) if grad_norm is not None else float("nan"),
+        update_successful=bool(update_successful),
+        num_zeros_in_grad=int(num_zeros) if num_zeros is not None else None,
+    )

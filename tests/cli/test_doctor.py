@@ -1,0 +1,61 @@
+"""``megatron-fp8 doctor`` as a subprocess: JSON schema, CPU verdicts, speed."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import time
+
+import torch
+
+
+def _run(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-m", "megatron_fp8.cli", "doctor", *args], capture_output=True, text=True, timeout=120
+    )
+
+
+def test_doctor_json_schema():
+    start = time.perf_counter()
+    proc = _run("--json")
+    elapsed = time.perf_counter() - start
+    assert proc.returncode == 0, proc.stderr
+    data = json.loads(proc.stdout)
+    assert set(data) == {"environment", "recipes"}
+    env = data["environment"]
+    for key in (
+        "gpu_name",
+        "compute_capability",
+        "torch_version",
+        "torch_cuda",
+        "cublas_version",
+        "transformer_engine",
+        "vllm",
+        "deep_gemm",
+        "megatron_core",
+        "megatron_bridge",
+        "modelopt",
+    ):
+        assert key in env
+    names = [r["name"] for r in data["recipes"]]
+    assert names == ["bf16", "tensorwise", "blockwise", "fp8_param", "delayed", "mxfp8"]
+    for r in data["recipes"]:
+        assert set(r) == {"name", "supported", "reasons"}
+        assert isinstance(r["supported"], bool)
+        assert all(isinstance(x, str) for x in r["reasons"])
+    assert data["recipes"][0]["supported"] is True
+    if not torch.cuda.is_available():
+        assert env["gpu_name"] is None
+        for r in data["recipes"][1:]:
+            assert r["supported"] is False
+            text = " ".join(r["reasons"])
+            assert "GPU" in text and "CUDA" in text and "compute capability" in text
+            assert "on CPU the recipe is validated and the math runs in BF16" in text
+    assert elapsed < 10  # < 2 s on an idle machine; generous for 2 shared cores
+
+
+def test_doctor_table():
+    proc = _run()
+    assert proc.returncode == 0, proc.stderr
+    assert "blockwise" in proc.stdout and "Float8BlockScaling" in proc.stdout

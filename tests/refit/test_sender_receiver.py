@@ -1,0 +1,233 @@
+"""End-to-end refits over the in-process transport: atomicity, faults, versions, memory."""
+
+from __future__ import annotations
+
+import dataclasses
+import gc
+import threading
+
+import psutil
+import pytest
+import torch
+
+from megatron_fp8.errors import NonFiniteError, RefitAbortedError, RefitError
+from megatron_fp8.refit import (
+    DictApplier,
+    InProcTransport,
+    RefitReceiver,
+    RefitSender,
+    pack_buckets,
+)
+from megatron_fp8.refit.synthetic import SPECS, fp8_stream, linear_shapes, synthetic_weights
+
+SPEC = SPECS["tiny"]  # ~1.3 M parameters: ~2.6 MB BF16, ~1.7 MB on the wire with FP8 linears
+BUCKET = 128 * 1024
+
+
+def _model(seed: int) -> list[tuple[str, torch.Tensor]]:
+    weights = synthetic_weights(SPEC, seed=seed)
+    items = list(fp8_stream(weights, linear_shapes(SPEC)))
+    items += [(f"model.layers.{i}.self_attn.attn.k_scale", torch.tensor(0.5 + seed, dtype=torch.float32))
+              for i in range(SPEC.num_layers)]
+    return items
+
+
+def _bytes_equal(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return torch.equal(a.reshape(-1).view(torch.uint8), b.reshape(-1).view(torch.uint8))
+
+
+def _holds(applier: DictApplier, items) -> bool:
+    return all(_bytes_equal(applier.tensors[n], t) for n, t in items)
+
+
+@pytest.fixture
+def engine():
+    """A transport, a receiver over a DictApplier holding version 1, and version 1's tensors."""
+    transport = InProcTransport(maxsize=64, timeout=2.0)
+    v1 = _model(1)
+    targets = {n: torch.zeros_like(t) for n, t in v1}
+    applier = DictApplier(targets, require_all=True)
+    receiver = RefitReceiver(transport, apply=applier)
+    sender = RefitSender(transport, bucket_bytes=BUCKET)
+    sender.send(v1, version=1)
+    receiver.receive()
+    assert _holds(applier, v1) and applier.version == 1
+    return transport, sender, receiver, applier, v1
+
+
+def _send_in_thread(sender, items, version):
+    errors: list[BaseException] = []
+
+    def run():
+        try:
+            sender.send(items, version=version)
+        except BaseException as exc:  # reported to the test
+            errors.append(exc)
+
+    th = threading.Thread(target=run)
+    th.start()
+    return th, errors
+
+
+def test_refit_applies_in_place_and_reports(engine):
+    transport, sender, receiver, applier, _ = engine
+    storages = {n: t.untyped_storage().data_ptr() for n, t in applier.tensors.items()}
+    v2 = _model(2)
+    th, errors = _send_in_thread(sender, v2, 2)
+    report = receiver.receive()
+    th.join()
+    assert not errors and _holds(applier, v2) and receiver.version == 2
+    assert {n: t.untyped_storage().data_ptr() for n, t in applier.tensors.items()} == storages  # copy_, no rebinding
+    assert report.num_tensors == len(v2) and report.num_buckets > 1
+
+
+def test_send_report_classes():
+    transport = InProcTransport(maxsize=64, timeout=1.0)
+    items = _model(3)
+    report = RefitSender(transport, bucket_bytes=BUCKET).send(items, version=1)
+    fp8 = sum(t.nbytes for n, t in items if t.dtype == torch.float8_e4m3fn)
+    scales = sum(t.nbytes for n, t in items if n.endswith(("_scale_inv", "_scale")))
+    bf16 = sum(t.nbytes for n, t in items if t.dtype == torch.bfloat16)
+    assert dict(report.payload_bytes) == {"fp8": fp8, "scales": scales, "bf16": bf16, "other": 0}
+    assert report.num_tensors == len(items) and report.num_buckets == transport.buckets_sent
+    assert report.wire_bytes >= report.total_bytes and report.to_dict()["gbps"] >= 0
+
+
+def test_nan_in_first_bucket_never_reaches_the_wire(engine):
+    transport, sender, receiver, applier, v1 = engine
+    sent_before = transport.buckets_sent
+    bad = _model(2)
+    name, w = bad[0]
+    w = w.clone()
+    w.view(torch.uint8)[3, 7] = 0x7F  # the e4m3 NaN encoding
+    bad[0] = (name, w)
+    with pytest.raises(NonFiniteError, match=name):
+        sender.send(bad, version=2)
+    assert transport.buckets_sent == sent_before  # nothing of version 2 went on the wire
+    with pytest.raises(RefitAbortedError, match="NonFiniteError"):
+        receiver.receive()
+    assert _holds(applier, v1) and applier.version == 1 and applier.last_abort[0] == 2
+
+
+def test_nan_in_a_later_bucket_aborts_the_version_on_the_receiver(engine):
+    transport, sender, receiver, applier, v1 = engine
+    bad = _model(2)
+    bad.append(("model.norm.extra", torch.tensor([1.0, float("inf")])))
+    applier_tensors = dict(applier.tensors)
+    applier.tensors = {**applier_tensors, "model.norm.extra": torch.zeros(2)}
+    with pytest.raises(NonFiniteError, match="model.norm.extra"):
+        sender.send(bad, version=2)
+    assert transport.buckets_sent > 1  # earlier buckets were sent ...
+    with pytest.raises(RefitAbortedError):
+        receiver.receive()
+    assert _holds(applier, v1) and applier.version == 1  # ... and nothing was applied
+    v3 = _model(3) + [("model.norm.extra", torch.ones(2))]
+    th, errors = _send_in_thread(sender, v3, 3)
+    receiver.receive()
+    th.join()
+    assert not errors and _holds(applier, v3)
+
+
+@pytest.mark.parametrize("corruption", ["checksum", "truncated", "offset", "overlap"])
+def test_corrupted_bucket_applies_nothing_then_next_version_works(engine, corruption):
+    transport, sender, receiver, applier, v1 = engine
+    buckets = list(pack_buckets(_model(2), version=2, bucket_bytes=BUCKET))
+    b = buckets[1]
+    if corruption == "checksum":
+        p = b.payload.clone()
+        p[100] ^= 1
+        b = dataclasses.replace(b, payload=p)
+    elif corruption == "truncated":
+        b = dataclasses.replace(b, payload=b.payload[: b.nbytes // 2].clone())
+    elif corruption == "offset":
+        m = b.metas[-1]
+        b = dataclasses.replace(b, metas=b.metas[:-1] + (dataclasses.replace(m, offset=b.nbytes),))
+    else:
+        m = b.metas[-1]
+        b = dataclasses.replace(b, metas=b.metas[:-1] + (dataclasses.replace(m, offset=b.metas[0].offset),))
+    buckets[1] = b
+    for bucket in buckets:
+        transport.send(bucket)
+    with pytest.raises(RefitError, match=r"bucket 1 of version 2") as info:
+        receiver.receive()
+    assert not isinstance(info.value, RefitAbortedError)
+    assert _holds(applier, v1) and applier.version == 1 and applier.last_abort[0] == 2
+    # the rest of version 2 is still queued: the next receive drops it and applies version 3
+    v3 = _model(3)
+    th, errors = _send_in_thread(sender, v3, 3)
+    report = receiver.receive()
+    th.join()
+    assert not errors and _holds(applier, v3) and report.discarded_buckets == len(buckets) - 2
+
+
+def test_unknown_name_refused_before_commit(engine):
+    transport, sender, receiver, applier, v1 = engine
+    bad = _model(2) + [("model.layers.0.mlp.gate_up_proj.weight", torch.ones(4, dtype=torch.bfloat16))]
+    th, errors = _send_in_thread(sender, bad, 2)
+    with pytest.raises(RefitError, match="'model.layers.0.mlp.gate_up_proj.weight' is not a parameter"):
+        receiver.receive()
+    th.join()
+    assert not errors and _holds(applier, v1) and applier.version == 1
+
+
+def test_dtype_mismatch_refused(engine):
+    transport, sender, receiver, applier, v1 = engine
+    bf16 = [(n, t.float().to(torch.bfloat16)) if t.dtype == torch.float8_e4m3fn else (n, t) for n, t in _model(2)]
+    th, _ = _send_in_thread(sender, bf16, 2)
+    with pytest.raises(RefitError, match="disagree on this parameter's layout or precision"):
+        receiver.receive()
+    th.join()
+    assert _holds(applier, v1)
+
+
+def test_versions_must_increase(engine):
+    transport, sender, receiver, applier, v1 = engine
+    with pytest.raises(RefitError, match="not newer"):
+        sender.send(_model(2), version=1)
+    assert transport.buckets_sent == transport.buckets_received  # nothing sent
+    # a second sender (e.g. restarted without its counter) replays version 1: the receiver refuses it
+    replay = RefitSender(transport, bucket_bytes=BUCKET)
+    th, _ = _send_in_thread(replay, _model(2), 1)
+    with pytest.raises(RefitError, match="not newer than the applied version 1"):
+        receiver.receive()
+    th.join()
+    assert _holds(applier, v1)
+
+
+def test_killed_sender_inproc_timeout_keeps_version(engine):
+    transport, sender, receiver, applier, v1 = engine
+    first = next(pack_buckets(_model(2), version=2, bucket_bytes=BUCKET))
+    transport.send(first)  # the sender "dies" here
+    with pytest.raises(RefitError, match="no bucket arrived"):
+        receiver.receive(timeout=0.2)
+    assert _holds(applier, v1) and applier.version == 1
+
+
+def test_callable_applier():
+    transport = InProcTransport(maxsize=64, timeout=1.0)
+    seen = []
+    receiver = RefitReceiver(transport, apply=lambda v, pairs: seen.append((v, [n for n, _ in pairs])))
+    items = _model(1)
+    RefitSender(transport, bucket_bytes=BUCKET).send(items, version=5)
+    receiver.receive()
+    assert seen == [(5, [n for n, _ in items])]
+
+
+def test_200_refits_flat_rss():
+    transport = InProcTransport(maxsize=64, timeout=5.0)
+    weights = synthetic_weights(SPEC, seed=0)
+    items = list(fp8_stream(weights, linear_shapes(SPEC)))
+    targets = {n: torch.zeros_like(t) for n, t in items}
+    applier = DictApplier(targets, require_all=True)
+    receiver = RefitReceiver(transport, apply=applier)
+    sender = RefitSender(transport, bucket_bytes=BUCKET)
+    proc = psutil.Process()
+    rss = {}
+    for version in range(1, 201):
+        sender.send(items, version=version)
+        receiver.receive()
+        if version in (20, 200):
+            gc.collect()
+            rss[version] = proc.memory_info().rss
+    assert applier.version == 200 and _holds(applier, items)
+    assert rss[200] - rss[20] < 8 << 20, f"RSS grew by {(rss[200] - rss[20]) / 2**20:.1f} MiB over 180 refits"

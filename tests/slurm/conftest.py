@@ -1,0 +1,193 @@
+"""A real single-node Slurm cluster for the sbatch tests (``@pytest.mark.slurm``).
+
+The ``slurm_cluster`` fixture writes a ``slurm.conf`` into a temporary directory (state, spool,
+logs and pid files all live there), starts Debian's ``slurmctld`` and ``slurmd`` in the foreground
+(``-D``) as subprocesses, waits until the node is idle, and stops both daemons at the end of the
+session. Authentication is ``auth/none`` with ``cred/none`` (no munge daemon), the controller listens
+on 127.0.0.1 on free ports, the node is ``hostname -s`` with ``NodeAddr=127.0.0.1`` and the CPUs
+and memory ``slurmd -C`` reports. Needs root. When the Slurm binaries are missing, it installs them
+with ``make system-deps`` (root + apt-get); otherwise it skips with the reason.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+REPO_ROOT = Path(__file__).resolve().parents[2]
+SLURM_BINARIES = ("slurmctld", "slurmd", "sbatch", "srun", "scontrol", "sinfo")
+
+
+@dataclass(frozen=True)
+class SlurmCluster:
+    """A running single-node cluster.
+
+    Attributes:
+        conf: path of its ``slurm.conf``.
+        root: temporary directory holding state, spool and daemon logs.
+        node: the node name (``hostname -s``).
+        cpus: CPUs the node offers.
+        env: environment for Slurm client commands (``SLURM_CONF`` set, inherited ``SLURM_*`` job variables
+            removed so a submission never looks like a nested step).
+    """
+
+    conf: Path
+    root: Path
+    node: str
+    cpus: int
+    env: dict[str, str]
+
+    def run(self, *args: str, timeout: float = 60, check: bool = True, **kwargs) -> subprocess.CompletedProcess:
+        """Run a Slurm client command (``sbatch``, ``scontrol``, ...) against this cluster."""
+        return subprocess.run(
+            list(args), env=kwargs.pop("env", self.env), capture_output=True, text=True, timeout=timeout,
+            check=check, **kwargs,
+        )
+
+    def daemon_logs(self) -> str:
+        """Tail of both daemon logs, for failure messages."""
+        parts = []
+        for name in ("slurmctld.log", "slurmd.log"):
+            path = self.root / "log" / name
+            text = path.read_text(errors="replace") if path.exists() else "(missing)"
+            parts.append(f"--- {name} (tail)\n" + "\n".join(text.splitlines()[-25:]))
+        return "\n".join(parts)
+
+
+def _missing_binaries() -> list[str]:
+    return [b for b in SLURM_BINARIES if shutil.which(b) is None]
+
+
+def _ensure_slurm_installed() -> None:
+    missing = _missing_binaries()
+    if not missing:
+        return
+    if os.geteuid() != 0:
+        pytest.skip(f"Slurm binaries missing ({', '.join(missing)}) and not root: run 'sudo make system-deps'")
+    if shutil.which("apt-get") is None:
+        pytest.skip(f"Slurm binaries missing ({', '.join(missing)}) and no apt-get: install slurm-wlm")
+    proc = subprocess.run(["make", "-s", "system-deps"], cwd=REPO_ROOT, capture_output=True, text=True, timeout=900)
+    missing = _missing_binaries()
+    if missing:
+        pytest.skip(f"'make system-deps' did not provide {', '.join(missing)}: {proc.stdout[-400:]}{proc.stderr[-400:]}")
+
+
+def _free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _node_hardware() -> tuple[int, int]:
+    """CPUs and RealMemory (MiB) as ``slurmd -C`` reports them (what slurmd will register)."""
+    out = subprocess.run(["slurmd", "-C"], capture_output=True, text=True, timeout=30, check=True).stdout
+    fields = dict(tok.split("=", 1) for tok in out.split() if "=" in tok)
+    return int(fields["CPUs"]), int(fields["RealMemory"])
+
+
+def _write_conf(root: Path, node: str, cpus: int, memory_mb: int) -> Path:
+    for sub in ("state", "spool", "log", "run"):
+        (root / sub).mkdir(parents=True, exist_ok=True)
+    ctld_port, slurmd_port = _free_port(), _free_port()
+    conf = root / "slurm.conf"
+    conf.write_text(
+        "\n".join(
+            [
+                "# single-node test cluster written by tests/slurm/conftest.py",
+                "ClusterName=mfp8test",
+                "SlurmctldHost=localhost(127.0.0.1)",
+                f"SlurmctldPort={ctld_port}",
+                f"SlurmdPort={slurmd_port}",
+                "AuthType=auth/none",
+                "CredType=cred/none",
+                "SlurmUser=root",
+                "SlurmdUser=root",
+                f"StateSaveLocation={root / 'state'}",
+                f"SlurmdSpoolDir={root / 'spool'}",
+                f"SlurmctldPidFile={root / 'run' / 'slurmctld.pid'}",
+                f"SlurmdPidFile={root / 'run' / 'slurmd.pid'}",
+                f"SlurmctldLogFile={root / 'log' / 'slurmctld.log'}",
+                f"SlurmdLogFile={root / 'log' / 'slurmd.log'}",
+                "SlurmctldDebug=info",
+                "SlurmdDebug=info",
+                "ProctrackType=proctrack/linuxproc",
+                "TaskPlugin=task/none",
+                "JobAcctGatherType=jobacct_gather/none",
+                "AccountingStorageType=accounting_storage/none",
+                "JobCompType=jobcomp/none",
+                "SelectType=select/cons_tres",
+                "SelectTypeParameters=CR_CPU",
+                "SchedulerType=sched/builtin",
+                "MpiDefault=none",
+                "ReturnToService=2",
+                "MailProg=/bin/true",
+                "InactiveLimit=0",
+                "KillWait=5",
+                "MinJobAge=600",
+                "SlurmdTimeout=60",
+                f"NodeName={node} NodeAddr=127.0.0.1 CPUs={cpus} RealMemory={memory_mb} State=UNKNOWN",
+                "PartitionName=debug Nodes=ALL Default=YES MaxTime=INFINITE State=UP OverSubscribe=NO",
+                "",
+            ]
+        )
+    )
+    return conf
+
+
+def _stop(proc: subprocess.Popen) -> None:
+    if proc.poll() is not None:
+        return
+    proc.send_signal(signal.SIGTERM)
+    try:
+        proc.wait(timeout=15)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait(timeout=10)
+
+
+@pytest.fixture(scope="session")
+def slurm_cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[SlurmCluster]:
+    """Start slurmctld + slurmd on 127.0.0.1 and yield the cluster; stop both daemons afterwards."""
+    _ensure_slurm_installed()
+    if os.geteuid() != 0:
+        pytest.skip("the local Slurm test cluster runs its daemons as root (SlurmUser=root); not root here")
+    node = socket.gethostname().split(".")[0]
+    cpus, memory_mb = _node_hardware()
+    root = tmp_path_factory.mktemp("slurm")
+    conf = _write_conf(root, node, cpus, memory_mb)
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("SLURM_", "SBATCH_", "SRUN_", "SALLOC_"))}
+    env["SLURM_CONF"] = str(conf)
+    cluster = SlurmCluster(conf=conf, root=root, node=node, cpus=cpus, env=env)
+
+    procs: list[subprocess.Popen] = []
+    try:
+        for argv in (["slurmctld", "-D", "-c", "-i"], ["slurmd", "-D", "-N", node]):
+            log = (root / "log" / f"{argv[0]}.stdout").open("w")
+            procs.append(subprocess.Popen(argv, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True))
+        deadline = time.monotonic() + 60
+        state = ""
+        while time.monotonic() < deadline:
+            for p in procs:
+                if p.poll() is not None:
+                    pytest.fail(f"{p.args[0]} exited with {p.returncode} during startup\n{cluster.daemon_logs()}")
+            res = cluster.run("sinfo", "-h", "-N", "-o", "%T", check=False, timeout=10)
+            state = res.stdout.strip()
+            if res.returncode == 0 and state.startswith("idle"):
+                break
+            time.sleep(0.5)
+        else:
+            pytest.fail(f"Slurm node never became idle (last state {state!r})\n{cluster.daemon_logs()}")
+        yield cluster
+    finally:
+        subprocess.run(["scancel", "--full", "-u", "root"], env=env, capture_output=True, timeout=30, check=False)
+        for p in reversed(procs):
+            _stop(p)
