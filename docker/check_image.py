@@ -70,8 +70,10 @@ def check_single_torch() -> list[str]:
     dists = [d for d in importlib.metadata.distributions() if (d.metadata["Name"] or "").lower() == "torch"]
     if len(dists) != 1:
         where = ", ".join(f"{d.version} at {d.locate_file('')}" for d in dists) or "none"
-        return [f"expected exactly one torch distribution, found {len(dists)}: {where}; a package replaced or "
-                "duplicated the base image's torch (install it with --no-deps)"]
+        return [
+            f"expected exactly one torch distribution, found {len(dists)}: {where}; a package replaced or "
+            "duplicated the base image's torch (install it with --no-deps)"
+        ]
     import torch
 
     dist = dists[0]
@@ -93,8 +95,10 @@ def check_base_pins(path: Path) -> list[str]:
             problems.append(f"base package {name}=={version} was removed by the build")
             continue
         if installed != version:
-            problems.append(f"base package {name} changed from {version} to {installed}: install the offending "
-                            "package with --no-deps or constrain it with the base pins")
+            problems.append(
+                f"base package {name} changed from {version} to {installed}: install the offending "
+                "package with --no-deps or constrain it with the base pins"
+            )
     return problems
 
 
@@ -107,15 +111,20 @@ def check_cuda(min_cuda: tuple[int, int]) -> list[str]:
         return ["torch has no CUDA (a CPU build replaced the base image's torch)"]
     found = tuple(int(x) for x in re.findall(r"\d+", cuda)[:2])
     if found < min_cuda:
-        return [f"torch is built with CUDA {cuda}; blockwise FP8 (TE Float8BlockScaling) needs CUDA >= "
-                f"{min_cuda[0]}.{min_cuda[1]}: use an NGC PyTorch release on CUDA 12.9 as BASE_IMAGE"]
+        return [
+            f"torch is built with CUDA {cuda}; blockwise FP8 (TE Float8BlockScaling) needs CUDA >= "
+            f"{min_cuda[0]}.{min_cuda[1]}: use an NGC PyTorch release on CUDA 12.9 as BASE_IMAGE"
+        ]
     return []
 
 
 def check_env(required: dict[str, str]) -> list[str]:
     """Each variable in ``required`` is set to its value."""
-    return [f"environment {k}={os.environ.get(k)!r}, expected {v!r} (set it with ENV in the Dockerfile)"
-            for k, v in required.items() if os.environ.get(k) != v]
+    return [
+        f"environment {k}={os.environ.get(k)!r}, expected {v!r} (set it with ENV in the Dockerfile)"
+        for k, v in required.items()
+        if os.environ.get(k) != v
+    ]
 
 
 def check_vllm_extension() -> tuple[list[str], list[str]]:

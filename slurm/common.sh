@@ -59,6 +59,16 @@ mfp8_job_requested_gpus() {
     [[ ${SLURM_TRES_PER_NODE:-}${SLURM_TRES_PER_TASK:-}${SLURM_JOB_GRES:-} == *gpu* ]]
 }
 
+# mfp8_split_words NAME STRING: split STRING into the array NAME like a shell would (quotes group words; no
+# expansion, no command substitution). For the PYTEST_ARGS / GRPO_CMD / BENCH_ARGS style variables.
+mfp8_split_words() {
+    local -n _mfp8_out=$1
+    _mfp8_out=()
+    [[ -n ${2// /} ]] || return 0
+    printf '%s' "$2" | xargs -r printf '' 2>/dev/null || mfp8_die "cannot split '$2' into words (unbalanced quotes?)"
+    mapfile -t -d '' _mfp8_out < <(printf '%s' "$2" | xargs -r printf '%s\0')
+}
+
 # Absolute path of $1 (relative paths are taken from the checkout).
 mfp8_abspath() {
     local p=$1

@@ -57,7 +57,10 @@ def run_check(*, timeout_s: float, out: Path | None) -> dict[str, object]:
         raise SystemExit(f"rendezvous_check: RANK={rank} outside [0, WORLD_SIZE={world})")
     start = time.perf_counter()
     dist.init_process_group(
-        backend="gloo", init_method="env://", rank=rank, world_size=world,
+        backend="gloo",
+        init_method="env://",
+        rank=rank,
+        world_size=world,
         timeout=datetime.timedelta(seconds=timeout_s),
     )
     try:
@@ -96,7 +99,9 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO, format=f"%(asctime)s rank {rank} %(name)s: %(message)s", stream=sys.stdout)
     missing = [name for name in _REQUIRED if not os.environ.get(name)]
     if missing:
-        log.error("missing %s: run under slurm/common.sh (srun ... bash slurm/common.sh task -- ...)", ", ".join(missing))
+        log.error(
+            "missing %s: run under slurm/common.sh (srun ... bash slurm/common.sh task -- ...)", ", ".join(missing)
+        )
         return 2
     try:
         summary = run_check(timeout_s=args.timeout_s, out=args.out)
@@ -107,16 +112,30 @@ def main(argv: list[str] | None = None) -> int:
         log.error(
             "rendezvous failed at %s:%s (world size %s): %s; check that MASTER_ADDR resolves on every node and "
             "that MASTER_PORT is free (override with MASTER_PORT=...)",
-            os.environ["MASTER_ADDR"], os.environ["MASTER_PORT"], os.environ["WORLD_SIZE"], exc,
+            os.environ["MASTER_ADDR"],
+            os.environ["MASTER_PORT"],
+            os.environ["WORLD_SIZE"],
+            exc,
         )
         return 3
     if not summary["ok"]:
-        log.error("rendezvous wrong result: all-reduce sum %s, expected %s; hosts %s",
-                  summary["sum"], summary["expected"], summary["hosts"])
+        log.error(
+            "rendezvous wrong result: all-reduce sum %s, expected %s; hosts %s",
+            summary["sum"],
+            summary["expected"],
+            summary["hosts"],
+        )
         return 1
-    log.info("rendezvous ok: rank %s/%s sum=%s hosts=%s master=%s:%s in %.2fs", rank, summary["world_size"],
-             summary["sum"], ",".join(map(str, summary["hosts"])), summary["master_addr"], summary["master_port"],
-             summary["seconds"])
+    log.info(
+        "rendezvous ok: rank %s/%s sum=%s hosts=%s master=%s:%s in %.2fs",
+        rank,
+        summary["world_size"],
+        summary["sum"],
+        ",".join(map(str, summary["hosts"])),
+        summary["master_addr"],
+        summary["master_port"],
+        summary["seconds"],
+    )
     return 0
 
 

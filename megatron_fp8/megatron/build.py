@@ -288,4 +288,3 @@ def build_megatron_model(
         vocab_size=int(hf_config.vocab_size),
         ddp_config=ddp_config,
     )
-

@@ -11,10 +11,11 @@ Masks: Megatron-Core's GPT model takes a boolean ``[B, 1, T, T]`` mask where
 does not shift the positions), which is what vLLM sees for an unpadded prompt.
 
 Optimizer: :func:`make_optimizer` uses Megatron-Core's own ``get_megatron_optimizer``
-with ``OptimizerConfig(optimizer="adam", use_distributed_optimizer=False)``. It runs
-on CPU: without Apex / TE, Megatron-Core falls back to ``torch.optim.AdamW`` and its
-local multi-tensor helpers; for BF16 it keeps FP32 main weights
-(``Float16OptimizerWithFloat16Params``).
+with ``OptimizerConfig(optimizer="adam", use_distributed_optimizer=False)`` when CUDA
+is available. That optimizer cannot run on CPU (it hard-codes ``device='cuda'``
+tensors and CUDA tensor types; tried first, see :mod:`megatron_fp8.megatron.optim`),
+so on CPU the default backend is :class:`~megatron_fp8.megatron.optim.MegatronDDPAdam`:
+AdamW with FP32 main weights over the same Megatron-Core DDP grad buffers.
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ import torch
 
 from megatron_fp8.errors import ConfigError
 from megatron_fp8.megatron.build import MegatronModel
+from megatron_fp8.megatron.optim import AdamConfig, MegatronDDPAdam
 from megatron_fp8.megatron.te_shim import cpu_device_patches
 
 logger = logging.getLogger(__name__)
@@ -77,7 +79,9 @@ def build_attention_mask(input_ids: torch.Tensor, attention_mask: torch.Tensor |
     mask = causal.expand(b, 1, t, t).clone()
     if attention_mask is not None:
         if attention_mask.shape != input_ids.shape:
-            raise ConfigError(f"attention_mask shape {tuple(attention_mask.shape)} != input_ids {tuple(input_ids.shape)}")
+            raise ConfigError(
+                f"attention_mask shape {tuple(attention_mask.shape)} != input_ids {tuple(input_ids.shape)}"
+            )
         pad_key = ~attention_mask.to(torch.bool)
         mask |= pad_key[:, None, None, :]
         eye = torch.eye(t, dtype=torch.bool, device=input_ids.device)
@@ -167,40 +171,85 @@ def token_logprobs(
     return logprobs_from_logits(logits, input_ids, temperature=temperature)
 
 
-def make_optimizer(
-    m: MegatronModel, *, lr: float, weight_decay: float = 0.0, clip_grad: float = 1.0, adam_eps: float = 1e-8
-) -> Any:
-    """Megatron-Core's optimizer for the model.
-
-    Args:
-        m: the model.
-        lr: learning rate.
-        weight_decay: decoupled weight decay.
-        clip_grad: global gradient-norm clip (0 disables clipping).
-        adam_eps: Adam epsilon.
-
-    Returns:
-        A ``megatron.core.optimizer.MegatronOptimizer`` (``step()`` returns
-        ``(update_successful, grad_norm, num_zeros_in_grad)``).
-    """
+def _megatron_optimizer(m: MegatronModel, config: AdamConfig) -> Any:
     from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
 
-    if lr <= 0:
-        raise ConfigError(f"lr must be > 0, got {lr}")
-    config = OptimizerConfig(
+    if not torch.cuda.is_available():
+        raise ConfigError(
+            "Megatron-Core's optimizer needs CUDA (it allocates device='cuda' tensors); "
+            "use make_optimizer(..., backend='torch') or backend='auto' on CPU"
+        )
+    opt_config = OptimizerConfig(
         optimizer="adam",
-        lr=lr,
-        min_lr=lr,
-        weight_decay=weight_decay,
-        adam_eps=adam_eps,
-        clip_grad=clip_grad,
+        lr=config.lr,
+        min_lr=config.lr,
+        weight_decay=config.weight_decay,
+        adam_beta1=config.betas[0],
+        adam_beta2=config.betas[1],
+        adam_eps=config.eps,
+        clip_grad=config.clip_grad,
         bf16=m.dtype == torch.bfloat16,
         params_dtype=m.dtype,
         use_distributed_optimizer=False,
     )
+    return get_megatron_optimizer(opt_config, m.model)
+
+
+def _torch_optimizer(m: MegatronModel, config: AdamConfig) -> Any:
+    return MegatronDDPAdam(m.model, config)
+
+
+OPTIMIZER_BACKENDS: dict[str, Callable[[MegatronModel, AdamConfig], Any]] = {
+    "megatron": _megatron_optimizer,
+    "torch": _torch_optimizer,
+}
+"""Optimizer builders: Megatron-Core's ``get_megatron_optimizer`` (CUDA) or :class:`MegatronDDPAdam`."""
+
+
+def make_optimizer(
+    m: MegatronModel,
+    *,
+    lr: float,
+    weight_decay: float = 0.0,
+    clip_grad: float = 1.0,
+    adam_eps: float = 1e-8,
+    backend: str = "auto",
+) -> Any:
+    """Adam for the model.
+
+    Args:
+        m: the model.
+        lr: learning rate.
+        weight_decay: decoupled weight decay (not on biases / 1-D parameters).
+        clip_grad: global gradient-norm clip (0 disables clipping).
+        adam_eps: Adam epsilon.
+        backend: ``"megatron"`` (Megatron-Core's ``get_megatron_optimizer`` with
+            ``OptimizerConfig(optimizer="adam", use_distributed_optimizer=False)``; needs CUDA),
+            ``"torch"`` (:class:`~megatron_fp8.megatron.optim.MegatronDDPAdam`, runs anywhere), or
+            ``"auto"``: ``"megatron"`` when CUDA is available, else ``"torch"``.
+
+    Returns:
+        An optimizer whose ``zero_grad()`` clears gradients and whose ``step()`` returns
+        ``(update_successful, grad_norm, num_zeros_in_grad)``.
+
+    Raises:
+        ConfigError: unknown backend (the message lists the valid ones), bad hyper-parameters,
+            or ``"megatron"`` without CUDA.
+    """
+    if backend == "auto":
+        backend = "megatron" if torch.cuda.is_available() else "torch"
+    try:
+        builder = OPTIMIZER_BACKENDS[backend]
+    except KeyError:
+        raise ConfigError(
+            f"unknown optimizer backend {backend!r}; valid: auto, {', '.join(OPTIMIZER_BACKENDS)}"
+        ) from None
+    if lr <= 0:
+        raise ConfigError(f"lr must be > 0, got {lr}")
+    config = AdamConfig(lr=lr, weight_decay=weight_decay, eps=adam_eps, clip_grad=clip_grad)
     with cpu_device_patches():
-        optimizer = get_megatron_optimizer(config, m.model)
-    logger.debug("made %s (lr %g, weight decay %g)", type(optimizer).__name__, lr, weight_decay)
+        optimizer = builder(m, config)
+    logger.debug("made %s (backend %s, lr %g, weight decay %g)", type(optimizer).__name__, backend, lr, weight_decay)
     return optimizer
 
 

@@ -49,12 +49,15 @@ other module of megatron-fp8 patches Megatron, TE or torch.
 from __future__ import annotations
 
 import contextlib
+import functools
 import importlib
 import importlib.util
 import logging
+import re
 import sys
 import types
 from collections.abc import Iterator
+from typing import Any
 
 import torch
 
@@ -149,7 +152,9 @@ def is_installed() -> bool:
 def _build_standins() -> dict[str, types.ModuleType]:
     te = types.ModuleType("transformer_engine", "megatron-fp8 stand-in: TransformerEngine is not installed.")
     pt = types.ModuleType("transformer_engine.pytorch", "megatron-fp8 stand-in for transformer_engine.pytorch.")
-    ops = types.ModuleType("transformer_engine.pytorch.ops", "megatron-fp8 stand-in for transformer_engine.pytorch.ops.")
+    ops = types.ModuleType(
+        "transformer_engine.pytorch.ops", "megatron-fp8 stand-in for transformer_engine.pytorch.ops."
+    )
     for mod in (te, pt, ops):
         setattr(mod, SHIM_MARKER, True)
         mod.__getattr__ = _standin_getattr(mod.__name__)  # type: ignore[attr-defined]
@@ -280,3 +285,52 @@ def reset_rng_tracker() -> None:
     mp_random.initialize_rng_tracker(force_reset=True)
     mp_random._CUDA_RNG_STATE_TRACKER = None
     mp_random._CUDA_RNG_STATE_TRACKER_INITIALIZED = False
+
+
+_LOCAL_EXPERT = re.compile(r"\.local_experts\.(\d+)\.")
+_HF_EXPERT = re.compile(r"experts\.(\d+)")
+
+
+def _gather_local_experts(
+    mapping: Any, megatron_weights: torch.Tensor | None, megatron_module: Any, hf_param_name: str | None
+) -> dict[str, torch.Tensor]:
+    if megatron_module is None:
+        per_rank = mapping.broadcast_obj_from_pp_rank(None, "num_experts_per_rank")
+    else:
+        per_rank = mapping._get_config(megatron_module).num_moe_experts // mapping.ep_size
+        per_rank = mapping.broadcast_obj_from_pp_rank(per_rank, "num_experts_per_rank")
+    match = _LOCAL_EXPERT.search(mapping.megatron_param)
+    local = int(match.group(1)) % per_rank
+    names = [_HF_EXPERT.sub(f"experts.{local + per_rank * i}", str(hf_param_name)) for i in range(mapping.ep_size)]
+    if str(hf_param_name) not in names:
+        raise MegatronFP8Error(
+            f"HF name {hf_param_name!r} does not match expert ids {names} of {mapping.megatron_param!r}"
+        )
+    if mapping.ep_size == 1:
+        return {names[0]: megatron_weights}
+    gathered = [torch.empty_like(megatron_weights) for _ in range(mapping.ep_size)]
+    torch.distributed.all_gather(gathered, megatron_weights, group=mapping.ep_group)
+    return dict(zip(names, gathered, strict=True))
+
+
+def fix_sequential_expert_export() -> bool:
+    """Let megatron-bridge export ``SequentialMLP`` expert weights (see the module docstring). Idempotent.
+
+    Returns:
+        ``True`` when the wrapper is in place (now or already).
+    """
+    from megatron.bridge.models.conversion.param_mapping import MegatronParamMapping
+
+    original = MegatronParamMapping.gather_from_ep_ranks
+    if getattr(original, SHIM_MARKER, False):
+        return True
+
+    @functools.wraps(original)
+    def gather_from_ep_ranks(self, megatron_weights, megatron_module, hf_param_name):
+        if _LOCAL_EXPERT.search(str(self.megatron_param or "")):
+            return _gather_local_experts(self, megatron_weights, megatron_module, hf_param_name)
+        return original(self, megatron_weights, megatron_module, hf_param_name)
+
+    setattr(gather_from_ep_ranks, SHIM_MARKER, True)
+    MegatronParamMapping.gather_from_ep_ranks = gather_from_ep_ranks
+    return True

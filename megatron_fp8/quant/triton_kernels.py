@@ -61,6 +61,8 @@ else:
 __all__ = [
     "available",
     "interpreter_active",
+    "launch_blockwise",
+    "launch_token_group",
     "quantize_blockwise_triton",
     "quantize_per_token_group_triton",
 ]
@@ -205,6 +207,79 @@ def _default_num_warps(tile_elems: int) -> int:
     return int(min(16, max(4, tile_elems // (32 * 32))))
 
 
+def launch_blockwise(
+    x3: torch.Tensor,
+    bn: int,
+    bk: int,
+    scale_format: str,
+    *,
+    fp8_out: bool = True,
+    cols_per_program: int = 1,
+    num_warps: int | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Launch the blockwise kernel only: no validation, no non-finite check, no sync.
+
+    For benchmarks and callers that batch the check themselves. ``x3`` must be a
+    contiguous ``[E, N, K]`` tensor. Arguments as for :func:`quantize_blockwise_triton`.
+
+    Returns:
+        ``(q, scale_inv, amax)``: ``q`` float8_e4m3fn (float32 when
+        ``fp8_out=False``) ``[E, N, K]``; ``scale_inv`` and ``amax`` float32
+        ``[E, ceil(N/bn), ceil(K/bk)]`` (``amax`` is +inf for a tile holding NaN).
+    """
+    triton_mod, blockwise_kernel, _ = _kernels()
+    e, n, k = x3.shape
+    nb, kb = math.ceil(n / bn), math.ceil(k / bk)
+    cols = max(1, min(int(cols_per_program), kb))
+    q = torch.empty((e, n, k), dtype=FP8_DTYPE if fp8_out else torch.float32, device=x3.device)
+    scale = torch.empty((e, nb, kb), dtype=torch.float32, device=x3.device)
+    amax = torch.empty_like(scale)
+    bn_p2, bk_p2 = _next_pow2(bn), _next_pow2(bk)
+    warps = num_warps if num_warps is not None else _default_num_warps(bn_p2 * bk_p2)
+    grid = (triton_mod.cdiv(kb, cols), nb, e)
+    blockwise_kernel[grid](
+        x3, q, scale, amax, n, k, nb, kb,
+        BN=bn, BK=bk, BN_P2=bn_p2, BK_P2=bk_p2, COLS=cols,
+        UE8M0=scale_format == "ue8m0", FP8_OUT=fp8_out, num_warps=warps,
+    )  # fmt: skip
+    return q, scale, amax
+
+
+def launch_token_group(
+    x2: torch.Tensor,
+    group_size: int,
+    scale_format: str,
+    *,
+    fp8_out: bool = True,
+    rows_per_program: int | None = None,
+    num_warps: int | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Launch the per-token-group kernel only (contiguous ``[M, K]`` input; no checks, no sync).
+
+    Returns:
+        ``(q, scale_inv, amax)``: ``[M, K]`` and float32 ``[M, ceil(K/group_size)]`` twice.
+    """
+    triton_mod, _, token_group_kernel = _kernels()
+    m, k = x2.shape
+    ng = math.ceil(k / group_size)
+    g_p2 = _next_pow2(group_size)
+    if rows_per_program is None:
+        rows = min(_next_pow2(m), max(1, 8192 // g_p2))
+    else:
+        rows = _next_pow2(rows_per_program)
+    q = torch.empty((m, k), dtype=FP8_DTYPE if fp8_out else torch.float32, device=x2.device)
+    scale = torch.empty((m, ng), dtype=torch.float32, device=x2.device)
+    amax = torch.empty_like(scale)
+    warps = num_warps if num_warps is not None else _default_num_warps(rows * g_p2)
+    grid = (triton_mod.cdiv(m, rows), ng)
+    token_group_kernel[grid](
+        x2, q, scale, amax, m, k, ng,
+        G=group_size, G_P2=g_p2, ROWS=rows,
+        UE8M0=scale_format == "ue8m0", FP8_OUT=fp8_out, num_warps=warps,
+    )  # fmt: skip
+    return q, scale, amax
+
+
 def quantize_blockwise_triton(
     x3: torch.Tensor,
     bn: int,
@@ -245,23 +320,11 @@ def quantize_blockwise_triton(
     _check_runnable(x3, scale_format, what, name)
     if x3.dim() != 3:
         raise QuantInputError(f"{what}: tensor {name!r} must be [E, N, K] here, got shape {tuple(x3.shape)}")
-    triton, blockwise_kernel, _ = _kernels()
     x3 = x3.contiguous()
-    e, n, k = x3.shape
-    nb, kb = math.ceil(n / bn), math.ceil(k / bk)
-    cols = max(1, min(int(cols_per_program), kb))
-    out_dtype = FP8_DTYPE if fp8_out else torch.float32
-    q = torch.empty((e, n, k), dtype=out_dtype, device=x3.device)
-    scale = torch.empty((e, nb, kb), dtype=torch.float32, device=x3.device)
-    amax = torch.empty_like(scale)
-    bn_p2, bk_p2 = _next_pow2(bn), _next_pow2(bk)
-    warps = num_warps if num_warps is not None else _default_num_warps(bn_p2 * bk_p2)
-    grid = (triton.cdiv(kb, cols), nb, e)
-    blockwise_kernel[grid](
-        x3, q, scale, amax, n, k, nb, kb,
-        BN=bn, BK=bk, BN_P2=bn_p2, BK_P2=bk_p2, COLS=cols,
-        UE8M0=scale_format == "ue8m0", FP8_OUT=fp8_out, num_warps=warps,
-    )  # fmt: skip
+    e = x3.shape[0]
+    q, scale, amax = launch_blockwise(
+        x3, bn, bk, scale_format, fp8_out=fp8_out, cols_per_program=cols_per_program, num_warps=num_warps
+    )
     _checks.raise_on_nonfinite_amax(
         x3 if e > 1 else x3[0],
         amax if e > 1 else amax[0],
@@ -309,26 +372,10 @@ def quantize_per_token_group_triton(
     _check_runnable(x2, scale_format, what, name)
     if x2.dim() != 2:
         raise QuantInputError(f"{what}: tensor {name!r} must be [M, K] here, got shape {tuple(x2.shape)}")
-    triton, _, token_group_kernel = _kernels()
     x2 = x2.contiguous()
-    m, k = x2.shape
-    ng = math.ceil(k / group_size)
-    g_p2 = _next_pow2(group_size)
-    if rows_per_program is None:
-        rows = min(_next_pow2(m), max(1, 8192 // g_p2))
-    else:
-        rows = _next_pow2(rows_per_program)
-    out_dtype = FP8_DTYPE if fp8_out else torch.float32
-    q = torch.empty((m, k), dtype=out_dtype, device=x2.device)
-    scale = torch.empty((m, ng), dtype=torch.float32, device=x2.device)
-    amax = torch.empty_like(scale)
-    warps = num_warps if num_warps is not None else _default_num_warps(rows * g_p2)
-    grid = (triton.cdiv(m, rows), ng)
-    token_group_kernel[grid](
-        x2, q, scale, amax, m, k, ng,
-        G=group_size, G_P2=g_p2, ROWS=rows,
-        UE8M0=scale_format == "ue8m0", FP8_OUT=fp8_out, num_warps=warps,
-    )  # fmt: skip
+    q, scale, amax = launch_token_group(
+        x2, group_size, scale_format, fp8_out=fp8_out, rows_per_program=rows_per_program, num_warps=num_warps
+    )
     _checks.raise_on_nonfinite_amax(
         x2, amax, block_size=(1, group_size), axis_names=("token", "group"), name=name, what=what
     )

@@ -65,33 +65,52 @@ DTYPES: dict[str, torch.dtype] = {n: getattr(torch, n) for n in _DTYPE_NAMES if 
 _DTYPE_TO_NAME: dict[torch.dtype, str] = {v: k for k, v in DTYPES.items()}
 
 
-def _isfinite_float(t: torch.Tensor) -> torch.Tensor:
-    return torch.isfinite(t)
+_CHECK_CHUNK = 1 << 24  # elements per reduction in the finiteness fast path (bounds the temporaries)
 
 
-def _fp8_mask(nonfinite: Callable[[torch.Tensor], torch.Tensor]) -> Callable[[torch.Tensor], torch.Tensor]:
-    def check(t: torch.Tensor) -> torch.Tensor:
-        return ~nonfinite(t.view(torch.uint8))
+def _chunks(t: torch.Tensor) -> Iterator[torch.Tensor]:
+    flat = t.reshape(-1)
+    for start in range(0, flat.numel(), _CHECK_CHUNK):
+        yield flat[start : start + _CHECK_CHUNK]
 
-    return check
+
+def _float_has_nonfinite(t: torch.Tensor) -> bool:
+    # amax propagates NaN and |-inf| = inf: one cheap reduction per chunk instead of a bool mask.
+    return any(not bool(torch.isfinite(c.abs().amax())) for c in _chunks(t))
 
 
-# dtype name -> function returning a bool mask of *finite* elements. Integer and
-# bool tensors have no non-finite values and are absent.
-_FINITE_CHECKS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
-    "bfloat16": _isfinite_float,
-    "float16": _isfinite_float,
-    "float32": _isfinite_float,
-    "float64": _isfinite_float,
+def _float_nonfinite_mask(t: torch.Tensor) -> torch.Tensor:
+    return ~torch.isfinite(t)
+
+
+def _fp8_rule(
+    has_bad: Callable[[torch.Tensor], torch.Tensor], mask: Callable[[torch.Tensor], torch.Tensor]
+) -> tuple[Callable[[torch.Tensor], bool], Callable[[torch.Tensor], torch.Tensor]]:
+    def fast(t: torch.Tensor) -> bool:
+        return any(bool(has_bad(c)) for c in _chunks(t.view(torch.uint8)))
+
+    def slow(t: torch.Tensor) -> torch.Tensor:
+        return mask(t.view(torch.uint8))
+
+    return fast, slow
+
+
+# dtype name -> (fast "holds a NaN/Inf?" test, mask of the offending elements for the error message).
+# Integer and bool dtypes have no non-finite values and are absent.
+_NONFINITE_RULES: dict[str, tuple[Callable[[torch.Tensor], bool], Callable[[torch.Tensor], torch.Tensor]]] = {
+    "bfloat16": (_float_has_nonfinite, _float_nonfinite_mask),
+    "float16": (_float_has_nonfinite, _float_nonfinite_mask),
+    "float32": (_float_has_nonfinite, _float_nonfinite_mask),
+    "float64": (_float_has_nonfinite, _float_nonfinite_mask),
     # e4m3fn: no Inf; NaN is S.1111.111 (0x7f, 0xff).
-    "float8_e4m3fn": _fp8_mask(lambda b: (b & 0x7F) == 0x7F),
+    "float8_e4m3fn": _fp8_rule(lambda b: (b & 0x7F).amax() == 0x7F, lambda b: (b & 0x7F) == 0x7F),
     # e5m2 (IEEE-like): exponent 11111 is Inf (mantissa 0) or NaN: 0x7c..0x7f, 0xfc..0xff.
-    "float8_e5m2": _fp8_mask(lambda b: (b & 0x7F) >= 0x7C),
+    "float8_e5m2": _fp8_rule(lambda b: (b & 0x7F).amax() >= 0x7C, lambda b: (b & 0x7F) >= 0x7C),
     # fnuz formats: the single NaN is 0x80 (negative zero's pattern).
-    "float8_e4m3fnuz": _fp8_mask(lambda b: b == 0x80),
-    "float8_e5m2fnuz": _fp8_mask(lambda b: b == 0x80),
+    "float8_e4m3fnuz": _fp8_rule(lambda b: (b == 0x80).any(), lambda b: b == 0x80),
+    "float8_e5m2fnuz": _fp8_rule(lambda b: (b == 0x80).any(), lambda b: b == 0x80),
     # UE8M0 scales: 0xff is NaN.
-    "float8_e8m0fnu": _fp8_mask(lambda b: b == 0xFF),
+    "float8_e8m0fnu": _fp8_rule(lambda b: b.amax() == 0xFF, lambda b: b == 0xFF),
 }
 
 
@@ -307,13 +326,14 @@ def check_finite(name: str, tensor: torch.Tensor, *, version: int | None = None)
     """
     if tensor.numel() == 0:
         return
-    check = _FINITE_CHECKS.get(dtype_name(tensor.dtype, tensor_name=name))
-    if check is None:
+    rule = _NONFINITE_RULES.get(dtype_name(tensor.dtype, tensor_name=name))
+    if rule is None:
         return
-    finite = check(tensor.detach())
-    if bool(finite.all()):
+    has_bad, bad_mask = rule
+    tensor = tensor.detach()
+    if not has_bad(tensor):
         return
-    bad = ~finite
+    bad = bad_mask(tensor)
     count = int(bad.sum())
     first = _first_bad_index(bad, tuple(tensor.shape))
     where = f" of version {version}" if version is not None else ""

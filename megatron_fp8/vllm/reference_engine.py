@@ -176,6 +176,9 @@ class ReferenceFP8Engine:
             it from ``ignored_layers`` as vLLM does. Must be empty without quantization.
         kv_cache_dtype: a key of :data:`KV_CACHE_DTYPES`.
         activation_scale_format: ``"fp32"`` (Hopper) or ``"ue8m0"`` activation scales.
+        weight_cache: keep a float64 copy of each FP8 weight between forward
+            passes (8 bytes per element, dropped at every commit): several times
+            faster for generation; turn it off for models too big for that.
 
     Raises:
         ConfigError: unsupported model / quantization / KV-cache dtype.
@@ -194,6 +197,7 @@ class ReferenceFP8Engine:
         fp8_names: Iterable[str] | None = None,
         kv_cache_dtype: str = "auto",
         activation_scale_format: str = "fp32",
+        weight_cache: bool = True,
     ):
         self.model_config: ReferenceModelConfig = model_config_from_hf(hf_config)
         self._specs: dict[str, ParamSpec] = param_specs(self.model_config)
@@ -231,6 +235,8 @@ class ReferenceFP8Engine:
             self._tensors[name] = torch.ones((), dtype=torch.float32)  # vLLM's default k/v/q scale
         self._loaded: set[str] = set()
         self._version = 0
+        self._weight_cache = weight_cache
+        self._f64: dict[str, torch.Tensor] = {}
         hd = self.model_config.head_dim
         self._inv_freq = 1.0 / (self.model_config.rope_theta ** (torch.arange(0, hd, 2, dtype=torch.float32) / hd))
         logger.info(
@@ -402,6 +408,7 @@ class ReferenceFP8Engine:
             raise RefitError(
                 f"commit: staged at engine version {staged._version} but the engine is at {self._version}; stage again"
             )
+        self._f64.clear()
         with torch.no_grad():
             for name, value in staged._updates.items():
                 self._tensors[name].copy_(value)
@@ -452,6 +459,7 @@ class ReferenceFP8Engine:
         fp8_names: Iterable[str] | None = None,
         kv_cache_dtype: str = "auto",
         activation_scale_format: str = "fp32",
+        weight_cache: bool = True,
     ) -> ReferenceFP8Engine:
         """Build an engine from an HF safetensors checkpoint folder.
 
@@ -463,6 +471,7 @@ class ReferenceFP8Engine:
             fp8_names: FP8 manifest; ``None`` derives it from ``ignored_layers``.
             kv_cache_dtype: a key of :data:`KV_CACHE_DTYPES`.
             activation_scale_format: ``"fp32"`` or ``"ue8m0"``.
+            weight_cache: see :class:`ReferenceFP8Engine`.
 
         Raises:
             ConfigError: missing config, unsupported settings, or weights the checkpoint lacks.
@@ -484,7 +493,7 @@ class ReferenceFP8Engine:
             raise ConfigError(f"{folder}: no *.safetensors files")
         engine = cls(
             cfg, quantization=quantization, fp8_names=fp8_names, kv_cache_dtype=kv_cache_dtype,
-            activation_scale_format=activation_scale_format,
+            activation_scale_format=activation_scale_format, weight_cache=weight_cache,
         )
 
         def items() -> Iterator[tuple[str, torch.Tensor]]:
@@ -543,10 +552,13 @@ class ReferenceFP8Engine:
         bias = self._tensors.get(bias_name)
         if name in self.fp8_names:
             assert self.quant_config is not None
+            w64 = self._f64.get(name)
+            if w64 is None and self._weight_cache:
+                w64 = self._f64[name] = self._tensors[name].to(torch.float64)
             return w8a8_block_fp8_linear(
                 x, self._tensors[name], self._tensors[name + SCALE_SUFFIX], block_size=self.quant_config.block_size,
                 bias=bias, activation_scale_format=self.quant_config.activation_scale_format, out_dtype=out_dtype,
-                name=name,
+                name=name, weight_f64=w64,
             )
         lead = x.shape[:-1]
         y = bf16_linear(x.reshape(-1, x.shape[-1]), self._tensors[name], bias=bias, out_dtype=out_dtype, name=name)

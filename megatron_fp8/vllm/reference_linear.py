@@ -81,6 +81,7 @@ def w8a8_block_fp8_matmul(
     bias: torch.Tensor | None = None,
     out_dtype: torch.dtype = torch.bfloat16,
     name: str | None = None,
+    weight_f64: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Blockwise-scaled FP8 GEMM on already quantized operands.
 
@@ -94,6 +95,8 @@ def w8a8_block_fp8_matmul(
         out_dtype: ``torch.bfloat16`` (what vLLM returns) or ``torch.float32``
             (the float32 accumulator itself, for tests).
         name: weight name used in error messages.
+        weight_f64: optional ``qw.to(torch.float64)`` computed once by the caller
+            (the conversion dominates the cost of small GEMMs); must equal it.
 
     Returns:
         ``[M, N]`` tensor in ``out_dtype``.
@@ -110,7 +113,11 @@ def w8a8_block_fp8_matmul(
         raise QuantInputError(
             f"activations for {name!r}: scales must be float32 {(m, kb)}, got {sa.dtype} {tuple(sa.shape)}"
         )
-    w64 = qw.to(torch.float64).view(n, kb, bk).permute(1, 2, 0)  # [KB, bk, N]
+    if weight_f64 is None:
+        weight_f64 = qw.to(torch.float64)
+    elif weight_f64.dtype != torch.float64 or weight_f64.shape != qw.shape:
+        raise QuantInputError(f"weight {name!r}: weight_f64 must be float64 {tuple(qw.shape)}")
+    w64 = weight_f64.view(n, kb, bk).transpose(0, 1).transpose(1, 2)  # [KB, bk, N] view of row-major [KB, N, bk]
     sw_rows = sw.repeat_interleave(bn, dim=0)[:n].t().contiguous()  # [KB, N]
     out = torch.empty((m, n), dtype=out_dtype)
     rows = max(1, _ROWS_BUDGET_ELEMS // max(1, kb * n))
@@ -137,6 +144,7 @@ def w8a8_block_fp8_linear(
     activation_scale_format: str = "fp32",
     out_dtype: torch.dtype = torch.bfloat16,
     name: str | None = None,
+    weight_f64: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """vLLM's dynamic W8A8 blockwise FP8 linear: quantize ``x`` per token group, then the block GEMM.
 
@@ -149,6 +157,7 @@ def w8a8_block_fp8_linear(
         activation_scale_format: ``"fp32"`` or ``"ue8m0"`` activation scales.
         out_dtype: output dtype (bfloat16 as in vLLM).
         name: weight name used in error messages.
+        weight_f64: optional cached ``qw.to(torch.float64)`` (see :func:`w8a8_block_fp8_matmul`).
 
     Returns:
         ``[..., N]`` tensor in ``out_dtype``.
@@ -160,7 +169,9 @@ def w8a8_block_fp8_linear(
         x2, group_size=block_size[1], scale_format=activation_scale_format,
         name=f"input of {name}" if name else None, backend="torch",
     )
-    y = w8a8_block_fp8_matmul(qa, sa, qw, sw, block_size=block_size, bias=bias, out_dtype=out_dtype, name=name)
+    y = w8a8_block_fp8_matmul(
+        qa, sa, qw, sw, block_size=block_size, bias=bias, out_dtype=out_dtype, name=name, weight_f64=weight_f64
+    )
     return y.view(*lead, qw.shape[0])
 
 

@@ -49,8 +49,13 @@ class SlurmCluster:
     def run(self, *args: str, timeout: float = 60, check: bool = True, **kwargs) -> subprocess.CompletedProcess:
         """Run a Slurm client command (``sbatch``, ``scontrol``, ...) against this cluster."""
         return subprocess.run(
-            list(args), env=kwargs.pop("env", self.env), capture_output=True, text=True, timeout=timeout,
-            check=check, **kwargs,
+            list(args),
+            env=kwargs.pop("env", self.env),
+            capture_output=True,
+            text=True,
+            timeout=timeout,
+            check=check,
+            **kwargs,
         )
 
     def daemon_logs(self) -> str:
@@ -78,7 +83,9 @@ def _ensure_slurm_installed() -> None:
     proc = subprocess.run(["make", "-s", "system-deps"], cwd=REPO_ROOT, capture_output=True, text=True, timeout=900)
     missing = _missing_binaries()
     if missing:
-        pytest.skip(f"'make system-deps' did not provide {', '.join(missing)}: {proc.stdout[-400:]}{proc.stderr[-400:]}")
+        pytest.skip(
+            f"'make system-deps' did not provide {', '.join(missing)}: {proc.stdout[-400:]}{proc.stderr[-400:]}"
+        )
 
 
 def _free_port() -> int:

@@ -26,7 +26,14 @@ DOCKERFILE = REPO / "docker" / "Dockerfile.ngc_pytorch"
 VENV_BIN = Path(sys.executable).parent
 
 # NGC PyTorch releases and the CUDA they are built on (assumption documented in the Dockerfile).
-NGC_PYTORCH_CUDA = {"25.03": "12.8", "25.04": "12.9", "25.05": "12.9", "25.06": "12.9", "25.07": "12.9", "25.08": "13.0"}
+NGC_PYTORCH_CUDA = {
+    "25.03": "12.8",
+    "25.04": "12.9",
+    "25.05": "12.9",
+    "25.06": "12.9",
+    "25.07": "12.9",
+    "25.08": "13.0",
+}
 
 
 def _load(path: Path, name: str):
@@ -71,7 +78,9 @@ def _write(path: Path, text: str) -> Path:
 
 
 def test_pin_mapping_catches_each_kind_of_disagreement(tmp_path):
-    main = pins.parse_constraints(_write(tmp_path / "ci.txt", "megatron-core==0.16.1\nrich==15.0.0\nvllm-cpu==0.32.0\n"))
+    main = pins.parse_constraints(
+        _write(tmp_path / "ci.txt", "megatron-core==0.16.1\nrich==15.0.0\nvllm-cpu==0.32.0\n")
+    )
     bad = pins.parse_container_pins(
         _write(
             tmp_path / "c.txt",
@@ -89,7 +98,9 @@ def test_pin_mapping_catches_each_kind_of_disagreement(tmp_path):
     assert "vllm==0.11.0" in joined and "differs: <reason>" in joined
     assert "torch: pinned on line 4 but also marked from-base" in joined
 
-    good = pins.parse_container_pins(_write(tmp_path / "g.txt", "megatron-core==0.16.1\nvllm==0.11.0  # differs: CUDA\n"))
+    good = pins.parse_container_pins(
+        _write(tmp_path / "g.txt", "megatron-core==0.16.1\nvllm==0.11.0  # differs: CUDA\n")
+    )
     assert pins.check_mapping(main, good) == []
 
 
@@ -176,8 +187,16 @@ def test_dockerfile_environment_and_build_steps():
     last = runs[-1]
     assert "check_image.py" in last and "megatron-fp8 doctor --json" in last
     # the final check imports every package the image promises
-    for module in ("torch", "transformer_engine.pytorch", "vllm", "deep_gemm", "megatron.core", "megatron.bridge",
-                   "modelopt.torch.quantization", "megatron_fp8"):
+    for module in (
+        "torch",
+        "transformer_engine.pytorch",
+        "vllm",
+        "deep_gemm",
+        "megatron.core",
+        "megatron.bridge",
+        "modelopt.torch.quantization",
+        "megatron_fp8",
+    ):
         assert module in check_image.DEFAULT_MODULES
 
 
@@ -205,11 +224,23 @@ def test_dockerignore_keeps_every_copy_source_and_drops_environments():
         if src != ".":
             assert (REPO / src).exists(), f"COPY source {src} missing from the repository"
             assert not _ignored(src, patterns), f".dockerignore excludes COPY source {src}"
-    for keep in ("megatron_fp8/quant/formats.py", "slurm/common.sh", "tests/conftest.py", "pyproject.toml",
-                 "requirements/constraints.txt", "docker/check_image.py"):
+    for keep in (
+        "megatron_fp8/quant/formats.py",
+        "slurm/common.sh",
+        "tests/conftest.py",
+        "pyproject.toml",
+        "requirements/constraints.txt",
+        "docker/check_image.py",
+    ):
         assert not _ignored(keep, patterns), keep
-    for drop in (".venv/bin/python", ".git/HEAD", "results/x/junit.xml", "logs/a.out", "img.sqsh",
-                 "megatron_fp8/__pycache__/x.pyc"):
+    for drop in (
+        ".venv/bin/python",
+        ".git/HEAD",
+        "results/x/junit.xml",
+        "logs/a.out",
+        "img.sqsh",
+        "megatron_fp8/__pycache__/x.pyc",
+    ):
         assert _ignored(drop, patterns), drop
 
 
@@ -217,8 +248,9 @@ def test_dockerignore_keeps_every_copy_source_and_drops_environments():
 def _make(*args: str, env: dict[str, str] | None = None) -> str:
     if shutil.which("make") is None:
         pytest.skip("make not installed")
-    res = subprocess.run(["make", "-n", *args], cwd=REPO, capture_output=True, text=True, timeout=60,
-                         env={**os.environ, **(env or {})})
+    res = subprocess.run(
+        ["make", "-n", *args], cwd=REPO, capture_output=True, text=True, timeout=60, env={**os.environ, **(env or {})}
+    )
     assert res.returncode == 0, res.stderr
     return res.stdout
 
@@ -235,8 +267,12 @@ def test_make_n_image_shows_the_build_command():
     assert f"--build-arg BASE_IMAGE={base}" in build
     assert build.rstrip().endswith(f"-t megatron-fp8:{_project_version()} .")
 
-    out = _make("image", "IMAGE=registry.example/team/mfp8:dev", "BASE_IMAGE=nvcr.io/nvidia/pytorch:25.05-py3",
-                "CONTAINER_ENGINE=podman")
+    out = _make(
+        "image",
+        "IMAGE=registry.example/team/mfp8:dev",
+        "BASE_IMAGE=nvcr.io/nvidia/pytorch:25.05-py3",
+        "CONTAINER_ENGINE=podman",
+    )
     build = next(line for line in out.splitlines() if line.startswith("podman build "))
     assert "--build-arg BASE_IMAGE=nvcr.io/nvidia/pytorch:25.05-py3" in build
     assert "-t registry.example/team/mfp8:dev ." in build
@@ -318,7 +354,9 @@ def _smi(cap: str) -> str:
 
 @pytest.mark.parametrize(("cap", "ok"), [("8.0", False), ("8.9", False), ("9.0", True)])
 def test_blockwise_requires_hopper(tmp_path, cap, ok):
-    res = _common("mfp8_check_node", env={"REQUIRE_GPU": "1", "REQUIRE_HOPPER": "1"}, path=_tool_dir(tmp_path, _smi(cap)))
+    res = _common(
+        "mfp8_check_node", env={"REQUIRE_GPU": "1", "REQUIRE_HOPPER": "1"}, path=_tool_dir(tmp_path, _smi(cap))
+    )
     if ok:
         assert res.returncode == 0, res.stderr
         assert "compute capability >= 9.0" in res.stderr
@@ -333,8 +371,13 @@ def test_rendezvous_comes_from_the_slurm_environment(tmp_path):
     conf = _write(tmp_path / "slurm.conf", "ClusterName=x\nSlurmctldHost=localhost\nNodeName=node[01-03]\n")
     res = _common(
         'mfp8_rendezvous; echo "$MASTER_ADDR $MASTER_PORT $WORLD_SIZE $NNODES"',
-        env={"SLURM_CONF": str(conf), "SLURM_JOB_NODELIST": "node[01-03]", "SLURM_JOB_ID": "123456",
-             "SLURM_NTASKS": "24", "SLURM_JOB_NUM_NODES": "3"},
+        env={
+            "SLURM_CONF": str(conf),
+            "SLURM_JOB_NODELIST": "node[01-03]",
+            "SLURM_JOB_ID": "123456",
+            "SLURM_NTASKS": "24",
+            "SLURM_JOB_NUM_NODES": "3",
+        },
     )
     assert res.returncode == 0, res.stderr
     assert res.stdout.split() == ["node01", str(20000 + 123456 % 20000), "24", "3"]
@@ -348,12 +391,28 @@ def test_rendezvous_comes_from_the_slurm_environment(tmp_path):
 )
 def test_task_env_sets_rank_and_role(procid, rollout, role):
     env = {k: v for k, v in os.environ.items() if not k.startswith("SLURM_")}
-    env.update(SLURM_PROCID=procid, SLURM_LOCALID="1", SLURM_NODEID="1", SLURM_NTASKS="4",
-               SLURM_STEP_TASKS_PER_NODE="2(x2)", ROLLOUT_TASKS=rollout)
+    env.update(
+        SLURM_PROCID=procid,
+        SLURM_LOCALID="1",
+        SLURM_NODEID="1",
+        SLURM_NTASKS="4",
+        SLURM_STEP_TASKS_PER_NODE="2(x2)",
+        ROLLOUT_TASKS=rollout,
+    )
     res = subprocess.run(
-        ["bash", str(REPO / "slurm" / "common.sh"), "task", "--", "bash", "-c",
-         'echo "$RANK $LOCAL_RANK $NODE_RANK $WORLD_SIZE $LOCAL_WORLD_SIZE $MFP8_ROLE"'],
-        env=env, capture_output=True, text=True, timeout=30,
+        [
+            "bash",
+            str(REPO / "slurm" / "common.sh"),
+            "task",
+            "--",
+            "bash",
+            "-c",
+            'echo "$RANK $LOCAL_RANK $NODE_RANK $WORLD_SIZE $LOCAL_WORLD_SIZE $MFP8_ROLE"',
+        ],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=30,
     )
     assert res.returncode == 0, res.stderr
     assert res.stdout.split() == [procid, "1", "1", "4", "2", role]
@@ -374,8 +433,13 @@ def _free_port() -> int:
 def test_rendezvous_check_single_process(tmp_path):
     env = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(_free_port()), "WORLD_SIZE": "1", "RANK": "0"}
     out = tmp_path / "r.json"
-    res = subprocess.run([sys.executable, str(REPO / "slurm" / "rendezvous_check.py"), "--out", str(out),
-                          "--timeout-s", "30"], env=env, capture_output=True, text=True, timeout=120)
+    res = subprocess.run(
+        [sys.executable, str(REPO / "slurm" / "rendezvous_check.py"), "--out", str(out), "--timeout-s", "30"],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert res.returncode == 0, res.stdout + res.stderr
     summary = json.loads(out.read_text())
     assert summary["ok"] and summary["sum"] == summary["expected"] == 1 and summary["world_size"] == 1
@@ -384,8 +448,13 @@ def test_rendezvous_check_single_process(tmp_path):
 
 def test_rendezvous_check_needs_its_environment():
     env = {k: v for k, v in os.environ.items() if k not in {"MASTER_ADDR", "MASTER_PORT", "WORLD_SIZE", "RANK"}}
-    res = subprocess.run([sys.executable, str(REPO / "slurm" / "rendezvous_check.py")], env=env,
-                         capture_output=True, text=True, timeout=120)
+    res = subprocess.run(
+        [sys.executable, str(REPO / "slurm" / "rendezvous_check.py")],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert res.returncode == 2
     assert "missing MASTER_ADDR, MASTER_PORT, WORLD_SIZE, RANK" in res.stdout
 
@@ -395,8 +464,15 @@ def test_check_image_on_cpu(tmp_path, monkeypatch, capsys):
     monkeypatch.setenv("NVTE_FP8_BLOCK_SCALING_FP32_SCALES", "1")
     monkeypatch.setenv("TORCH_CUDA_ARCH_LIST", "9.0")
     base = _write(tmp_path / "base.txt", f"torch=={importlib.metadata.version('torch')}\n")
-    argv = ["--modules", "torch,numpy,megatron_fp8.quant", "--min-cuda", "none", "--no-vllm-extension",
-            "--base-pins", str(base)]
+    argv = [
+        "--modules",
+        "torch,numpy,megatron_fp8.quant",
+        "--min-cuda",
+        "none",
+        "--no-vllm-extension",
+        "--base-pins",
+        str(base),
+    ]
     assert check_image.main(argv) == 0
     assert "image: ok (3/3 modules imported)" in capsys.readouterr().out
 

@@ -80,6 +80,11 @@ def _prefill_logits(engine: ReferenceFP8Engine, ids: list[list[int]]) -> torch.T
     return engine._logits(hidden).float()
 
 
+def _same(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Bitwise equality (dtype included), for FP8 and float tensors of any rank."""
+    return a.dtype == b.dtype and torch.equal(a.reshape(-1).view(torch.uint8), b.reshape(-1).view(torch.uint8))
+
+
 def _bf16_stream(path: Path) -> dict[str, torch.Tensor]:
     from safetensors.torch import load_file
 
@@ -275,7 +280,7 @@ def test_bf16_weight_for_an_fp8_name_is_quantized_on_arrival(fp8_engine, dense_p
     name = "model.layers.0.mlp.down_proj.weight"
     q, s = quantize_blockwise(_bf16_stream(dense_path)[name])
     assert held[name].dtype == torch.float8_e4m3fn
-    assert torch.equal(held[name].view(torch.uint8), q.view(torch.uint8))
+    assert _same(held[name], q)
     assert torch.equal(held[name + SCALE_SUFFIX], s)
 
 
@@ -283,7 +288,7 @@ def test_bad_stream_raises_naming_the_tensor_and_changes_nothing(dense_path):
     engine = ReferenceFP8Engine.from_hf_checkpoint(dense_path, quantization=FP8_QUANT)
     before = engine.state_dict()
     state = _bf16_stream(dense_path)
-    good = ("model.norm.weight", state["model.norm.weight"] * 2)
+    good = ("model.layers.0.input_layernorm.weight", state["model.layers.0.input_layernorm.weight"] * 2)
     q_name = "model.layers.1.self_attn.q_proj.weight"
     q, s = quantize_blockwise(state[q_name] * 3)
     cases = [
@@ -301,7 +306,7 @@ def test_bad_stream_raises_naming_the_tensor_and_changes_nothing(dense_path):
         with pytest.raises(WeightStreamError, match=pattern):
             engine.load_weights(items)
         after = engine.state_dict()
-        assert all(torch.equal(before[n].view(torch.uint8), after[n].view(torch.uint8)) for n in before)
+        assert all(_same(before[n], after[n]) for n in before)
     assert engine.version == 1
 
 
@@ -318,7 +323,7 @@ def test_refit_updates_in_place_and_changes_generations(dense_path):
     assert {n: t.data_ptr() for n, t in engine.named_weights()} == ptrs
     held = dict(engine.named_weights())
     for name, t in sent.items():
-        assert torch.equal(held[name].view(torch.uint8), t.to(held[name].dtype).view(torch.uint8)), name
+        assert _same(held[name], t.to(held[name].dtype)), name
     after = engine.generate(PROMPTS, max_new_tokens=6)
     assert after.token_ids != before.token_ids
 
@@ -356,7 +361,7 @@ def test_saved_fp8_checkpoint_reloads_to_an_identical_engine(dense_path, tmp_pat
     assert reloaded.fp8_names == engine.fp8_names
     a, b = engine.state_dict(), reloaded.state_dict()
     assert a.keys() == b.keys()
-    assert all(a[n].dtype == b[n].dtype and torch.equal(a[n].view(torch.uint8), b[n].view(torch.uint8)) for n in a)
+    assert all(_same(a[n], b[n]) for n in a)
     assert reloaded.generate(PROMPTS, max_new_tokens=5).token_ids == engine.generate(PROMPTS, max_new_tokens=5).token_ids
     x = reloaded.generate(PROMPTS, max_new_tokens=5, temperature=1.0, seed=2)
     y = engine.generate(PROMPTS, max_new_tokens=5, temperature=1.0, seed=2)

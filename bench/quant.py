@@ -1,0 +1,402 @@
+"""Quantizer benchmark: blockwise 128x128 FP8 cast of bf16 weights (``make bench``).
+
+On CUDA it measures, in one run and side by side:
+
+* device-to-device copy bandwidth (``dst.copy_(src)`` of a 1 GiB buffer, bytes
+  read + written / time): the ceiling for a memory-bound kernel;
+* the Triton kernel alone (:func:`megatron_fp8.quant.triton_kernels.launch_blockwise`)
+  as effective GB/s = (bytes read + bytes written) / time, and its % of copy
+  bandwidth (goal: >= 92% on H100 for 4096x4096 .. 14336x4096);
+* the public API with the Triton backend (kernel + non-finite check, which syncs);
+* the torch path on the GPU, for reference; and whether its bytes equal the kernel's.
+
+On CPU it compares the chunked torch path with the naive permute-based float64
+reference (:mod:`megatron_fp8.quant.reference`): time, speedup, equal bytes.
+
+Shapes: 4096x4096, 14336x4096, 4096x14336, 6144x4096 and a Llama-3.1-8B-shaped
+weight set (per layer q 4096x4096, k/v 1024x4096, o 4096x4096, gate/up
+14336x4096, down 4096x14336; random data). Bytes moved per weight
+``[N, K]`` bf16: ``2NK`` read + ``NK`` written + 4 bytes per block scale.
+
+Usage::
+
+    python bench/quant.py --out bench/results/quant.json [--layers N] [--smoke] [--sweep]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import platform
+import statistics
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+
+from megatron_fp8.quant import blockwise_scale_shape, quantize_blockwise
+from megatron_fp8.quant.reference import quantize_blockwise_reference
+
+SHAPES: tuple[tuple[int, int], ...] = ((4096, 4096), (14336, 4096), (4096, 14336), (6144, 4096))
+SMOKE_SHAPES: tuple[tuple[int, int], ...] = ((256, 384), (130, 200))
+
+LLAMA_8B_LAYER: tuple[tuple[str, tuple[int, int]], ...] = (
+    ("q_proj", (4096, 4096)),
+    ("k_proj", (1024, 4096)),
+    ("v_proj", (1024, 4096)),
+    ("o_proj", (4096, 4096)),
+    ("gate_proj", (14336, 4096)),
+    ("up_proj", (14336, 4096)),
+    ("down_proj", (4096, 14336)),
+)
+LLAMA_8B_LAYERS = 32
+SMOKE_LAYER: tuple[tuple[str, tuple[int, int]], ...] = tuple(
+    (name, (n // 32, k // 32)) for name, (n, k) in LLAMA_8B_LAYER
+)
+
+TARGET_PCT_OF_COPY = 92.0
+COPY_BUFFER_BYTES = 1 << 30
+DTYPE = torch.bfloat16
+
+ROW_KEYS = (
+    "shape", "elements", "bytes_moved", "torch_ms", "torch_gbs", "reference_ms", "speedup_vs_reference",
+    "bytes_equal_reference", "triton_ms", "triton_gbs", "pct_of_copy", "triton_api_ms", "copy_same_size_gbs",
+    "bytes_equal_torch", "best_config",
+)  # fmt: skip
+
+
+def bytes_moved(shape: tuple[int, int], elem_bytes: int = 2) -> int:
+    """Bytes a blockwise cast must move: input read + fp8 written + float32 scales written."""
+    n, k = shape
+    return elem_bytes * n * k + n * k + 4 * math.prod(blockwise_scale_shape((n, k)))
+
+
+def _median_cpu(fn: Callable[[], object], reps: int) -> float:
+    times = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times) * 1e3
+
+
+def _median_cuda(fn: Callable[[], object], *, warmup: int, reps: int, inner: int = 1) -> float:
+    """Median milliseconds of one ``fn()`` call, timed with CUDA events over ``inner`` calls."""
+    for _ in range(warmup):
+        fn()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(reps):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        for _ in range(inner):
+            fn()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) / inner)
+    return statistics.median(times)
+
+
+def _inner_for(nbytes: int) -> int:
+    """Calls per timed region so each region moves >= 1 GiB (hides launch latency and event overhead)."""
+    return max(1, math.ceil((1 << 30) / nbytes))
+
+
+def _gbs(nbytes: int, ms: float | None) -> float | None:
+    return None if not ms else nbytes / (ms * 1e-3) / 1e9
+
+
+def _empty_row(shape: tuple[int, int]) -> dict:
+    row = dict.fromkeys(ROW_KEYS)
+    row["shape"] = list(shape)
+    row["elements"] = shape[0] * shape[1]
+    row["bytes_moved"] = bytes_moved(shape)
+    return row
+
+
+def _same_bytes(a: tuple[torch.Tensor, torch.Tensor], b: tuple[torch.Tensor, torch.Tensor]) -> bool:
+    return bool(torch.equal(a[1], b[1]) and torch.equal(a[0].view(torch.uint8), b[0].view(torch.uint8)))
+
+
+# ------------------------------------------------------------------ CUDA
+
+
+def copy_bandwidth_gbs(nbytes: int, *, warmup: int, reps: int) -> float:
+    """Device-to-device copy bandwidth in GB/s (bytes read + written per second)."""
+    src = torch.empty(nbytes // 2, dtype=DTYPE, device="cuda").normal_()
+    dst = torch.empty_like(src)
+    ms = _median_cuda(lambda: dst.copy_(src), warmup=warmup, reps=reps, inner=_inner_for(2 * nbytes))
+    return 2 * src.numel() * src.element_size() / (ms * 1e-3) / 1e9
+
+
+def _sweep_configs(x3: torch.Tensor, nbytes: int, *, warmup: int, reps: int) -> tuple[dict, float]:
+    from megatron_fp8.quant import triton_kernels
+
+    best: tuple[dict, float] | None = None
+    for cols in (1, 2, 4):
+        for warps in (4, 8, 16):
+            cfg = {"cols_per_program": cols, "num_warps": warps}
+            ms = _median_cuda(
+                lambda cfg=cfg: triton_kernels.launch_blockwise(x3, 128, 128, "fp32", **cfg),
+                warmup=warmup, reps=reps, inner=_inner_for(nbytes),
+            )  # fmt: skip
+            if best is None or ms < best[1]:
+                best = (cfg, ms)
+    assert best is not None
+    return best
+
+
+def bench_shape_cuda(shape: tuple[int, int], copy_gbs: float, *, warmup: int, reps: int, sweep: bool) -> dict:
+    from megatron_fp8.quant import triton_kernels
+
+    row = _empty_row(shape)
+    nbytes = row["bytes_moved"]
+    x = torch.randn(shape, dtype=DTYPE, device="cuda")
+    x3 = x.unsqueeze(0)
+    inner = _inner_for(nbytes)
+    kernel_ms = _median_cuda(
+        lambda: triton_kernels.launch_blockwise(x3, 128, 128, "fp32"), warmup=warmup, reps=reps, inner=inner
+    )
+    if sweep:
+        cfg, ms = _sweep_configs(x3, nbytes, warmup=warmup, reps=reps)
+        row["best_config"] = {**cfg, "ms": ms, "gbs": _gbs(nbytes, ms), "pct_of_copy": 100 * _gbs(nbytes, ms) / copy_gbs}
+    row["triton_ms"] = kernel_ms
+    row["triton_gbs"] = _gbs(nbytes, kernel_ms)
+    row["pct_of_copy"] = 100 * row["triton_gbs"] / copy_gbs
+    row["triton_api_ms"] = _median_cuda(
+        lambda: quantize_blockwise(x, backend="triton"), warmup=warmup, reps=reps, inner=inner
+    )
+    row["torch_ms"] = _median_cuda(lambda: quantize_blockwise(x, backend="torch"), warmup=1, reps=max(3, reps // 4))
+    row["torch_gbs"] = _gbs(nbytes, row["torch_ms"])
+    row["bytes_equal_torch"] = _same_bytes(
+        quantize_blockwise(x, backend="triton"), quantize_blockwise(x, backend="torch")
+    )
+    # what a plain copy of this tensor achieves: small tensors cannot reach the big-buffer figure
+    dst = torch.empty_like(x)
+    copy_ms = _median_cuda(lambda: dst.copy_(x), warmup=warmup, reps=reps, inner=_inner_for(2 * x.nbytes))
+    row["copy_same_size_gbs"] = _gbs(2 * x.nbytes, copy_ms)
+    return row
+
+
+def bench_layer_set_cuda(layer: tuple, layers: int, copy_gbs: float, *, warmup: int, reps: int) -> dict:
+    from megatron_fp8.quant import triton_kernels
+
+    weights = [torch.randn(shape, dtype=DTYPE, device="cuda") for _ in range(layers) for _, shape in layer]
+    stacks = [w.unsqueeze(0) for w in weights]
+    nbytes = sum(bytes_moved(tuple(w.shape)) for w in weights)
+
+    def all_kernels():
+        for w3 in stacks:
+            triton_kernels.launch_blockwise(w3, 128, 128, "fp32")
+
+    def all_api(backend: str):
+        for w in weights:
+            quantize_blockwise(w, backend=backend)
+
+    out = _layer_set_header(layer, layers, weights, nbytes)
+    out["triton_ms"] = _median_cuda(all_kernels, warmup=warmup, reps=reps)
+    out["triton_gbs"] = _gbs(nbytes, out["triton_ms"])
+    out["pct_of_copy"] = 100 * out["triton_gbs"] / copy_gbs
+    out["triton_api_ms"] = _median_cuda(lambda: all_api("triton"), warmup=1, reps=max(3, reps // 4))
+    out["torch_ms"] = _median_cuda(lambda: all_api("torch"), warmup=1, reps=3)
+    out["torch_gbs"] = _gbs(nbytes, out["torch_ms"])
+    return out
+
+
+# ------------------------------------------------------------------ CPU
+
+
+def bench_shape_cpu(shape: tuple[int, int], *, reps: int, reference: bool) -> dict:
+    row = _empty_row(shape)
+    x = torch.randn(shape, dtype=DTYPE)
+    ours = quantize_blockwise(x, backend="torch")  # also warms up
+    row["torch_ms"] = _median_cpu(lambda: quantize_blockwise(x, backend="torch"), reps)
+    row["torch_gbs"] = _gbs(row["bytes_moved"], row["torch_ms"])
+    if reference:
+        t0 = time.perf_counter()
+        ref = quantize_blockwise_reference(x)
+        row["reference_ms"] = (time.perf_counter() - t0) * 1e3
+        row["speedup_vs_reference"] = row["reference_ms"] / row["torch_ms"]
+        row["bytes_equal_reference"] = _same_bytes(ours, ref)
+    return row
+
+
+def bench_layer_set_cpu(layer: tuple, layers: int, *, reps: int) -> dict:
+    weights = [torch.randn(shape, dtype=DTYPE) for _ in range(layers) for _, shape in layer]
+    nbytes = sum(bytes_moved(tuple(w.shape)) for w in weights)
+    out = _layer_set_header(layer, layers, weights, nbytes)
+
+    def run():
+        for w in weights:
+            quantize_blockwise(w, backend="torch")
+
+    out["torch_ms"] = _median_cpu(run, reps)
+    out["torch_gbs"] = _gbs(nbytes, out["torch_ms"])
+    return out
+
+
+def _layer_set_header(layer: tuple, layers: int, weights: list[torch.Tensor], nbytes: int) -> dict:
+    return {
+        "model": "Llama-3.1-8B weight shapes, random bf16 data",
+        "per_layer": {name: list(shape) for name, shape in layer},
+        "layers": layers,
+        "layers_full_model": LLAMA_8B_LAYERS,
+        "matrices": len(weights),
+        "elements": sum(w.numel() for w in weights),
+        "bytes_moved": nbytes,
+        "torch_ms": None,
+        "torch_gbs": None,
+        "triton_ms": None,
+        "triton_gbs": None,
+        "pct_of_copy": None,
+        "triton_api_ms": None,
+    }
+
+
+# ------------------------------------------------------------------ driver
+
+
+def _versions() -> dict:
+    try:
+        import triton
+
+        triton_version = triton.__version__
+    except Exception:  # not installed, or broken: report it, do not fail the benchmark
+        triton_version = None
+    return {
+        "torch_version": torch.__version__,
+        "triton_version": triton_version,
+        "cuda_version": torch.version.cuda,
+        "python_version": platform.python_version(),
+    }
+
+
+def run(args: argparse.Namespace) -> dict:
+    use_cuda = args.device == "cuda" or (args.device == "auto" and torch.cuda.is_available())
+    if use_cuda and not torch.cuda.is_available():
+        raise SystemExit("--device cuda: CUDA is not available here")
+    if use_cuda:
+        from megatron_fp8.quant import triton_kernels
+
+        if not triton_kernels.available():
+            raise SystemExit("CUDA is up but Triton does not import: install triton or run with --device cpu")
+    shapes = SMOKE_SHAPES if args.smoke else SHAPES
+    layer = SMOKE_LAYER if args.smoke else LLAMA_8B_LAYER
+    layers = args.layers if args.layers is not None else (2 if args.smoke else (LLAMA_8B_LAYERS if use_cuda else 1))
+    result: dict = {
+        "schema": 1,
+        "mode": "cuda" if use_cuda else "cpu",
+        "device": torch.cuda.get_device_name() if use_cuda else (platform.processor() or platform.machine()),
+        "cpu_threads": torch.get_num_threads(),
+        **_versions(),
+        "dtype": str(DTYPE).removeprefix("torch."),
+        "block_size": [128, 128],
+        "scale_format": "fp32",
+        "smoke": bool(args.smoke),
+        "target_pct_of_copy": TARGET_PCT_OF_COPY,
+        "copy_bandwidth_gbs": None,
+        "shapes": [],
+        "layer_set": None,
+        "notes": [],
+    }
+    if use_cuda:
+        copy_gbs = copy_bandwidth_gbs(COPY_BUFFER_BYTES, warmup=args.warmup, reps=args.reps)
+        result["copy_bandwidth_gbs"] = copy_gbs
+        for shape in shapes:
+            result["shapes"].append(bench_shape_cuda(shape, copy_gbs, warmup=args.warmup, reps=args.reps, sweep=args.sweep))
+        result["layer_set"] = bench_layer_set_cuda(layer, layers, copy_gbs, warmup=args.warmup, reps=args.reps)
+        result["notes"].append(
+            "triton_ms: kernel only (launch_blockwise, no non-finite check); triton_api_ms: quantize_blockwise "
+            "(kernel + amax check, one host sync per call); torch_ms: the torch path on the GPU."
+        )
+    else:
+        reps = args.reps if args.reps_given else 1
+        for shape in shapes:
+            result["shapes"].append(bench_shape_cpu(shape, reps=reps, reference=not args.no_reference))
+        result["layer_set"] = bench_layer_set_cpu(layer, layers, reps=reps)
+        result["notes"].append(
+            f"CPU run ({torch.get_num_threads()} threads): torch path vs the naive float64 reference; "
+            f"layer set with {layers} of {LLAMA_8B_LAYERS} layers (--layers N for more). No Triton figures without CUDA."
+        )
+    return result
+
+
+def _fmt(v: object, spec: str = ".2f") -> str:
+    if v is None:
+        return "-"
+    if isinstance(v, bool):
+        return "yes" if v else "NO"
+    if isinstance(v, float):
+        return format(v, spec)
+    return str(v)
+
+
+def print_table(result: dict) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    cuda = result["mode"] == "cuda"
+    title = f"blockwise 128x128 FP8 cast of bf16 weights on {result['device']}"
+    if cuda:
+        title += f" (copy bandwidth {result['copy_bandwidth_gbs']:.0f} GB/s)"
+    table = Table(title=title)
+    table.add_column("shape")
+    table.add_column("MB moved", justify="right")
+    if cuda:
+        cols = [("triton ms", "triton_ms", ".4f"), ("triton GB/s", "triton_gbs", ".0f"),
+                ("% of copy", "pct_of_copy", ".1f"), ("API ms", "triton_api_ms", ".4f"),
+                ("torch ms", "torch_ms", ".3f"), ("torch GB/s", "torch_gbs", ".0f"),
+                ("same bytes", "bytes_equal_torch", "")]  # fmt: skip
+    else:
+        cols = [("torch ms", "torch_ms", ".1f"), ("torch GB/s", "torch_gbs", ".2f"),
+                ("reference ms", "reference_ms", ".1f"), ("speedup", "speedup_vs_reference", ".1f"),
+                ("same bytes", "bytes_equal_reference", "")]  # fmt: skip
+    for header, _, _ in cols:
+        table.add_column(header, justify="right")
+    rows = [(("x".join(str(d) for d in r["shape"])), r) for r in result["shapes"]]
+    ls = result["layer_set"]
+    if ls:
+        rows.append((f"Llama-8B {ls['layers']}/{ls['layers_full_model']}L", ls))
+    for label, r in rows:
+        table.add_row(label, f"{r['bytes_moved'] / 1e6:.1f}", *(_fmt(r.get(key), spec) for _, key, spec in cols))
+    Console().print(table)
+    for r in result["shapes"]:
+        if r.get("best_config"):
+            Console().print(f"best config for {r['shape']}: {r['best_config']}")
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--out", type=Path, default=Path("bench/results/quant.json"), help="JSON output path")
+    p.add_argument("--smoke", action="store_true", help="tiny shapes, one rep: checks the script runs")
+    p.add_argument("--layers", type=int, default=None,
+                   help="layers of the Llama-3.1-8B set (default 32 on CUDA, 1 on CPU, 2 with --smoke)")
+    p.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto")
+    p.add_argument("--reps", type=int, default=None, help="timed repetitions (median); default 20 CUDA / 1 CPU")
+    p.add_argument("--warmup", type=int, default=3)
+    p.add_argument("--sweep", action="store_true", help="CUDA: also try cols_per_program x num_warps per shape")
+    p.add_argument("--no-reference", action="store_true", help="CPU: skip the (slow) float64 reference")
+    args = p.parse_args(argv)
+    args.reps_given = args.reps is not None
+    if args.reps is None:
+        args.reps = 1 if args.smoke else 20
+    if args.layers is not None and args.layers < 1:
+        p.error("--layers must be >= 1")
+    return args
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    result = run(args)
+    print_table(result)
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(result, indent=2) + "\n")
+    print(f"wrote {args.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,167 @@
+"""Adam for Megatron-Core DDP models where Megatron-Core's own optimizer cannot run (CPU).
+
+Megatron-Core 0.16.1's optimizers do not run without CUDA: ``Float16OptimizerWithFloat16Params``
+and ``FP32Optimizer`` allocate ``torch.tensor(..., device='cuda')`` in their constructors
+(``optimizer.py`` ``found_inf``, ``_scale_one``, ``_scale``), ``clip_grads.py`` does the same for
+the gradient norm, and the BF16 optimizer accepts only ``param.type()`` in
+``torch.cuda.{Half,BFloat16,Float}Tensor``. Patching all of that would be a fork of the
+optimizer, so on CPU :class:`MegatronDDPAdam` does the same job with the same interface:
+
+* gradients come from Megatron-Core DDP's FP32 grad buffer (``param.main_grad``, filled by
+  DDP's backward hooks and reduced by ``finish_grad_sync``);
+* BF16 parameters get FP32 main copies (as Megatron's mixed-precision optimizer keeps),
+  updated by ``torch.optim.AdamW`` and copied back after each step;
+* global gradient-norm clipping counts tensor-parallel duplicates once and all-reduces the
+  squared norm over the model-parallel group, as Megatron does;
+* a step with non-finite gradients is skipped and reported (``update_successful=False``);
+* no weight decay on biases and 1-D parameters (norm weights), Megatron's default.
+
+``step()`` returns ``(update_successful, grad_norm, num_zeros_in_grad)`` like Megatron's.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from megatron_fp8.errors import ConfigError
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class AdamConfig:
+    """Hyper-parameters of :class:`MegatronDDPAdam`.
+
+    Attributes:
+        lr: learning rate.
+        weight_decay: decoupled weight decay (not applied to biases and 1-D parameters).
+        betas: Adam ``(beta1, beta2)``.
+        eps: Adam epsilon.
+        clip_grad: global L2 gradient-norm clip; 0 disables clipping.
+    """
+
+    lr: float
+    weight_decay: float = 0.0
+    betas: tuple[float, float] = (0.9, 0.999)
+    eps: float = 1e-8
+    clip_grad: float = 1.0
+
+
+def _no_decay(name: str, param: torch.Tensor) -> bool:
+    return name.endswith(".bias") or param.dim() == 1
+
+
+def _counts_for_norm(param: torch.Tensor) -> bool:
+    from megatron.core import parallel_state
+
+    if getattr(param, "tensor_model_parallel", False):
+        return True
+    return parallel_state.get_tensor_model_parallel_rank() == 0
+
+
+class MegatronDDPAdam:
+    """AdamW over Megatron-Core DDP grad buffers with FP32 main weights (see the module docstring).
+
+    Args:
+        model_chunks: the DDP-wrapped model chunks.
+        config: the hyper-parameters.
+    """
+
+    def __init__(self, model_chunks: Sequence[torch.nn.Module], config: AdamConfig):
+        if config.lr <= 0:
+            raise ConfigError(f"lr must be > 0, got {config.lr}")
+        self.config = config
+        self._pairs: list[tuple[torch.nn.Parameter, torch.Tensor]] = []
+        decay: list[torch.Tensor] = []
+        no_decay: list[torch.Tensor] = []
+        for chunk in model_chunks:
+            for name, param in chunk.named_parameters():
+                if not param.requires_grad:
+                    continue
+                main = param if param.dtype == torch.float32 else param.detach().float().clone()
+                if main is not param:
+                    main.requires_grad_(True)
+                self._pairs.append((param, main))
+                (no_decay if _no_decay(name, param) else decay).append(main)
+        if not self._pairs:
+            raise ConfigError("the model has no trainable parameters")
+        groups = [{"params": decay, "weight_decay": config.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+        self.optimizer = torch.optim.AdamW(
+            [g for g in groups if g["params"]], lr=config.lr, betas=config.betas, eps=config.eps
+        )
+
+    @property
+    def param_groups(self) -> list[dict]:
+        """The torch optimizer's parameter groups (change ``"lr"`` here to schedule)."""
+        return self.optimizer.param_groups
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """Clear the main-parameter gradients (the DDP buffer is cleared by ``zero_grad_buffer``)."""
+        for param, main in self._pairs:
+            main.grad = None
+            if set_to_none:
+                param.grad = None
+
+    def _grad_of(self, param: torch.nn.Parameter) -> torch.Tensor | None:
+        grad = getattr(param, "main_grad", None)
+        if grad is None:
+            grad = param.grad
+        return None if grad is None else grad.float()
+
+    def _global_norm(self, grads: list[tuple[torch.nn.Parameter, torch.Tensor]]) -> float:
+        from megatron.core import parallel_state
+
+        squares = torch.zeros(1, dtype=torch.float64)
+        for param, grad in grads:
+            if _counts_for_norm(param):
+                squares += grad.double().pow(2).sum()
+        if torch.distributed.is_initialized() and parallel_state.get_model_parallel_group().size() > 1:
+            torch.distributed.all_reduce(squares, group=parallel_state.get_model_parallel_group())
+        return math.sqrt(float(squares))
+
+    @torch.no_grad()
+    def step(self) -> tuple[bool, float, int]:
+        """Clip, check and apply one AdamW update.
+
+        Returns:
+            ``(update_successful, grad_norm, num_zeros_in_grad)``; ``grad_norm`` is measured
+            before clipping; the update is skipped when it is not finite.
+        """
+        grads = [(param, g) for param, _ in self._pairs if (g := self._grad_of(param)) is not None]
+        norm = self._global_norm(grads)
+        num_zeros = int(sum(int((g == 0).sum()) for _, g in grads))
+        if not math.isfinite(norm):
+            logger.warning("non-finite gradient norm (%s); optimizer step skipped", norm)
+            return False, norm, num_zeros
+        scale = 1.0
+        if self.config.clip_grad > 0 and norm > self.config.clip_grad:
+            scale = self.config.clip_grad / (norm + 1e-6)
+        mains = dict(self._pairs)
+        for param, grad in grads:
+            mains[param].grad = grad * scale if scale != 1.0 else grad.clone()
+        self.optimizer.step()
+        for param, main in self._pairs:
+            if main is not param:
+                param.data.copy_(main.data)
+        return True, norm, num_zeros
+
+    def state_dict(self) -> dict:
+        """Optimizer state plus the FP32 main weights, in parameter order."""
+        return {"optimizer": self.optimizer.state_dict(), "main_params": [m.detach().clone() for _, m in self._pairs]}
+
+    def load_state_dict(self, state: dict) -> None:
+        """Restore :meth:`state_dict` output (same model, same parameter order)."""
+        mains = state["main_params"]
+        if len(mains) != len(self._pairs):
+            raise ConfigError(f"optimizer state has {len(mains)} main params, the model has {len(self._pairs)}")
+        with torch.no_grad():
+            for (param, main), saved in zip(self._pairs, mains, strict=True):
+                main.copy_(saved)
+                if main is not param:
+                    param.data.copy_(saved)
+        self.optimizer.load_state_dict(state["optimizer"])
