@@ -313,7 +313,7 @@ def run(args: argparse.Namespace) -> dict:
             "(kernel + amax check, one host sync per call); torch_ms: the torch path on the GPU."
         )
     else:
-        reps = args.reps if args.reps_given else 1
+        reps = args.reps if args.reps_given else (1 if args.smoke else 3)
         for shape in shapes:
             result["shapes"].append(bench_shape_cpu(shape, reps=reps, reference=not args.no_reference))
         result["layer_set"] = bench_layer_set_cpu(layer, layers, reps=reps)
@@ -375,7 +375,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--layers", type=int, default=None,
                    help="layers of the Llama-3.1-8B set (default 32 on CUDA, 1 on CPU, 2 with --smoke)")
     p.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto")
-    p.add_argument("--reps", type=int, default=None, help="timed repetitions (median); default 20 CUDA / 1 CPU")
+    p.add_argument("--reps", type=int, default=None,
+                   help="timed repetitions (median); default 20 on CUDA, 3 on CPU (the CPU reference runs once)")
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--sweep", action="store_true", help="CUDA: also try cols_per_program x num_warps per shape")
     p.add_argument("--no-reference", action="store_true", help="CPU: skip the (slow) float64 reference")

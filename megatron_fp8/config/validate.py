@@ -299,7 +299,10 @@ def validate_config(cfg: RunConfig) -> None:
         errors.append(f"loss_fn.log_ratio_clamp must be > 0, got {loss.log_ratio_clamp}")
 
     g = cfg.grpo
-    for key in ("num_steps", "num_prompts_per_step", "num_generations_per_prompt", "max_new_tokens"):
+    for key in (
+        "num_steps", "num_prompts_per_step", "num_generations_per_prompt", "max_new_tokens", "task_max_digits",
+        "updates_per_step",
+    ):
         if getattr(g, key) < 1:
             errors.append(f"grpo.{key} must be >= 1, got {getattr(g, key)}")
     if g.temperature <= 0:
@@ -313,6 +316,13 @@ def validate_config(cfg: RunConfig) -> None:
         errors.append(f"grpo.arms has unknown arm(s) {unknown}; valid arms: {', '.join(ARMS)}")
     if len(set(g.arms)) != len(g.arms):
         errors.append(f"grpo.arms lists an arm twice: {list(g.arms)}")
+    if g.warmup_steps < 0:
+        errors.append(f"grpo.warmup_steps must be >= 0, got {g.warmup_steps}")
+    if g.num_generations_per_prompt < 2:
+        errors.append(
+            f"grpo.num_generations_per_prompt is {g.num_generations_per_prompt}: GRPO normalises rewards within a "
+            "group, which needs at least 2 generations per prompt"
+        )
 
     if cfg.refit.bucket_size_mb < 1:
         errors.append(f"refit.bucket_size_mb must be >= 1, got {cfg.refit.bucket_size_mb}")

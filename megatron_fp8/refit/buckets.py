@@ -244,7 +244,9 @@ def payload_checksum(payload: torch.Tensor) -> int:
         The checksum as a Python int in ``[0, 2**61 - 1)``.
     """
     if payload.dtype != torch.uint8 or payload.dim() != 1:
-        raise RefitError(f"a bucket payload must be a 1-D uint8 tensor, got {payload.dtype} of shape {tuple(payload.shape)}")
+        raise RefitError(
+            f"a bucket payload must be a 1-D uint8 tensor, got {payload.dtype} of shape {tuple(payload.shape)}"
+        )
     payload = payload.contiguous()
     n = payload.numel()
     nwords = n // 4

@@ -126,8 +126,9 @@ class DictApplier:
             raise RefitError(f"commit({version}) does not match the version begun ({self._pending})")
         missing = sorted(set(self._metas) - set(self._staged))
         if missing:
-            raise RefitError(f"commit of version {version}: {len(missing)} announced tensor(s) never staged, "
-                             f"e.g. {missing[:5]}")
+            raise RefitError(
+                f"commit of version {version}: {len(missing)} announced tensor(s) never staged, e.g. {missing[:5]}"
+            )
         with torch.no_grad():
             for name, src in self._staged.items():
                 self.tensors[name].copy_(src)
@@ -284,8 +285,9 @@ class RefitReceiver:
                 pairs = unpack_bucket(bucket, expected_version=version, verify_checksum=self.verify_checksum)
                 for name, _ in pairs:
                     if name in names:
-                        raise RefitError(f"bucket {bucket.index} of version {version}, tensor {name!r}: "
-                                         "sent twice in one version")
+                        raise RefitError(
+                            f"bucket {bucket.index} of version {version}, tensor {name!r}: sent twice in one version"
+                        )
                     names.add(name)
                 staged.extend(pairs)
                 metas.extend(bucket.metas)

@@ -158,7 +158,12 @@ class RefitSender:
         )
         logger.info(
             "refit v%d sent: %d tensors in %d buckets, %.1f MB in %.3fs (%.2f GB/s)",
-            version, num_tensors, num_buckets, report.total_bytes / 1e6, seconds, report.gbps,
+            version,
+            num_tensors,
+            num_buckets,
+            report.total_bytes / 1e6,
+            seconds,
+            report.gbps,
         )
         return report
 

@@ -88,7 +88,9 @@ def linear_shapes(spec: LlamaSpec) -> dict[str, tuple[int, int]]:
         "mlp.down_proj": (h, i),
     }
     return {
-        f"model.layers.{layer}.{mod}.weight": shape for layer in range(spec.num_layers) for mod, shape in per_layer.items()
+        f"model.layers.{layer}.{mod}.weight": shape
+        for layer in range(spec.num_layers)
+        for mod, shape in per_layer.items()
     }
 
 

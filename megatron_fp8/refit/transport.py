@@ -314,8 +314,9 @@ class TorchDistTransport(Transport):
     def _broadcast(self, tensor: torch.Tensor) -> Any:
         return self._dist.broadcast(tensor, src=self.src, group=self.group, async_op=True)
 
-    def _header(self, kind: int, version: int, index: int, is_last: bool, meta_len: int, payload_len: int,
-                checksum: int) -> torch.Tensor:
+    def _header(
+        self, kind: int, version: int, index: int, is_last: bool, meta_len: int, payload_len: int, checksum: int
+    ) -> torch.Tensor:
         values = [_MAGIC, kind, version, index, int(is_last), meta_len, payload_len, checksum]
         return torch.tensor(values, dtype=torch.int64, device=self.device)
 
@@ -328,12 +329,15 @@ class TorchDistTransport(Transport):
             for work in oldest.works:
                 self._wait(work, oldest.deadline, oldest.what)
         works = [self._broadcast(t) for t in parts if t.numel()]
-        self._in_flight.append(_InFlight(works=works, tensors=tuple(parts), what=what, deadline=self._deadline(timeout)))
+        self._in_flight.append(
+            _InFlight(works=works, tensors=tuple(parts), what=what, deadline=self._deadline(timeout))
+        )
 
     def _require_sender(self, op: str) -> None:
         if not self.is_sender:
-            raise RefitError(f"rank {self.rank} is a receiver of this transport (sender is rank {self.src}); "
-                             f"it cannot {op}")
+            raise RefitError(
+                f"rank {self.rank} is a receiver of this transport (sender is rank {self.src}); it cannot {op}"
+            )
 
     # -- sender side
 
@@ -342,8 +346,9 @@ class TorchDistTransport(Transport):
         self._check_usable()
         meta = encode_metas(bucket.metas)
         payload = bucket.payload if bucket.payload.device == self.device else bucket.payload.to(self.device)
-        header = self._header(_KIND_BUCKET, bucket.version, bucket.index, bucket.is_last, len(meta),
-                              payload.numel(), bucket.checksum)
+        header = self._header(
+            _KIND_BUCKET, bucket.version, bucket.index, bucket.is_last, len(meta), payload.numel(), bucket.checksum
+        )
         self._issue([header, self._bytes_tensor(meta), payload], f"sending {bucket.describe()}", timeout)
         self.buckets_sent += 1
         self.bytes_sent += bucket.nbytes
@@ -407,8 +412,14 @@ class TorchDistTransport(Transport):
             work_next, header_next = self._post_header()
             self._prefetch = (work_next, header_next, time.monotonic())
         self.buckets_received += 1
-        return Bucket(version=version, index=index, is_last=bool(is_last), metas=decode_metas(meta_bytes),
-                      payload=payload, checksum=checksum)
+        return Bucket(
+            version=version,
+            index=index,
+            is_last=bool(is_last),
+            metas=decode_metas(meta_bytes),
+            payload=payload,
+            checksum=checksum,
+        )
 
     def close(self) -> None:
         if self._closed:
@@ -525,8 +536,17 @@ class CudaIpcTransport(Transport):
             self._wait_ack(deadline)
         rebuild, args = reduce_tensor(bucket.payload)
         self._seq += 1
-        msg = (_KIND_BUCKET, self._seq, bucket.version, bucket.index, bucket.is_last, encode_metas(bucket.metas),
-               bucket.checksum, rebuild, args)
+        msg = (
+            _KIND_BUCKET,
+            self._seq,
+            bucket.version,
+            bucket.index,
+            bucket.is_last,
+            encode_metas(bucket.metas),
+            bucket.checksum,
+            rebuild,
+            args,
+        )
         self._unacked[self._seq] = (bucket.payload, bucket.describe())
         self._put(msg, timeout, bucket.describe())
         self.buckets_sent += 1
@@ -535,8 +555,11 @@ class CudaIpcTransport(Transport):
     def send_abort(self, version: int, index: int, reason: str, *, timeout: float | None = None) -> None:
         self._require("sender", "send an abort")
         self._check_open()
-        self._put((_KIND_ABORT, 0, version, index, False, reason.encode("utf-8"), 0, None, None), timeout,
-                  f"the abort of version {version}")
+        self._put(
+            (_KIND_ABORT, 0, version, index, False, reason.encode("utf-8"), 0, None, None),
+            timeout,
+            f"the abort of version {version}",
+        )
         self.aborts_sent += 1
 
     def flush(self, timeout: float | None = None) -> None:
@@ -553,7 +576,9 @@ class CudaIpcTransport(Transport):
         try:
             kind, seq, version, index, is_last, meta, checksum, rebuild, args = self._data.get(timeout=wait)
         except queue.Empty:
-            raise TransportTimeoutError(f"cuda_ipc: no bucket arrived from the sender process within {wait:.3g}s") from None
+            raise TransportTimeoutError(
+                f"cuda_ipc: no bucket arrived from the sender process within {wait:.3g}s"
+            ) from None
         if kind == _KIND_CLOSE:
             self._closed = True
             raise TransportClosedError("cuda_ipc: the sender closed the transport")
@@ -574,8 +599,14 @@ class CudaIpcTransport(Transport):
             raise RefitError(f"cuda_ipc: could not open bucket {index} of version {version}: {exc}") from exc
         self._ack.put((seq, None))
         self.buckets_received += 1
-        return Bucket(version=version, index=index, is_last=bool(is_last), metas=decode_metas(meta),
-                      payload=payload, checksum=checksum)
+        return Bucket(
+            version=version,
+            index=index,
+            is_last=bool(is_last),
+            metas=decode_metas(meta),
+            payload=payload,
+            checksum=checksum,
+        )
 
     def close(self) -> None:
         if self._closed:

@@ -34,8 +34,11 @@ def _random_bytes_tensor(dtype: torch.dtype, shape: tuple[int, ...], seed: int) 
 
 
 def _same(a: torch.Tensor, b: torch.Tensor) -> bool:
-    return a.dtype == b.dtype and a.shape == b.shape and torch.equal(a.reshape(-1).view(torch.uint8),
-                                                                     b.reshape(-1).view(torch.uint8))
+    return (
+        a.dtype == b.dtype
+        and a.shape == b.shape
+        and torch.equal(a.reshape(-1).view(torch.uint8), b.reshape(-1).view(torch.uint8))
+    )
 
 
 def _roundtrip(items, bucket_bytes, version=3):

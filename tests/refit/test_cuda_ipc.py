@@ -28,8 +28,10 @@ def test_cuda_ipc_refit_is_exact():
 
     gen = torch.Generator(device="cuda").manual_seed(0)
     items = [
-        ("model.layers.0.mlp.down_proj.weight",
-         torch.randn(384, 256, device="cuda", generator=gen).to(torch.float8_e4m3fn)),
+        (
+            "model.layers.0.mlp.down_proj.weight",
+            torch.randn(384, 256, device="cuda", generator=gen).to(torch.float8_e4m3fn),
+        ),
         ("model.layers.0.mlp.down_proj.weight_scale_inv", torch.rand(3, 2, device="cuda", generator=gen)),
         ("model.norm.weight", torch.randn(256, device="cuda", generator=gen).to(torch.bfloat16)),
     ]

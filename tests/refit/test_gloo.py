@@ -28,8 +28,22 @@ def _run(tmp_path: Path, scenario: str, world: int, timeout: float = 5.0) -> lis
     for rank in range(world):
         out = tmp_path / f"{scenario}_{rank}.json"
         outs.append(out)
-        cmd = [sys.executable, str(WORKER), "--rank", str(rank), "--world", str(world), "--port", str(port),
-               "--scenario", scenario, "--timeout", str(timeout), "--out", str(out)]
+        cmd = [
+            sys.executable,
+            str(WORKER),
+            "--rank",
+            str(rank),
+            "--world",
+            str(world),
+            "--port",
+            str(port),
+            "--scenario",
+            scenario,
+            "--timeout",
+            str(timeout),
+            "--out",
+            str(out),
+        ]
         procs.append(subprocess.Popen(cmd, cwd=REPO, env=env, stdin=subprocess.PIPE, stderr=subprocess.PIPE))
     try:
         for rank in range(1, world):

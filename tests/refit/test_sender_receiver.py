@@ -27,8 +27,10 @@ BUCKET = 128 * 1024
 def _model(seed: int) -> list[tuple[str, torch.Tensor]]:
     weights = synthetic_weights(SPEC, seed=seed)
     items = list(fp8_stream(weights, linear_shapes(SPEC)))
-    items += [(f"model.layers.{i}.self_attn.attn.k_scale", torch.tensor(0.5 + seed, dtype=torch.float32))
-              for i in range(SPEC.num_layers)]
+    items += [
+        (f"model.layers.{i}.self_attn.attn.k_scale", torch.tensor(0.5 + seed, dtype=torch.float32))
+        for i in range(SPEC.num_layers)
+    ]
     return items
 
 

@@ -12,8 +12,11 @@ from megatron_fp8.refit import TRANSPORTS, InProcTransport, make_transport, pack
 
 
 def _buckets(n_tensors=3, version=1):
-    return list(pack_buckets([(f"t{i}", torch.full((64,), float(i))) for i in range(n_tensors)],
-                             version=version, bucket_bytes=256))
+    return list(
+        pack_buckets(
+            [(f"t{i}", torch.full((64,), float(i))) for i in range(n_tensors)], version=version, bucket_bytes=256
+        )
+    )
 
 
 def test_registry_lists_valid_names():

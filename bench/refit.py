@@ -1,0 +1,399 @@
+#!/usr/bin/env python
+"""Refit benchmark: FP8 (quantize-before-transfer) vs BF16 over the same transport.
+
+Builds a synthetic Llama-3.1-8B-shaped weight set (random BF16, no download),
+then sends it twice per transport: as BF16, and with the 7 linear weights of
+every layer quantized to FP8 + 128x128 float32 block scales on the fly (the
+quantization time is inside the FP8 timing and also reported alone).
+Embeddings, norms and lm_head travel as BF16 in both variants and are not part
+of the "FP8 params" payload comparison.
+
+Transports: ``inproc`` (sender and receiver threads of this process) and
+``gloo`` (this process is rank 0, a spawned process receives). Each timing runs
+from the first stream item to the receiver's commit.
+
+Examples::
+
+    python bench/refit.py --smoke --out /tmp/refit.json       # seconds, shrunk widths
+    python bench/refit.py --layers 2 --out bench/results/refit.json
+
+The tiny-model part (streams from a real converted model) plugs into
+:func:`bench_stream_factories`, which takes named stream factories.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import logging
+import os
+import socket
+import statistics
+import sys
+import threading
+import time
+from collections.abc import Callable, Iterable, Iterator
+from dataclasses import asdict, dataclass, field
+
+import torch
+
+from megatron_fp8.quant import quantize_blockwise
+from megatron_fp8.refit import CallableApplier, InProcTransport, RefitReceiver, RefitSender, default_bucket_bytes
+from megatron_fp8.refit.synthetic import (
+    SPECS,
+    bf16_rest_shapes,
+    bf16_stream,
+    fp8_stream,
+    get_spec,
+    linear_shapes,
+    synthetic_weights,
+)
+
+logger = logging.getLogger("bench.refit")
+
+Stream = Iterable[tuple[str, torch.Tensor]]
+StreamFactory = Callable[[], Stream]
+TRANSPORT_NAMES = ("inproc", "gloo")
+MAX_FP8_RATIO = 0.5002
+
+
+@dataclass(frozen=True)
+class RunResult:
+    """One (stream, transport) measurement.
+
+    Attributes:
+        stream: stream name (e.g. ``"bf16"``, ``"fp8"``).
+        transport: transport name.
+        seconds: median wall time over repeats, first stream item -> receiver commit, seconds.
+        seconds_all: every repeat, seconds.
+        total_bytes: tensor bytes sent per refit.
+        payload_bytes: bytes by class (fp8 / scales / bf16 / other).
+        num_tensors: tensors per refit.
+        num_buckets: buckets per refit.
+        gbps: ``total_bytes / seconds / 1e9``.
+    """
+
+    stream: str
+    transport: str
+    seconds: float
+    seconds_all: tuple[float, ...]
+    total_bytes: int
+    payload_bytes: dict[str, int] = field(default_factory=dict)
+    num_tensors: int = 0
+    num_buckets: int = 0
+    gbps: float = 0.0
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _noop_apply(version: int, pairs: list[tuple[str, torch.Tensor]]) -> None:
+    """Receiver-side applier of the benchmark: buckets are fully validated (checksums), nothing is copied."""
+
+
+def _result(name: str, transport: str, reports: list, times: list[float]) -> RunResult:
+    rep = reports[-1]
+    med = statistics.median(times)
+    return RunResult(
+        stream=name,
+        transport=transport,
+        seconds=med,
+        seconds_all=tuple(times),
+        total_bytes=rep.total_bytes,
+        payload_bytes=dict(rep.payload_bytes),
+        num_tensors=rep.num_tensors,
+        num_buckets=rep.num_buckets,
+        gbps=rep.total_bytes / med / 1e9 if med > 0 else 0.0,
+    )
+
+
+def _bench_inproc(
+    factories: dict[str, StreamFactory], *, bucket_bytes: int, repeats: int, timeout: float
+) -> list[RunResult]:
+    transport = InProcTransport(maxsize=2, timeout=timeout)  # 2 buckets in flight: double buffering
+    receiver = RefitReceiver(transport, apply=CallableApplier(_noop_apply))
+    sender = RefitSender(transport, bucket_bytes=bucket_bytes)
+    results, version = [], 0
+    for name, factory in factories.items():
+        reports, times = [], []
+        for _ in range(repeats):
+            version += 1
+            errors: list[BaseException] = []
+
+            def receive(errors: list[BaseException] = errors) -> None:
+                try:
+                    receiver.receive(first_timeout=timeout)
+                except BaseException as exc:  # surfaced below
+                    errors.append(exc)
+
+            th = threading.Thread(target=receive)
+            th.start()
+            start = time.perf_counter()
+            reports.append(sender.send(factory(), version=version))
+            th.join()
+            times.append(time.perf_counter() - start)
+            if errors:
+                raise errors[0]
+        results.append(_result(name, "inproc", reports, times))
+    return results
+
+
+def _gloo_receiver_main(port: int, timeout: float, threads: int) -> None:
+    """Rank 1 of the gloo benchmark: receive and validate every version until the sender closes."""
+    import torch.distributed as dist
+
+    from megatron_fp8.errors import TransportClosedError
+    from megatron_fp8.refit import TorchDistTransport
+
+    torch.set_num_threads(threads)
+    dist.init_process_group(
+        "gloo",
+        init_method=f"tcp://127.0.0.1:{port}",
+        rank=1,
+        world_size=2,
+        timeout=datetime.timedelta(seconds=timeout * 2),
+    )
+    receiver = RefitReceiver(TorchDistTransport(src=0, timeout=timeout), apply=CallableApplier(_noop_apply))
+    while True:
+        try:
+            receiver.receive(first_timeout=timeout)
+        except TransportClosedError:
+            break
+        dist.barrier()
+    os._exit(0)
+
+
+def _bench_gloo(
+    factories: dict[str, StreamFactory], *, bucket_bytes: int, repeats: int, timeout: float, threads: int
+) -> list[RunResult]:
+    import torch.distributed as dist
+
+    from megatron_fp8.refit import TorchDistTransport
+
+    if dist.is_initialized():
+        raise RuntimeError("the gloo benchmark starts its own 2-rank process group; run it in a fresh process")
+    port = _free_port()
+    ctx = torch.multiprocessing.get_context("spawn")
+    proc = ctx.Process(target=_gloo_receiver_main, args=(port, timeout, threads), daemon=True)
+    proc.start()
+    try:
+        dist.init_process_group(
+            "gloo",
+            init_method=f"tcp://127.0.0.1:{port}",
+            rank=0,
+            world_size=2,
+            timeout=datetime.timedelta(seconds=timeout * 2),
+        )
+        transport = TorchDistTransport(src=0, timeout=timeout)
+        sender = RefitSender(transport, bucket_bytes=bucket_bytes)
+        results, version = [], 0
+        for name, factory in factories.items():
+            reports, times = [], []
+            for _ in range(repeats):
+                version += 1
+                start = time.perf_counter()
+                reports.append(sender.send(factory(), version=version))
+                dist.barrier()  # the receiver has validated and committed
+                times.append(time.perf_counter() - start)
+            results.append(_result(name, "gloo", reports, times))
+        sender.close()
+    finally:
+        proc.join(timeout=30)
+        if proc.is_alive():
+            proc.kill()
+        if dist.is_initialized():
+            dist.destroy_process_group()
+    return results
+
+
+BENCHES: dict[str, Callable[..., list[RunResult]]] = {"inproc": _bench_inproc, "gloo": _bench_gloo}
+
+
+def bench_stream_factories(
+    factories: dict[str, StreamFactory],
+    *,
+    transports: Iterable[str] = TRANSPORT_NAMES,
+    bucket_bytes: int,
+    repeats: int = 1,
+    timeout: float = 300.0,
+    threads: int = 1,
+) -> list[RunResult]:
+    """Send every named stream through every transport and time it.
+
+    This is the entry point for any weight source: pass factories that each
+    return a fresh ``(hf_name, tensor)`` iterable (a stream is consumed once;
+    work done inside it, such as quantization, counts in its timing).
+
+    Args:
+        factories: stream name -> zero-argument callable returning a stream.
+        transports: names from :data:`BENCHES`.
+        bucket_bytes: bucket capacity, bytes.
+        repeats: refits per (stream, transport); the median is reported.
+        timeout: per-wait transport deadline, seconds.
+        threads: torch intra-op threads of the gloo receiver process.
+
+    Returns:
+        One :class:`RunResult` per (transport, stream), transports outermost.
+    """
+    out: list[RunResult] = []
+    for name in transports:
+        if name not in BENCHES:
+            raise SystemExit(f"unknown transport {name!r}; valid: {sorted(BENCHES)}")
+        kwargs = {"threads": threads} if name == "gloo" else {}
+        out += BENCHES[name](factories, bucket_bytes=bucket_bytes, repeats=repeats, timeout=timeout, **kwargs)
+    return out
+
+
+def _tally(stream: Stream, fp8_names: set[str], counts: dict[str, int]) -> Iterator[tuple[str, torch.Tensor]]:
+    for name, t in stream:
+        base = name.removesuffix("_scale_inv")
+        key = "fp8_params" if base in fp8_names else "rest"
+        counts[key] = counts.get(key, 0) + t.numel() * t.element_size()
+        yield name, t
+
+
+def fp8_param_payload(spec_fp8_shapes: dict[str, tuple[int, int]], weights: dict[str, torch.Tensor]) -> dict:
+    """Bytes of the FP8 parameters sent as BF16 vs as FP8 + float32 block scales (quantizes each once)."""
+    bf16 = fp8 = scales = 0
+    start = time.perf_counter()
+    for name in spec_fp8_shapes:
+        q, s = quantize_blockwise(weights[name], name=name)
+        bf16 += weights[name].numel() * weights[name].element_size()
+        fp8 += q.numel() * q.element_size()
+        scales += s.numel() * s.element_size()
+    seconds = time.perf_counter() - start
+    return {
+        "count": len(spec_fp8_shapes),
+        "bf16_bytes": bf16,
+        "fp8_bytes": fp8,
+        "scale_bytes": scales,
+        "fp8_plus_scale_bytes": fp8 + scales,
+        "payload_ratio": (fp8 + scales) / bf16,
+        "quantize_seconds": seconds,
+    }
+
+
+def _print_table(summary: dict) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    p = summary["fp8_params"]
+    table = Table(title=f"refit: FP8 vs BF16 ({summary['what_ran']})")
+    for col in ("transport", "stream", "FP8-param bytes", "rest bytes", "buckets", "seconds", "GB/s"):
+        table.add_column(col, justify="right" if col not in ("transport", "stream") else "left")
+    for r in summary["runs"]:
+        fp8_param_bytes = p["bf16_bytes"] if r["stream"] == "bf16" else p["fp8_plus_scale_bytes"]
+        table.add_row(
+            r["transport"],
+            r["stream"],
+            f"{fp8_param_bytes / 1e6:,.2f} MB",
+            f"{summary['rest_bf16_bytes'] / 1e6:,.2f} MB",
+            str(r["num_buckets"]),
+            f"{r['seconds']:.3f}",
+            f"{r['gbps']:.2f}",
+        )
+    console = Console()
+    console.print(table)
+    console.print(
+        f"FP8-param payload ratio (FP8 + scales) / BF16 = {p['payload_ratio']:.6f} "
+        f"(limit {MAX_FP8_RATIO}); quantization alone {p['quantize_seconds']:.3f}s"
+    )
+    for name, ratio in summary["time_ratio_fp8_over_bf16"].items():
+        console.print(f"time ratio FP8 / BF16 over {name}: {ratio:.3f}")
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[1])
+    ap.add_argument("--spec", default="llama-3.1-8b", choices=sorted(SPECS))
+    ap.add_argument("--layers", type=int, default=None, help="decoder layers (default: 2 on CPU, all on CUDA)")
+    ap.add_argument("--shrink", type=int, default=1, help="divide widths/heads/vocab by this factor")
+    ap.add_argument("--no-rest", action="store_true", help="send only the FP8 params (no embeddings/norms/lm_head)")
+    ap.add_argument("--transports", default=",".join(TRANSPORT_NAMES), help="comma-separated: inproc,gloo")
+    ap.add_argument("--bucket-mb", type=float, default=None, help="bucket size in MiB (default: sized for the device)")
+    ap.add_argument("--repeats", type=int, default=1)
+    ap.add_argument("--threads", type=int, default=None, help="torch intra-op threads (default: torch's)")
+    ap.add_argument("--timeout", type=float, default=600.0, help="per-wait transport deadline, seconds")
+    ap.add_argument("--smoke", action="store_true", help="1 layer, widths / 8, 1 thread: seconds on a CPU")
+    ap.add_argument("--out", default=None, help="write the JSON summary here")
+    args = ap.parse_args(argv)
+    logging.basicConfig(level=logging.WARNING)
+
+    if args.smoke:
+        args.layers, args.shrink = 1, 8
+        args.threads = args.threads or 1
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    threads = torch.get_num_threads()
+    device = "cpu"  # transports here are CPU ones (inproc, gloo)
+    base = get_spec(args.spec)
+    layers = args.layers if args.layers is not None else 2
+    spec = base.shrunk(args.shrink, num_layers=min(layers, base.num_layers))
+    bucket_bytes = int(args.bucket_mb * (1 << 20)) if args.bucket_mb else default_bucket_bytes(device)
+    if args.smoke and not args.bucket_mb:
+        bucket_bytes = 1 << 20
+
+    weights = synthetic_weights(spec, seed=0, include_rest=not args.no_rest, device=device)
+    fp8_shapes = linear_shapes(spec)
+    fp8_names = set(fp8_shapes)
+    fp8_params = fp8_param_payload(fp8_shapes, weights)
+    rest = bf16_rest_shapes(spec) if not args.no_rest else {}
+    rest_bytes = sum(weights[n].numel() * weights[n].element_size() for n in rest)
+
+    tallies: dict[str, dict[str, int]] = {"bf16": {}, "fp8": {}}
+    factories: dict[str, StreamFactory] = {
+        "bf16": lambda: _tally(bf16_stream(weights), fp8_names, tallies["bf16"]),
+        "fp8": lambda: _tally(fp8_stream(weights, fp8_names), fp8_names, tallies["fp8"]),
+    }
+    transports = [t for t in args.transports.split(",") if t]
+    runs = bench_stream_factories(
+        factories,
+        transports=transports,
+        bucket_bytes=bucket_bytes,
+        repeats=args.repeats,
+        timeout=args.timeout,
+        threads=threads,
+    )
+    by = {(r.transport, r.stream): r for r in runs}
+    time_ratio = {t: by[(t, "fp8")].seconds / by[(t, "bf16")].seconds for t in transports}
+    what = (
+        f"{args.spec}, {spec.num_layers} of {base.num_layers} layers, widths / {args.shrink}, "
+        f"{'with' if rest else 'without'} embeddings/norms/lm_head, {threads} thread(s), CPU"
+    )
+    summary = {
+        "what_ran": what,
+        "spec": asdict(spec),
+        "spec_name": args.spec,
+        "layers": spec.num_layers,
+        "shrink": args.shrink,
+        "smoke": args.smoke,
+        "device": device,
+        "threads": threads,
+        "bucket_bytes": bucket_bytes,
+        "repeats": args.repeats,
+        "fp8_params": fp8_params,
+        "payload_ratio_fp8_params": fp8_params["payload_ratio"],
+        "rest_bf16_bytes": rest_bytes,
+        "quantize_seconds": fp8_params["quantize_seconds"],
+        "streamed_fp8_param_bytes": {
+            k: v.get("fp8_params", 0) // max(args.repeats * len(transports), 1) for k, v in tallies.items()
+        },
+        "runs": [asdict(r) for r in runs],
+        "time_ratio_fp8_over_bf16": time_ratio,
+    }
+    _print_table(summary)
+    if args.out:
+        os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
+        with open(args.out, "w") as f:
+            json.dump(summary, f, indent=2)
+    if fp8_params["payload_ratio"] > MAX_FP8_RATIO:
+        print(f"payload ratio {fp8_params['payload_ratio']:.6f} exceeds {MAX_FP8_RATIO}", file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

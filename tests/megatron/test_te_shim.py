@@ -1,0 +1,74 @@
+"""Tests of the TransformerEngine import shim and the CPU patches."""
+
+from __future__ import annotations
+
+import importlib
+
+import pytest
+import torch
+
+from megatron_fp8.megatron import te_shim
+
+pytestmark = pytest.mark.megatron
+
+needs_no_te = pytest.mark.skipif(te_shim.real_te_available(), reason="real TransformerEngine installed")
+
+
+@needs_no_te
+def test_install_is_idempotent_and_bridge_imports():
+    assert te_shim.install() is True
+    assert te_shim.install() is True
+    assert te_shim.is_installed()
+    bridge = te_shim.import_megatron_bridge()
+    assert hasattr(bridge, "AutoBridge")
+    assert not te_shim.real_te_available()
+
+
+@needs_no_te
+def test_standins_fail_loudly_with_the_remedy():
+    te_shim.install()
+    import transformer_engine.pytorch as te
+
+    with pytest.raises(te_shim.TransformerEngineMissingError, match="make image"):
+        te.Linear(4, 4)
+    with pytest.raises(te_shim.TransformerEngineMissingError, match="needs a GPU build"):
+        te.ops.Sequential()
+    with pytest.raises(AttributeError, match="TransformerEngine is not installed"):
+        _ = te.fp8_autocast
+    with pytest.raises(ImportError):
+        importlib.import_module("transformer_engine.pytorch.float8_tensor")
+    with pytest.raises(ImportError):
+        importlib.import_module("transformer_engine_torch")
+
+
+@needs_no_te
+def test_megatron_core_keeps_its_non_te_paths():
+    te_shim.install()
+    te_shim.import_megatron_bridge()
+    importlib.import_module("megatron.bridge.models.qwen.qwen3_moe_bridge")
+    assert te_shim.mcore_modules_that_saw_the_shim() == []
+    for name in ("megatron.core.models.gpt.gpt_layer_specs", "megatron.core.transformer.mlp", "megatron.core.fp8_utils"):
+        assert importlib.import_module(name).HAVE_TE is False, name
+    # The unguarded name Megatron-Core's MoE router reads is bound to its "not available" value.
+    assert importlib.import_module("megatron.core.transformer.moe.moe_utils").te_general_gemm is None
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the patch is inactive with CUDA")
+def test_cpu_device_patch_is_scoped():
+    original = torch.cuda.current_device
+    with te_shim.cpu_device_patches() as active:
+        assert active is True
+        assert torch.cuda.current_device() == torch.device("cpu")
+        assert torch.zeros(1).to(device=torch.cuda.current_device()).device.type == "cpu"
+    assert torch.cuda.current_device is original
+
+
+def test_sequential_expert_export_fix_is_idempotent():
+    te_shim.install()
+    te_shim.import_megatron_bridge()
+    from megatron.bridge.models.conversion.param_mapping import MegatronParamMapping
+
+    assert te_shim.fix_sequential_expert_export()
+    first = MegatronParamMapping.gather_from_ep_ranks
+    assert te_shim.fix_sequential_expert_export()
+    assert MegatronParamMapping.gather_from_ep_ranks is first
