@@ -42,7 +42,7 @@ $(STAMP): $(CONSTRAINTS) pyproject.toml
 	rm -f $(VENV)/.installed-*
 	touch $@
 
-test: install
+test: install system-deps
 	$(BIN)/python -m pytest $(PYTEST_ARGS)
 
 test-fast: install
@@ -53,11 +53,13 @@ demo: install
 
 bench: install
 	$(BIN)/python bench/quant.py --out bench/results/quant.json
+	$(BIN)/python bench/refit.py --out bench/results/refit.json
 
 lint: install
 	$(BIN)/ruff check .
 	$(BIN)/ruff format --check . || true
 	$(BIN)/shellcheck -x slurm/*.sh slurm/*.sbatch .ci/run
+	$(BIN)/python docker/pins.py check
 
 freeze:
 	$(BIN)/pip freeze --exclude-editable | grep -vE '^(setuptools|megatron-fp8)' > $(CONSTRAINTS).new

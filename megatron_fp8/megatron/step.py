@@ -102,7 +102,10 @@ def _forward(m: MegatronModel, input_ids: torch.Tensor, attention_mask: torch.Te
     if len(m.model) != 1:
         raise ConfigError(f"forward_logits supports one model chunk (pp=1, no virtual pipeline), got {len(m.model)}")
     _check_ids(input_ids, m)
-    ids = input_ids.to(torch.int64)
+    device = next(m.model[0].parameters()).device
+    ids = input_ids.to(device=device, dtype=torch.int64)
+    if attention_mask is not None:
+        attention_mask = attention_mask.to(device)
     with cpu_device_patches():
         logits = m.model[0](
             input_ids=ids,

@@ -38,7 +38,6 @@ from __future__ import annotations
 
 import logging
 import math
-import os
 
 import torch
 
@@ -73,8 +72,12 @@ def _triton_importable() -> bool:
 
 
 def interpreter_active() -> bool:
-    """Whether Triton runs kernels in its CPU interpreter (``TRITON_INTERPRET=1``)."""
-    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0") and _triton_importable()
+    """Whether these kernels run in Triton's CPU interpreter.
+
+    Triton decides when the kernels are defined (at import of this module), from
+    ``TRITON_INTERPRET=1`` in the environment; setting it later has no effect.
+    """
+    return _triton_importable() and type(_blockwise_kernel).__name__ == "InterpretedFunction"
 
 
 def available() -> bool:

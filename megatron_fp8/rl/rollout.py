@@ -81,6 +81,7 @@ class ReferenceRolloutEngine:
         fp8_names: the FP8 manifest (HF names held in FP8); ``None`` with BF16.
         kv_cache_dtype: ``"auto"`` or ``"fp8"``.
         verify: read back and compare after every refit.
+        activation_scale_format: ``"fp32"`` (Hopper) or ``"ue8m0"`` (pow2) activation scales.
     """
 
     def __init__(
@@ -91,6 +92,7 @@ class ReferenceRolloutEngine:
         fp8_names: Sequence[str] | None,
         kv_cache_dtype: str = "auto",
         verify: bool = True,
+        activation_scale_format: str = "fp32",
     ):
         from megatron_fp8.vllm.appliers import ReferenceEngineApplier
         from megatron_fp8.vllm.reference_engine import ReferenceFP8Engine
@@ -100,6 +102,7 @@ class ReferenceRolloutEngine:
             quantization=quantization_config,
             fp8_names=fp8_names if quantization_config is not None else None,
             kv_cache_dtype=kv_cache_dtype,
+            activation_scale_format=activation_scale_format,
         )
         self.precision = "fp8" if quantization_config is not None else "bf16"
         self.name = f"reference-{self.precision}"

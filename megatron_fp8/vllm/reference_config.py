@@ -47,6 +47,9 @@ _LAYER_RE = re.compile(r"^model\.layers\.(\d+)\.")
 class ReferenceModelConfig:
     """Dimensions of a Qwen3 / Qwen3-MoE model as the reference engine reads them.
 
+    Part of the reference FP8 engine, an emulator and oracle of vLLM's FP8 W8A8
+    blockwise numerics for CPU machines; NOT a serving engine (on GPU use vLLM).
+
     Attributes:
         model_type: ``"qwen3"`` or ``"qwen3_moe"`` (see :data:`SUPPORTED_MODEL_TYPES`).
         vocab_size: embedding rows.
@@ -176,6 +179,9 @@ def model_config_from_hf(hf_config: Any) -> ReferenceModelConfig:
 class ReferenceQuantConfig:
     """vLLM's blockwise FP8 ``quantization_config`` (dynamic W8A8).
 
+    Part of the reference FP8 engine, an emulator and oracle of vLLM's FP8 W8A8
+    blockwise numerics for CPU machines; NOT a serving engine (on GPU use vLLM).
+
     Attributes:
         block_size: ``(block_n, block_k)`` of the weight blocks (elements).
         ignored_layers: module prefixes vLLM keeps in BF16
@@ -236,6 +242,9 @@ def quant_config_from_hf(quantization: Mapping[str, Any], *, activation_scale_fo
 @dataclass(frozen=True)
 class ParamSpec:
     """One weight held by the reference engine.
+
+    Part of the reference FP8 engine, an emulator and oracle of vLLM's FP8 W8A8
+    blockwise numerics for CPU machines; NOT a serving engine (on GPU use vLLM).
 
     Attributes:
         name: unfused HF name (``model.layers.0.self_attn.q_proj.weight``).

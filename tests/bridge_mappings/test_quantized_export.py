@@ -121,3 +121,23 @@ def test_tp_divisibility_names_weight_and_working_sizes():
         check_tp_divisibility(shapes, shapes, tp_size=2)
     with pytest.raises(ManifestError, match=r"o_proj.*K=384 / TP 2"):
         check_tp_divisibility({"model.layers.0.self_attn.o_proj.weight": (256, 384)}, shapes, tp_size=2)
+
+
+def test_refit_stream_through_the_bridge_adapter_equals_quantized_export():
+    from bridge_mappings.bridge_adapter import has_quantized_export
+    from bridge_mappings.quantized_export import refit_stream
+    from megatron_fp8.megatron import build_megatron_model, megatron_parallel
+    from megatron_fp8.megatron.export import export_hf_weights
+
+    path = tiny_model_path("tiny")
+    with megatron_parallel():
+        m = build_megatron_model(path)
+        plain = dict(export_hf_weights(m))
+        fp8 = {n for n in plain if n.endswith(("q_proj.weight", "down_proj.weight"))}
+        manifest = _manifest({n: tuple(t.shape) for n, t in plain.items()}, fp8)
+        assert not has_quantized_export(m.bridge)  # megatron-bridge 0.3.x: quantize in the stream
+        got = dict(refit_stream(m, manifest))
+    want = dict(quantized_stream(plain.items(), manifest))
+    assert list(got) == list(want)
+    for name in want:
+        assert torch.equal(got[name].view(torch.uint8), want[name].view(torch.uint8)), name

@@ -47,7 +47,11 @@ def test_megatron_core_keeps_its_non_te_paths():
     te_shim.import_megatron_bridge()
     importlib.import_module("megatron.bridge.models.qwen.qwen3_moe_bridge")
     assert te_shim.mcore_modules_that_saw_the_shim() == []
-    for name in ("megatron.core.models.gpt.gpt_layer_specs", "megatron.core.transformer.mlp", "megatron.core.fp8_utils"):
+    for name in (
+        "megatron.core.models.gpt.gpt_layer_specs",
+        "megatron.core.transformer.mlp",
+        "megatron.core.fp8_utils",
+    ):
         assert importlib.import_module(name).HAVE_TE is False, name
     # The unguarded name Megatron-Core's MoE router reads is bound to its "not available" value.
     assert importlib.import_module("megatron.core.transformer.moe.moe_utils").te_general_gemm is None

@@ -403,6 +403,9 @@ def test_manifest_and_config_errors(dense_path):
         ReferenceFP8Engine({**cfg, "model_type": "llama"})
     with pytest.raises(ConfigError, match="weight_block_size"):
         ReferenceFP8Engine(cfg, quantization={**FP8_QUANT, "weight_block_size": None})
+    with pytest.raises(ManifestError, match="K_in=320"):
+        ReferenceFP8Engine({**cfg, "intermediate_size": 320}, quantization=FP8_QUANT)
+    assert ReferenceFP8Engine({**cfg, "intermediate_size": 320}).fp8_names == frozenset()
     partial = ReferenceFP8Engine(cfg, quantization={**FP8_QUANT, "ignored_layers": ["model.layers.1.mlp.down_proj"]})
     assert "model.layers.1.mlp.down_proj.weight" not in partial.fp8_names
     assert "model.layers.1.mlp.up_proj.weight" in partial.fp8_names
@@ -420,6 +423,8 @@ def test_moe_fp8_engine_runs_experts_in_fp8_close_to_bf16(moe_path):
     deq = dequantize_blockwise(held["model.layers.1.mlp.experts.2.up_proj.weight"],
                                held["model.layers.1.mlp.experts.2.up_proj.weight_scale_inv"])
     assert float((deq - w.float()).abs().max()) <= float(w.float().abs().max()) / 16
-    a = _prefill_logits(bf16, [PROMPTS[0]])
-    b = _prefill_logits(fp8, [PROMPTS[0]])
-    assert 0 < float((a - b).abs().mean()) < 0.1 * float(a.abs().mean())
+    a = _prefill_logits(bf16, [PROMPTS[0]])[0]
+    b = _prefill_logits(fp8, [PROMPTS[0]])[0]
+    assert float((a - b).abs().max()) > 0
+    cos = torch.nn.functional.cosine_similarity(a - a.mean(-1, keepdim=True), b - b.mean(-1, keepdim=True), dim=-1)
+    assert float(cos.min()) > 0.95  # FP8 noise (and the odd flipped expert), not a different model

@@ -1,0 +1,89 @@
+"""``megatron-fp8 refit``: refit an engine from a Megatron model; FP8 vs BF16 payload, time, error."""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--model", default="tiny", help="'tiny', 'tiny-moe' or an HF checkpoint folder")
+    parser.add_argument("--compare-bf16", action="store_true", help="also refit the same parameters in BF16")
+    parser.add_argument("--transport", choices=("inproc", "gloo"), default="inproc")
+    parser.add_argument("--repeats", type=int, default=3, help="refits to time (median reported)")
+    parser.add_argument("--num-first-layers-in-bf16", type=int, default=0, metavar="N")
+    parser.add_argument("--num-last-layers-in-bf16", type=int, default=0, metavar="N")
+    parser.add_argument("--json", action="store_true", help="print the result as JSON")
+
+
+def run(args: argparse.Namespace) -> int:
+    from bridge_mappings.manifest import ManifestStore, build_quantization_config
+    from megatron_fp8.cli._io import stdout_to_stderr
+    from megatron_fp8.megatron import build_megatron_model, megatron_parallel
+    from megatron_fp8.models import resolve_model
+    from megatron_fp8.refit.session import _run_gloo, run_refits
+
+    path = resolve_model(args.model)
+    runs = {}
+    with stdout_to_stderr(args.json):
+        qcfg = build_quantization_config(path, num_first_layers_in_bf16=args.num_first_layers_in_bf16,
+                                         num_last_layers_in_bf16=args.num_last_layers_in_bf16)
+        stored = ManifestStore().get_or_ask(path, qcfg, num_first_layers_in_bf16=args.num_first_layers_in_bf16,
+                                            num_last_layers_in_bf16=args.num_last_layers_in_bf16)
+        manifest = stored.manifest
+        precisions = ("fp8", "bf16") if args.compare_bf16 else ("fp8",)
+        if args.transport == "inproc":
+            with megatron_parallel():
+                m = build_megatron_model(path, recipe="blockwise")
+                for precision in precisions:
+                    runs[precision] = run_refits(m, path, manifest, precision=precision, repeats=args.repeats)
+        else:
+            from megatron_fp8.megatron.export import export_hf_weights
+
+            with megatron_parallel():
+                m = build_megatron_model(path, recipe="blockwise")
+                weights = dict(export_hf_weights(m))
+            for precision in precisions:
+                runs[precision] = _run_gloo(weights, path, manifest, precision=precision, repeats=args.repeats,
+                                            prompt=(1, 2, 3, 4), timeout=120.0)
+    fp8 = runs["fp8"]
+    out = {
+        "model": str(path),
+        "transport": args.transport,
+        "manifest_source": manifest.source,
+        "manifest_reused": stored.reused,
+        "fp8_params": len(manifest.fp8_params),
+        "fp8_payload_bytes": fp8.manifest_param_bytes,
+        "verified": all(r.verified for r in runs.values()),
+        "max_rel_weight_error": fp8.max_rel_weight_error,
+        "fp8_refit_seconds": fp8.seconds,
+        "runs": {k: dataclasses.asdict(v) for k, v in runs.items()},
+    }
+    if "bf16" in runs:
+        bf16 = runs["bf16"]
+        out["bf16_payload_bytes_same_params"] = bf16.manifest_param_bytes
+        out["payload_ratio_fp8_over_bf16"] = fp8.manifest_param_bytes / bf16.manifest_param_bytes
+        out["bf16_refit_seconds"] = bf16.seconds
+        out["time_ratio_fp8_over_bf16"] = fp8.seconds / bf16.seconds
+    if args.json:
+        print(json.dumps(out, indent=1))
+        return 0 if out["verified"] else 1
+    from rich.console import Console
+    from rich.table import Table
+
+    console = Console()
+    console.print(f"[bold]refit[/] {path} over {args.transport}; manifest: {manifest.source} "
+                  f"({'reused' if stored.reused else 'asked now'}), {len(manifest.fp8_params)} FP8 params")
+    table = Table("precision", "manifest-param bytes", "wire bytes (fp8/scales/bf16)", "median s", "verified",
+                  "max rel weight err", "greedy tokens")
+    for r in runs.values():
+        pb = r.payload_bytes
+        table.add_row(r.precision, f"{r.manifest_param_bytes:,}", f"{pb['fp8']:,}/{pb['scales']:,}/{pb['bf16']:,}",
+                      f"{r.seconds:.3f}", "yes" if r.verified else "NO", f"{r.max_rel_weight_error:.4f}",
+                      " ".join(map(str, r.generated)))
+    console.print(table)
+    if "bf16" in runs:
+        console.print(f"payload FP8/BF16 over the FP8 params: {out['payload_ratio_fp8_over_bf16']:.6f}; "
+                      f"time FP8/BF16: {out['time_ratio_fp8_over_bf16']:.3f}")
+    return 0

@@ -1,0 +1,250 @@
+"""Refit a rollout engine from a Megatron model: FP8 vs BF16 payload, time and error.
+
+What ``megatron-fp8 refit`` runs. The trainer side is a real Megatron-Core model
+built through Megatron-Bridge; the stream is the HF-named export, quantized to
+FP8 for exactly the names in vLLM's manifest; the transport is in-process or a
+real ``torch.distributed`` gloo group with the engine in another process. On CPU
+the engine is the reference FP8 engine (an emulator and oracle of vLLM's W8A8
+blockwise numerics, not a serving engine): vLLM's FP8 kernels need CUDA.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import multiprocessing as mp
+import statistics
+import time
+from collections.abc import Iterable, Iterator
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from megatron_fp8.errors import RefitError
+
+logger = logging.getLogger(__name__)
+
+TRANSPORT_CHOICES = ("inproc", "gloo")
+
+
+@dataclasses.dataclass(frozen=True)
+class RefitRun:
+    """One precision's refits of the same parameters over one transport.
+
+    Attributes:
+        precision: ``"fp8"`` or ``"bf16"``.
+        transport: ``"inproc"`` or ``"gloo"``.
+        versions: refit versions applied.
+        payload_bytes: bytes on the wire per class of the last refit (fp8 / scales / bf16 / other).
+        manifest_param_bytes: bytes of the manifest's parameters (FP8 + scales, or BF16).
+        seconds: median wall time of one refit (export + quantize + send + apply + verify).
+        verified: every refit passed the engine-side read-back.
+        max_rel_weight_error: max over manifest params of ||engine - trainer|| / ||trainer||.
+        generated: token ids greedily generated after the last refit.
+    """
+
+    precision: str
+    transport: str
+    versions: tuple[int, ...]
+    payload_bytes: dict[str, int]
+    manifest_param_bytes: int
+    seconds: float
+    verified: bool
+    max_rel_weight_error: float
+    generated: tuple[int, ...]
+
+
+def _counting(stream: Iterable[tuple[str, torch.Tensor]], names: frozenset[str], box: dict[str, int]
+              ) -> Iterator[tuple[str, torch.Tensor]]:
+    box["bytes"] = 0
+    for name, t in stream:
+        base = name[: -len("_scale_inv")] if name.endswith("_scale_inv") else name
+        if base in names:
+            box["bytes"] += t.numel() * t.element_size()
+        yield name, t
+
+
+def _max_rel_error(held: dict[str, torch.Tensor], trainer: dict[str, torch.Tensor], names: Iterable[str]) -> float:
+    from megatron_fp8.quant import dequantize_blockwise
+
+    worst = 0.0
+    for name in names:
+        h = held[name]
+        if h.dtype == torch.float8_e4m3fn:
+            h = dequantize_blockwise(h, held[name + "_scale_inv"])
+        ref = trainer[name].float()
+        worst = max(worst, float((h.float() - ref).norm()) / max(float(ref.norm()), 1e-30))
+    return worst
+
+
+def _make_engine(model_path: Path, precision: str, qcfg: dict, fp8_names: tuple[str, ...]):
+    from megatron_fp8.vllm.reference_engine import ReferenceFP8Engine
+
+    if precision == "fp8":
+        return ReferenceFP8Engine.from_hf_checkpoint(model_path, quantization=qcfg, fp8_names=fp8_names)
+    return ReferenceFP8Engine.from_hf_checkpoint(model_path, quantization=None)
+
+
+def _receiver_main(rank_args: dict[str, Any], queue: Any) -> None:
+    """Rollout process for ``--transport gloo``: receive refits into a reference engine."""
+    import torch.distributed as dist
+
+    from megatron_fp8.refit.receiver import RefitReceiver
+    from megatron_fp8.refit.transport import TorchDistTransport
+    from megatron_fp8.vllm.appliers import ReferenceEngineApplier
+
+    try:
+        dist.init_process_group("gloo", init_method=rank_args["init_method"], rank=1, world_size=2)
+        engine = _make_engine(Path(rank_args["model_path"]), rank_args["precision"], rank_args["qcfg"],
+                              tuple(rank_args["fp8_names"]))
+        applier = ReferenceEngineApplier(engine)
+        receiver = RefitReceiver(TorchDistTransport(src=0, timeout=rank_args["timeout"]), apply=applier,
+                                 timeout=rank_args["timeout"])
+        errs = []
+        for _ in range(rank_args["repeats"]):
+            receiver.receive(first_timeout=rank_args["timeout"])
+            errs.append(applier.last_verify.max_rel_weight_error if applier.last_verify else None)
+        gen = engine.generate([rank_args["prompt"]], max_new_tokens=8)
+        held = {n: t.clone() for n, t in engine.named_weights() if n in set(rank_args["fp8_names"])
+                or n.endswith("_scale_inv")}
+        queue.put({"ok": True, "versions": [receiver.version], "generated": list(gen.token_ids[0]), "held": held})
+    except BaseException as exc:  # reported to the trainer process
+        queue.put({"ok": False, "error": f"{type(exc).__name__}: {exc}"})
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def run_refits(
+    m: Any,
+    model_path: Path,
+    manifest: Any,
+    *,
+    precision: str,
+    transport: str = "inproc",
+    repeats: int = 3,
+    prompt: tuple[int, ...] = (1, 2, 3, 4),
+    timeout: float = 120.0,
+) -> RefitRun:
+    """Refit an engine ``repeats`` times from the Megatron model ``m`` and measure.
+
+    Args:
+        m: a built :class:`~megatron_fp8.megatron.MegatronModel` (trainer side).
+        model_path: its HF checkpoint (to build the engine).
+        manifest: vLLM's FP8 manifest (:class:`bridge_mappings.manifest.Manifest`).
+        precision: ``"fp8"`` (quantize before transfer) or ``"bf16"`` (same params in BF16).
+        transport: ``"inproc"`` or ``"gloo"`` (engine in a second process).
+        repeats: refits to time (the median is reported).
+    """
+    from bridge_mappings.quantized_export import refit_stream
+    from megatron_fp8.megatron.export import export_hf_weights
+    from megatron_fp8.refit.pipeline import ColocatedRefit
+    from megatron_fp8.vllm.appliers import ReferenceEngineApplier
+
+    if transport not in TRANSPORT_CHOICES:
+        raise RefitError(f"unknown transport {transport!r}; valid: {list(TRANSPORT_CHOICES)}")
+    names = manifest.fp8_set
+
+    def stream(box: dict[str, int]) -> Iterator[tuple[str, torch.Tensor]]:
+        src = refit_stream(m, manifest) if precision == "fp8" else export_hf_weights(m)
+        return _counting(src, names, box)
+
+    trainer = {n: t for n, t in export_hf_weights(m) if n in names}
+    times: list[float] = []
+    box: dict[str, int] = {}
+    if transport == "inproc":
+        engine = _make_engine(model_path, precision, manifest.quantization_config, manifest.fp8_params)
+        applier = ReferenceEngineApplier(engine)
+        session = ColocatedRefit(applier, timeout=timeout)
+        versions = []
+        for _ in range(repeats):
+            result = session.refit(stream(box))
+            times.append(result.seconds)
+            versions.append(result.version)
+            payload = dict(result.send.payload_bytes)
+        session.close()
+        held = dict(engine.named_weights())
+        generated = tuple(engine.generate([list(prompt)], max_new_tokens=8).token_ids[0])
+        return RefitRun(precision, transport, tuple(versions), payload, box["bytes"], statistics.median(times), True,
+                        _max_rel_error(held, trainer, names), generated)
+
+    return _run_gloo(dict(export_hf_weights(m)), model_path, manifest, precision=precision, repeats=repeats,
+                     prompt=prompt, timeout=timeout)
+
+
+def _run_gloo(
+    weights: dict[str, torch.Tensor], model_path: Path, manifest: Any, *, precision: str, repeats: int,
+    prompt: tuple[int, ...], timeout: float,
+) -> RefitRun:
+    """The gloo path: the trainer's export is taken first (Megatron owns this process's default
+    group), then a 2-process gloo group carries the refits to a rollout process.
+
+    Timed per refit: quantization (FP8), packing, broadcast and the receiver's apply + verify.
+    """
+    from bridge_mappings.quantized_export import checked_stream, quantized_stream
+    from megatron_fp8.megatron.parallel import find_free_port
+    from megatron_fp8.refit.sender import RefitSender
+    from megatron_fp8.refit.transport import TorchDistTransport
+
+    names = manifest.fp8_set
+    box: dict[str, int] = {}
+
+    def stream() -> Iterator[tuple[str, torch.Tensor]]:
+        if precision == "fp8":
+            src = checked_stream(quantized_stream(weights.items(), manifest), manifest)
+        else:
+            src = iter(weights.items())
+        return _counting(src, names, box)
+
+    ctx = mp.get_context("spawn")
+    queue = ctx.Queue()
+    init_method = f"tcp://127.0.0.1:{find_free_port()}"
+    child = ctx.Process(target=_receiver_main, args=({
+        "init_method": init_method, "model_path": str(model_path), "precision": precision,
+        "qcfg": manifest.quantization_config, "fp8_names": list(manifest.fp8_params), "timeout": timeout,
+        "repeats": repeats, "prompt": list(prompt),
+    }, queue), daemon=True)
+    child.start()
+    times: list[float] = []
+    pg = None
+    try:
+        pg = _init_pair(init_method, timeout)
+        sender = RefitSender(TorchDistTransport(src=0, timeout=timeout), timeout=timeout)
+        for v in range(1, repeats + 1):
+            start = time.perf_counter()
+            report = sender.send(stream(), version=v)
+            times.append(time.perf_counter() - start)
+        payload = dict(report.payload_bytes)
+        result = queue.get(timeout=timeout)
+    finally:
+        child.join(timeout)
+        if child.is_alive():
+            child.kill()
+        _close_pair(pg)
+    if not result["ok"]:
+        raise RefitError(f"rollout process (rank 1) failed: {result['error']}")
+    trainer = {n: t for n, t in weights.items() if n in names}
+    return RefitRun(precision, "gloo", tuple(range(1, repeats + 1)), payload, box["bytes"],
+                    statistics.median(times), True, _max_rel_error(result["held"], trainer, names),
+                    tuple(result["generated"]))
+
+
+def _init_pair(init_method: str, timeout: float) -> Any:
+    """Join the trainer (rank 0) to a 2-process gloo group, unless Megatron already owns one."""
+    import datetime
+
+    import torch.distributed as dist
+
+    if dist.is_initialized():
+        raise RefitError("--transport gloo needs its own process group; run it outside another torch.distributed job")
+    dist.init_process_group("gloo", init_method=init_method, rank=0, world_size=2,
+                            timeout=datetime.timedelta(seconds=timeout))
+    return dist.group.WORLD
+
+
+def _close_pair(pg: Any) -> None:
+    import torch.distributed as dist
+
+    if pg is not None and dist.is_initialized():
+        dist.destroy_process_group()

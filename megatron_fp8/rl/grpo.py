@@ -1,0 +1,818 @@
+"""The GRPO driver: BF16 vs FP8 vs FP8+TIS rollout on one model, one seed, one task.
+
+:func:`run_grpo` runs each arm of ``config.grpo.arms`` (:data:`ARM_SPECS`) from the same
+initial weights, the same prompts and the same sampling seeds. One step of one arm:
+
+1. sample ``num_prompts_per_step`` problems of the toy task (:mod:`megatron_fp8.rl.task`),
+   the same for every arm;
+2. roll out ``num_generations_per_prompt`` responses per prompt with the arm's engine
+   (:mod:`megatron_fp8.rl.rollout`; BF16 or FP8 weights) and keep the engine's per-token
+   log-probabilities ``logp_rollout``;
+3. score the responses (verifiable partial-credit reward) and normalise within each
+   group: ``A = (r - mean_group) / (std_group + 1e-6)``;
+4. score the same tokens with the Megatron-Core trainer (no grad): ``logp_train_old``;
+   log :func:`~megatron_fp8.rl.metrics.mismatch_metrics` between the two;
+5. importance weights: none for ``bf16`` and ``fp8``; ``loss_fn.is_variant`` (token TIS,
+   C = ``loss_fn.is_cap``) for ``fp8_tis``; the token-TIS statistics are logged for every
+   arm (``is_applied`` says whether they entered the loss);
+6. ``grpo.updates_per_step`` optimizer steps on the PPO clipped loss
+   (:func:`~megatron_fp8.rl.correction.ppo_loss`, old policy = ``logp_train_old``);
+7. refit: the trainer's HF-named weights (Megatron-Bridge export) go to the engine, for the
+   FP8 arms quantized to FP8 + 128x128 block scales exactly for the weights in vLLM's FP8
+   manifest (asked of vLLM once per run, before the arms), through the bucketed refit
+   pipeline with a verified two-phase commit. The payload bytes (fp8 / scales / bf16) and
+   the time are logged.
+
+Every step appends one JSON line per arm to ``metrics.jsonl``; at the end
+``summary.md`` and ``metrics.png`` are written (:mod:`megatron_fp8.rl.report`).
+
+On CPU machines all arms default to the reference engine (an emulator of vLLM's FP8
+numerics, BF16 for the ``bf16`` arm) and the FP8 *training* recipe is validated and
+recorded while the training math runs in BF16 (see :mod:`megatron_fp8.megatron.build`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import json
+import logging
+import math
+import os
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from megatron_fp8.config.schema import ARMS, RunConfig
+from megatron_fp8.errors import ConfigError, ManifestError
+from megatron_fp8.rl.correction import ISConfig, ISResult, compute_is_weights, ppo_loss
+from megatron_fp8.rl.metrics import METRIC_KEYS, mismatch_metrics
+from megatron_fp8.rl.rollout import Rollout, RolloutEngine, build_rollout_engine, resolve_engine_name
+from megatron_fp8.rl.task import Problem, ToyTask, get_task, sample_problems
+
+logger = logging.getLogger(__name__)
+
+METRICS_FILE = "metrics.jsonl"
+SUMMARY_FILE = "summary.md"
+PLOT_FILE = "metrics.png"
+CONFIG_FILE = "config.yaml"
+
+ADVANTAGE_EPS = 1e-6
+"""Added to the group's reward standard deviation before dividing."""
+
+
+@dataclass(frozen=True)
+class ArmSpec:
+    """How one arm differs from the others.
+
+    Attributes:
+        name: the arm name (a key of :data:`megatron_fp8.config.schema.ARMS`).
+        rollout_precision: ``"bf16"`` or ``"fp8"`` rollout weights.
+        correct: apply the configured importance-sampling correction in the loss.
+        fp8_training_recipe: train with the config's FP8 recipe (``False``: the ``bf16`` recipe).
+    """
+
+    name: str
+    rollout_precision: str
+    correct: bool
+    fp8_training_recipe: bool
+
+
+ARM_SPECS: dict[str, ArmSpec] = {
+    "bf16": ArmSpec("bf16", "bf16", correct=False, fp8_training_recipe=False),
+    "fp8": ArmSpec("fp8", "fp8", correct=False, fp8_training_recipe=True),
+    "fp8_tis": ArmSpec("fp8_tis", "fp8", correct=True, fp8_training_recipe=True),
+}
+"""Registry: arm name -> :class:`ArmSpec` (same names as ``config.schema.ARMS``)."""
+
+assert set(ARM_SPECS) == set(ARMS), "ARM_SPECS and config.schema.ARMS must list the same arms"
+
+
+@dataclass(frozen=True)
+class StepMetrics:
+    """What one GRPO step of one arm measured.
+
+    Attributes:
+        arm: arm name.
+        step: 0-based step index.
+        engine: rollout engine name (``reference-fp8``, ``vllm-bf16``, ...).
+        reward_mean: mean reward over the step's responses, in [0, 1].
+        reward_std: population standard deviation of the rewards.
+        reward_max: best reward of the step.
+        exact_match: fraction of responses that are exactly right (and stopped at EOS).
+        response_tokens_mean: mean response length (tokens, EOS included).
+        loss: PPO loss (mean over the step's optimizer updates, before each update).
+        grad_norm: gradient L2 norm before clipping (mean over updates).
+        update_successful: every optimizer update was applied (finite gradients).
+        learning_rate: learning rate used this step.
+        ppo_clip_fraction: fraction of tokens where the PPO clip was active (last update).
+        ppo_approx_kl: k3 KL(old || new) estimate (last update).
+        is_applied: whether the IS weights entered the loss (``fp8_tis``).
+        is_variant: the IS variant whose statistics are logged.
+        is_weight_mean: mean IS weight over response tokens.
+        is_truncated_fraction: fraction of tokens whose weight the cap lowered.
+        is_masked_fraction: fraction of tokens rejected by a band (masking variants).
+        mismatch: :func:`~megatron_fp8.rl.metrics.mismatch_metrics` of ``logp_train_old`` vs
+            ``logp_rollout`` (keys of :data:`~megatron_fp8.rl.metrics.METRIC_KEYS`).
+        refit_bytes: refit payload bytes by class (``fp8``, ``scales``, ``bf16``, ``other``).
+        refit_seconds: wall time of the refit after the update (export, quantization, transfer,
+            verified commit), seconds.
+        refit_version: engine weight version after the refit.
+        refit_max_rel_error: worst relative weight error the post-refit verification found
+            (FP8 rounding for quantized weights; ``nan`` when verification is off).
+        rollout_seconds: generation time, seconds.
+        train_seconds: trainer scoring + optimizer updates, seconds.
+        step_seconds: whole step, seconds.
+        sample: one prompt and response of the step, for reading.
+    """
+
+    arm: str
+    step: int
+    engine: str
+    reward_mean: float
+    reward_std: float
+    reward_max: float
+    exact_match: float
+    response_tokens_mean: float
+    loss: float
+    grad_norm: float
+    update_successful: bool
+    learning_rate: float
+    ppo_clip_fraction: float
+    ppo_approx_kl: float
+    is_applied: bool
+    is_variant: str
+    is_weight_mean: float
+    is_truncated_fraction: float
+    is_masked_fraction: float
+    mismatch: Mapping[str, float]
+    refit_bytes: Mapping[str, int]
+    refit_seconds: float
+    refit_version: int
+    refit_max_rel_error: float
+    rollout_seconds: float
+    train_seconds: float
+    step_seconds: float
+    sample: str = ""
+
+    @property
+    def gen_kl(self) -> float:
+        """KL(pi_rollout || pi_train) per token, k3 estimator (>= 0): the mismatch headline number."""
+        return float(self.mismatch["gen_kl_k3"])
+
+    def to_json_dict(self) -> dict[str, Any]:
+        """One flat JSON-able record: mismatch keys at the top level, ``gen_kl`` = ``gen_kl_k3``,
+        ``refit_{fp8,scales,bf16,other,total}_bytes``."""
+        out: dict[str, Any] = {}
+        for f in dataclasses.fields(self):
+            if f.name in ("mismatch", "refit_bytes"):
+                continue
+            out[f.name] = getattr(self, f.name)
+        out["gen_kl"] = self.gen_kl
+        out.update({k: float(v) for k, v in self.mismatch.items()})
+        for cls in ("fp8", "scales", "bf16", "other"):
+            out[f"refit_{cls}_bytes"] = int(self.refit_bytes.get(cls, 0))
+        out["refit_total_bytes"] = int(sum(self.refit_bytes.values()))
+        return {k: (None if isinstance(v, float) and not math.isfinite(v) else v) for k, v in out.items()}
+
+
+@dataclass(frozen=True)
+class ArmResult:
+    """All steps of one arm.
+
+    Attributes:
+        arm: arm name.
+        engine: rollout engine name.
+        training_recipe: the training recipe recorded for the arm (``bf16``, ``blockwise``, ...).
+        training_math: how the training GEMMs ran (``bf16``, ``bf16-emulated`` on CPU, ``fp8``).
+        steps: per-step metrics, in order.
+        seconds: wall time of the arm, seconds.
+    """
+
+    arm: str
+    engine: str
+    training_recipe: str
+    training_math: str
+    steps: tuple[StepMetrics, ...]
+    seconds: float
+
+    def _series(self, key: Callable[[StepMetrics], float]) -> list[float]:
+        return [key(s) for s in self.steps]
+
+    @property
+    def first_reward(self) -> float:
+        """Mean reward of the first step."""
+        return self.steps[0].reward_mean if self.steps else float("nan")
+
+    @property
+    def last_reward(self) -> float:
+        """Mean reward of the last step."""
+        return self.steps[-1].reward_mean if self.steps else float("nan")
+
+    @property
+    def best_reward(self) -> float:
+        """Best per-step mean reward."""
+        return max(self._series(lambda s: s.reward_mean), default=float("nan"))
+
+    @property
+    def mean_gen_kl(self) -> float:
+        """Mean over steps of :attr:`StepMetrics.gen_kl`."""
+        return _mean(self._series(lambda s: s.gen_kl))
+
+    @property
+    def mean_token_mult_prob_error(self) -> float:
+        """Mean over steps of ``token_mult_prob_error``."""
+        return _mean(self._series(lambda s: s.mismatch["token_mult_prob_error"]))
+
+    @property
+    def mean_refit_bytes(self) -> dict[str, float]:
+        """Mean refit payload bytes per class, plus ``total``."""
+        out = {c: _mean(self._series(lambda s, c=c: float(s.refit_bytes.get(c, 0)))) for c in ("fp8", "scales", "bf16")}
+        out["total"] = _mean(self._series(lambda s: float(sum(s.refit_bytes.values()))))
+        return out
+
+    @property
+    def mean_refit_seconds(self) -> float:
+        """Mean refit wall time, seconds."""
+        return _mean(self._series(lambda s: s.refit_seconds))
+
+
+@dataclass(frozen=True)
+class GRPOResult:
+    """A finished run.
+
+    Attributes:
+        arms: per arm, in run order.
+        out_dir: the output folder.
+        metrics_path: ``metrics.jsonl`` (one line per step and arm).
+        summary_path: ``summary.md``.
+        plot_path: ``metrics.png``.
+        manifest_source: how the FP8 manifest was obtained (``""`` without FP8 arms).
+        seconds: wall time of the run, seconds.
+    """
+
+    arms: tuple[ArmResult, ...]
+    out_dir: Path
+    metrics_path: Path
+    summary_path: Path
+    plot_path: Path
+    manifest_source: str = ""
+    seconds: float = 0.0
+
+    def arm(self, name: str) -> ArmResult:
+        """The result of arm ``name``.
+
+        Raises:
+            ConfigError: the arm did not run (the message lists those that did).
+        """
+        for a in self.arms:
+            if a.arm == name:
+                return a
+        raise ConfigError(f"arm {name!r} did not run; arms of this run: {', '.join(a.arm for a in self.arms)}")
+
+
+def _mean(values: Sequence[float]) -> float:
+    finite = [v for v in values if math.isfinite(v)]
+    return sum(finite) / len(finite) if finite else float("nan")
+
+
+# ----------------------------------------------------------------------------- setup helpers
+
+
+@contextlib.contextmanager
+def _environment(env: Mapping[str, str]) -> Iterator[None]:
+    """Set ``policy.megatron_cfg.env_vars`` for the duration of the run, then restore."""
+    saved = {k: os.environ.get(k) for k in env}
+    os.environ.update({k: str(v) for k, v in env.items()})
+    try:
+        yield
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+
+
+def rollout_quantization_config(config: RunConfig, model_path: Path) -> dict:
+    """vLLM's FP8 ``quantization_config`` for this run (explicit one, or blockwise 128x128 with the BF16 layers).
+
+    Raises:
+        ConfigError: a per-tensor (non-blockwise) FP8 rollout, which the blockwise refit cannot feed.
+    """
+    from bridge_mappings.manifest import build_quantization_config
+
+    vllm_cfg = config.policy.generation.vllm_cfg
+    if not config.rollout_blockwise:
+        raise ConfigError(
+            "policy.generation.vllm_cfg.quantization_config has no weight_block_size: the GRPO refit sends "
+            "128x128 blockwise FP8; set weight_block_size: [128, 128] (or drop quantization_config)"
+        )
+    qc = vllm_cfg.quantization_config
+    if qc is not None:
+        return {
+            "quant_method": qc.quant_method or "fp8",
+            "fmt": qc.fmt or "e4m3",
+            "activation_scheme": qc.activation_scheme or "dynamic",
+            "weight_block_size": list(qc.weight_block_size or (128, 128)),
+            "ignored_layers": list(qc.ignored_layers),
+        }
+    return build_quantization_config(
+        model_path,
+        num_first_layers_in_bf16=vllm_cfg.num_first_layers_in_bf16,
+        num_last_layers_in_bf16=vllm_cfg.num_last_layers_in_bf16,
+    )
+
+
+_ASK_SCRIPT = (
+    "import json, sys\n"
+    "from bridge_mappings.manifest import ManifestStore\n"
+    "ManifestStore().get_or_ask(sys.argv[1], json.loads(sys.argv[2]), num_first_layers_in_bf16=int(sys.argv[3]),\n"
+    "    num_last_layers_in_bf16=int(sys.argv[4]), refresh=sys.argv[5] == '1')\n"
+)
+
+
+def fp8_manifest(config: RunConfig, model_path: Path, qcfg: dict) -> Any:
+    """vLLM's FP8 manifest for the run, asked once (cached across runs by fingerprint).
+
+    A stored manifest with a matching fingerprint is reused. Otherwise vLLM is asked in a
+    child process (so its process-global state never meets the trainer's process group) and
+    the stored answer is read back. Without vLLM installed, the manifest is derived the way
+    vLLM derives it (every linear weight outside ``ignored_layers``), with a warning.
+
+    Returns:
+        A :class:`bridge_mappings.manifest.Manifest`.
+
+    Raises:
+        ManifestError: vLLM failed to answer (its output is in the message).
+    """
+    from bridge_mappings.manifest import Manifest, ManifestStore, checkpoint_tensors, make_fingerprint
+    from megatron_fp8.vllm.adapter import vllm_version
+
+    vllm_cfg = config.policy.generation.vllm_cfg
+    first, last = vllm_cfg.num_first_layers_in_bf16, vllm_cfg.num_last_layers_in_bf16
+    expected = make_fingerprint(model_path, qcfg, num_first_layers_in_bf16=first, num_last_layers_in_bf16=last)
+    if vllm_version() is None:
+        from megatron_fp8.vllm.reference_engine import ReferenceFP8Engine
+
+        logger.warning("vLLM is not installed: deriving the FP8 manifest from ignored_layers as vLLM would")
+        engine = ReferenceFP8Engine(json.loads((model_path / "config.json").read_text()), quantization=qcfg)
+        names = set(checkpoint_tensors(model_path))
+        return Manifest(
+            source="derived (vLLM not installed)",
+            fingerprint=expected,
+            fp8_params=tuple(sorted(engine.fp8_names)),
+            bf16_params=tuple(sorted(names - engine.fp8_names)),
+            fp8_capable_bf16=(),
+            quantization_config=qcfg,
+        )
+    store = ManifestStore()
+    refresh = False
+    try:
+        stored = store.load(model_path, expected)
+    except ManifestError as exc:
+        logger.warning("%s -- asking vLLM again", exc)
+        stored, refresh = None, True
+    if stored is not None:
+        logger.info("FP8 manifest: reusing %s (%d FP8 weights)", store.path_for(model_path), len(stored.fp8_params))
+        return stored
+    logger.info("FP8 manifest: asking vLLM %s once for %s (stored for later runs)", vllm_version(), model_path)
+    cmd = [sys.executable, "-c", _ASK_SCRIPT, str(model_path), json.dumps(qcfg), str(first), str(last),
+           "1" if refresh else "0"]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=900, check=False)
+    if proc.returncode != 0:
+        raise ManifestError(
+            f"asking vLLM for the FP8 manifest of {model_path} failed (exit {proc.returncode}):\n"
+            f"{proc.stderr[-3000:]}\nRun `megatron-fp8 manifest --model {model_path}` to see the full error."
+        )
+    stored = store.load(model_path, expected)
+    if stored is None:
+        raise ManifestError(f"vLLM answered but no manifest was stored at {store.path_for(model_path)}")
+    return stored
+
+
+def _decode(tokenizer: Any, ids: Sequence[int]) -> str:
+    """Text of response tokens, one token at a time (ids beyond the tokenizer become U+FFFD)."""
+    size = len(tokenizer)
+    return "".join(
+        tokenizer.decode([i], skip_special_tokens=True) if i < size else "\ufffd" for i in ids
+    )
+
+
+def _lr_at(step: int, config: RunConfig) -> float:
+    g = config.grpo
+    if g.warmup_steps <= 0 or step >= g.warmup_steps:
+        return g.learning_rate
+    return g.learning_rate * (0.1 + 0.9 * step / g.warmup_steps)
+
+
+# ----------------------------------------------------------------------------- one step
+
+
+@dataclass(frozen=True)
+class _Batch:
+    input_ids: torch.Tensor  # [B, T] int64
+    attention_mask: torch.Tensor  # [B, T] int64
+    response_mask: torch.Tensor  # [B, T-1] bool: position t scores token t+1
+    logp_rollout: torch.Tensor  # [B, T-1] float32, 0 off the response
+
+
+def _make_batch(prompts: Sequence[Sequence[int]], rollout: Rollout, pad_id: int) -> _Batch:
+    seqs = [list(p) + list(r) for p, r in zip(prompts, rollout.token_ids, strict=True)]
+    b, t = len(seqs), max(len(s) for s in seqs)
+    input_ids = torch.full((b, t), pad_id, dtype=torch.int64)
+    attention = torch.zeros((b, t), dtype=torch.int64)
+    mask = torch.zeros((b, t - 1), dtype=torch.bool)
+    logp = torch.zeros((b, t - 1), dtype=torch.float32)
+    for i, (p, r, lp) in enumerate(zip(prompts, rollout.token_ids, rollout.logprobs, strict=True)):
+        n = len(p) + len(r)
+        input_ids[i, :n] = torch.tensor(seqs[i], dtype=torch.int64)
+        attention[i, :n] = 1
+        start = len(p) - 1
+        mask[i, start : start + len(r)] = True
+        logp[i, start : start + len(r)] = lp
+    return _Batch(input_ids=input_ids, attention_mask=attention, response_mask=mask, logp_rollout=logp)
+
+
+def group_advantages(rewards: torch.Tensor) -> torch.Tensor:
+    """GRPO advantages ``(r - mean) / (std + 1e-6)`` within each group.
+
+    Args:
+        rewards: float ``[num_prompts, num_generations]``.
+
+    Returns:
+        float32 ``[num_prompts * num_generations]`` (row-major: prompt-major), 0 for groups whose
+        rewards are all equal.
+    """
+    if rewards.dim() != 2 or rewards.shape[1] < 2:
+        raise ConfigError(f"group_advantages needs [prompts, generations >= 2] rewards, got {tuple(rewards.shape)}")
+    r = rewards.to(torch.float32)
+    adv = (r - r.mean(dim=1, keepdim=True)) / (r.std(dim=1, unbiased=False, keepdim=True) + ADVANTAGE_EPS)
+    return adv.reshape(-1)
+
+
+def _is_config(config: RunConfig) -> ISConfig:
+    loss = config.loss_fn
+    lo = loss.is_lower if loss.is_lower is not None else ISConfig.lo
+    hi = loss.is_upper if loss.is_upper is not None else ISConfig.hi
+    return ISConfig(variant=loss.is_variant, cap=loss.is_cap, lo=lo, hi=hi, log_ratio_clamp=loss.log_ratio_clamp)
+
+
+@dataclass
+class _ArmState:
+    spec: ArmSpec
+    model: Any
+    optimizer: Any
+    engine: RolloutEngine
+    refit: Any
+    manifest: Any
+    export_settings: Any
+
+
+def _refit(state: _ArmState) -> tuple[dict[str, int], float, int, float]:
+    from bridge_mappings.quantized_export import checked_stream, quantized_stream
+    from megatron_fp8.megatron import export_hf_weights
+
+    stream = export_hf_weights(state.model)
+    if state.spec.rollout_precision == "fp8":
+        stream = checked_stream(quantized_stream(stream, state.manifest, state.export_settings), state.manifest)
+    result = state.refit.refit(stream)
+    verify = getattr(state.engine.applier, "last_verify", None)
+    err = float(verify.max_rel_weight_error) if verify is not None else float("nan")
+    return dict(result.send.payload_bytes), float(result.seconds), int(result.version), err
+
+
+def _step(
+    state: _ArmState,
+    *,
+    step: int,
+    config: RunConfig,
+    task: ToyTask,
+    tokenizer: Any,
+    eos_id: int,
+    pad_id: int,
+) -> StepMetrics:
+    from megatron_fp8.megatron import token_logprobs, train_step
+
+    g = config.grpo
+    t_step = time.perf_counter()
+    problems: list[Problem] = sample_problems(task, seed=g.seed, step=step, count=g.num_prompts_per_step)
+    prompt_ids = [tokenizer.encode(p.prompt, add_special_tokens=False) for p in problems]
+    flat_prompts = [ids for ids in prompt_ids for _ in range(g.num_generations_per_prompt)]
+    flat_problems = [p for p in problems for _ in range(g.num_generations_per_prompt)]
+
+    t0 = time.perf_counter()
+    rollout = state.engine.generate(
+        flat_prompts,
+        max_new_tokens=g.max_new_tokens,
+        temperature=g.temperature,
+        seed=g.seed * 1_000_003 + step * 10_007,
+        eos_token_id=eos_id,
+    )
+    rollout_s = time.perf_counter() - t0
+
+    texts, scores = [], []
+    for problem, ids, finished in zip(flat_problems, rollout.token_ids, rollout.finished, strict=True):
+        body = ids[:-1] if finished and ids and ids[-1] == eos_id else ids
+        text = _decode(tokenizer, body)
+        texts.append(text)
+        scores.append(task.reward(problem, text, finished=finished))
+    rewards = torch.tensor([s.reward for s in scores], dtype=torch.float32)
+    advantages = group_advantages(rewards.view(g.num_prompts_per_step, g.num_generations_per_prompt))
+
+    t1 = time.perf_counter()
+    batch = _make_batch(flat_prompts, rollout, pad_id)
+    with torch.no_grad():
+        logp_old = token_logprobs(
+            state.model, batch.input_ids, temperature=g.temperature, attention_mask=batch.attention_mask
+        )
+    is_cfg = _is_config(config)
+    diag_cfg = is_cfg if is_cfg.variant != "none" else ISConfig(log_ratio_clamp=is_cfg.log_ratio_clamp)
+    is_result: ISResult = compute_is_weights(logp_old, batch.logp_rollout, batch.response_mask, config=diag_cfg)
+    mismatch = mismatch_metrics(
+        logp_old, batch.logp_rollout, batch.response_mask, is_result=is_result, log_ratio_clamp=is_cfg.log_ratio_clamp
+    )
+    weights = is_result if state.spec.correct else None
+
+    lr = _lr_at(step, config)
+    for group in state.optimizer.param_groups:
+        group["lr"] = lr
+    captured: dict[str, Any] = {}
+
+    def loss_fn(logp_new: torch.Tensor) -> torch.Tensor:
+        loss, stats = ppo_loss(
+            logp_new,
+            logp_old,
+            advantages,
+            batch.response_mask,
+            clip_low=config.loss_fn.ratio_clip_min,
+            clip_high=config.loss_fn.ratio_clip_max,
+            is_weights=weights,
+            log_ratio_clamp=config.loss_fn.log_ratio_clamp,
+        )
+        captured["stats"] = stats
+        return loss
+
+    losses, norms, ok = [], [], True
+    for _ in range(g.updates_per_step):
+        result = train_step(
+            state.model,
+            state.optimizer,
+            loss_fn,
+            {"input_ids": batch.input_ids, "attention_mask": batch.attention_mask},
+            temperature=g.temperature,
+        )
+        losses.append(result.loss)
+        norms.append(result.grad_norm)
+        ok = ok and result.update_successful
+    train_s = time.perf_counter() - t1
+    ppo = captured["stats"].as_floats()
+
+    refit_bytes, refit_s, version, refit_err = _refit(state)
+    best = int(torch.argmax(rewards))
+    return StepMetrics(
+        arm=state.spec.name,
+        step=step,
+        engine=rollout.engine,
+        reward_mean=float(rewards.mean()),
+        reward_std=float(rewards.std(unbiased=False)),
+        reward_max=float(rewards.max()),
+        exact_match=sum(s.exact for s in scores) / len(scores),
+        response_tokens_mean=sum(len(t) for t in rollout.token_ids) / len(rollout.token_ids),
+        loss=_mean(losses),
+        grad_norm=_mean(norms),
+        update_successful=ok,
+        learning_rate=lr,
+        ppo_clip_fraction=ppo["clip_fraction"],
+        ppo_approx_kl=ppo["approx_kl"],
+        is_applied=state.spec.correct,
+        is_variant=diag_cfg.variant,
+        is_weight_mean=mismatch["is_weight_mean"],
+        is_truncated_fraction=mismatch["is_truncated_fraction"],
+        is_masked_fraction=mismatch["is_masked_fraction"],
+        mismatch={k: mismatch[k] for k in METRIC_KEYS},
+        refit_bytes=refit_bytes,
+        refit_seconds=refit_s,
+        refit_version=version,
+        refit_max_rel_error=refit_err,
+        rollout_seconds=rollout_s,
+        train_seconds=train_s,
+        step_seconds=time.perf_counter() - t_step,
+        sample=f"{flat_problems[best].prompt}{texts[best]!r} (answer {flat_problems[best].answer})",
+    )
+
+
+# ----------------------------------------------------------------------------- the run
+
+
+def _progress(enabled: bool) -> Any:
+    if not enabled:
+        return contextlib.nullcontext(None)
+    from rich.console import Console
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+    return Progress(
+        TextColumn("[bold]{task.description}"),
+        BarColumn(),
+        MofNCompleteColumn(),
+        TimeElapsedColumn(),
+        TextColumn("{task.fields[info]}"),
+        console=Console(stderr=True),
+    )
+
+
+def _run_arm(
+    spec: ArmSpec,
+    *,
+    config: RunConfig,
+    steps: int,
+    model_path: Path,
+    manifest: Any,
+    qcfg: dict | None,
+    task: ToyTask,
+    tokenizer: Any,
+    on_step: Callable[[StepMetrics], None],
+) -> ArmResult:
+    from bridge_mappings.quantized_export import ExportSettings
+    from megatron_fp8.megatron import build_megatron_model, make_optimizer, megatron_parallel
+    from megatron_fp8.refit.pipeline import ColocatedRefit
+
+    vllm_cfg = config.policy.generation.vllm_cfg
+    fp8_cfg = config.policy.megatron_cfg.fp8_cfg
+    t_arm = time.perf_counter()
+    engine_name = resolve_engine_name(config.rollout.engine, precision=spec.rollout_precision)
+    fp8 = spec.rollout_precision == "fp8"
+    engine_kwargs: dict[str, Any] = {
+        "quantization_config": qcfg if fp8 else None,
+        "fp8_names": list(manifest.fp8_params) if fp8 else None,
+        "kv_cache_dtype": vllm_cfg.kv_cache_dtype if fp8 else "auto",
+        "verify": config.refit.verify,
+    }
+    if engine_name == "reference":
+        engine_kwargs["activation_scale_format"] = "ue8m0" if vllm_cfg.pow2_activation_scaling_factors else "fp32"
+    # The engine is built before the trainer's process group: an in-process vLLM sets up its own.
+    engine = build_rollout_engine(engine_name, model_path, **engine_kwargs)
+    recipe = config.training_recipe if spec.fp8_training_recipe else "bf16"
+    try:
+        torch.manual_seed(config.grpo.seed)
+        with megatron_parallel(
+            tensor_parallel_size=config.policy.megatron_cfg.tensor_model_parallel_size,
+            pipeline_parallel_size=config.policy.megatron_cfg.pipeline_model_parallel_size,
+            seed=config.grpo.seed,
+        ):
+            model = build_megatron_model(
+                model_path,
+                recipe=recipe,
+                num_first_layers_in_bf16=fp8_cfg.num_first_layers_in_bf16 if spec.fp8_training_recipe else 0,
+                num_last_layers_in_bf16=fp8_cfg.num_last_layers_in_bf16 if spec.fp8_training_recipe else 0,
+            )
+            optimizer = make_optimizer(
+                model, lr=config.grpo.learning_rate, clip_grad=config.policy.megatron_cfg.optimizer.clip_grad
+            )
+            state = _ArmState(
+                spec=spec,
+                model=model,
+                optimizer=optimizer,
+                engine=engine,
+                refit=ColocatedRefit(
+                    engine.applier, bucket_bytes=config.refit.bucket_size_mb << 20, timeout=config.refit.timeout_s
+                ),
+                manifest=manifest,
+                export_settings=ExportSettings(
+                    scale_format="ue8m0" if vllm_cfg.pow2_weight_scaling_factors else "fp32",
+                    tp_size=vllm_cfg.tensor_parallel_size,
+                ),
+            )
+            eos_id = tokenizer.eos_token_id
+            pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else eos_id
+            if eos_id is None:
+                raise ConfigError(f"the tokenizer of {model_path} has no eos_token_id; GRPO needs one to stop responses")
+            results = []
+            try:
+                for step in range(steps):
+                    metrics = _step(
+                        state, step=step, config=config, task=task, tokenizer=tokenizer, eos_id=eos_id, pad_id=pad_id
+                    )
+                    results.append(metrics)
+                    on_step(metrics)
+            finally:
+                state.refit.close()
+            application = model.recipe_application
+    finally:
+        engine.close()
+    return ArmResult(
+        arm=spec.name,
+        engine=engine.name,
+        training_recipe=str(application.recipe),
+        training_math=str(application.math),
+        steps=tuple(results),
+        seconds=time.perf_counter() - t_arm,
+    )
+
+
+def run_grpo(
+    config: RunConfig,
+    *,
+    out_dir: str | Path,
+    steps: int | None = None,
+    arms: Sequence[str] | None = None,
+    progress: bool = True,
+) -> GRPOResult:
+    """Run GRPO for each arm and write ``metrics.jsonl``, ``summary.md``, ``metrics.png`` and ``config.yaml``.
+
+    Args:
+        config: the run configuration (:func:`megatron_fp8.config.load_config`).
+        out_dir: output folder (created; an existing ``metrics.jsonl`` there is replaced).
+        steps: steps per arm; ``None`` = ``config.grpo.num_steps``.
+        arms: arm names (keys of :data:`ARM_SPECS`); ``None`` = ``config.grpo.arms``.
+        progress: show a progress bar on stderr.
+
+    Returns:
+        The :class:`GRPOResult`.
+
+    Raises:
+        ConfigError: unknown arm or task, bad step count, a non-blockwise FP8 rollout.
+        ManifestError: vLLM could not be asked for the FP8 manifest.
+    """
+    from transformers import AutoTokenizer
+
+    from megatron_fp8.models import resolve_model
+    from megatron_fp8.rl import report
+
+    t_run = time.perf_counter()
+    n_steps = config.grpo.num_steps if steps is None else int(steps)
+    if n_steps < 1:
+        raise ConfigError(f"steps must be >= 1, got {n_steps}")
+    arm_names = tuple(config.grpo.arms if arms is None else arms)
+    unknown = [a for a in arm_names if a not in ARM_SPECS]
+    if unknown or not arm_names:
+        raise ConfigError(f"unknown or no arm(s) {unknown or list(arm_names)}; valid arms: {', '.join(ARM_SPECS)}")
+    if len(set(arm_names)) != len(arm_names):
+        raise ConfigError(f"an arm is listed twice: {list(arm_names)}")
+    if "fp8_tis" in arm_names and config.loss_fn.is_variant == "none":
+        raise ConfigError("arm fp8_tis corrects with loss_fn.is_variant, which is 'none'; set is_variant: token_tis")
+    task = get_task(config.grpo.task, max_digits=config.grpo.task_max_digits)
+
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    metrics_path = out / METRICS_FILE
+    (out / CONFIG_FILE).write_text(config.dump_yaml())
+    model_path = Path(resolve_model(config.model.name_or_path))
+    tokenizer = AutoTokenizer.from_pretrained(str(model_path))
+
+    manifest, qcfg, manifest_source = None, None, ""
+    if any(ARM_SPECS[a].rollout_precision == "fp8" for a in arm_names):
+        qcfg = rollout_quantization_config(config, model_path)
+        manifest = fp8_manifest(config, model_path, qcfg)
+        manifest_source = manifest.source
+        logger.info("FP8 manifest: %d weights in FP8 (%s)", len(manifest.fp8_params), manifest.source)
+
+    results: list[ArmResult] = []
+    with _environment(config.policy.megatron_cfg.env_vars), metrics_path.open("w") as sink, _progress(progress) as bar:
+        bar_task = bar.add_task("GRPO", total=n_steps * len(arm_names), info="") if bar is not None else None
+
+        def on_step(m: StepMetrics) -> None:
+            sink.write(json.dumps(m.to_json_dict(), sort_keys=False) + "\n")
+            sink.flush()
+            logger.debug("arm %s step %d: reward %.3f gen_kl %.2e", m.arm, m.step, m.reward_mean, m.gen_kl)
+            if bar is not None:
+                bar.update(
+                    bar_task,
+                    advance=1,
+                    description=f"GRPO {m.arm}",
+                    info=f"step {m.step + 1}/{n_steps} reward {m.reward_mean:.3f} gen_kl {m.gen_kl:.1e}",
+                )
+
+        for name in arm_names:
+            logger.info("GRPO arm %s: %s", name, ARMS[name])
+            results.append(
+                _run_arm(
+                    ARM_SPECS[name],
+                    config=config,
+                    steps=n_steps,
+                    model_path=model_path,
+                    manifest=manifest,
+                    qcfg=qcfg,
+                    task=task,
+                    tokenizer=tokenizer,
+                    on_step=on_step,
+                )
+            )
+
+    summary_path = report.write_summary(results, out / SUMMARY_FILE, config=config, manifest_source=manifest_source)
+    plot_path = report.plot_metrics(results, out / PLOT_FILE)
+    return GRPOResult(
+        arms=tuple(results),
+        out_dir=out,
+        metrics_path=metrics_path,
+        summary_path=summary_path,
+        plot_path=plot_path,
+        manifest_source=manifest_source,
+        seconds=time.perf_counter() - t_run,
+    )

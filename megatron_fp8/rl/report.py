@@ -1,0 +1,160 @@
+"""GRPO run outputs: the JSONL reader, the markdown summary table and the PNG plot.
+
+* ``metrics.jsonl`` (written step by step by :func:`megatron_fp8.rl.grpo.run_grpo`): one JSON
+  object per step and arm, see :meth:`megatron_fp8.rl.grpo.StepMetrics.to_json_dict`;
+  :func:`read_metrics` reads it back.
+* ``summary.md`` (:func:`write_summary`): per arm the first / last / best mean reward, the mean
+  ``gen_kl`` (KL(pi_rollout || pi_train) per token, k3 estimator), the mean
+  ``token_mult_prob_error``, the refit payload per step (FP8 / scales / BF16, MiB) and the mean
+  refit time.
+* ``metrics.png`` (:func:`plot_metrics`): reward and ``gen_kl`` per step, one line per arm
+  (matplotlib, Agg backend: no display needed).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+from collections.abc import Sequence
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from megatron_fp8.errors import ConfigError
+
+if TYPE_CHECKING:
+    from megatron_fp8.config.schema import RunConfig
+    from megatron_fp8.rl.grpo import ArmResult
+
+logger = logging.getLogger(__name__)
+
+MIB = float(1 << 20)
+
+ARM_COLORS: dict[str, str] = {"bf16": "tab:blue", "fp8": "tab:red", "fp8_tis": "tab:green"}
+"""Plot colour per arm (other names get matplotlib's cycle)."""
+
+
+def read_metrics(path: str | Path) -> list[dict[str, Any]]:
+    """Read ``metrics.jsonl``.
+
+    Returns:
+        One dict per line, in file order.
+
+    Raises:
+        ConfigError: missing file or a line that is not JSON (the message names the line).
+    """
+    p = Path(path)
+    if not p.is_file():
+        raise ConfigError(f"{p}: no such metrics file; run `megatron-fp8 grpo --out {p.parent}` first")
+    rows = []
+    for number, line in enumerate(p.read_text().splitlines(), start=1):
+        if not line.strip():
+            continue
+        try:
+            rows.append(json.loads(line))
+        except json.JSONDecodeError as exc:
+            raise ConfigError(f"{p}:{number}: not a JSON line ({exc})") from exc
+    return rows
+
+
+def _fmt(value: float, spec: str) -> str:
+    return "n/a" if value is None or not math.isfinite(value) else format(value, spec)
+
+
+def summary_table(arms: Sequence[ArmResult]) -> str:
+    """The per-arm markdown table (see the module docstring for the columns)."""
+    header = (
+        "| arm | engine | training | first reward | last reward | best reward | mean gen_kl | "
+        "token_mult_prob_error | refit FP8 MiB | refit scales MiB | refit BF16 MiB | refit total MiB | refit s |"
+    )
+    rule = "|" + "|".join(["---"] * (header.count("|") - 1)) + "|"
+    lines = [header, rule]
+    for a in arms:
+        b = a.mean_refit_bytes
+        lines.append(
+            f"| {a.arm} | {a.engine} | {a.training_recipe} ({a.training_math}) | {_fmt(a.first_reward, '.3f')} | "
+            f"{_fmt(a.last_reward, '.3f')} | {_fmt(a.best_reward, '.3f')} | {_fmt(a.mean_gen_kl, '.2e')} | "
+            f"{_fmt(a.mean_token_mult_prob_error, '.4f')} | {_fmt(b['fp8'] / MIB, '.3f')} | "
+            f"{_fmt(b['scales'] / MIB, '.4f')} | {_fmt(b['bf16'] / MIB, '.3f')} | {_fmt(b['total'] / MIB, '.3f')} | "
+            f"{_fmt(a.mean_refit_seconds, '.3f')} |"
+        )
+    return "\n".join(lines) + "\n"
+
+
+def write_summary(
+    arms: Sequence[ArmResult], path: str | Path, *, config: RunConfig | None = None, manifest_source: str = ""
+) -> Path:
+    """Write ``summary.md``: a short header about the run and :func:`summary_table`.
+
+    Args:
+        arms: the arm results, in run order.
+        path: output file.
+        config: the run configuration (model, task, sizes for the header).
+        manifest_source: how the FP8 manifest was obtained.
+
+    Returns:
+        ``path`` as a :class:`~pathlib.Path`.
+    """
+    p = Path(path)
+    lines = ["# GRPO: BF16 vs FP8 rollout", ""]
+    if config is not None:
+        g = config.grpo
+        steps = max((len(a.steps) for a in arms), default=0)
+        lines += [
+            f"- model: `{config.model.name_or_path}`; task: `{g.task}` (max {g.task_max_digits} digit(s))",
+            f"- {steps} steps x {g.num_prompts_per_step} prompts x {g.num_generations_per_prompt} generations, "
+            f"max {g.max_new_tokens} new tokens, temperature {g.temperature}, lr {g.learning_rate:g}, seed {g.seed}",
+            f"- correction of arm fp8_tis: `{config.loss_fn.is_variant}` with cap C={config.loss_fn.is_cap:g}",
+        ]
+    if manifest_source:
+        lines.append(f"- FP8 manifest: {manifest_source}")
+    if any(a.engine.startswith("reference") for a in arms):
+        lines.append(
+            "- `reference-*` engines are the CPU emulator of vLLM's FP8 W8A8 blockwise numerics "
+            "(BF16 for the bf16 arm), not vLLM itself"
+        )
+    lines += [
+        "- gen_kl: KL(pi_rollout || pi_train) per response token (k3 estimator) between the rollout engine's "
+        "and the trainer's log-probabilities of the sampled tokens; refit columns: payload per step",
+        "",
+        summary_table(arms),
+    ]
+    p.write_text("\n".join(lines))
+    return p
+
+
+def plot_metrics(arms: Sequence[ArmResult], path: str | Path) -> Path:
+    """Write ``metrics.png``: mean reward (left) and gen_kl (right, log scale) per step, one line per arm.
+
+    Returns:
+        ``path`` as a :class:`~pathlib.Path`.
+    """
+    import matplotlib
+
+    matplotlib.use("Agg", force=True)
+    import matplotlib.pyplot as plt
+
+    p = Path(path)
+    fig, (ax_r, ax_k) = plt.subplots(1, 2, figsize=(11, 4), dpi=100)
+    try:
+        for a in arms:
+            steps = [s.step for s in a.steps]
+            color = ARM_COLORS.get(a.arm)
+            ax_r.plot(steps, [s.reward_mean for s in a.steps], marker="o", ms=3, label=a.arm, color=color)
+            kl = [s.gen_kl for s in a.steps]
+            ax_k.plot(steps, [max(v, 1e-12) for v in kl], marker="o", ms=3, label=a.arm, color=color)
+        ax_r.set_title("mean reward per step")
+        ax_r.set_xlabel("step")
+        ax_r.set_ylabel("reward")
+        ax_r.grid(alpha=0.3)
+        ax_r.legend()
+        ax_k.set_title("gen_kl = KL(rollout || train) per token")
+        ax_k.set_xlabel("step")
+        ax_k.set_yscale("log")
+        ax_k.grid(alpha=0.3)
+        ax_k.legend()
+        fig.tight_layout()
+        fig.savefig(p, format="png")
+    finally:
+        plt.close(fig)
+    return p
