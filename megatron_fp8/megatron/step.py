@@ -148,7 +148,7 @@ def logprobs_from_logits(logits: torch.Tensor, input_ids: torch.Tensor, *, tempe
     if temperature <= 0:
         raise ConfigError(f"temperature must be > 0, got {temperature}")
     scaled = logits[:, :-1].float() / temperature
-    targets = input_ids[:, 1:].to(torch.int64).unsqueeze(-1)
+    targets = input_ids[:, 1:].to(device=logits.device, dtype=torch.int64).unsqueeze(-1)
     return torch.log_softmax(scaled, dim=-1).gather(-1, targets).squeeze(-1)
 
 

@@ -83,11 +83,11 @@ def raise_on_nonfinite_amax(
     first = tuple(int(i) for i in (~finite).nonzero()[0].tolist())
     lead = len(first) - len(block_size)
     ranges = []
-    for axis, (idx, size) in enumerate(zip(first[lead:], block_size)):
+    for axis, (idx, size) in enumerate(zip(first[lead:], block_size, strict=True)):
         dim = x.dim() - len(block_size) + axis
         lo, hi = idx * size, min((idx + 1) * size, x.shape[dim])
         ranges.append(f"dim {dim} [{lo}:{hi}]")
-    where = ", ".join(f"{n}={i}" for n, i in zip(axis_names, first))
+    where = ", ".join(f"{n}={i}" for n, i in zip(axis_names, first, strict=True))
     count = int((~torch.isfinite(x)).sum())
     raise NonFiniteError(
         f"{what}: {_label(name)} (shape {tuple(x.shape)}) has NaN/Inf in block ({where}) "

@@ -25,7 +25,8 @@ check the bytes against a float64 reference of this two-step rule
 
 from __future__ import annotations
 
-from typing import Callable, Literal
+from collections.abc import Callable
+from typing import Literal
 
 import torch
 

@@ -11,6 +11,7 @@ blockwise numerics, not a serving engine): vLLM's FP8 kernels need CUDA.
 from __future__ import annotations
 
 import dataclasses
+import io
 import logging
 import multiprocessing as mp
 import statistics
@@ -108,7 +109,10 @@ def _receiver_main(rank_args: dict[str, Any], queue: Any) -> None:
         gen = engine.generate([rank_args["prompt"]], max_new_tokens=8)
         held = {n: t.clone() for n, t in engine.named_weights() if n in set(rank_args["fp8_names"])
                 or n.endswith("_scale_inv")}
-        queue.put({"ok": True, "versions": [receiver.version], "generated": list(gen.token_ids[0]), "held": held})
+        buf = io.BytesIO()
+        torch.save(held, buf)  # plain bytes: tensors shared by file descriptor die with this process
+        queue.put({"ok": True, "versions": [receiver.version], "generated": list(gen.token_ids[0]),
+                   "held": buf.getvalue()})
     except BaseException as exc:  # reported to the trainer process
         queue.put({"ok": False, "error": f"{type(exc).__name__}: {exc}"})
     finally:
@@ -225,6 +229,7 @@ def _run_gloo(
     if not result["ok"]:
         raise RefitError(f"rollout process (rank 1) failed: {result['error']}")
     trainer = {n: t for n, t in weights.items() if n in names}
+    result["held"] = torch.load(io.BytesIO(result["held"]), weights_only=True)
     return RefitRun(precision, "gloo", tuple(range(1, repeats + 1)), payload, box["bytes"],
                     statistics.median(times), True, _max_rel_error(result["held"], trainer, names),
                     tuple(result["generated"]))
