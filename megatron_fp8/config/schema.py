@@ -18,7 +18,8 @@ Layout (dotted paths)::
     loss_fn.{use_importance_sampling_correction, is_variant, is_cap, is_lower, is_upper,
              ratio_clip_min, ratio_clip_max, log_ratio_clamp}
     grpo.{num_steps, num_prompts_per_step, num_generations_per_prompt, max_new_tokens,
-          temperature, learning_rate, seed, arms, task, task_max_digits, updates_per_step, warmup_steps}
+          temperature, learning_rate, seed, arms, task, task_max_digits, updates_per_step, warmup_steps,
+          warm_start_steps, warm_start_learning_rate}
     rollout.{engine}
     refit.{bucket_size_mb, transport, timeout_s, verify}
     kv_cache.{percentile, margin}
@@ -289,6 +290,10 @@ class GRPOConfig:
         task_max_digits: operand / string length limit of the task (digits).
         updates_per_step: optimizer updates on each step's batch (PPO epochs; the first is on-policy).
         warmup_steps: steps of linear learning-rate warm-up from 10% (0 = constant).
+        warm_start_steps: supervised steps on task answers before the arms (shared by all arms; 0 = none):
+            a randomly initialised model gets a policy that RL can improve, as RL normally starts from a
+            pretrained model.
+        warm_start_learning_rate: learning rate of the warm-start steps.
     """
 
     num_steps: int = 20
@@ -303,6 +308,8 @@ class GRPOConfig:
     task_max_digits: int = 1
     updates_per_step: int = 1
     warmup_steps: int = 0
+    warm_start_steps: int = 0
+    warm_start_learning_rate: float = 1.0e-3
 
     ALIASES: ClassVar[dict[str, str]] = {"max_num_steps": "num_steps"}
 

@@ -318,6 +318,10 @@ def validate_config(cfg: RunConfig) -> None:
         errors.append(f"grpo.arms lists an arm twice: {list(g.arms)}")
     if g.warmup_steps < 0:
         errors.append(f"grpo.warmup_steps must be >= 0, got {g.warmup_steps}")
+    if g.warm_start_steps < 0:
+        errors.append(f"grpo.warm_start_steps must be >= 0, got {g.warm_start_steps}")
+    if g.warm_start_learning_rate <= 0:
+        errors.append(f"grpo.warm_start_learning_rate must be > 0, got {g.warm_start_learning_rate}")
     if g.num_generations_per_prompt < 2:
         errors.append(
             f"grpo.num_generations_per_prompt is {g.num_generations_per_prompt}: GRPO normalises rewards within a "

@@ -164,6 +164,12 @@ class VllmRefitApplier:
         known = self._known()
         fp8_names = self.state["fp8_names"]
         if name.endswith(KV_SCALE_SUFFIXES):
+            if name not in known:
+                raise RefitError(
+                    f"{name!r}: this engine has no KV-cache scale parameters (it was built without "
+                    "quantization='fp8' / an FP8 KV cache); build it with kv_cache_dtype='fp8' or stop sending "
+                    "KV scales"
+                )
             self._check_scale(name, tensor, kv=True)
             self._staged[name] = tensor
             return

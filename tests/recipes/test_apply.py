@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import pytest
+from megatron.core.distributed import DistributedDataParallelConfig
+from megatron.core.transformer.transformer_config import TransformerConfig
 
 from megatron_fp8.errors import ConfigError, RecipeUnsupportedError
 from megatron_fp8.recipes import (
@@ -13,9 +15,6 @@ from megatron_fp8.recipes import (
     apply_recipe_with_report,
     list_recipes,
 )
-
-TransformerConfig = pytest.importorskip("megatron.core.transformer.transformer_config").TransformerConfig
-DistributedDataParallelConfig = pytest.importorskip("megatron.core.distributed").DistributedDataParallelConfig
 
 CPU = Environment(torch_version="2.13.0+cpu", gpu_probe="none")
 H100 = Environment(
@@ -123,10 +122,8 @@ def test_config_without_fields_rejected():
 
 
 def test_bridge_mixed_precision_config():
-    try:
-        from megatron_fp8.megatron.te_shim import install
-    except ImportError:
-        pytest.skip("megatron_fp8.megatron.te_shim not available")
+    from megatron_fp8.megatron.te_shim import install
+
     install()
     from megatron.bridge.training.mixed_precision import MixedPrecisionConfig
 

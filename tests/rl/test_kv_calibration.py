@@ -281,7 +281,6 @@ def _mcore_gpt(*, qk_norm_and_rope: bool):
 
 @pytest.mark.megatron
 def test_megatron_core_hooks_and_fused_qkv_layout():
-    pytest.importorskip("megatron.core")
     from megatron_fp8.megatron.parallel import megatron_parallel
     from megatron_fp8.megatron.te_shim import cpu_device_patches
 
