@@ -31,6 +31,31 @@ def bridge_version() -> str | None:
         return None
 
 
+def bridge_export_call(bridge: Any, *, is_moe: bool, cpu: bool) -> tuple[Callable[..., Any], dict[str, Any]]:
+    """``(export_fn, kwargs)`` for ``bridge.export_hf_weights(model, **kwargs)`` on the installed version.
+
+    0.3.1's signature is ``export_hf_weights(model, cpu=False, show_progress=True,
+    conversion_tasks=None, merge_adapter_weights=True)``; only keywords the installed
+    version accepts are passed. 0.3.x cannot export per-expert ``SequentialMLP`` weights
+    (the CPU MoE layout): the fix in :func:`megatron_fp8.megatron.te_shim.fix_sequential_expert_export`
+    is installed for MoE models on those versions.
+    """
+    import inspect
+
+    export = bridge.export_hf_weights
+    accepted = inspect.signature(export).parameters
+    kwargs: dict[str, Any] = {}
+    if "cpu" in accepted:
+        kwargs["cpu"] = cpu
+    if "show_progress" in accepted:
+        kwargs["show_progress"] = False
+    if is_moe and (bridge_version() or "0").startswith("0.3."):
+        from megatron_fp8.megatron.te_shim import fix_sequential_expert_export
+
+        fix_sequential_expert_export()
+    return export, kwargs
+
+
 def has_quantized_export(bridge: Any) -> bool:
     """Whether the bridge offers a quantized export hook (newer than 0.3.x)."""
     return callable(getattr(bridge, "export_hf_weights_quant", None))

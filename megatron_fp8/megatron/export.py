@@ -16,15 +16,13 @@ MoE models): megatron-bridge 0.3.1 cannot export them otherwise (see that functi
 
 from __future__ import annotations
 
-import inspect
 import logging
 from collections.abc import Iterator
-from typing import Any
 
 import torch
 
 from megatron_fp8.megatron.build import MegatronModel
-from megatron_fp8.megatron.te_shim import cpu_device_patches, fix_sequential_expert_export
+from megatron_fp8.megatron.te_shim import cpu_device_patches
 
 logger = logging.getLogger(__name__)
 
@@ -40,15 +38,9 @@ def export_hf_weights(m: MegatronModel, *, cpu: bool = True) -> Iterator[tuple[s
         ``(hf_name, tensor)``; tensors have the HF shapes (e.g. ``q_proj.weight`` ``[N_out, K_in]``)
         and the model's parameter dtype. Every rank receives every full tensor.
     """
-    export = m.bridge.export_hf_weights
-    accepted = inspect.signature(export).parameters
-    kwargs: dict[str, Any] = {}
-    if "cpu" in accepted:
-        kwargs["cpu"] = cpu
-    if "show_progress" in accepted:
-        kwargs["show_progress"] = False
-    if m.is_moe:
-        fix_sequential_expert_export()
+    from bridge_mappings.bridge_adapter import bridge_export_call
+
+    export, kwargs = bridge_export_call(m.bridge, is_moe=m.is_moe, cpu=cpu)
     with cpu_device_patches():
         stream = iter(export(m.model, **kwargs))
     while True:
