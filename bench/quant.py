@@ -38,7 +38,7 @@ from pathlib import Path
 import torch
 
 from megatron_fp8.quant import blockwise_scale_shape, quantize_blockwise
-from megatron_fp8.quant.reference import quantize_blockwise_reference
+from megatron_fp8.quant.reference import quantize_blockwise_naive, quantize_blockwise_reference
 
 SHAPES: tuple[tuple[int, int], ...] = ((4096, 4096), (14336, 4096), (4096, 14336), (6144, 4096))
 SMOKE_SHAPES: tuple[tuple[int, int], ...] = ((256, 384), (130, 200))
@@ -62,7 +62,8 @@ COPY_BUFFER_BYTES = 1 << 30
 DTYPE = torch.bfloat16
 
 ROW_KEYS = (
-    "shape", "elements", "bytes_moved", "torch_ms", "torch_gbs", "reference_ms", "speedup_vs_reference",
+    "shape", "elements", "bytes_moved", "torch_ms", "torch_gbs", "naive_ms", "speedup_vs_naive", "bytes_equal_naive",
+    "reference_ms", "speedup_vs_reference",
     "bytes_equal_reference", "triton_ms", "triton_gbs", "pct_of_copy", "triton_api_ms", "copy_same_size_gbs",
     "bytes_equal_torch", "best_config",
 )  # fmt: skip
@@ -215,6 +216,10 @@ def bench_shape_cpu(shape: tuple[int, int], *, reps: int, reference: bool) -> di
     ours = quantize_blockwise(x, backend="torch")  # also warms up
     row["torch_ms"] = _median_cpu(lambda: quantize_blockwise(x, backend="torch"), reps)
     row["torch_gbs"] = _gbs(row["bytes_moved"], row["torch_ms"])
+    naive = quantize_blockwise_naive(x)  # warm-up, and its bytes
+    row["naive_ms"] = _median_cpu(lambda: quantize_blockwise_naive(x), reps)
+    row["speedup_vs_naive"] = row["naive_ms"] / row["torch_ms"]
+    row["bytes_equal_naive"] = _same_bytes(ours, naive)
     if reference:
         t0 = time.perf_counter()
         ref = quantize_blockwise_reference(x)
@@ -318,7 +323,8 @@ def run(args: argparse.Namespace) -> dict:
             result["shapes"].append(bench_shape_cpu(shape, reps=reps, reference=not args.no_reference))
         result["layer_set"] = bench_layer_set_cpu(layer, layers, reps=reps)
         result["notes"].append(
-            f"CPU run ({torch.get_num_threads()} threads): torch path vs the naive float64 reference; "
+            f"CPU run ({torch.get_num_threads()} threads): our torch path vs the naive permute-based float32 "
+                f"baseline (speedup), and the float64 reference (bytes); "
             f"layer set with {layers} of {LLAMA_8B_LAYERS} layers (--layers N for more). No Triton figures without CUDA."
         )
     return result
@@ -351,9 +357,10 @@ def print_table(result: dict) -> None:
                 ("torch ms", "torch_ms", ".3f"), ("torch GB/s", "torch_gbs", ".0f"),
                 ("same bytes", "bytes_equal_torch", "")]  # fmt: skip
     else:
-        cols = [("torch ms", "torch_ms", ".1f"), ("torch GB/s", "torch_gbs", ".2f"),
-                ("reference ms", "reference_ms", ".1f"), ("speedup", "speedup_vs_reference", ".1f"),
-                ("same bytes", "bytes_equal_reference", "")]  # fmt: skip
+        cols = [("ours ms", "torch_ms", ".1f"), ("ours GB/s", "torch_gbs", ".2f"),
+                ("naive fp32 ms", "naive_ms", ".1f"), ("speedup", "speedup_vs_naive", ".1f"),
+                ("= naive", "bytes_equal_naive", ""), ("f64 ref ms", "reference_ms", ".0f"),
+                ("= f64 ref", "bytes_equal_reference", "")]  # fmt: skip
     for header, _, _ in cols:
         table.add_column(header, justify="right")
     rows = [(("x".join(str(d) for d in r["shape"])), r) for r in result["shapes"]]

@@ -33,6 +33,7 @@ from megatron_fp8.quant.formats import FP8_DTYPE, FP8_MAX, MIN_SCALE, check_scal
 
 __all__ = [
     "E4M3_MIN_NORMAL_EXP",
+    "quantize_blockwise_naive",
     "quantize_blockwise_reference",
     "quantize_per_token_group_reference",
     "round_to_e4m3",
@@ -152,3 +153,29 @@ def quantize_per_token_group_reference(
     q = _quantize_values(groups, scale.to(torch.float64)[..., None])
     q = q.view(torch.uint8).reshape(-1, ng * group_size)[:, :k].contiguous().view(FP8_DTYPE)
     return q.view(*lead, k), scale.view(*lead, ng)
+
+
+def quantize_blockwise_naive(x: torch.Tensor, *, block_size: tuple[int, int] = (128, 128)) -> tuple[torch.Tensor, torch.Tensor]:
+    """The textbook float32 version a user would write: the CPU benchmark's baseline.
+
+    ``x.float()`` -> pad -> view -> permute -> contiguous -> ``abs().amax`` ->
+    divide -> permute back -> cast. Same rule as :mod:`megatron_fp8.quant.formats`
+    (fp32 scales), so it yields the same bytes as :func:`~megatron_fp8.quant.quantize_blockwise`;
+    it is only slower (several full-size float32 temporaries, two permute copies).
+
+    Args:
+        x: ``[N, K]`` bfloat16/float16/float32 weight.
+
+    Returns:
+        ``(q, scale_inv)`` as :func:`~megatron_fp8.quant.quantize_blockwise`.
+    """
+    bn, bk = block_size
+    n, k = x.shape
+    xf = torch.nn.functional.pad(x.float(), (0, (-k) % bk, 0, (-n) % bn))
+    nb, kb = xf.shape[0] // bn, xf.shape[1] // bk
+    tiles = xf.view(nb, bn, kb, bk).permute(0, 2, 1, 3).contiguous()
+    amax = tiles.abs().amax(dim=(-1, -2))
+    scale = torch.where(amax == 0, torch.ones_like(amax), (amax / FP8_MAX).clamp_min(MIN_SCALE))
+    q = (tiles / scale[..., None, None]).clamp(-FP8_MAX, FP8_MAX)
+    q = q.permute(0, 2, 1, 3).contiguous().view(nb * bn, kb * bk)[:n, :k].to(FP8_DTYPE)
+    return q, scale
