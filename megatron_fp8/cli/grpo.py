@@ -26,7 +26,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("overrides", nargs="*", metavar="KEY=VALUE", help="dotted overrides, e.g. grpo.seed=1")
 
 
-def run_job(args: argparse.Namespace) -> tuple[Path, Path, Path]:
+def run_job(args: argparse.Namespace) -> tuple[Path, Path, Path] | None:
     """Load the config, run GRPO and print the summary; returns ``(metrics, summary, plot)`` paths."""
     from megatron_fp8.config import load_config
     from megatron_fp8.rl.grpo import run_grpo
@@ -41,6 +41,9 @@ def run_job(args: argparse.Namespace) -> tuple[Path, Path, Path]:
     out = Path(args.out) if args.out else Path(config.out_dir)
     steps = getattr(args, "steps", None)
     result = run_grpo(config, out_dir=out, steps=steps, arms=arms, progress=not getattr(args, "no_progress", False))
+    if result.summary_path is None:  # a rank other than 0 of a multi-process run: rank 0 writes
+        print(f"rank done in {result.seconds:.0f} s; rank 0 writes the outputs to {out}")
+        return None
     print(result.summary_path.read_text())  # the markdown table as is: readable in any terminal width
     print(f"finished in {result.seconds:.0f} s")
     return result.metrics_path, result.summary_path, result.plot_path
@@ -48,6 +51,8 @@ def run_job(args: argparse.Namespace) -> tuple[Path, Path, Path]:
 
 def run(args: argparse.Namespace) -> int:
     """Run the job; errors of the package propagate (exit 1 via the CLI)."""
-    metrics, summary, plot = run_job(args)
-    print(f"metrics: {metrics}\nsummary: {summary}\nplot:    {plot}")
+    paths = run_job(args)
+    if paths is not None:
+        metrics, summary, plot = paths
+        print(f"metrics: {metrics}\nsummary: {summary}\nplot:    {plot}")
     return 0

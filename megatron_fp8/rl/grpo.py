@@ -251,7 +251,7 @@ class GRPOResult:
         arms: per arm, in run order.
         out_dir: the output folder.
         metrics_path: ``metrics.jsonl`` (one line per step and arm).
-        summary_path: ``summary.md``.
+        summary_path: ``summary.md`` (``None`` on ranks other than 0, which write nothing).
         plot_path: ``metrics.png``.
         manifest_source: how the FP8 manifest was obtained (``""`` without FP8 arms).
         seconds: wall time of the run, seconds.
@@ -260,8 +260,8 @@ class GRPOResult:
     arms: tuple[ArmResult, ...]
     out_dir: Path
     metrics_path: Path
-    summary_path: Path
-    plot_path: Path
+    summary_path: Path | None
+    plot_path: Path | None
     manifest_source: str = ""
     seconds: float = 0.0
 
@@ -352,25 +352,16 @@ def fp8_manifest(config: RunConfig, model_path: Path, qcfg: dict) -> Any:
     Raises:
         ManifestError: vLLM failed to answer (its output is in the message).
     """
-    from bridge_mappings.manifest import Manifest, ManifestStore, checkpoint_tensors, make_fingerprint
+    from bridge_mappings.manifest import ManifestStore, make_fingerprint
     from megatron_fp8.vllm.adapter import vllm_version
 
     vllm_cfg = config.policy.generation.vllm_cfg
     first, last = vllm_cfg.num_first_layers_in_bf16, vllm_cfg.num_last_layers_in_bf16
     expected = make_fingerprint(model_path, qcfg, num_first_layers_in_bf16=first, num_last_layers_in_bf16=last)
     if vllm_version() is None:
-        from megatron_fp8.vllm.reference_engine import ReferenceFP8Engine
-
-        logger.warning("vLLM is not installed: deriving the FP8 manifest from ignored_layers as vLLM would")
-        engine = ReferenceFP8Engine(json.loads((model_path / "config.json").read_text()), quantization=qcfg)
-        names = set(checkpoint_tensors(model_path))
-        return Manifest(
-            source="derived (vLLM not installed)",
-            fingerprint=expected,
-            fp8_params=tuple(sorted(engine.fp8_names)),
-            bf16_params=tuple(sorted(names - engine.fp8_names)),
-            fp8_capable_bf16=(),
-            quantization_config=qcfg,
+        raise ManifestError(
+            "vLLM is not installed, and the FP8 manifest must come from vLLM itself (never from name rules); "
+            "install vllm (make install) or run the FP8 arms where vLLM is"
         )
     store = ManifestStore()
     refresh = False
@@ -473,15 +464,18 @@ class _ArmState:
     refit: Any
     manifest: Any
     export_settings: Any
+    dp: DataParallel
 
 
 def _refit(state: _ArmState) -> tuple[dict[str, int], float, int, float]:
-    from bridge_mappings.quantized_export import checked_stream, quantized_stream
+    from bridge_mappings.quantized_export import refit_stream
     from megatron_fp8.megatron import export_hf_weights
 
-    stream = export_hf_weights(state.model)
     if state.spec.rollout_precision == "fp8":
-        stream = checked_stream(quantized_stream(stream, state.manifest, state.export_settings), state.manifest)
+        # the bridge adapter uses Megatron-Bridge's quantized-export hook where the installed version has one
+        stream = refit_stream(state.model, state.manifest, state.export_settings)
+    else:
+        stream = export_hf_weights(state.model)
     result = state.refit.refit(stream)
     verify = getattr(state.engine.applier, "last_verify", None)
     err = float(verify.max_rel_weight_error) if verify is not None else float("nan")
@@ -502,7 +496,9 @@ def _step(
 
     g = config.grpo
     t_step = time.perf_counter()
-    problems: list[Problem] = sample_problems(task, seed=g.seed, step=step, count=g.num_prompts_per_step)
+    problems: list[Problem] = state.dp.shard(
+        sample_problems(task, seed=g.seed, step=step, count=g.num_prompts_per_step)
+    )
     prompt_ids = [tokenizer.encode(p.prompt, add_special_tokens=False) for p in problems]
     flat_prompts = [ids for ids in prompt_ids for _ in range(g.num_generations_per_prompt)]
     flat_problems = [p for p in problems for _ in range(g.num_generations_per_prompt)]
@@ -524,7 +520,7 @@ def _step(
         texts.append(text)
         scores.append(task.reward(problem, text, finished=finished))
     rewards = torch.tensor([s.reward for s in scores], dtype=torch.float32)
-    advantages = group_advantages(rewards.view(g.num_prompts_per_step, g.num_generations_per_prompt))
+    advantages = group_advantages(rewards.view(len(problems), g.num_generations_per_prompt))
 
     t1 = time.perf_counter()
     batch = _make_batch(flat_prompts, rollout, pad_id)
@@ -608,25 +604,101 @@ def _step(
     )
 
 
+# ----------------------------------------------------------------------------- data parallel
+
+
+@dataclass(frozen=True)
+class DataParallel:
+    """This process's place in a multi-process GRPO run (``torch.distributed`` from the environment).
+
+    Under Slurm (``slurm/grpo.sbatch``) every task runs ``megatron-fp8 grpo`` with ``RANK``,
+    ``WORLD_SIZE``, ``MASTER_ADDR`` and ``MASTER_PORT`` set. Each rank rolls out its share of
+    the step's prompts on its own colocated engine (whole groups, so advantages stay
+    group-local), Megatron-Core's DDP averages the gradients over ranks, every rank refits its
+    own engine, and rank 0 averages the step metrics over ranks and writes the outputs.
+    """
+
+    rank: int = 0
+    world_size: int = 1
+
+    @property
+    def is_writer(self) -> bool:
+        return self.rank == 0
+
+    def shard(self, items: Sequence[Any]) -> list[Any]:
+        return list(items[self.rank :: self.world_size])
+
+
+@contextlib.contextmanager
+def data_parallel_from_env(*, timeout_s: float = 1800.0) -> Iterator[DataParallel]:
+    """Join the ``WORLD_SIZE`` processes of this run (gloo) for its whole length; one process: no group."""
+    import datetime
+
+    import torch.distributed as dist
+
+    world = int(os.environ.get("WORLD_SIZE", "1") or 1)
+    rank = int(os.environ.get("RANK", "0") or 0)
+    if world <= 1:
+        yield DataParallel()
+        return
+    missing = [v for v in ("MASTER_ADDR", "MASTER_PORT") if not os.environ.get(v)]
+    if missing:
+        raise ConfigError(f"WORLD_SIZE={world} but {', '.join(missing)} not set: launch through slurm/grpo.sbatch "
+                          "(or torchrun), which set the rendezvous")
+    dist.init_process_group("gloo", init_method="env://", rank=rank, world_size=world,
+                            timeout=datetime.timedelta(seconds=timeout_s))
+    logger.info("GRPO data parallel: rank %d of %d", rank, world)
+    try:
+        yield DataParallel(rank=rank, world_size=world)
+    finally:
+        dist.destroy_process_group()
+
+
+_SUM_FIELDS = ("refit_bytes",)  # per-rank payloads add up; everything else numeric is averaged
+
+
+def _average_over_ranks(m: StepMetrics, dp: DataParallel) -> StepMetrics:
+    """Average a step's numeric metrics over ranks (refit bytes summed); rank 0 gets the result."""
+    if dp.world_size == 1:
+        return m
+    import torch.distributed as dist
+
+    gathered: list[Any] = [None] * dp.world_size
+    dist.all_gather_object(gathered, dataclasses.asdict(m))
+
+    def combine(key: str, values: list[Any]) -> Any:
+        first = values[0]
+        if isinstance(first, bool) or not isinstance(first, (int, float, dict)):
+            return all(values) if isinstance(first, bool) else first
+        if isinstance(first, dict):
+            return {k: combine(f"{key}.{k}", [v[k] for v in values]) for k in first}
+        total = sum(values)
+        if key.split(".")[0] in _SUM_FIELDS:
+            return total
+        return type(first)(total / len(values)) if isinstance(first, float) else first
+
+    merged = {k: combine(k, [g[k] for g in gathered]) for k in gathered[0]}
+    return dataclasses.replace(m, **{k: v for k, v in merged.items() if k not in ("arm", "step", "engine", "sample")})
+
+
 # ----------------------------------------------------------------------------- warm start
 
 WARM_START_DIR = "warm_start"
 
 
-def _save_hf_checkpoint(m: Any, source: Path, dest: Path) -> Path:
+def _save_hf_checkpoint(tensors: Mapping[str, torch.Tensor], source: Path, dest: Path) -> Path:
     """Write the trainer's weights as an HF folder: the source's config/tokenizer files + ``model.safetensors``."""
     import shutil
 
     from safetensors.torch import save_file
 
-    from megatron_fp8.megatron import export_hf_weights
-
     dest.mkdir(parents=True, exist_ok=True)
     for f in source.iterdir():
         if f.is_file() and not f.name.endswith((".safetensors", ".safetensors.index.json")):
             shutil.copy2(f, dest / f.name)
-    tensors = {name: t.detach().contiguous().clone() for name, t in export_hf_weights(m)}
-    save_file(tensors, str(dest / "model.safetensors"), metadata={"format": "pt"})
+    tmp = dest / "model.safetensors.tmp"
+    save_file({n: t.detach().contiguous() for n, t in tensors.items()}, str(tmp), metadata={"format": "pt"})
+    tmp.replace(dest / "model.safetensors")
     return dest
 
 
@@ -643,7 +715,13 @@ def warm_start(
     Returns:
         ``(checkpoint folder, per-step loss)``; the folder is ``out_dir/warm_start``.
     """
-    from megatron_fp8.megatron import build_megatron_model, make_optimizer, megatron_parallel, train_step
+    from megatron_fp8.megatron import (
+        build_megatron_model,
+        export_hf_weights,
+        make_optimizer,
+        megatron_parallel,
+        train_step,
+    )
 
     g = config.grpo
     eos = tokenizer.eos_token_id
@@ -674,7 +752,12 @@ def warm_start(
                 model, optimizer, nll, {"input_ids": batch.input_ids, "attention_mask": batch.attention_mask}
             )
             losses.append(result.loss)
-        path = _save_hf_checkpoint(model, model_path, out_dir / WARM_START_DIR)
+        path = out_dir / WARM_START_DIR
+        tensors = dict(export_hf_weights(model))  # collective over model-parallel ranks: every rank exports
+        if not torch.distributed.is_initialized() or torch.distributed.get_rank() == 0:
+            _save_hf_checkpoint(tensors, model_path, path)
+        if torch.distributed.is_initialized():
+            torch.distributed.barrier()
     logger.info(
         "warm start: %d supervised steps, NLL %.3f -> %.3f per answer token; checkpoint %s",
         g.warm_start_steps, losses[0] if losses else float("nan"), losses[-1] if losses else float("nan"), path,
@@ -711,7 +794,8 @@ def _run_arm(
     qcfg: dict | None,
     task: ToyTask,
     tokenizer: Any,
-    on_step: Callable[[StepMetrics], None],
+    on_step: Callable[[StepMetrics], StepMetrics],
+    dp: DataParallel | None = None,
 ) -> ArmResult:
     from bridge_mappings.quantized_export import ExportSettings
     from megatron_fp8.megatron import build_megatron_model, make_optimizer, megatron_parallel
@@ -762,6 +846,7 @@ def _run_arm(
                     scale_format="ue8m0" if vllm_cfg.pow2_weight_scaling_factors else "fp32",
                     tp_size=vllm_cfg.tensor_parallel_size,
                 ),
+                dp=dp or DataParallel(),
             )
             eos_id = tokenizer.eos_token_id
             pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else eos_id
@@ -773,8 +858,7 @@ def _run_arm(
                     metrics = _step(
                         state, step=step, config=config, task=task, tokenizer=tokenizer, eos_id=eos_id, pad_id=pad_id
                     )
-                    results.append(metrics)
-                    on_step(metrics)
+                    results.append(on_step(metrics))
             finally:
                 state.refit.close()
             application = model.recipe_application
@@ -814,10 +898,7 @@ def run_grpo(
         ConfigError: unknown arm or task, bad step count, a non-blockwise FP8 rollout.
         ManifestError: vLLM could not be asked for the FP8 manifest.
     """
-    from transformers import AutoTokenizer
 
-    from megatron_fp8.models import resolve_model
-    from megatron_fp8.rl import report
 
     t_run = time.perf_counter()
     n_steps = config.grpo.num_steps if steps is None else int(steps)
@@ -832,18 +913,40 @@ def run_grpo(
     if "fp8_tis" in arm_names and config.loss_fn.is_variant == "none":
         raise ConfigError("arm fp8_tis corrects with loss_fn.is_variant, which is 'none'; set is_variant: token_tis")
     task = get_task(config.grpo.task, max_digits=config.grpo.task_max_digits)
+    with data_parallel_from_env() as dp:
+        if config.grpo.num_prompts_per_step % dp.world_size:
+            raise ConfigError(
+                f"grpo.num_prompts_per_step={config.grpo.num_prompts_per_step} is not divisible by the "
+                f"{dp.world_size} GRPO processes (WORLD_SIZE); each rank rolls out whole prompt groups"
+            )
+        return _run_grpo_ranks(config, dp=dp, task=task, n_steps=n_steps, arm_names=arm_names, out_dir=out_dir,
+                               progress=progress, t_run=t_run)
+
+
+def _run_grpo_ranks(
+    config: RunConfig, *, dp: DataParallel, task: ToyTask, n_steps: int, arm_names: tuple[str, ...],
+    out_dir: str | Path, progress: bool, t_run: float,
+) -> GRPOResult:
+    from transformers import AutoTokenizer
+
+    from megatron_fp8.models import resolve_model
+    from megatron_fp8.rl import report
 
     out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
     metrics_path = out / METRICS_FILE
-    (out / CONFIG_FILE).write_text(config.dump_yaml())
+    if dp.is_writer:
+        out.mkdir(parents=True, exist_ok=True)
+        (out / CONFIG_FILE).write_text(config.dump_yaml())
     model_path = Path(resolve_model(config.model.name_or_path))
     tokenizer = AutoTokenizer.from_pretrained(str(model_path))
 
     manifest, qcfg, manifest_source = None, None, ""
     if any(ARM_SPECS[a].rollout_precision == "fp8" for a in arm_names):
         qcfg = rollout_quantization_config(config, model_path)
-        manifest = fp8_manifest(config, model_path, qcfg)
+        box: list[Any] = [fp8_manifest(config, model_path, qcfg) if dp.is_writer else None]
+        if dp.world_size > 1:  # asked of vLLM once, on rank 0, and shared
+            torch.distributed.broadcast_object_list(box, src=0)
+        manifest = box[0]
         manifest_source = manifest.source
         logger.info("FP8 manifest: %d weights in FP8 (%s)", len(manifest.fp8_params), manifest.source)
     if config.grpo.warm_start_steps > 0:
@@ -851,12 +954,16 @@ def run_grpo(
         model_path, _ = warm_start(config, model_path, task=task, tokenizer=tokenizer, out_dir=out)
 
     results: list[ArmResult] = []
-    with _environment(config.policy.megatron_cfg.env_vars), metrics_path.open("w") as sink, _progress(progress) as bar:
+    sink_cm = metrics_path.open("w") if dp.is_writer else contextlib.nullcontext(None)
+    with _environment(config.policy.megatron_cfg.env_vars), sink_cm as sink, \
+            _progress(progress and dp.is_writer) as bar:
         bar_task = bar.add_task("GRPO", total=n_steps * len(arm_names), info="") if bar is not None else None
 
-        def on_step(m: StepMetrics) -> None:
-            sink.write(json.dumps(m.to_json_dict(), sort_keys=False) + "\n")
-            sink.flush()
+        def on_step(local: StepMetrics) -> StepMetrics:
+            m = _average_over_ranks(local, dp)
+            if sink is not None:
+                sink.write(json.dumps(m.to_json_dict(), sort_keys=False) + "\n")
+                sink.flush()
             logger.debug("arm %s step %d: reward %.3f gen_kl %.2e", m.arm, m.step, m.reward_mean, m.gen_kl)
             if bar is not None:
                 bar.update(
@@ -865,6 +972,7 @@ def run_grpo(
                     description=f"GRPO {m.arm}",
                     info=f"step {m.step + 1}/{n_steps} reward {m.reward_mean:.3f} gen_kl {m.gen_kl:.1e}",
                 )
+            return m
 
         for name in arm_names:
             logger.info("GRPO arm %s: %s", name, ARMS[name])
@@ -879,9 +987,13 @@ def run_grpo(
                     task=task,
                     tokenizer=tokenizer,
                     on_step=on_step,
+                    dp=dp,
                 )
             )
 
+    if not dp.is_writer:
+        return GRPOResult(arms=tuple(results), out_dir=out, metrics_path=metrics_path, summary_path=None,
+                          plot_path=None, manifest_source=manifest_source, seconds=time.perf_counter() - t_run)
     summary_path = report.write_summary(results, out / SUMMARY_FILE, config=config, manifest_source=manifest_source)
     plot_path = report.plot_metrics(results, out / PLOT_FILE)
     return GRPOResult(
