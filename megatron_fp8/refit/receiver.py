@@ -319,7 +319,7 @@ class RefitReceiver:
             seconds=time.perf_counter() - start,
             discarded_buckets=discarded,
         )
-        logger.info("refit v%d applied: %d tensors from %d buckets", version, report.num_tensors, report.num_buckets)
+        logger.debug("refit v%d applied: %d tensors from %d buckets", version, report.num_tensors, report.num_buckets)
         return report
 
     def _fail(self, version: int, reason: str) -> None:

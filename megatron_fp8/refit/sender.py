@@ -156,7 +156,7 @@ class RefitSender:
             wire_bytes=wire,
             seconds=seconds,
         )
-        logger.info(
+        logger.debug(
             "refit v%d sent: %d tensors in %d buckets, %.1f MB in %.3fs (%.2f GB/s)",
             version,
             num_tensors,

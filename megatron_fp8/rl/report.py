@@ -123,6 +123,22 @@ def write_summary(
     return p
 
 
+SMOOTH_WINDOW = 5
+"""Steps in the trailing mean drawn over the per-step rewards (every arm sees the same prompts, so the
+per-step curves share the prompts' difficulty; the trailing mean shows the trend)."""
+
+
+def rolling_mean(values: Sequence[float], window: int) -> list[float]:
+    """Trailing mean over up to ``window`` values (shorter at the start)."""
+    out, acc = [], 0.0
+    for i, v in enumerate(values):
+        acc += v
+        if i >= window:
+            acc -= values[i - window]
+        out.append(acc / min(i + 1, window))
+    return out
+
+
 def plot_metrics(arms: Sequence[ArmResult], path: str | Path) -> Path:
     """Write ``metrics.png``: mean reward (left) and gen_kl (right, log scale) per step, one line per arm.
 
@@ -140,10 +156,13 @@ def plot_metrics(arms: Sequence[ArmResult], path: str | Path) -> Path:
         for a in arms:
             steps = [s.step for s in a.steps]
             color = ARM_COLORS.get(a.arm)
-            ax_r.plot(steps, [s.reward_mean for s in a.steps], marker="o", ms=3, label=a.arm, color=color)
+            rewards = [s.reward_mean for s in a.steps]
+            ax_r.plot(steps, rewards, marker="o", ms=2, lw=0.8, alpha=0.35, color=color)
+            ax_r.plot(steps, rolling_mean(rewards, SMOOTH_WINDOW), lw=2.2, label=f"{a.arm} ({SMOOTH_WINDOW}-step mean)",
+                      color=color)
             kl = [s.gen_kl for s in a.steps]
             ax_k.plot(steps, [max(v, 1e-12) for v in kl], marker="o", ms=3, label=a.arm, color=color)
-        ax_r.set_title("mean reward per step")
+        ax_r.set_title("mean reward per step (faint) and its trailing mean")
         ax_r.set_xlabel("step")
         ax_r.set_ylabel("reward")
         ax_r.grid(alpha=0.3)

@@ -164,3 +164,11 @@ def test_grpo_improves_reward(tmp_path):
     assert fp8.mean_refit_bytes["fp8"] > 0 and fp8.mean_refit_bytes["total"] < result.arm("bf16").mean_refit_bytes["total"]
     assert fp8.mean_gen_kl > result.arm("bf16").mean_gen_kl
     assert all(math.isfinite(s.gen_kl) for s in fp8.steps)
+
+
+def test_rolling_mean_by_hand():
+    from megatron_fp8.rl.report import rolling_mean
+
+    assert rolling_mean([1.0, 3.0, 5.0, 7.0], 2) == [1.0, 2.0, 4.0, 6.0]
+    assert rolling_mean([2.0], 5) == [2.0]
+    assert rolling_mean([], 3) == []
