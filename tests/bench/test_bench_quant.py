@@ -13,7 +13,7 @@ ROOT = Path(__file__).resolve().parents[2]
 SCRIPT = ROOT / "bench" / "quant.py"
 
 ROW_KEYS = {
-    "shape", "elements", "bytes_moved", "torch_ms", "torch_gbs", "reference_ms", "speedup_vs_reference",
+    "shape", "elements", "bytes_moved", "torch_ms", "torch_gbs", "naive_ms", "speedup_vs_naive", "bytes_equal_naive", "reference_ms", "speedup_vs_reference",
     "bytes_equal_reference", "triton_ms", "triton_gbs", "pct_of_copy", "triton_api_ms", "copy_same_size_gbs",
     "bytes_equal_torch", "best_config",
 }  # fmt: skip
@@ -59,6 +59,7 @@ def test_rows(smoke_result):
         assert r["torch_ms"] > 0
         if smoke_result["mode"] == "cpu":
             assert r["bytes_equal_reference"] is True and r["speedup_vs_reference"] > 0
+            assert r["bytes_equal_naive"] is True and r["speedup_vs_naive"] > 0
             assert r["triton_ms"] is None
         else:
             assert r["bytes_equal_torch"] is True and r["pct_of_copy"] > 0
