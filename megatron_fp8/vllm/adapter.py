@@ -220,24 +220,168 @@ def build_llm(
 
 
 def has_layerwise_reload(model_runner: Any) -> bool:
-    """vLLM >= 0.31 has a native layerwise reload taking checkpoint-format weights."""
-    return hasattr(model_runner, "reload_weights")
+    """vLLM with layerwise reload (2026.01+, >= 0.15): ``reload_weights(weights_iterator=..., is_checkpoint_format=...)``.
+
+    Older releases (e.g. 0.11 in the CUDA 12.9 container) have a ``reload_weights()`` that only
+    re-reads the checkpoint from disk; they get :func:`inplace_load_weights` instead.
+    """
+    import inspect
+
+    fn = getattr(model_runner, "reload_weights", None)
+    if fn is None:
+        return False
+    params = inspect.signature(fn).parameters
+    return "weights_iterator" in params and "is_checkpoint_format" in params
 
 
 def reload_weights(model_runner: Any, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
     """Load checkpoint-format weights into a built model, in place.
 
-    Uses vLLM's layerwise reload (``reload_weights(weights_iterator=...,
-    is_checkpoint_format=True)``), which re-runs ``process_weights_after_loading``
-    per layer so FP8 scales are renamed/transposed the way vLLM expects and every
-    Parameter keeps its ``weight_loader``.
+    With layerwise reload (vLLM >= 0.15) vLLM re-runs ``process_weights_after_loading``
+    per layer, so FP8 scales are renamed/transposed the way vLLM expects and every
+    Parameter keeps its ``weight_loader``. Older vLLM: :func:`inplace_load_weights`
+    copies into the existing (already processed) Parameters without rebinding them.
     """
     if has_layerwise_reload(model_runner):
         model_runner.reload_weights(weights_iterator=iter(weights), is_checkpoint_format=True)
         return
-    # Older vLLM: call the model's own loader; it copies into the existing
-    # Parameters through their weight_loader (no rebinding of .data).
-    model_runner.model.load_weights(weights=iter(weights))  # pragma: no cover - vLLM < 0.31
+    inplace_load_weights(model_runner.model, weights)
+
+
+@dataclass(frozen=True)
+class _Target:
+    """Where one checkpoint tensor lands: ``param.data[index]`` gets ``source[src_index]``."""
+
+    param: torch.nn.Parameter
+    index: tuple
+    src_index: tuple
+    name: str
+
+
+def _column_slices(module: Any, shard: str | int | None, n_total: int, block: int) -> tuple[slice, slice, int]:
+    """(rows of the fused local param, rows of the full HF shard, full HF rows) for a column-parallel shard.
+
+    Rows are counted in units of ``block`` (1 for weights, 128 for block scales); the
+    full HF row count is in weight rows.
+    """
+    tp_rank, tp_size = int(getattr(module, "tp_rank", 0)), int(getattr(module, "tp_size", 1))
+    if hasattr(module, "num_kv_head_replicas") and shard in ("q", "k", "v"):
+        # QKVParallelLinear: q, then k, then v, each this rank's heads
+        q = module.num_heads * module.head_size
+        kv = module.num_kv_heads * module.head_size
+        vv = module.num_kv_heads * getattr(module, "v_head_size", module.head_size)
+        offset, size = {"q": (0, q), "k": (q, kv), "v": (q + kv, vv)}[shard]
+        rank = tp_rank if shard == "q" else tp_rank // module.num_kv_head_replicas
+        full = size * (tp_size if shard == "q" else tp_size // module.num_kv_head_replicas)
+    elif isinstance(shard, int):
+        # MergedColumnParallelLinear: output_sizes are the full per-shard sizes
+        sizes = [o // tp_size for o in module.output_sizes]
+        offset, size, rank = sum(sizes[:shard]), sizes[shard], tp_rank
+        full = module.output_sizes[shard]
+    else:
+        offset, size, rank = 0, n_total // tp_size, tp_rank
+        full = n_total
+    if offset % block or size % block:
+        raise RefitTargetError(f"{module.prefix}: shard {shard!r} at rows {offset}:{offset + size} is not a multiple of "
+                               f"the {block}-row block; blockwise FP8 needs 128-aligned TP partitions")
+    return (slice(offset // block, (offset + size) // block), slice(rank * size // block, (rank + 1) * size // block),
+            full)
+
+
+class RefitTargetError(RuntimeError):
+    """A checkpoint tensor has no place in the built vLLM model (name or layout)."""
+
+
+def _inplace_targets(model: torch.nn.Module) -> dict[str, list[tuple[torch.nn.Module, str | int | None, str]]]:
+    packed = {k: list(v) for k, v in dict(getattr(model, "packed_modules_mapping", {}) or {}).items()}
+    linear_cls = _linear_base_cls()
+    out: dict[str, list[tuple[torch.nn.Module, str | int | None, str]]] = {}
+    for _, module in model.named_modules():
+        if not isinstance(module, linear_cls):
+            continue
+        head, _, last = module.prefix.rpartition(".")
+        shards = packed.get(last)
+        if shards:
+            keys: list[str | int] = list("qkv") if hasattr(module, "num_kv_head_replicas") else list(range(len(shards)))
+            for key, shard in zip(keys, shards, strict=True):
+                out[f"{head}.{shard}"] = [(module, key, "column")]
+        else:
+            kind = "row" if type(module).__name__ == "RowParallelLinear" else (
+                "replicated" if type(module).__name__ in ("ReplicatedLinear", "GateLinear") else "column")
+            out[module.prefix] = [(module, None, kind)]
+    return out
+
+
+def inplace_load_weights(model: torch.nn.Module, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+    """Copy checkpoint-format tensors into a built vLLM model's existing Parameters (no rebinding).
+
+    For vLLM releases without layerwise reload: after ``process_weights_after_loading``
+    the Parameters of FP8 layers are new objects without their ``weight_loader``, so
+    ``model.load_weights`` cannot be called again. This writes each HF shard into the
+    fused Parameter's rows itself: q/k/v into ``qkv_proj`` (this TP rank's heads, KV
+    heads replicated when TP > KV heads), gate/up into ``gate_up_proj``, row-parallel
+    weights by columns, ``weight_scale_inv`` by 128-row blocks; other tensors go through
+    the Parameter's own ``weight_loader`` (embeddings, norms keep theirs). Every target
+    is resolved and shape-checked before the first byte is copied.
+
+    Raises:
+        RefitTargetError: an unknown name, a shape mismatch, or a layout this fallback
+            does not cover (routed experts: needs vLLM with layerwise reload).
+    """
+    targets = _inplace_targets(model)
+    params = dict(model.named_parameters())
+    plan: list[tuple[_Target | None, str, torch.Tensor]] = []
+    for name, tensor in weights:
+        base, _, leaf = name.rpartition(".")
+        if base in targets and leaf in ("weight", "weight_scale_inv"):
+            module, shard, kind = targets[base][0]
+            param = getattr(module, leaf, None)
+            if param is None:
+                raise RefitTargetError(f"{name}: the vLLM module {module.prefix} has no {leaf!r}")
+            block = 1
+            if leaf == "weight_scale_inv":
+                wshape = module.weight.shape
+                block = -(-wshape[0] // param.shape[0]) if param.dim() == 2 else 1
+            tp_rank, tp_size = int(getattr(module, "tp_rank", 0)), int(getattr(module, "tp_size", 1))
+            if kind == "column":
+                dst_rows, src_rows, full = _column_slices(module, shard, tensor.shape[0] * block, block)
+                expected = (-(-full // block), param.shape[1])
+                t = _Target(param, (dst_rows,), (src_rows,), name)
+            elif kind == "row":
+                expected = (param.shape[0], param.shape[1] * tp_size)
+                cols = tensor.shape[1] // tp_size
+                t = _Target(param, (slice(None), slice(None)), (slice(None), slice(tp_rank * cols, (tp_rank + 1) * cols)),
+                            name)
+            else:
+                expected = tuple(param.shape)
+                t = _Target(param, (slice(None),), (slice(None),), name)
+            if tuple(tensor.shape) != tuple(expected):
+                raise RefitTargetError(f"{name}: shape {tuple(tensor.shape)} does not fit {module.prefix}.{leaf}, which "
+                                       f"expects {tuple(expected)} for this HF tensor")
+            dst, src = param.data[t.index], tensor[t.src_index]
+            if tuple(dst.shape) != tuple(src.shape):
+                raise RefitTargetError(f"{name}: {tuple(src.shape)} does not fit {module.prefix}.{leaf} rows/cols "
+                                       f"{tuple(dst.shape)} (TP rank {getattr(module, 'tp_rank', 0)})")
+            if dst.dtype != src.dtype:
+                raise RefitTargetError(f"{name}: {src.dtype} arrived for {module.prefix}.{leaf}, which holds {dst.dtype}")
+            plan.append((t, name, tensor))
+        elif name in params:
+            plan.append((None, name, tensor))
+        elif ".experts." in name:
+            raise RefitTargetError(f"{name}: routed experts need vLLM's layerwise reload (vLLM >= 0.15) to be refit")
+        else:
+            raise RefitTargetError(f"{name} is not a parameter of this vLLM model ({type(model).__name__})")
+    with torch.no_grad():
+        for t, name, tensor in plan:
+            if t is not None:
+                t.param.data[t.index].copy_(tensor[t.src_index])
+                continue
+            param = params[name]
+            loader = getattr(param, "weight_loader", None)
+            if loader is not None:
+                loader(param, tensor)
+            else:
+                param.data.copy_(tensor)
 
 
 def shutdown_llm(llm: Any) -> None:
