@@ -638,6 +638,13 @@ def data_parallel_from_env(*, timeout_s: float = 1800.0) -> Iterator[DataParalle
 
     world = int(os.environ.get("WORLD_SIZE", "1") or 1)
     rank = int(os.environ.get("RANK", "0") or 0)
+    role = os.environ.get("MFP8_ROLE", "colocated") or "colocated"
+    if role != "colocated":
+        raise ConfigError(
+            f"MFP8_ROLE={role!r} (slurm/grpo.sbatch with ROLLOUT_TASKS set): megatron-fp8 grpo runs colocated "
+            "data-parallel ranks, each training and rolling out; separate trainer/rollout placement is not "
+            "implemented yet. Unset ROLLOUT_TASKS."
+        )
     if world <= 1:
         yield DataParallel()
         return

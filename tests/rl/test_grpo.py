@@ -172,3 +172,23 @@ def test_rolling_mean_by_hand():
     assert rolling_mean([1.0, 3.0, 5.0, 7.0], 2) == [1.0, 2.0, 4.0, 6.0]
     assert rolling_mean([2.0], 5) == [2.0]
     assert rolling_mean([], 3) == []
+
+
+def test_data_parallel_from_env(monkeypatch):
+    from megatron_fp8.errors import ConfigError
+    from megatron_fp8.rl.grpo import DataParallel, data_parallel_from_env
+
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    monkeypatch.delenv("MFP8_ROLE", raising=False)
+    with data_parallel_from_env() as dp:
+        assert dp == DataParallel(rank=0, world_size=1) and dp.is_writer
+    assert DataParallel(rank=1, world_size=2).shard(list(range(8))) == [1, 3, 5, 7]
+    monkeypatch.setenv("MFP8_ROLE", "rollout")
+    with pytest.raises(ConfigError, match="Unset ROLLOUT_TASKS"), data_parallel_from_env():
+        pass
+    monkeypatch.setenv("MFP8_ROLE", "colocated")
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.delenv("MASTER_ADDR", raising=False)
+    monkeypatch.delenv("MASTER_PORT", raising=False)
+    with pytest.raises(ConfigError, match="MASTER_ADDR, MASTER_PORT not set"), data_parallel_from_env():
+        pass

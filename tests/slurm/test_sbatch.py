@@ -7,7 +7,6 @@ temporary logs/ directory.
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import shutil
 import socket
@@ -126,16 +125,7 @@ def test_grpo_sbatch_two_tasks_rendezvous_then_the_grpo_command(slurm_cluster, t
     assert [r["MFP8_ROLE"] for r in records] == ["trainer", "rollout"]
 
 
-def _grpo_ready() -> str | None:
-    if importlib.util.find_spec("megatron_fp8.cli.grpo") is None:
-        return "megatron_fp8.cli.grpo not written yet"
-    if not (REPO / "configs" / "tiny_cpu.yaml").exists():
-        return "configs/tiny_cpu.yaml not written yet"
-    return None
-
-
 @pytest.mark.slow
-@pytest.mark.skipif(_grpo_ready() is not None, reason=f"real GRPO job: {_grpo_ready()}")
 def test_grpo_sbatch_real_two_step_run(slurm_cluster, tmp_path):
     results = tmp_path / "results"
     rc, log = _submit(
