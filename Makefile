@@ -53,7 +53,7 @@ bench: install
 
 lint: install
 	$(BIN)/ruff check .
-	$(BIN)/ruff format --check . || true
+	$(BIN)/ruff format --check .
 	$(BIN)/shellcheck -x slurm/*.sh slurm/*.sbatch .ci/run
 	$(BIN)/python docker/pins.py check
 

@@ -163,7 +163,12 @@ def bench_shape_cuda(shape: tuple[int, int], copy_gbs: float, *, warmup: int, re
     )
     if sweep:
         cfg, ms = _sweep_configs(x3, nbytes, warmup=warmup, reps=reps)
-        row["best_config"] = {**cfg, "ms": ms, "gbs": _gbs(nbytes, ms), "pct_of_copy": 100 * _gbs(nbytes, ms) / copy_gbs}
+        row["best_config"] = {
+            **cfg,
+            "ms": ms,
+            "gbs": _gbs(nbytes, ms),
+            "pct_of_copy": 100 * _gbs(nbytes, ms) / copy_gbs,
+        }
     row["triton_ms"] = kernel_ms
     row["triton_gbs"] = _gbs(nbytes, kernel_ms)
     row["pct_of_copy"] = 100 * row["triton_gbs"] / copy_gbs
@@ -311,7 +316,9 @@ def run(args: argparse.Namespace) -> dict:
         copy_gbs = copy_bandwidth_gbs(COPY_BUFFER_BYTES, warmup=args.warmup, reps=args.reps)
         result["copy_bandwidth_gbs"] = copy_gbs
         for shape in shapes:
-            result["shapes"].append(bench_shape_cuda(shape, copy_gbs, warmup=args.warmup, reps=args.reps, sweep=args.sweep))
+            result["shapes"].append(
+                bench_shape_cuda(shape, copy_gbs, warmup=args.warmup, reps=args.reps, sweep=args.sweep)
+            )
         result["layer_set"] = bench_layer_set_cuda(layer, layers, copy_gbs, warmup=args.warmup, reps=args.reps)
         result["notes"].append(
             "triton_ms: kernel only (launch_blockwise, no non-finite check); triton_api_ms: quantize_blockwise "
@@ -324,7 +331,7 @@ def run(args: argparse.Namespace) -> dict:
         result["layer_set"] = bench_layer_set_cpu(layer, layers, reps=reps)
         result["notes"].append(
             f"CPU run ({torch.get_num_threads()} threads): our torch path vs the naive permute-based float32 "
-                f"baseline (speedup), and the float64 reference (bytes); "
+            f"baseline (speedup), and the float64 reference (bytes); "
             f"layer set with {layers} of {LLAMA_8B_LAYERS} layers (--layers N for more). No Triton figures without CUDA."
         )
     return result
@@ -379,11 +386,19 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--out", type=Path, default=Path("bench/results/quant.json"), help="JSON output path")
     p.add_argument("--smoke", action="store_true", help="tiny shapes, one rep: checks the script runs")
-    p.add_argument("--layers", type=int, default=None,
-                   help="layers of the Llama-3.1-8B set (default 32 on CUDA, 1 on CPU, 2 with --smoke)")
+    p.add_argument(
+        "--layers",
+        type=int,
+        default=None,
+        help="layers of the Llama-3.1-8B set (default 32 on CUDA, 1 on CPU, 2 with --smoke)",
+    )
     p.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto")
-    p.add_argument("--reps", type=int, default=None,
-                   help="timed repetitions (median); default 20 on CUDA, 3 on CPU (the CPU reference runs once)")
+    p.add_argument(
+        "--reps",
+        type=int,
+        default=None,
+        help="timed repetitions (median); default 20 on CUDA, 3 on CPU (the CPU reference runs once)",
+    )
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--sweep", action="store_true", help="CUDA: also try cols_per_program x num_warps per shape")
     p.add_argument("--no-reference", action="store_true", help="CPU: skip the (slow) float64 reference")

@@ -277,8 +277,7 @@ def fp8_param_payload(spec_fp8_shapes: dict[str, tuple[int, int]], weights: dict
     }
 
 
-def bench_tiny_model(*, transports: list[str], bucket_bytes: int, repeats: int, timeout: float,
-                     threads: int) -> dict:
+def bench_tiny_model(*, transports: list[str], bucket_bytes: int, repeats: int, timeout: float, threads: int) -> dict:
     """FP8 vs BF16 refit of the embedded tiny Qwen3: the real export and vLLM's manifest.
 
     The BF16 HF-named stream is exported once from a Megatron-Core model built through
@@ -301,8 +300,9 @@ def bench_tiny_model(*, transports: list[str], bucket_bytes: int, repeats: int, 
         "bf16": lambda: _tally(iter(weights.items()), names, tallies["bf16"]),
         "fp8": lambda: _tally(quantized_stream(weights.items(), manifest), names, tallies["fp8"]),
     }
-    runs = bench_stream_factories(factories, transports=transports, bucket_bytes=bucket_bytes, repeats=repeats,
-                                  timeout=timeout, threads=threads)
+    runs = bench_stream_factories(
+        factories, transports=transports, bucket_bytes=bucket_bytes, repeats=repeats, timeout=timeout, threads=threads
+    )
     by = {(r.transport, r.stream): r for r in runs}
     n = max(repeats * len(transports), 1)
     fp8_bytes, bf16_bytes = tallies["fp8"]["fp8_params"] // n, tallies["bf16"]["fp8_params"] // n
@@ -360,8 +360,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--timeout", type=float, default=600.0, help="per-wait transport deadline, seconds")
     ap.add_argument("--smoke", action="store_true", help="1 layer, widths / 8, 1 thread: seconds on a CPU")
     ap.add_argument("--out", default=None, help="write the JSON summary here")
-    ap.add_argument("--no-tiny", action="store_true",
-                    help="skip the tiny-model refit (Megatron export + vLLM manifest + quantizing export)")
+    ap.add_argument(
+        "--no-tiny",
+        action="store_true",
+        help="skip the tiny-model refit (Megatron export + vLLM manifest + quantizing export)",
+    )
     args = ap.parse_args(argv)
     logging.basicConfig(level=logging.WARNING)
 
@@ -429,14 +432,21 @@ def main(argv: list[str] | None = None) -> int:
         "time_ratio_fp8_over_bf16": time_ratio,
     }
     if not args.no_tiny:
-        summary["tiny"] = bench_tiny_model(transports=transports, bucket_bytes=bucket_bytes, repeats=args.repeats,
-                                           timeout=args.timeout, threads=threads)
+        summary["tiny"] = bench_tiny_model(
+            transports=transports,
+            bucket_bytes=bucket_bytes,
+            repeats=args.repeats,
+            timeout=args.timeout,
+            threads=threads,
+        )
     _print_table(summary)
     if "tiny" in summary:
         t = summary["tiny"]
-        print(f"tiny model ({t['fp8_params']} FP8 params from vLLM's manifest): payload FP8/BF16 "
-              f"{t['payload_ratio_fp8_params']:.6f}; time FP8/BF16 " +
-              ", ".join(f"{k} {v:.3f}" for k, v in t["time_ratio_fp8_over_bf16"].items()))
+        print(
+            f"tiny model ({t['fp8_params']} FP8 params from vLLM's manifest): payload FP8/BF16 "
+            f"{t['payload_ratio_fp8_params']:.6f}; time FP8/BF16 "
+            + ", ".join(f"{k} {v:.3f}" for k, v in t["time_ratio_fp8_over_bf16"].items())
+        )
     if args.out:
         os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
         with open(args.out, "w") as f:

@@ -102,11 +102,13 @@ def quantized_hf_weight_stream(
             yield item[0], item[1]
         return
     if has_quantized_export(bridge):
+
         def hook(tensor: torch.Tensor, *args: Any, **kwargs: Any) -> tuple[torch.Tensor, torch.Tensor]:
             return quant_fn(kwargs.get("name", "<bridge tensor>"), tensor)
 
-        for item in bridge.export_hf_weights_quant(model, is_fp8, hook, quant_block_size=block_size, cpu=cpu,
-                                                   show_progress=False):
+        for item in bridge.export_hf_weights_quant(
+            model, is_fp8, hook, quant_block_size=block_size, cpu=cpu, show_progress=False
+        ):
             yield item[0], item[1]
         return
     for name, tensor in hf_weight_stream(m, cpu=cpu):

@@ -207,7 +207,11 @@ def make_fingerprint(
 
 
 def manifest_from_decisions(
-    decisions: Sequence[dict], *, source: str, fingerprint: Fingerprint, checkpoint_names: Sequence[str],
+    decisions: Sequence[dict],
+    *,
+    source: str,
+    fingerprint: Fingerprint,
+    checkpoint_names: Sequence[str],
     quantization_config: dict,
 ) -> Manifest:
     """Assemble a :class:`Manifest` from vLLM's per-module decisions (worker output)."""
@@ -251,13 +255,16 @@ def ask_vllm(
     from megatron_fp8.vllm import adapter
 
     fingerprint = make_fingerprint(
-        model_path, quantization_config,
-        num_first_layers_in_bf16=num_first_layers_in_bf16, num_last_layers_in_bf16=num_last_layers_in_bf16,
+        model_path,
+        quantization_config,
+        num_first_layers_in_bf16=num_first_layers_in_bf16,
+        num_last_layers_in_bf16=num_last_layers_in_bf16,
     )
     live = torch.cuda.is_available() if llm is None else _is_fp8_engine(llm)
     if llm is None:
-        llm = adapter.build_llm(str(model_path), quantization_config=quantization_config if live else None,
-                                skip_tokenizer_init=True)
+        llm = adapter.build_llm(
+            str(model_path), quantization_config=quantization_config if live else None, skip_tokenizer_init=True
+        )
     if live:
         decisions = llm.collective_rpc("mfp8_param_dtype_decisions")[0]
         source = f"vllm-param-dtype {adapter.vllm_version()}"
@@ -265,11 +272,18 @@ def ask_vllm(
         decisions = llm.collective_rpc("mfp8_quant_decisions", args=(quantization_config,))[0]
         source = f"vllm-quant-method {adapter.vllm_version()}"
     manifest = manifest_from_decisions(
-        decisions, source=source, fingerprint=fingerprint,
-        checkpoint_names=list(checkpoint_tensors(model_path)), quantization_config=quantization_config,
+        decisions,
+        source=source,
+        fingerprint=fingerprint,
+        checkpoint_names=list(checkpoint_tensors(model_path)),
+        quantization_config=quantization_config,
     )
-    logger.info("vLLM holds %d of %d checkpoint tensors in FP8 (%s)", len(manifest.fp8_params),
-                len(manifest.fp8_params) + len(manifest.bf16_params), source)
+    logger.info(
+        "vLLM holds %d of %d checkpoint tensors in FP8 (%s)",
+        len(manifest.fp8_params),
+        len(manifest.fp8_params) + len(manifest.bf16_params),
+        source,
+    )
     return manifest
 
 
@@ -351,29 +365,40 @@ class ManifestStore:
         payload: list[Any] = [None]
         if rank == 0:
             payload[0] = self._get_or_ask_local(
-                model_path, quantization_config, num_first_layers_in_bf16=num_first_layers_in_bf16,
-                num_last_layers_in_bf16=num_last_layers_in_bf16, refresh=refresh, llm=llm,
+                model_path,
+                quantization_config,
+                num_first_layers_in_bf16=num_first_layers_in_bf16,
+                num_last_layers_in_bf16=num_last_layers_in_bf16,
+                refresh=refresh,
+                llm=llm,
             )
         if distributed:
             src = dist.get_global_rank(group, 0)
             dist.broadcast_object_list(payload, src=src, group=group)
         return payload[0]
 
-    def _get_or_ask_local(self, model_path, quantization_config, *, num_first_layers_in_bf16,
-                          num_last_layers_in_bf16, refresh, llm) -> StoredManifest:
+    def _get_or_ask_local(
+        self, model_path, quantization_config, *, num_first_layers_in_bf16, num_last_layers_in_bf16, refresh, llm
+    ) -> StoredManifest:
         expected = make_fingerprint(
-            model_path, quantization_config,
-            num_first_layers_in_bf16=num_first_layers_in_bf16, num_last_layers_in_bf16=num_last_layers_in_bf16,
+            model_path,
+            quantization_config,
+            num_first_layers_in_bf16=num_first_layers_in_bf16,
+            num_last_layers_in_bf16=num_last_layers_in_bf16,
         )
         if not refresh:
             stored = self.load(model_path, expected)
             if stored is not None:
-                logger.info("reusing stored FP8 manifest %s (fingerprint %s)", self.path_for(model_path),
-                            expected.digest)
+                logger.info(
+                    "reusing stored FP8 manifest %s (fingerprint %s)", self.path_for(model_path), expected.digest
+                )
                 return StoredManifest(stored, self.path_for(model_path), reused=True)
         manifest = ask_vllm(
-            model_path, quantization_config, num_first_layers_in_bf16=num_first_layers_in_bf16,
-            num_last_layers_in_bf16=num_last_layers_in_bf16, llm=llm,
+            model_path,
+            quantization_config,
+            num_first_layers_in_bf16=num_first_layers_in_bf16,
+            num_last_layers_in_bf16=num_last_layers_in_bf16,
+            llm=llm,
         )
         path = self.save(model_path, manifest)
         return StoredManifest(manifest, path, reused=False)

@@ -68,11 +68,14 @@ def check_tp_divisibility(
         axis, size = ("K", shape[1]) if row_parallel else ("N", shape[0])
         if size % tp_size or (size // tp_size) % block:
             ok = [t for t in (1, 2, 4, 8, 16) if size % t == 0 and (size // t) % block == 0]
-            problems.append(f"{name} {tuple(shape)}: {axis}={size} / TP {tp_size} is not a multiple of {block} "
-                            f"(TP sizes that work: {ok or 'none'})")
+            problems.append(
+                f"{name} {tuple(shape)}: {axis}={size} / TP {tp_size} is not a multiple of {block} "
+                f"(TP sizes that work: {ok or 'none'})"
+            )
     if problems:
         raise ManifestError(
-            "blockwise FP8 needs every TP partition to hold whole 128x128 blocks:\n  " + "\n  ".join(problems)
+            "blockwise FP8 needs every TP partition to hold whole 128x128 blocks:\n  "
+            + "\n  ".join(problems)
             + "\nChoose another tensor_parallel_size or keep these layers in BF16 (ignored_layers)."
         )
 
@@ -93,17 +96,19 @@ def preflight(planned: Mapping[str, Sequence[int]], manifest: Manifest, settings
     if missing:
         problems.append(f"{len(missing)} manifest name(s) not in the weight stream: {missing[:6]}")
     if unexpected_capable:
-        problems.append(f"{len(unexpected_capable)} deliberately-BF16 name(s) not in the stream: {unexpected_capable[:6]}")
+        problems.append(
+            f"{len(unexpected_capable)} deliberately-BF16 name(s) not in the stream: {unexpected_capable[:6]}"
+        )
     not_in_ckpt = sorted(names - set(manifest.fp8_params) - set(manifest.bf16_params))
     if not_in_ckpt:
         problems.append(f"{len(not_in_ckpt)} stream name(s) vLLM's manifest does not know: {not_in_ckpt[:6]}")
     if problems:
         raise ManifestError(
-            "the weight stream and vLLM's FP8 manifest disagree (nothing was sent):\n  " + "\n  ".join(problems)
+            "the weight stream and vLLM's FP8 manifest disagree (nothing was sent):\n  "
+            + "\n  ".join(problems)
             + "\nAsk vLLM again for this model (megatron-fp8 manifest --refresh) or fix the HF-name mapping."
         )
-    check_tp_divisibility(planned, capable & manifest.fp8_set, tp_size=settings.tp_size,
-                          block=settings.block_size[0])
+    check_tp_divisibility(planned, capable & manifest.fp8_set, tp_size=settings.tp_size, block=settings.block_size[0])
 
 
 def quantize_named(name: str, tensor: torch.Tensor, settings: ExportSettings) -> tuple[torch.Tensor, torch.Tensor]:
@@ -174,7 +179,9 @@ def refit_stream(
     settings = settings or ExportSettings()
     fp8 = manifest.fp8_set
     stream = quantized_hf_weight_stream(
-        m, is_fp8=fp8.__contains__, quant_fn=lambda name, t: quantize_named(name, t, settings),
+        m,
+        is_fp8=fp8.__contains__,
+        quant_fn=lambda name, t: quantize_named(name, t, settings),
         block_size=settings.block_size,
     )
     return checked_stream(stream, manifest) if check else stream

@@ -21,7 +21,12 @@ def run(args: argparse.Namespace) -> int:
     from megatron_fp8.cli.grpo import run_job
 
     job = argparse.Namespace(
-        config=None, steps=None, out=args.out, arms=None, overrides=[], no_progress=args.no_progress,
+        config=None,
+        steps=None,
+        out=args.out,
+        arms=None,
+        overrides=[],
+        no_progress=args.no_progress,
         verbose=getattr(args, "verbose", False),
     )
     metrics, summary, plot = run_job(job)

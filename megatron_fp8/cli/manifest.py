@@ -10,8 +10,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", default="tiny", help="'tiny', 'tiny-moe' or an HF checkpoint folder")
     parser.add_argument("--num-first-layers-in-bf16", type=int, default=0, metavar="N")
     parser.add_argument("--num-last-layers-in-bf16", type=int, default=0, metavar="N")
-    parser.add_argument("--quantize-router", action="store_true",
-                        help="do not put the MoE router into ignored_layers (vLLM then holds it in FP8)")
+    parser.add_argument(
+        "--quantize-router",
+        action="store_true",
+        help="do not put the MoE router into ignored_layers (vLLM then holds it in FP8)",
+    )
     parser.add_argument("--refresh", action="store_true", help="ask vLLM again even if a matching manifest is stored")
     parser.add_argument("--store", default=None, help="folder of stored manifests (default: the cache folder)")
     parser.add_argument("--json", action="store_true", help="print the manifest as JSON")
@@ -31,7 +34,8 @@ def run(args: argparse.Namespace) -> int:
     )
     with stdout_to_stderr(args.json):
         stored = ManifestStore(args.store).get_or_ask(
-            path, qcfg,
+            path,
+            qcfg,
             num_first_layers_in_bf16=args.num_first_layers_in_bf16,
             num_last_layers_in_bf16=args.num_last_layers_in_bf16,
             refresh=args.refresh,
@@ -48,14 +52,18 @@ def run(args: argparse.Namespace) -> int:
 
     console = Console()
     status = "reused the stored manifest" if stored.reused else "asked vLLM and stored the answer"
-    console.print(f"[bold]FP8 manifest[/] for {path}\n  source: {m.source}\n  {status}: {stored.path}\n"
-                  f"  fingerprint: {m.fingerprint.digest}")
+    console.print(
+        f"[bold]FP8 manifest[/] for {path}\n  source: {m.source}\n  {status}: {stored.path}\n"
+        f"  fingerprint: {m.fingerprint.digest}"
+    )
     table = Table("HF parameter", "vLLM holds it in")
     for name in m.fp8_params:
         table.add_row(name, "[green]float8_e4m3fn[/] (+ _scale_inv)")
     for name in m.fp8_capable_bf16:
         table.add_row(name, "[yellow]bfloat16[/] (ignored layer)")
     console.print(table)
-    console.print(f"{len(m.fp8_params)} FP8, {len(m.bf16_params)} BF16 tensors "
-                  f"({len(m.fp8_capable_bf16)} of them linear weights kept in BF16 by ignored_layers)")
+    console.print(
+        f"{len(m.fp8_params)} FP8, {len(m.bf16_params)} BF16 tensors "
+        f"({len(m.fp8_capable_bf16)} of them linear weights kept in BF16 by ignored_layers)"
+    )
     return 0

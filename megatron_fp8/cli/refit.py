@@ -27,10 +27,17 @@ def run(args: argparse.Namespace) -> int:
     path = resolve_model(args.model)
     runs = {}
     with stdout_to_stderr(args.json):
-        qcfg = build_quantization_config(path, num_first_layers_in_bf16=args.num_first_layers_in_bf16,
-                                         num_last_layers_in_bf16=args.num_last_layers_in_bf16)
-        stored = ManifestStore().get_or_ask(path, qcfg, num_first_layers_in_bf16=args.num_first_layers_in_bf16,
-                                            num_last_layers_in_bf16=args.num_last_layers_in_bf16)
+        qcfg = build_quantization_config(
+            path,
+            num_first_layers_in_bf16=args.num_first_layers_in_bf16,
+            num_last_layers_in_bf16=args.num_last_layers_in_bf16,
+        )
+        stored = ManifestStore().get_or_ask(
+            path,
+            qcfg,
+            num_first_layers_in_bf16=args.num_first_layers_in_bf16,
+            num_last_layers_in_bf16=args.num_last_layers_in_bf16,
+        )
         manifest = stored.manifest
         precisions = ("fp8", "bf16") if args.compare_bf16 else ("fp8",)
         if args.transport == "inproc":
@@ -45,8 +52,15 @@ def run(args: argparse.Namespace) -> int:
                 m = build_megatron_model(path, recipe="blockwise")
                 weights = dict(export_hf_weights(m))
             for precision in precisions:
-                runs[precision] = _run_gloo(weights, path, manifest, precision=precision, repeats=args.repeats,
-                                            prompt=(1, 2, 3, 4), timeout=120.0)
+                runs[precision] = _run_gloo(
+                    weights,
+                    path,
+                    manifest,
+                    precision=precision,
+                    repeats=args.repeats,
+                    prompt=(1, 2, 3, 4),
+                    timeout=120.0,
+                )
     fp8 = runs["fp8"]
     out = {
         "model": str(path),
@@ -73,17 +87,34 @@ def run(args: argparse.Namespace) -> int:
     from rich.table import Table
 
     console = Console()
-    console.print(f"[bold]refit[/] {path} over {args.transport}; manifest: {manifest.source} "
-                  f"({'reused' if stored.reused else 'asked now'}), {len(manifest.fp8_params)} FP8 params")
-    table = Table("precision", "manifest-param bytes", "wire bytes (fp8/scales/bf16)", "median s", "verified",
-                  "max rel weight err", "greedy tokens")
+    console.print(
+        f"[bold]refit[/] {path} over {args.transport}; manifest: {manifest.source} "
+        f"({'reused' if stored.reused else 'asked now'}), {len(manifest.fp8_params)} FP8 params"
+    )
+    table = Table(
+        "precision",
+        "manifest-param bytes",
+        "wire bytes (fp8/scales/bf16)",
+        "median s",
+        "verified",
+        "max rel weight err",
+        "greedy tokens",
+    )
     for r in runs.values():
         pb = r.payload_bytes
-        table.add_row(r.precision, f"{r.manifest_param_bytes:,}", f"{pb['fp8']:,}/{pb['scales']:,}/{pb['bf16']:,}",
-                      f"{r.seconds:.3f}", "yes" if r.verified else "NO", f"{r.max_rel_weight_error:.4f}",
-                      " ".join(map(str, r.generated)))
+        table.add_row(
+            r.precision,
+            f"{r.manifest_param_bytes:,}",
+            f"{pb['fp8']:,}/{pb['scales']:,}/{pb['bf16']:,}",
+            f"{r.seconds:.3f}",
+            "yes" if r.verified else "NO",
+            f"{r.max_rel_weight_error:.4f}",
+            " ".join(map(str, r.generated)),
+        )
     console.print(table)
     if "bf16" in runs:
-        console.print(f"payload FP8/BF16 over the FP8 params: {out['payload_ratio_fp8_over_bf16']:.6f}; "
-                      f"time FP8/BF16: {out['time_ratio_fp8_over_bf16']:.3f}")
+        console.print(
+            f"payload FP8/BF16 over the FP8 params: {out['payload_ratio_fp8_over_bf16']:.6f}; "
+            f"time FP8/BF16: {out['time_ratio_fp8_over_bf16']:.3f}"
+        )
     return 0

@@ -300,7 +300,11 @@ def validate_config(cfg: RunConfig) -> None:
 
     g = cfg.grpo
     for key in (
-        "num_steps", "num_prompts_per_step", "num_generations_per_prompt", "max_new_tokens", "task_max_digits",
+        "num_steps",
+        "num_prompts_per_step",
+        "num_generations_per_prompt",
+        "max_new_tokens",
+        "task_max_digits",
         "updates_per_step",
     ):
         if getattr(g, key) < 1:

@@ -28,7 +28,9 @@ Backend = Literal["auto", "torch", "triton"]
 _CHUNK_ELEMS = 1 << 20
 
 
-def blockwise_scale_shape(shape: tuple[int, ...] | torch.Size, block_size: tuple[int, int] = (128, 128)) -> tuple[int, ...]:
+def blockwise_scale_shape(
+    shape: tuple[int, ...] | torch.Size, block_size: tuple[int, int] = (128, 128)
+) -> tuple[int, ...]:
     """Shape of the ``scale_inv`` tensor for a weight (or expert stack) of ``shape``."""
     *lead, n, k = shape
     return (*lead, math.ceil(n / block_size[0]), math.ceil(k / block_size[1]))

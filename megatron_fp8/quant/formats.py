@@ -74,9 +74,7 @@ SCALE_FORMATS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
 def check_scale_format(scale_format: str) -> None:
     """Raise :class:`QuantInputError` listing the valid names for an unknown format."""
     if scale_format not in SCALE_FORMATS:
-        raise QuantInputError(
-            f"unknown scale_format {scale_format!r}; valid names: {sorted(SCALE_FORMATS)}"
-        )
+        raise QuantInputError(f"unknown scale_format {scale_format!r}; valid names: {sorted(SCALE_FORMATS)}")
 
 
 def scale_from_amax(amax: torch.Tensor, *, scale_format: ScaleFormat = "fp32") -> torch.Tensor:

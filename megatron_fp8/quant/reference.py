@@ -155,7 +155,9 @@ def quantize_per_token_group_reference(
     return q.view(*lead, k), scale.view(*lead, ng)
 
 
-def quantize_blockwise_naive(x: torch.Tensor, *, block_size: tuple[int, int] = (128, 128)) -> tuple[torch.Tensor, torch.Tensor]:
+def quantize_blockwise_naive(
+    x: torch.Tensor, *, block_size: tuple[int, int] = (128, 128)
+) -> tuple[torch.Tensor, torch.Tensor]:
     """The textbook float32 version a user would write: the CPU benchmark's baseline.
 
     ``x.float()`` -> pad -> view -> permute -> contiguous -> ``abs().amax`` ->

@@ -41,7 +41,11 @@ def quantize_tensorwise(
         ``(q, scale_inv)``: float8_e4m3fn of ``x``'s shape, and a 0-d float32 scale.
     """
     _checks.check_input(
-        x, ranks=tuple(range(1, 9)), what="quantize_tensorwise", name=name, scale_format=scale_format,
+        x,
+        ranks=tuple(range(1, 9)),
+        what="quantize_tensorwise",
+        name=name,
+        scale_format=scale_format,
         nonfinite=nonfinite,
     )
     if nonfinite == "sanitize":
@@ -54,10 +58,14 @@ def quantize_tensorwise(
     return _cast(x, scale), scale
 
 
-def dequantize_tensorwise(q: torch.Tensor, scale_inv: torch.Tensor, *, out_dtype: torch.dtype = torch.float32) -> torch.Tensor:
+def dequantize_tensorwise(
+    q: torch.Tensor, scale_inv: torch.Tensor, *, out_dtype: torch.dtype = torch.float32
+) -> torch.Tensor:
     """Inverse of :func:`quantize_tensorwise`."""
     if scale_inv.numel() != 1:
-        raise _checks.QuantInputError(f"dequantize_tensorwise: scale_inv must hold one value, got shape {tuple(scale_inv.shape)}")
+        raise _checks.QuantInputError(
+            f"dequantize_tensorwise: scale_inv must hold one value, got shape {tuple(scale_inv.shape)}"
+        )
     return (q.to(torch.float32) * scale_inv.to(torch.float32)).to(out_dtype)
 
 
@@ -87,7 +95,9 @@ def quantize_per_channel(
     return _cast(x, scale), scale
 
 
-def dequantize_per_channel(q: torch.Tensor, scale_inv: torch.Tensor, *, out_dtype: torch.dtype = torch.float32) -> torch.Tensor:
+def dequantize_per_channel(
+    q: torch.Tensor, scale_inv: torch.Tensor, *, out_dtype: torch.dtype = torch.float32
+) -> torch.Tensor:
     """Inverse of :func:`quantize_per_channel`."""
     if q.dim() != 2 or tuple(scale_inv.shape) != (q.shape[0], 1):
         raise _checks.QuantInputError(

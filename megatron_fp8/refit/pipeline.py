@@ -50,8 +50,7 @@ class ColocatedRefit:
 
     def __init__(self, applier: RefitApplier, *, bucket_bytes: int | None = None, timeout: float = 120.0):
         self.transport = InProcTransport(timeout=timeout)
-        self.sender = RefitSender(self.transport, bucket_bytes=bucket_bytes, timeout=timeout,
-                                  versions=RefitVersion())
+        self.sender = RefitSender(self.transport, bucket_bytes=bucket_bytes, timeout=timeout, versions=RefitVersion())
         self.receiver = RefitReceiver(self.transport, apply=applier, timeout=timeout, versions=RefitVersion())
         self.timeout = timeout
         self._next = 0

@@ -56,8 +56,9 @@ class RefitRun:
     generated: tuple[int, ...]
 
 
-def _counting(stream: Iterable[tuple[str, torch.Tensor]], names: frozenset[str], box: dict[str, int]
-              ) -> Iterator[tuple[str, torch.Tensor]]:
+def _counting(
+    stream: Iterable[tuple[str, torch.Tensor]], names: frozenset[str], box: dict[str, int]
+) -> Iterator[tuple[str, torch.Tensor]]:
     box["bytes"] = 0
     for name, t in stream:
         base = name[: -len("_scale_inv")] if name.endswith("_scale_inv") else name
@@ -97,22 +98,28 @@ def _receiver_main(rank_args: dict[str, Any], queue: Any) -> None:
 
     try:
         dist.init_process_group("gloo", init_method=rank_args["init_method"], rank=1, world_size=2)
-        engine = _make_engine(Path(rank_args["model_path"]), rank_args["precision"], rank_args["qcfg"],
-                              tuple(rank_args["fp8_names"]))
+        engine = _make_engine(
+            Path(rank_args["model_path"]), rank_args["precision"], rank_args["qcfg"], tuple(rank_args["fp8_names"])
+        )
         applier = ReferenceEngineApplier(engine)
-        receiver = RefitReceiver(TorchDistTransport(src=0, timeout=rank_args["timeout"]), apply=applier,
-                                 timeout=rank_args["timeout"])
+        receiver = RefitReceiver(
+            TorchDistTransport(src=0, timeout=rank_args["timeout"]), apply=applier, timeout=rank_args["timeout"]
+        )
         errs = []
         for _ in range(rank_args["repeats"]):
             receiver.receive(first_timeout=rank_args["timeout"])
             errs.append(applier.last_verify.max_rel_weight_error if applier.last_verify else None)
         gen = engine.generate([rank_args["prompt"]], max_new_tokens=8)
-        held = {n: t.clone() for n, t in engine.named_weights() if n in set(rank_args["fp8_names"])
-                or n.endswith("_scale_inv")}
+        held = {
+            n: t.clone()
+            for n, t in engine.named_weights()
+            if n in set(rank_args["fp8_names"]) or n.endswith("_scale_inv")
+        }
         buf = io.BytesIO()
         torch.save(held, buf)  # plain bytes: tensors shared by file descriptor die with this process
-        queue.put({"ok": True, "versions": [receiver.version], "generated": list(gen.token_ids[0]),
-                   "held": buf.getvalue()})
+        queue.put(
+            {"ok": True, "versions": [receiver.version], "generated": list(gen.token_ids[0]), "held": buf.getvalue()}
+        )
     except BaseException as exc:  # reported to the trainer process
         queue.put({"ok": False, "error": f"{type(exc).__name__}: {exc}"})
     finally:
@@ -170,16 +177,38 @@ def run_refits(
         session.close()
         held = dict(engine.named_weights())
         generated = tuple(engine.generate([list(prompt)], max_new_tokens=8).token_ids[0])
-        return RefitRun(precision, transport, tuple(versions), payload, box["bytes"], statistics.median(times), True,
-                        _max_rel_error(held, trainer, names), generated)
+        return RefitRun(
+            precision,
+            transport,
+            tuple(versions),
+            payload,
+            box["bytes"],
+            statistics.median(times),
+            True,
+            _max_rel_error(held, trainer, names),
+            generated,
+        )
 
-    return _run_gloo(dict(export_hf_weights(m)), model_path, manifest, precision=precision, repeats=repeats,
-                     prompt=prompt, timeout=timeout)
+    return _run_gloo(
+        dict(export_hf_weights(m)),
+        model_path,
+        manifest,
+        precision=precision,
+        repeats=repeats,
+        prompt=prompt,
+        timeout=timeout,
+    )
 
 
 def _run_gloo(
-    weights: dict[str, torch.Tensor], model_path: Path, manifest: Any, *, precision: str, repeats: int,
-    prompt: tuple[int, ...], timeout: float,
+    weights: dict[str, torch.Tensor],
+    model_path: Path,
+    manifest: Any,
+    *,
+    precision: str,
+    repeats: int,
+    prompt: tuple[int, ...],
+    timeout: float,
 ) -> RefitRun:
     """The gloo path: the trainer's export is taken first (Megatron owns this process's default
     group), then a 2-process gloo group carries the refits to a rollout process.
@@ -204,11 +233,23 @@ def _run_gloo(
     ctx = mp.get_context("spawn")
     queue = ctx.Queue()
     init_method = f"tcp://127.0.0.1:{find_free_port()}"
-    child = ctx.Process(target=_receiver_main, args=({
-        "init_method": init_method, "model_path": str(model_path), "precision": precision,
-        "qcfg": manifest.quantization_config, "fp8_names": list(manifest.fp8_params), "timeout": timeout,
-        "repeats": repeats, "prompt": list(prompt),
-    }, queue), daemon=True)
+    child = ctx.Process(
+        target=_receiver_main,
+        args=(
+            {
+                "init_method": init_method,
+                "model_path": str(model_path),
+                "precision": precision,
+                "qcfg": manifest.quantization_config,
+                "fp8_names": list(manifest.fp8_params),
+                "timeout": timeout,
+                "repeats": repeats,
+                "prompt": list(prompt),
+            },
+            queue,
+        ),
+        daemon=True,
+    )
     child.start()
     times: list[float] = []
     pg = None
@@ -230,9 +271,17 @@ def _run_gloo(
         raise RefitError(f"rollout process (rank 1) failed: {result['error']}")
     trainer = {n: t for n, t in weights.items() if n in names}
     result["held"] = torch.load(io.BytesIO(result["held"]), weights_only=True)
-    return RefitRun(precision, "gloo", tuple(range(1, repeats + 1)), payload, box["bytes"],
-                    statistics.median(times), True, _max_rel_error(result["held"], trainer, names),
-                    tuple(result["generated"]))
+    return RefitRun(
+        precision,
+        "gloo",
+        tuple(range(1, repeats + 1)),
+        payload,
+        box["bytes"],
+        statistics.median(times),
+        True,
+        _max_rel_error(result["held"], trainer, names),
+        tuple(result["generated"]),
+    )
 
 
 def _init_pair(init_method: str, timeout: float) -> Any:
@@ -243,8 +292,9 @@ def _init_pair(init_method: str, timeout: float) -> Any:
 
     if dist.is_initialized():
         raise RefitError("--transport gloo needs its own process group; run it outside another torch.distributed job")
-    dist.init_process_group("gloo", init_method=init_method, rank=0, world_size=2,
-                            timeout=datetime.timedelta(seconds=timeout))
+    dist.init_process_group(
+        "gloo", init_method=init_method, rank=0, world_size=2, timeout=datetime.timedelta(seconds=timeout)
+    )
     return dist.group.WORLD
 
 

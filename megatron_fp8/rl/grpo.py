@@ -374,8 +374,16 @@ def fp8_manifest(config: RunConfig, model_path: Path, qcfg: dict) -> Any:
         logger.info("FP8 manifest: reusing %s (%d FP8 weights)", store.path_for(model_path), len(stored.fp8_params))
         return stored
     logger.info("FP8 manifest: asking vLLM %s once for %s (stored for later runs)", vllm_version(), model_path)
-    cmd = [sys.executable, "-c", _ASK_SCRIPT, str(model_path), json.dumps(qcfg), str(first), str(last),
-           "1" if refresh else "0"]
+    cmd = [
+        sys.executable,
+        "-c",
+        _ASK_SCRIPT,
+        str(model_path),
+        json.dumps(qcfg),
+        str(first),
+        str(last),
+        "1" if refresh else "0",
+    ]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=900, check=False)
     if proc.returncode != 0:
         raise ManifestError(
@@ -391,9 +399,7 @@ def fp8_manifest(config: RunConfig, model_path: Path, qcfg: dict) -> Any:
 def _decode(tokenizer: Any, ids: Sequence[int]) -> str:
     """Text of response tokens, one token at a time (ids beyond the tokenizer become U+FFFD)."""
     size = len(tokenizer)
-    return "".join(
-        tokenizer.decode([i], skip_special_tokens=True) if i < size else "\ufffd" for i in ids
-    )
+    return "".join(tokenizer.decode([i], skip_special_tokens=True) if i < size else "\ufffd" for i in ids)
 
 
 def _lr_at(step: int, config: RunConfig) -> float:
@@ -650,10 +656,13 @@ def data_parallel_from_env(*, timeout_s: float = 1800.0) -> Iterator[DataParalle
         return
     missing = [v for v in ("MASTER_ADDR", "MASTER_PORT") if not os.environ.get(v)]
     if missing:
-        raise ConfigError(f"WORLD_SIZE={world} but {', '.join(missing)} not set: launch through slurm/grpo.sbatch "
-                          "(or torchrun), which set the rendezvous")
-    dist.init_process_group("gloo", init_method="env://", rank=rank, world_size=world,
-                            timeout=datetime.timedelta(seconds=timeout_s))
+        raise ConfigError(
+            f"WORLD_SIZE={world} but {', '.join(missing)} not set: launch through slurm/grpo.sbatch "
+            "(or torchrun), which set the rendezvous"
+        )
+    dist.init_process_group(
+        "gloo", init_method="env://", rank=rank, world_size=world, timeout=datetime.timedelta(seconds=timeout_s)
+    )
     logger.info("GRPO data parallel: rank %d of %d", rank, world)
     try:
         yield DataParallel(rank=rank, world_size=world)
@@ -767,7 +776,10 @@ def warm_start(
             torch.distributed.barrier()
     logger.info(
         "warm start: %d supervised steps, NLL %.3f -> %.3f per answer token; checkpoint %s",
-        g.warm_start_steps, losses[0] if losses else float("nan"), losses[-1] if losses else float("nan"), path,
+        g.warm_start_steps,
+        losses[0] if losses else float("nan"),
+        losses[-1] if losses else float("nan"),
+        path,
     )
     return path, losses
 
@@ -858,7 +870,9 @@ def _run_arm(
             eos_id = tokenizer.eos_token_id
             pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else eos_id
             if eos_id is None:
-                raise ConfigError(f"the tokenizer of {model_path} has no eos_token_id; GRPO needs one to stop responses")
+                raise ConfigError(
+                    f"the tokenizer of {model_path} has no eos_token_id; GRPO needs one to stop responses"
+                )
             results = []
             try:
                 for step in range(steps):
@@ -906,7 +920,6 @@ def run_grpo(
         ManifestError: vLLM could not be asked for the FP8 manifest.
     """
 
-
     t_run = time.perf_counter()
     n_steps = config.grpo.num_steps if steps is None else int(steps)
     if n_steps < 1:
@@ -926,13 +939,28 @@ def run_grpo(
                 f"grpo.num_prompts_per_step={config.grpo.num_prompts_per_step} is not divisible by the "
                 f"{dp.world_size} GRPO processes (WORLD_SIZE); each rank rolls out whole prompt groups"
             )
-        return _run_grpo_ranks(config, dp=dp, task=task, n_steps=n_steps, arm_names=arm_names, out_dir=out_dir,
-                               progress=progress, t_run=t_run)
+        return _run_grpo_ranks(
+            config,
+            dp=dp,
+            task=task,
+            n_steps=n_steps,
+            arm_names=arm_names,
+            out_dir=out_dir,
+            progress=progress,
+            t_run=t_run,
+        )
 
 
 def _run_grpo_ranks(
-    config: RunConfig, *, dp: DataParallel, task: ToyTask, n_steps: int, arm_names: tuple[str, ...],
-    out_dir: str | Path, progress: bool, t_run: float,
+    config: RunConfig,
+    *,
+    dp: DataParallel,
+    task: ToyTask,
+    n_steps: int,
+    arm_names: tuple[str, ...],
+    out_dir: str | Path,
+    progress: bool,
+    t_run: float,
 ) -> GRPOResult:
     from transformers import AutoTokenizer
 
@@ -962,8 +990,11 @@ def _run_grpo_ranks(
 
     results: list[ArmResult] = []
     sink_cm = metrics_path.open("w") if dp.is_writer else contextlib.nullcontext(None)
-    with _environment(config.policy.megatron_cfg.env_vars), sink_cm as sink, \
-            _progress(progress and dp.is_writer) as bar:
+    with (
+        _environment(config.policy.megatron_cfg.env_vars),
+        sink_cm as sink,
+        _progress(progress and dp.is_writer) as bar,
+    ):
         bar_task = bar.add_task("GRPO", total=n_steps * len(arm_names), info="") if bar is not None else None
 
         def on_step(local: StepMetrics) -> StepMetrics:
@@ -999,8 +1030,15 @@ def _run_grpo_ranks(
             )
 
     if not dp.is_writer:
-        return GRPOResult(arms=tuple(results), out_dir=out, metrics_path=metrics_path, summary_path=None,
-                          plot_path=None, manifest_source=manifest_source, seconds=time.perf_counter() - t_run)
+        return GRPOResult(
+            arms=tuple(results),
+            out_dir=out,
+            metrics_path=metrics_path,
+            summary_path=None,
+            plot_path=None,
+            manifest_source=manifest_source,
+            seconds=time.perf_counter() - t_run,
+        )
     summary_path = report.write_summary(results, out / SUMMARY_FILE, config=config, manifest_source=manifest_source)
     plot_path = report.plot_metrics(results, out / PLOT_FILE)
     return GRPOResult(

@@ -158,8 +158,13 @@ def plot_metrics(arms: Sequence[ArmResult], path: str | Path) -> Path:
             color = ARM_COLORS.get(a.arm)
             rewards = [s.reward_mean for s in a.steps]
             ax_r.plot(steps, rewards, marker="o", ms=2, lw=0.8, alpha=0.35, color=color)
-            ax_r.plot(steps, rolling_mean(rewards, SMOOTH_WINDOW), lw=2.2, label=f"{a.arm} ({SMOOTH_WINDOW}-step mean)",
-                      color=color)
+            ax_r.plot(
+                steps,
+                rolling_mean(rewards, SMOOTH_WINDOW),
+                lw=2.2,
+                label=f"{a.arm} ({SMOOTH_WINDOW}-step mean)",
+                color=color,
+            )
             kl = [s.gen_kl for s in a.steps]
             ax_k.plot(steps, [max(v, 1e-12) for v in kl], marker="o", ms=3, label=a.arm, color=color)
         ax_r.set_title("mean reward per step (faint) and its trailing mean")

@@ -187,8 +187,9 @@ class VllmRolloutEngine:
         )
         self.precision = "fp8" if quantization_config is not None else "bf16"
         self.name = f"vllm-{self.precision}"
-        self.applier = VllmApplier(self.llm, fp8_names=list(fp8_names) if fp8_names is not None else None,
-                                   verify=verify)
+        self.applier = VllmApplier(
+            self.llm, fp8_names=list(fp8_names) if fp8_names is not None else None, verify=verify
+        )
 
     def generate(
         self,

@@ -136,14 +136,16 @@ def quant_method_decisions(model: torch.nn.Module, vllm_config: Any, quantizatio
                 prefix = module.prefix
                 method = qc.get_quant_method(module, prefix)
                 name = type(method).__name__
-                out.append(ModuleDecision(prefix, "linear", name, name in FP8_LINEAR_METHODS,
-                                          _linear_hf_weights(prefix, packed)))
+                out.append(
+                    ModuleDecision(
+                        prefix, "linear", name, name in FP8_LINEAR_METHODS, _linear_hf_weights(prefix, packed)
+                    )
+                )
             elif isinstance(module, experts_cls):
                 prefix = _experts_prefix(module)
                 method = qc.get_quant_method(module, prefix)
                 name = type(method).__name__
-                out.append(ModuleDecision(prefix, "experts", name, name in FP8_MOE_METHODS,
-                                          _expert_hf_weights(module)))
+                out.append(ModuleDecision(prefix, "experts", name, name in FP8_MOE_METHODS, _expert_hf_weights(module)))
     return out
 
 
@@ -161,12 +163,22 @@ def param_dtype_decisions(model: torch.nn.Module) -> list[ModuleDecision]:
         if isinstance(module, linear_cls):
             weight = getattr(module, "weight", None)
             is_fp8 = weight is not None and weight.dtype == torch.float8_e4m3fn
-            out.append(ModuleDecision(module.prefix, "linear", "param-dtype", is_fp8,
-                                      _linear_hf_weights(module.prefix, packed)))
+            out.append(
+                ModuleDecision(
+                    module.prefix, "linear", "param-dtype", is_fp8, _linear_hf_weights(module.prefix, packed)
+                )
+            )
         elif isinstance(module, experts_cls):
             dtypes = {getattr(module, n).dtype for n in ("w13_weight", "w2_weight") if hasattr(module, n)}
-            out.append(ModuleDecision(_experts_prefix(module), "experts", "param-dtype",
-                                      dtypes == {torch.float8_e4m3fn}, _expert_hf_weights(module)))
+            out.append(
+                ModuleDecision(
+                    _experts_prefix(module),
+                    "experts",
+                    "param-dtype",
+                    dtypes == {torch.float8_e4m3fn},
+                    _expert_hf_weights(module),
+                )
+            )
     return out
 
 
@@ -214,8 +226,9 @@ def build_llm(
     if not torch.cuda.is_available():
         args.update(engine_kwargs_for_cpu())
     args.update(kwargs)
-    logger.info("building vLLM %s engine for %s (%s)", vllm_version(), model_path,
-                "fp8" if quantization_config else "bf16")
+    logger.info(
+        "building vLLM %s engine for %s (%s)", vllm_version(), model_path, "fp8" if quantization_config else "bf16"
+    )
     return LLM(**args)
 
 
@@ -282,10 +295,15 @@ def _column_slices(module: Any, shard: str | int | None, n_total: int, block: in
         offset, size, rank = 0, n_total // tp_size, tp_rank
         full = n_total
     if offset % block or size % block:
-        raise RefitTargetError(f"{module.prefix}: shard {shard!r} at rows {offset}:{offset + size} is not a multiple of "
-                               f"the {block}-row block; blockwise FP8 needs 128-aligned TP partitions")
-    return (slice(offset // block, (offset + size) // block), slice(rank * size // block, (rank + 1) * size // block),
-            full)
+        raise RefitTargetError(
+            f"{module.prefix}: shard {shard!r} at rows {offset}:{offset + size} is not a multiple of "
+            f"the {block}-row block; blockwise FP8 needs 128-aligned TP partitions"
+        )
+    return (
+        slice(offset // block, (offset + size) // block),
+        slice(rank * size // block, (rank + 1) * size // block),
+        full,
+    )
 
 
 class RefitTargetError(RuntimeError):
@@ -306,8 +324,11 @@ def _inplace_targets(model: torch.nn.Module) -> dict[str, list[tuple[torch.nn.Mo
             for key, shard in zip(keys, shards, strict=True):
                 out[f"{head}.{shard}"] = [(module, key, "column")]
         else:
-            kind = "row" if type(module).__name__ == "RowParallelLinear" else (
-                "replicated" if type(module).__name__ in ("ReplicatedLinear", "GateLinear") else "column")
+            kind = (
+                "row"
+                if type(module).__name__ == "RowParallelLinear"
+                else ("replicated" if type(module).__name__ in ("ReplicatedLinear", "GateLinear") else "column")
+            )
             out[module.prefix] = [(module, None, kind)]
     return out
 
@@ -350,20 +371,27 @@ def inplace_load_weights(model: torch.nn.Module, weights: Iterable[tuple[str, to
             elif kind == "row":
                 expected = (param.shape[0], param.shape[1] * tp_size)
                 cols = tensor.shape[1] // tp_size
-                t = _Target(param, (slice(None), slice(None)), (slice(None), slice(tp_rank * cols, (tp_rank + 1) * cols)),
-                            name)
+                t = _Target(
+                    param, (slice(None), slice(None)), (slice(None), slice(tp_rank * cols, (tp_rank + 1) * cols)), name
+                )
             else:
                 expected = tuple(param.shape)
                 t = _Target(param, (slice(None),), (slice(None),), name)
             if tuple(tensor.shape) != tuple(expected):
-                raise RefitTargetError(f"{name}: shape {tuple(tensor.shape)} does not fit {module.prefix}.{leaf}, which "
-                                       f"expects {tuple(expected)} for this HF tensor")
+                raise RefitTargetError(
+                    f"{name}: shape {tuple(tensor.shape)} does not fit {module.prefix}.{leaf}, which "
+                    f"expects {tuple(expected)} for this HF tensor"
+                )
             dst, src = param.data[t.index], tensor[t.src_index]
             if tuple(dst.shape) != tuple(src.shape):
-                raise RefitTargetError(f"{name}: {tuple(src.shape)} does not fit {module.prefix}.{leaf} rows/cols "
-                                       f"{tuple(dst.shape)} (TP rank {getattr(module, 'tp_rank', 0)})")
+                raise RefitTargetError(
+                    f"{name}: {tuple(src.shape)} does not fit {module.prefix}.{leaf} rows/cols "
+                    f"{tuple(dst.shape)} (TP rank {getattr(module, 'tp_rank', 0)})"
+                )
             if dst.dtype != src.dtype:
-                raise RefitTargetError(f"{name}: {src.dtype} arrived for {module.prefix}.{leaf}, which holds {dst.dtype}")
+                raise RefitTargetError(
+                    f"{name}: {src.dtype} arrived for {module.prefix}.{leaf}, which holds {dst.dtype}"
+                )
             plan.append((t, name, tensor))
         elif name in params:
             plan.append((None, name, tensor))

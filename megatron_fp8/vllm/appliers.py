@@ -110,21 +110,27 @@ class ReferenceEngineApplier:
                 if tensor.dtype == torch.float8_e4m3fn:
                     sent_scale = sent[name + SCALE_SUFFIX]
                     if not torch.equal(scale, sent_scale):
-                        raise RefitError(f"verification failed for {name}_scale_inv: the engine holds a different "
-                                         "(stale) scale than was sent")
+                        raise RefitError(
+                            f"verification failed for {name}_scale_inv: the engine holds a different "
+                            "(stale) scale than was sent"
+                        )
                     if not torch.equal(h.view(torch.uint8), tensor.view(torch.uint8)):
                         raise RefitError(f"verification failed for {name}: FP8 bytes differ from what was sent")
                     err = 0.0
                 else:
                     err = _rel(dequantize_blockwise(h, scale, block_size=self.block_size), tensor)
                     if not math.isfinite(err) or err > 0.07:  # FP8 e4m3 rounding is <= 2**-4 relative
-                        raise RefitError(f"verification failed for {name}: relative error {err:.3g} after "
-                                         "quantization on arrival exceeds FP8 rounding")
+                        raise RefitError(
+                            f"verification failed for {name}: relative error {err:.3g} after "
+                            "quantization on arrival exceeds FP8 rounding"
+                        )
             else:
                 err = _rel(h, tensor.to(h.dtype))
                 if not math.isfinite(err) or err > 0:
-                    raise RefitError(f"verification failed for {name}: the engine holds a different tensor "
-                                     f"(relative error {err:.3g})")
+                    raise RefitError(
+                        f"verification failed for {name}: the engine holds a different tensor "
+                        f"(relative error {err:.3g})"
+                    )
             checked += 1
             if err > worst:
                 worst, worst_name = err, name
@@ -140,15 +146,23 @@ class VllmApplier:
     with vLLM's layerwise reload and verifies before it reports the version.
     """
 
-    def __init__(self, llm: Any, *, fp8_names: Sequence[str] | None, verify: bool = True,
-                 block_size: tuple[int, int] = (128, 128)):
+    def __init__(
+        self,
+        llm: Any,
+        *,
+        fp8_names: Sequence[str] | None,
+        verify: bool = True,
+        block_size: tuple[int, int] = (128, 128),
+    ):
         self.llm = llm
         self.verify_enabled = verify
         self._items: list[tuple[str, torch.Tensor]] = []
         self.last_verify: VerifyResult | None = None
         self.serving_version: int = 0
-        llm.collective_rpc("mfp8_configure", kwargs={"fp8_names": list(fp8_names) if fp8_names is not None else None,
-                                                     "block_size": tuple(block_size)})
+        llm.collective_rpc(
+            "mfp8_configure",
+            kwargs={"fp8_names": list(fp8_names) if fp8_names is not None else None, "block_size": tuple(block_size)},
+        )
 
     def begin(self, version: int, metas: Sequence[TensorMeta]) -> None:
         self._items = []
@@ -157,12 +171,18 @@ class VllmApplier:
         self._items.append((name, tensor.clone()))
 
     def commit(self, version: int) -> None:
-        results = self.llm.collective_rpc("mfp8_apply", args=(version, self._items), kwargs={"verify": self.verify_enabled})
+        results = self.llm.collective_rpc(
+            "mfp8_apply", args=(version, self._items), kwargs={"verify": self.verify_enabled}
+        )
         reports = [r["verify"] for r in results if r.get("verify")]
         if reports:
             worst = max(reports, key=lambda r: r["max_rel_error"])
-            self.last_verify = VerifyResult(version=version, checked=worst["checked"],
-                                            max_rel_weight_error=worst["max_rel_error"], worst=worst["worst"])
+            self.last_verify = VerifyResult(
+                version=version,
+                checked=worst["checked"],
+                max_rel_weight_error=worst["max_rel_error"],
+                worst=worst["worst"],
+            )
         self.serving_version = version
         self._items = []
 

@@ -97,9 +97,7 @@ class ReferenceModelConfig:
     def is_moe_layer(self, layer: int) -> bool:
         """Whether decoder layer ``layer`` has a sparse MoE block (HF Qwen3-MoE rule)."""
         return (
-            self.num_experts > 0
-            and layer not in self.mlp_only_layers
-            and (layer + 1) % self.decoder_sparse_step == 0
+            self.num_experts > 0 and layer not in self.mlp_only_layers and (layer + 1) % self.decoder_sparse_step == 0
         )
 
 
@@ -109,9 +107,7 @@ def _config_dict(hf_config: Any) -> dict[str, Any]:
     to_dict = getattr(hf_config, "to_dict", None)
     if callable(to_dict):
         return dict(to_dict())
-    raise ConfigError(
-        f"hf_config must be a transformers config or a config.json dict, got {type(hf_config).__name__}"
-    )
+    raise ConfigError(f"hf_config must be a transformers config or a config.json dict, got {type(hf_config).__name__}")
 
 
 def _rope_theta(cfg: Mapping[str, Any]) -> float:
@@ -208,7 +204,9 @@ class ReferenceQuantConfig:
 _EXPECTED_QUANT_VALUES = {"quant_method": ("fp8",), "fmt": ("e4m3",), "activation_scheme": ("dynamic",)}
 
 
-def quant_config_from_hf(quantization: Mapping[str, Any], *, activation_scale_format: str = "fp32") -> ReferenceQuantConfig:
+def quant_config_from_hf(
+    quantization: Mapping[str, Any], *, activation_scale_format: str = "fp32"
+) -> ReferenceQuantConfig:
     """Validate a vLLM / HF FP8 ``quantization_config`` dict.
 
     Raises:
@@ -231,7 +229,9 @@ def quant_config_from_hf(quantization: Mapping[str, Any], *, activation_scale_fo
             "(per-tensor FP8 is not emulated)"
         )
     if activation_scale_format not in ("fp32", "ue8m0"):
-        raise ConfigError(f"unknown activation_scale_format {activation_scale_format!r}; valid names: ['fp32', 'ue8m0']")
+        raise ConfigError(
+            f"unknown activation_scale_format {activation_scale_format!r}; valid names: ['fp32', 'ue8m0']"
+        )
     return ReferenceQuantConfig(
         block_size=(int(block[0]), int(block[1])),
         ignored_layers=tuple(quantization.get("ignored_layers") or ()),
@@ -276,7 +276,11 @@ def param_specs(cfg: ReferenceModelConfig) -> dict[str, ParamSpec]:
         p = f"model.layers.{i}"
         attn = f"{p}.self_attn"
         qkv = f"{attn}.qkv_proj"
-        sizes = {"q": cfg.num_attention_heads * hd, "k": cfg.num_key_value_heads * hd, "v": cfg.num_key_value_heads * hd}
+        sizes = {
+            "q": cfg.num_attention_heads * hd,
+            "k": cfg.num_key_value_heads * hd,
+            "v": cfg.num_key_value_heads * hd,
+        }
         for s, n_out in sizes.items():
             specs.append(_linear(f"{attn}.{s}_proj.weight", (n_out, h), fused=qkv))
             if cfg.attention_bias:
@@ -298,7 +302,10 @@ def param_specs(cfg: ReferenceModelConfig) -> dict[str, ParamSpec]:
             specs.append(_linear(f"{p}.mlp.gate_proj.weight", (im, h), fused=gate_up))
             specs.append(_linear(f"{p}.mlp.up_proj.weight", (im, h), fused=gate_up))
             specs.append(_linear(f"{p}.mlp.down_proj.weight", (h, im)))
-        specs += [ParamSpec(f"{p}.input_layernorm.weight", (h,)), ParamSpec(f"{p}.post_attention_layernorm.weight", (h,))]
+        specs += [
+            ParamSpec(f"{p}.input_layernorm.weight", (h,)),
+            ParamSpec(f"{p}.post_attention_layernorm.weight", (h,)),
+        ]
     specs.append(ParamSpec("model.norm.weight", (h,)))
     if not cfg.tie_word_embeddings:
         specs.append(ParamSpec("lm_head.weight", (cfg.vocab_size, h)))
@@ -354,7 +361,9 @@ def default_fp8_names(specs: Mapping[str, ParamSpec], quant: ReferenceQuantConfi
     return names
 
 
-def check_fp8_names(specs: Mapping[str, ParamSpec], fp8_names: Iterable[str], quant: ReferenceQuantConfig) -> frozenset[str]:
+def check_fp8_names(
+    specs: Mapping[str, ParamSpec], fp8_names: Iterable[str], quant: ReferenceQuantConfig
+) -> frozenset[str]:
     """Validate an FP8 manifest against the model and vLLM's fused-layer rules.
 
     Rules: every name is a linear weight of the model; the shards of one fused

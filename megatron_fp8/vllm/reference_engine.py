@@ -154,7 +154,9 @@ def _rotate_half(x: torch.Tensor) -> torch.Tensor:
 def _as_token_lists(seqs: Sequence[Sequence[int]] | torch.Tensor, what: str) -> list[list[int]]:
     if isinstance(seqs, torch.Tensor):
         if seqs.dim() != 2:
-            raise ConfigError(f"{what}: expected a list of token-id lists or a 2-D tensor, got shape {tuple(seqs.shape)}")
+            raise ConfigError(
+                f"{what}: expected a list of token-id lists or a 2-D tensor, got shape {tuple(seqs.shape)}"
+            )
         return [list(map(int, row)) for row in seqs.tolist()]
     out = [list(map(int, s)) for s in seqs]
     if not out:
@@ -242,7 +244,10 @@ class ReferenceFP8Engine:
         logger.info(
             "reference FP8 engine (CPU emulator of vLLM W8A8 blockwise, not a server): %s, %d FP8 weights of %d, "
             "kv_cache_dtype=%s",
-            self.model_config.model_type, len(self.fp8_names), len(self._specs), kv_cache_dtype,
+            self.model_config.model_type,
+            len(self.fp8_names),
+            len(self._specs),
+            kv_cache_dtype,
         )
 
     # ------------------------------------------------------------------ weights
@@ -271,8 +276,8 @@ class ReferenceFP8Engine:
     def _check_float(self, name: str, t: torch.Tensor, shape: tuple[int, ...], held: str) -> None:
         if t.dtype not in _FLOAT_STREAM_DTYPES:
             raise self._stream_error(
-                name, f"expected a bfloat16 (or float16/float32) tensor because the engine holds it in {held}, "
-                f"got {t.dtype}"
+                name,
+                f"expected a bfloat16 (or float16/float32) tensor because the engine holds it in {held}, got {t.dtype}",
             )
         if tuple(t.shape) != shape:
             raise self._stream_error(name, f"expected shape {shape}, got {tuple(t.shape)}")
@@ -290,8 +295,9 @@ class ReferenceFP8Engine:
                 raise self._stream_error(name, f"expected shape {spec.shape}, got {tuple(t.shape)}")
             if scale is None:
                 raise self._stream_error(
-                    name, f"an FP8 weight arrived without {name + SCALE_SUFFIX!r} (float32 {s_shape}); send both "
-                    "in the same update"
+                    name,
+                    f"an FP8 weight arrived without {name + SCALE_SUFFIX!r} (float32 {s_shape}); send both "
+                    "in the same update",
                 )
             sname = name + SCALE_SUFFIX
             if scale.dtype != torch.float32 or tuple(scale.shape) != s_shape:
@@ -305,8 +311,9 @@ class ReferenceFP8Engine:
             return t.detach().clone(), scale.detach().clone()
         if scale is not None:
             raise self._stream_error(
-                name + SCALE_SUFFIX, f"block scales arrived with a {t.dtype} weight; send scales only with an "
-                "FP8 weight (a BF16 weight is quantized on arrival)"
+                name + SCALE_SUFFIX,
+                f"block scales arrived with a {t.dtype} weight; send scales only with an "
+                "FP8 weight (a BF16 weight is quantized on arrival)",
             )
         self._check_float(name, t, spec.shape, "FP8 (quantized on arrival)")
         q, s = quantize_blockwise(t.detach(), block_size=block, name=name, backend="torch")
@@ -363,8 +370,9 @@ class ReferenceFP8Engine:
                     continue  # handled with its weight
                 if base in self._specs:
                     raise self._stream_error(
-                        name, f"{base!r} is held in BF16 (not in this engine's FP8 manifest); the sender's manifest "
-                        "is stale: rebuild it from this engine"
+                        name,
+                        f"{base!r} is held in BF16 (not in this engine's FP8 manifest); the sender's manifest "
+                        "is stale: rebuild it from this engine",
                     )
                 raise self._stream_error(name, "unknown tensor: no such weight in this model")
             elif name in self._specs:
@@ -375,19 +383,19 @@ class ReferenceFP8Engine:
                 else:
                     if t.dtype == FP8_DTYPE:
                         raise self._stream_error(
-                            name, "arrived in FP8 but the engine holds it in BF16 (not in its FP8 manifest); the "
-                            "sender's manifest is stale: rebuild it from this engine"
+                            name,
+                            "arrived in FP8 but the engine holds it in BF16 (not in its FP8 manifest); the "
+                            "sender's manifest is stale: rebuild it from this engine",
                         )
                     self._check_float(name, t, spec.shape, "BF16")
                     updates[name] = t.detach().to(torch.bfloat16)
             else:
                 raise self._stream_error(
-                    name, f"unknown tensor: not a weight, FP8 scale or KV scale of this {self.model_config.model_type} "
-                    "model (vLLM would reject it too)"
+                    name,
+                    f"unknown tensor: not a weight, FP8 scale or KV scale of this {self.model_config.model_type} "
+                    "model (vLLM would reject it too)",
                 )
-        return StagedUpdate(
-            engine_id=id(self), version=self._version, updates=updates, names=frozenset(received)
-        )
+        return StagedUpdate(engine_id=id(self), version=self._version, updates=updates, names=frozenset(received))
 
     def commit(self, staged: StagedUpdate) -> frozenset[str]:
         """Apply a staged update in place (``copy_`` into the stored tensors).
@@ -492,8 +500,12 @@ class ReferenceFP8Engine:
         if not files:
             raise ConfigError(f"{folder}: no *.safetensors files")
         engine = cls(
-            cfg, quantization=quantization, fp8_names=fp8_names, kv_cache_dtype=kv_cache_dtype,
-            activation_scale_format=activation_scale_format, weight_cache=weight_cache,
+            cfg,
+            quantization=quantization,
+            fp8_names=fp8_names,
+            kv_cache_dtype=kv_cache_dtype,
+            activation_scale_format=activation_scale_format,
+            weight_cache=weight_cache,
         )
 
         def items() -> Iterator[tuple[str, torch.Tensor]]:
@@ -525,7 +537,9 @@ class ReferenceFP8Engine:
         from safetensors.torch import save_file
 
         if self.quant_config is None:
-            raise ConfigError("save_fp8_checkpoint: this engine is BF16 (quantization=None); build it with an FP8 config")
+            raise ConfigError(
+                "save_fp8_checkpoint: this engine is BF16 (quantization=None); build it with an FP8 config"
+            )
         missing = self.missing_weights()
         if missing:
             raise ConfigError(f"save_fp8_checkpoint: {len(missing)} weights were never loaded, e.g. {missing[:4]}")
@@ -556,9 +570,15 @@ class ReferenceFP8Engine:
             if w64 is None and self._weight_cache:
                 w64 = self._f64[name] = self._tensors[name].to(torch.float64)
             return w8a8_block_fp8_linear(
-                x, self._tensors[name], self._tensors[name + SCALE_SUFFIX], block_size=self.quant_config.block_size,
-                bias=bias, activation_scale_format=self.quant_config.activation_scale_format, out_dtype=out_dtype,
-                name=name, weight_f64=w64,
+                x,
+                self._tensors[name],
+                self._tensors[name + SCALE_SUFFIX],
+                block_size=self.quant_config.block_size,
+                bias=bias,
+                activation_scale_format=self.quant_config.activation_scale_format,
+                out_dtype=out_dtype,
+                name=name,
+                weight_f64=w64,
             )
         lead = x.shape[:-1]
         y = bf16_linear(x.reshape(-1, x.shape[-1]), self._tensors[name], bias=bias, out_dtype=out_dtype, name=name)
@@ -638,7 +658,9 @@ class ReferenceFP8Engine:
         h = self._w("model.embed_tokens.weight")[ids]
         for i in range(cfg.num_hidden_layers):
             p = f"model.layers.{i}"
-            h = h + self._attention(i, _rms_norm(h, self._w(f"{p}.input_layernorm.weight"), cfg.rms_norm_eps), pos, cache)
+            h = h + self._attention(
+                i, _rms_norm(h, self._w(f"{p}.input_layernorm.weight"), cfg.rms_norm_eps), pos, cache
+            )
             x = _rms_norm(h, self._w(f"{p}.post_attention_layernorm.weight"), cfg.rms_norm_eps)
             h = h + (self._moe(i, x) if cfg.is_moe_layer(i) else self._mlp(f"{p}.mlp", x))
         return _rms_norm(h, self._w("model.norm.weight"), cfg.rms_norm_eps)
@@ -776,7 +798,9 @@ class ReferenceFP8Engine:
             raise ConfigError(f"generate: temperature must be >= 0, got {temperature}")
         if not 0.0 < top_p <= 1.0:
             raise ConfigError(f"generate: top_p must be in (0, 1], got {top_p}")
-        eos = set() if eos_token_id is None else ({eos_token_id} if isinstance(eos_token_id, int) else set(eos_token_id))
+        eos = (
+            set() if eos_token_id is None else ({eos_token_id} if isinstance(eos_token_id, int) else set(eos_token_id))
+        )
         self._check_ready(seqs, max_new_tokens, "generate")
         b = len(seqs)
         lens = torch.tensor([len(s) for s in seqs], dtype=torch.long)

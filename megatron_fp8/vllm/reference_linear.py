@@ -166,8 +166,11 @@ def w8a8_block_fp8_linear(
     x2 = x.reshape(-1, k)
     _check_block_operands(qw, sw, k, block_size, name)
     qa, sa = quantize_per_token_group(
-        x2, group_size=block_size[1], scale_format=activation_scale_format,
-        name=f"input of {name}" if name else None, backend="torch",
+        x2,
+        group_size=block_size[1],
+        scale_format=activation_scale_format,
+        name=f"input of {name}" if name else None,
+        backend="torch",
     )
     y = w8a8_block_fp8_matmul(
         qa, sa, qw, sw, block_size=block_size, bias=bias, out_dtype=out_dtype, name=name, weight_f64=weight_f64

@@ -64,7 +64,9 @@ class FP8RefitWorkerExtension:
     def mfp8_quant_decisions(self, quantization_config: dict) -> list[dict]:
         """vLLM's own FP8 decision per layer for ``quantization_config`` (see adapter)."""
         model = self.model_runner.model
-        return [dataclasses.asdict(d) for d in adapter.quant_method_decisions(model, self.vllm_config, quantization_config)]
+        return [
+            dataclasses.asdict(d) for d in adapter.quant_method_decisions(model, self.vllm_config, quantization_config)
+        ]
 
     def mfp8_param_dtype_decisions(self) -> list[dict]:
         """Which modules this (live) engine holds in FP8, read from parameter dtypes."""
@@ -218,8 +220,10 @@ class VllmRefitApplier:
             if tensor.dtype == torch.float8_e4m3fn and not fp8_engine:
                 # a BF16 engine (CPU) receiving FP8: dequantize for it (exact: it then holds what FP8 represents)
                 scale = self._staged[name + SCALE_SUFFIX]
-                yield name, dequantize_blockwise(tensor, scale, block_size=self.state["block_size"],
-                                                 out_dtype=torch.bfloat16)
+                yield (
+                    name,
+                    dequantize_blockwise(tensor, scale, block_size=self.state["block_size"], out_dtype=torch.bfloat16),
+                )
             elif name.endswith(SCALE_SUFFIX) and not fp8_engine:
                 continue
             else:

@@ -30,8 +30,6 @@ def expected_dense(layers):
     return sorted(f"model.layers.{i}.{m}.weight" for i in layers for m in ATTN + MLP)
 
 
-
-
 @pytest.fixture(scope="module")
 def dense_engine():
     from megatron_fp8.vllm.adapter import build_llm, shutdown_llm

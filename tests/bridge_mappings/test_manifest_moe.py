@@ -19,8 +19,12 @@ def name_heuristic_fp8(names):
 
 def expected_moe(layers, experts=4):
     names = [f"model.layers.{i}.{m}.weight" for i in layers for m in ATTN]
-    names += [f"model.layers.{i}.mlp.experts.{e}.{p}.weight" for i in layers for e in range(experts)
-              for p in ("gate_proj", "up_proj", "down_proj")]
+    names += [
+        f"model.layers.{i}.mlp.experts.{e}.{p}.weight"
+        for i in layers
+        for e in range(experts)
+        for p in ("gate_proj", "up_proj", "down_proj")
+    ]
     return sorted(names)
 
 

@@ -65,8 +65,10 @@ def test_quantizing_export_dequantizes_back_within_fp8_rounding(exported):
             ref = t.float()
             # e4m3 keeps 3 mantissa bits: per element error <= 2**-4 of its binade, or half the
             # smallest subnormal step of the block
-            bound = ref.abs() * 2.0**-4 + s.repeat_interleave(128, 0).repeat_interleave(128, 1)[
-                : t.shape[0], : t.shape[1]] * 2.0**-9
+            bound = (
+                ref.abs() * 2.0**-4
+                + s.repeat_interleave(128, 0).repeat_interleave(128, 1)[: t.shape[0], : t.shape[1]] * 2.0**-9
+            )
             assert bool(((deq - ref).abs() <= bound).all()), name
         else:
             assert out[name].dtype == t.dtype and torch.equal(out[name], t), name
@@ -115,7 +117,10 @@ def test_nan_weight_refused_naming_tensor_and_block(exported):
 
 
 def test_tp_divisibility_names_weight_and_working_sizes():
-    shapes = {"model.layers.0.self_attn.k_proj.weight": (128, 256), "model.layers.0.self_attn.o_proj.weight": (256, 384)}
+    shapes = {
+        "model.layers.0.self_attn.k_proj.weight": (128, 256),
+        "model.layers.0.self_attn.o_proj.weight": (256, 384),
+    }
     check_tp_divisibility(shapes, shapes, tp_size=1)
     with pytest.raises(ManifestError, match=r"k_proj.*N=128 / TP 2.*TP sizes that work: \[1\]"):
         check_tp_divisibility(shapes, shapes, tp_size=2)

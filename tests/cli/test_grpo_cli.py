@@ -11,8 +11,20 @@ import pytest
 from megatron_fp8.rl.metrics import METRIC_KEYS
 
 REQUIRED_KEYS = {
-    "arm", "step", "reward_mean", "gen_kl", "token_mult_prob_error", "refit_fp8_bytes", "refit_scales_bytes",
-    "refit_bf16_bytes", "refit_seconds", "loss", "grad_norm", "is_weight_mean", "is_truncated_fraction", "is_applied",
+    "arm",
+    "step",
+    "reward_mean",
+    "gen_kl",
+    "token_mult_prob_error",
+    "refit_fp8_bytes",
+    "refit_scales_bytes",
+    "refit_bf16_bytes",
+    "refit_seconds",
+    "loss",
+    "grad_norm",
+    "is_weight_mean",
+    "is_truncated_fraction",
+    "is_applied",
 }
 
 
@@ -20,8 +32,18 @@ REQUIRED_KEYS = {
 def test_grpo_cli_two_steps(tmp_path):
     out = tmp_path / "run"
     cmd = [
-        sys.executable, "-m", "megatron_fp8.cli", "grpo", "--steps", "2", "--out", str(out), "--no-progress",
-        "grpo.num_prompts_per_step=2", "grpo.num_generations_per_prompt=2", "grpo.warm_start_steps=1",
+        sys.executable,
+        "-m",
+        "megatron_fp8.cli",
+        "grpo",
+        "--steps",
+        "2",
+        "--out",
+        str(out),
+        "--no-progress",
+        "grpo.num_prompts_per_step=2",
+        "grpo.num_generations_per_prompt=2",
+        "grpo.warm_start_steps=1",
     ]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600, check=False)
     assert proc.returncode == 0, proc.stderr[-4000:]

@@ -14,9 +14,23 @@ pytestmark = [pytest.mark.slow, pytest.mark.megatron, pytest.mark.vllm]
 @pytest.mark.parametrize("transport", ["inproc", "gloo"])
 def test_refit_cli_json(transport, tmp_path):
     proc = subprocess.run(
-        [sys.executable, "-m", "megatron_fp8.cli", "refit", "--model", "tiny", "--compare-bf16", "--repeats", "2",
-         "--transport", transport, "--json"],
-        capture_output=True, text=True, timeout=600,
+        [
+            sys.executable,
+            "-m",
+            "megatron_fp8.cli",
+            "refit",
+            "--model",
+            "tiny",
+            "--compare-bf16",
+            "--repeats",
+            "2",
+            "--transport",
+            transport,
+            "--json",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=600,
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
     out = json.loads(proc.stdout)

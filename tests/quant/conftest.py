@@ -43,8 +43,10 @@ def assert_same_bytes(actual: torch.Tensor, expected: torch.Tensor, what: str) -
     assert actual.dtype == expected.dtype, f"{what}: dtype {actual.dtype} != {expected.dtype}"
     a, b = as_bytes(actual), as_bytes(expected)
     if not torch.equal(a, b):
-        diff = (actual.view(torch.uint8) != expected.view(torch.uint8)) if actual.element_size() == 1 else (
-            actual.to(torch.float64) != expected.to(torch.float64)
+        diff = (
+            (actual.view(torch.uint8) != expected.view(torch.uint8))
+            if actual.element_size() == 1
+            else (actual.to(torch.float64) != expected.to(torch.float64))
         )
         idx = tuple(int(i) for i in diff.nonzero()[0].tolist())
         raise AssertionError(

@@ -60,8 +60,13 @@ def test_torch_fp8_cast_rounds_to_nearest_even_like_the_independent_rounding():
     vals = torch.unique(vals[torch.isfinite(vals)])  # sorted, -448 .. 448, one zero
     mids = (vals[1:] + vals[:-1]) / 2
     probes = torch.cat([vals, mids]).to(torch.float32)
-    probes = torch.cat([probes, torch.nextafter(probes, torch.full_like(probes, 1e9)),
-                        torch.nextafter(probes, torch.full_like(probes, -1e9))])
+    probes = torch.cat(
+        [
+            probes,
+            torch.nextafter(probes, torch.full_like(probes, 1e9)),
+            torch.nextafter(probes, torch.full_like(probes, -1e9)),
+        ]
+    )
     probes = probes[probes.abs() <= 448]
     ours = round_to_e4m3(probes.to(torch.float64))
     torch_cast = probes.to(torch.float8_e4m3fn).to(torch.float64)
@@ -266,8 +271,9 @@ def test_modelopt_block_quantizer_fp32_bit_exact(modelopt_fp8, shape):
     mq, ms = fp8qtensor.quantize(x, block_sizes={-1: 128, -2: 128})
     assert torch.equal(ms, s)
     assert torch.equal(mq._quantized_data.view(torch.uint8), q.view(torch.uint8))
-    assert torch.equal(mq.dequantize(torch.float32, scale=ms, block_sizes={-1: 128, -2: 128}),
-                       dequantize_blockwise(q, s))
+    assert torch.equal(
+        mq.dequantize(torch.float32, scale=ms, block_sizes={-1: 128, -2: 128}), dequantize_blockwise(q, s)
+    )
 
 
 def test_modelopt_block_quantizer_bf16_keeps_input_dtype(modelopt_fp8):
@@ -302,7 +308,7 @@ def test_modelopt_fake_quant_matches_dequantized_values(modelopt_fp8):
     amax = x.view(2, 128, 3, 128).abs().amax(dim=(1, 3), keepdim=True)
     fake = fp8_eager(x.view(2, 128, 3, 128), amax).view(256, 384)
     ours = dequantize_blockwise(q, s)
-    rel = ((fake.double() - ours.double()).abs() / ours.double().abs().clamp_min(1e-30))
+    rel = (fake.double() - ours.double()).abs() / ours.double().abs().clamp_min(1e-30)
     same_code = rel <= 2.0**-21  # equal codes; scales 1/(448/amax) vs amax/448 within 2 ulps
     step = dequantize_blockwise(torch.ones_like(q, dtype=torch.float32).to(torch.float8_e4m3fn), s).double()
     v = x.double() / step

@@ -72,21 +72,42 @@ def _metrics(arm: str, step: int, reward: float, kl: float) -> StepMetrics:
     mismatch.update(gen_kl_k3=kl, token_mult_prob_error=1.0 + kl)
     fp8 = arm != "bf16"
     return StepMetrics(
-        arm=arm, step=step, engine="reference-fp8" if fp8 else "reference-bf16", reward_mean=reward, reward_std=0.1,
-        reward_max=reward + 0.1, exact_match=0.0, response_tokens_mean=3.0, loss=0.5, grad_norm=1.0,
-        update_successful=True, learning_rate=1e-4, ppo_clip_fraction=0.0, ppo_approx_kl=0.0,
-        is_applied=arm == "fp8_tis", is_variant="token_tis", is_weight_mean=1.0, is_truncated_fraction=0.0,
-        is_masked_fraction=0.0, mismatch=mismatch,
+        arm=arm,
+        step=step,
+        engine="reference-fp8" if fp8 else "reference-bf16",
+        reward_mean=reward,
+        reward_std=0.1,
+        reward_max=reward + 0.1,
+        exact_match=0.0,
+        response_tokens_mean=3.0,
+        loss=0.5,
+        grad_norm=1.0,
+        update_successful=True,
+        learning_rate=1e-4,
+        ppo_clip_fraction=0.0,
+        ppo_approx_kl=0.0,
+        is_applied=arm == "fp8_tis",
+        is_variant="token_tis",
+        is_weight_mean=1.0,
+        is_truncated_fraction=0.0,
+        is_masked_fraction=0.0,
+        mismatch=mismatch,
         refit_bytes={"fp8": 1 << 20, "scales": 64, "bf16": 1 << 19} if fp8 else {"bf16": 2 << 20},
-        refit_seconds=0.25, refit_version=step + 1, refit_max_rel_error=float("nan"), rollout_seconds=1.0,
-        train_seconds=1.0, step_seconds=2.5, sample="1+1='2'",
+        refit_seconds=0.25,
+        refit_version=step + 1,
+        refit_max_rel_error=float("nan"),
+        rollout_seconds=1.0,
+        train_seconds=1.0,
+        step_seconds=2.5,
+        sample="1+1='2'",
     )
 
 
 def _arm(name: str, rewards: list[float]) -> ArmResult:
     steps = tuple(_metrics(name, i, r, 1e-3 * (i + 1)) for i, r in enumerate(rewards))
-    return ArmResult(arm=name, engine=steps[0].engine, training_recipe="bf16", training_math="bf16", steps=steps,
-                     seconds=5.0)
+    return ArmResult(
+        arm=name, engine=steps[0].engine, training_recipe="bf16", training_math="bf16", steps=steps, seconds=5.0
+    )
 
 
 def test_step_metrics_json_record():
@@ -161,7 +182,9 @@ def test_grpo_improves_reward(tmp_path):
         assert late > early + 0.03, (arm.arm, rewards)
         assert all(s.update_successful for s in arm.steps)
     fp8 = result.arm("fp8_tis")
-    assert fp8.mean_refit_bytes["fp8"] > 0 and fp8.mean_refit_bytes["total"] < result.arm("bf16").mean_refit_bytes["total"]
+    assert (
+        fp8.mean_refit_bytes["fp8"] > 0 and fp8.mean_refit_bytes["total"] < result.arm("bf16").mean_refit_bytes["total"]
+    )
     assert fp8.mean_gen_kl > result.arm("bf16").mean_gen_kl
     assert all(math.isfinite(s.gen_kl) for s in fp8.steps)
 

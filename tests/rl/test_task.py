@@ -50,8 +50,11 @@ def test_empty_answer_rejected():
 
 
 @settings(max_examples=50, deadline=None)
-@given(answer=st.text("0123456789", min_size=1, max_size=4), response=st.text("0123456789ab", max_size=6),
-       finished=st.booleans())
+@given(
+    answer=st.text("0123456789", min_size=1, max_size=4),
+    response=st.text("0123456789ab", max_size=6),
+    finished=st.booleans(),
+)
 def test_reward_in_unit_interval_and_max_only_when_exact(answer, response, finished):
     r = score_response(answer, response, finished=finished)
     assert 0.0 <= r.reward <= 1.0

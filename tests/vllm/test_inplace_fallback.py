@@ -28,9 +28,15 @@ def _compare_on_worker(self):
         def __init__(self):
             super().__init__()
             p = "model.layers.0"
-            self.qkv_proj = QKVParallelLinear(256, 64, 4, 2, bias=False, params_dtype=torch.bfloat16, prefix=f"{p}.self_attn.qkv_proj")
-            self.gate_up_proj = MergedColumnParallelLinear(256, [512, 512], bias=False, params_dtype=torch.bfloat16, prefix=f"{p}.mlp.gate_up_proj")
-            self.down_proj = RowParallelLinear(512, 256, bias=False, params_dtype=torch.bfloat16, prefix=f"{p}.mlp.down_proj")
+            self.qkv_proj = QKVParallelLinear(
+                256, 64, 4, 2, bias=False, params_dtype=torch.bfloat16, prefix=f"{p}.self_attn.qkv_proj"
+            )
+            self.gate_up_proj = MergedColumnParallelLinear(
+                256, [512, 512], bias=False, params_dtype=torch.bfloat16, prefix=f"{p}.mlp.gate_up_proj"
+            )
+            self.down_proj = RowParallelLinear(
+                512, 256, bias=False, params_dtype=torch.bfloat16, prefix=f"{p}.mlp.down_proj"
+            )
 
     g = torch.Generator().manual_seed(0)
     hf = {
@@ -59,9 +65,11 @@ def _compare_on_worker(self):
     # block-scale rows of the fused QKV: q 256 rows -> 2 blocks, k and v 128 rows -> 1 block each
     scale_rows = {s: _column_slices(ours.qkv_proj, s, 0, 128)[0] for s in "qkv"}
     errors = []
-    for bad in ({"model.layers.0.self_attn.qkv_proj.weight": hf["model.layers.0.self_attn.q_proj.weight"]},
-                {"model.layers.0.self_attn.k_proj.weight": hf["model.layers.0.self_attn.q_proj.weight"]},
-                {"model.layers.0.mlp.experts.0.up_proj.weight": hf["model.layers.0.mlp.up_proj.weight"]}):
+    for bad in (
+        {"model.layers.0.self_attn.qkv_proj.weight": hf["model.layers.0.self_attn.q_proj.weight"]},
+        {"model.layers.0.self_attn.k_proj.weight": hf["model.layers.0.self_attn.q_proj.weight"]},
+        {"model.layers.0.mlp.experts.0.up_proj.weight": hf["model.layers.0.mlp.up_proj.weight"]},
+    ):
         snapshot = ours.qkv_proj.weight.data.clone()
         try:
             inplace_load_weights(ours, bad.items())

@@ -27,8 +27,15 @@ PROMPTS = [[5, 17, 42, 99, 3, 250, 77], [11, 300, 12], [200, 201, 202, 9, 8]]
 
 def _build_in_test(kind: str, folder: Path) -> Path:
     common = dict(
-        vocab_size=384, hidden_size=256, intermediate_size=512, num_hidden_layers=2, num_attention_heads=4,
-        num_key_value_heads=2, head_dim=64, max_position_embeddings=256, initializer_range=0.05,
+        vocab_size=384,
+        hidden_size=256,
+        intermediate_size=512,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=64,
+        max_position_embeddings=256,
+        initializer_range=0.05,
         tie_word_embeddings=False,
     )
     torch.manual_seed(1234)
@@ -129,15 +136,20 @@ def test_w8a8_matmul_is_batch_invariant_and_matches_rowwise_scaled_mm_per_block(
     qa, sa = quantize_per_token_group(torch.randn(6, 256, generator=g))
     qw, sw = quantize_blockwise(torch.randn(384, 256, generator=g))
     full = w8a8_block_fp8_matmul(qa, sa, qw, sw, out_dtype=torch.float32)
-    rows = torch.cat([w8a8_block_fp8_matmul(qa[i : i + 1], sa[i : i + 1], qw, sw, out_dtype=torch.float32) for i in range(6)])
+    rows = torch.cat(
+        [w8a8_block_fp8_matmul(qa[i : i + 1], sa[i : i + 1], qw, sw, out_dtype=torch.float32) for i in range(6)]
+    )
     assert torch.equal(full, rows)
     sw_rows = sw.repeat_interleave(128, dim=0)
     acc = torch.zeros_like(full)  # rowwise _scaled_mm runs on CPU with the pinned torch 2.13
     for kb in range(2):
         cols = slice(kb * 128, (kb + 1) * 128)
         acc += torch._scaled_mm(
-            qa[:, cols].contiguous(), qw[:, cols].contiguous().t(), scale_a=sa[:, kb : kb + 1].contiguous(),
-            scale_b=sw_rows[:, kb][None, :].contiguous(), out_dtype=torch.float32,
+            qa[:, cols].contiguous(),
+            qw[:, cols].contiguous().t(),
+            scale_a=sa[:, kb : kb + 1].contiguous(),
+            scale_b=sw_rows[:, kb][None, :].contiguous(),
+            out_dtype=torch.float32,
         )
     assert torch.allclose(acc, full, rtol=1e-5, atol=1e-4 * float(full.abs().max()))
 
@@ -181,8 +193,15 @@ def test_bf16_engine_logits_match_transformers(kind, dense_path, moe_path):
 
 def test_tied_embeddings_and_batching_match_transformers(tmp_path):
     cfg = transformers.Qwen3Config(
-        vocab_size=384, hidden_size=256, intermediate_size=512, num_hidden_layers=1, num_attention_heads=4,
-        num_key_value_heads=2, head_dim=64, max_position_embeddings=64, tie_word_embeddings=True,
+        vocab_size=384,
+        hidden_size=256,
+        intermediate_size=512,
+        num_hidden_layers=1,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=64,
+        max_position_embeddings=64,
+        tie_word_embeddings=True,
         initializer_range=0.05,
     )
     torch.manual_seed(7)
@@ -213,8 +232,9 @@ def test_greedy_generation_is_deterministic_batch_independent_and_logprobs_equal
         alone = fp8_engine.generate([ids], max_new_tokens=6)
         assert alone.token_ids[0] == res.token_ids[j]
         assert torch.equal(alone.logprobs[0], res.logprobs[j])
-    scored = fp8_engine.score([p + list(t) for p, t in zip(PROMPTS, res.token_ids, strict=True)],
-                              response_start=[len(p) for p in PROMPTS])
+    scored = fp8_engine.score(
+        [p + list(t) for p, t in zip(PROMPTS, res.token_ids, strict=True)], response_start=[len(p) for p in PROMPTS]
+    )
     for got, want in zip(scored, res.logprobs, strict=True):
         assert got.dtype == torch.float32
         torch.testing.assert_close(got, want, rtol=0, atol=1e-6)
@@ -228,8 +248,11 @@ def test_sampling_is_reproducible_with_a_seed_and_top_p_limit_is_greedy(fp8_engi
     assert a.token_ids == b.token_ids
     assert all(torch.equal(x, y) for x, y in zip(a.logprobs, b.logprobs, strict=True))
     assert a.token_ids != c.token_ids
-    scored = fp8_engine.score([p + list(t) for p, t in zip(PROMPTS, a.token_ids, strict=True)],
-                              response_start=[len(p) for p in PROMPTS], temperature=0.8)
+    scored = fp8_engine.score(
+        [p + list(t) for p, t in zip(PROMPTS, a.token_ids, strict=True)],
+        response_start=[len(p) for p in PROMPTS],
+        temperature=0.8,
+    )
     for got, want in zip(scored, a.logprobs, strict=True):
         torch.testing.assert_close(got, want, rtol=0, atol=1e-6)
     narrow = fp8_engine.generate(PROMPTS, max_new_tokens=4, temperature=0.8, top_p=1e-6, seed=5)
@@ -289,7 +312,10 @@ def test_bad_stream_raises_naming_the_tensor_and_changes_nothing(dense_path):
     q_name = "model.layers.1.self_attn.q_proj.weight"
     q, s = quantize_blockwise(state[q_name] * 3)
     cases = [
-        ([good, ("model.layers.9.mlp.up_proj.weight", state["model.norm.weight"])], "model.layers.9.mlp.up_proj.weight"),
+        (
+            [good, ("model.layers.9.mlp.up_proj.weight", state["model.norm.weight"])],
+            "model.layers.9.mlp.up_proj.weight",
+        ),
         ([good, ("model.norm.weight", state["model.norm.weight"][:10])], r"expected shape \(256,\), got \(10,\)"),
         ([good, (q_name, q)], "without"),
         ([good, (q_name + SCALE_SUFFIX, s)], "without their weight"),
@@ -312,8 +338,10 @@ def test_refit_updates_in_place_and_changes_generations(dense_path):
     ptrs = {n: t.data_ptr() for n, t in engine.named_weights()}
     before = engine.generate(PROMPTS, max_new_tokens=6)
     g = torch.Generator().manual_seed(3)
-    state = {n: (t.float() + 0.05 * torch.randn(t.shape, generator=g)).to(torch.bfloat16) if t.dim() == 2 else t
-             for n, t in _bf16_stream(dense_path).items()}
+    state = {
+        n: (t.float() + 0.05 * torch.randn(t.shape, generator=g)).to(torch.bfloat16) if t.dim() == 2 else t
+        for n, t in _bf16_stream(dense_path).items()
+    }
     sent = dict(_fp8_stream(state, engine.fp8_names))
     loaded = engine.load_weights(sent.items())
     assert loaded == frozenset(state)
@@ -347,8 +375,10 @@ def test_saved_fp8_checkpoint_reloads_to_an_identical_engine(dense_path, tmp_pat
     assert "model.layers.0.self_attn.k_proj.weight" not in engine.fp8_names
     assert "model.layers.1.self_attn.k_proj.weight" in engine.fp8_names
     g = torch.Generator().manual_seed(9)
-    state = {n: (t.float() * (1 + 0.1 * torch.randn(t.shape, generator=g))).to(torch.bfloat16)
-             for n, t in _bf16_stream(dense_path).items()}
+    state = {
+        n: (t.float() * (1 + 0.1 * torch.randn(t.shape, generator=g))).to(torch.bfloat16)
+        for n, t in _bf16_stream(dense_path).items()
+    }
     engine.load_weights(_fp8_stream(state, engine.fp8_names))
     engine.load_weights([("model.layers.1.self_attn.attn.k_scale", torch.tensor(0.02))])
     folder = engine.save_fp8_checkpoint(tmp_path / "fp8")
@@ -359,7 +389,9 @@ def test_saved_fp8_checkpoint_reloads_to_an_identical_engine(dense_path, tmp_pat
     a, b = engine.state_dict(), reloaded.state_dict()
     assert a.keys() == b.keys()
     assert all(_same(a[n], b[n]) for n in a)
-    assert reloaded.generate(PROMPTS, max_new_tokens=5).token_ids == engine.generate(PROMPTS, max_new_tokens=5).token_ids
+    assert (
+        reloaded.generate(PROMPTS, max_new_tokens=5).token_ids == engine.generate(PROMPTS, max_new_tokens=5).token_ids
+    )
     x = reloaded.generate(PROMPTS, max_new_tokens=5, temperature=1.0, seed=2)
     y = engine.generate(PROMPTS, max_new_tokens=5, temperature=1.0, seed=2)
     assert x.token_ids == y.token_ids
@@ -417,8 +449,10 @@ def test_moe_fp8_engine_runs_experts_in_fp8_close_to_bf16(moe_path):
     assert "model.layers.0.mlp.gate.weight" not in fp8.fp8_names
     held = dict(fp8.named_weights())
     w = _bf16_stream(moe_path)["model.layers.1.mlp.experts.2.up_proj.weight"]
-    deq = dequantize_blockwise(held["model.layers.1.mlp.experts.2.up_proj.weight"],
-                               held["model.layers.1.mlp.experts.2.up_proj.weight_scale_inv"])
+    deq = dequantize_blockwise(
+        held["model.layers.1.mlp.experts.2.up_proj.weight"],
+        held["model.layers.1.mlp.experts.2.up_proj.weight_scale_inv"],
+    )
     assert float((deq - w.float()).abs().max()) <= float(w.float().abs().max()) / 16
     a = _prefill_logits(bf16, [PROMPTS[0]])[0]
     b = _prefill_logits(fp8, [PROMPTS[0]])[0]

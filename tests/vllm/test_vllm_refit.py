@@ -35,8 +35,11 @@ def _weights(base: dict[str, torch.Tensor], seed: int) -> dict[str, torch.Tensor
 def _greedy(llm) -> list[list[int]]:
     from vllm import SamplingParams
 
-    outs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS],
-                        SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True), use_tqdm=False)
+    outs = llm.generate(
+        [{"prompt_token_ids": p} for p in PROMPTS],
+        SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True),
+        use_tqdm=False,
+    )
     return [list(o.outputs[0].token_ids) for o in outs]
 
 
