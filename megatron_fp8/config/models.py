@@ -40,13 +40,26 @@ class ModelDims:
         return self.num_experts > 0
 
 
-_TINY = ModelDims(
-    num_layers=4, hidden_size=256, intermediate_size=512, num_attention_heads=4, num_key_value_heads=2, head_dim=64
-)
+def _tiny_dims(name: str) -> ModelDims:
+    """Dimensions of an embedded tiny model, read from its spec (one source of truth)."""
+    from megatron_fp8.models.tiny import TINY_MODELS
+
+    spec = TINY_MODELS[name]
+    return ModelDims(
+        num_layers=spec.num_hidden_layers,
+        hidden_size=spec.hidden_size,
+        intermediate_size=spec.intermediate_size,
+        num_attention_heads=spec.num_attention_heads,
+        num_key_value_heads=spec.num_key_value_heads,
+        head_dim=spec.head_dim,
+        moe_intermediate_size=spec.moe_intermediate_size or None,
+        num_experts=spec.num_experts,
+    )
+
 
 KNOWN_MODELS: dict[str, ModelDims] = {
-    "tiny": _TINY,
-    "tiny-moe": ModelDims(**{**_TINY.__dict__, "moe_intermediate_size": 128, "num_experts": 4}),
+    "tiny": _tiny_dims("tiny"),
+    "tiny-moe": _tiny_dims("tiny-moe"),
     "llama-3.1-8b": ModelDims(
         num_layers=32,
         hidden_size=4096,

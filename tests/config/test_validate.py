@@ -113,23 +113,3 @@ def test_validate_tp_divisibility_function():
     assert tp_sizes_that_work(*args, moe_intermediate_size=768) == (1, 2)
     with pytest.raises(ConfigError, match="integer >= 1"):
         validate_tp_divisibility(*args, 0)
-
-
-def test_tiny_dims_match_models_package():
-    from megatron_fp8.models import tiny
-
-    for name in ("tiny", "tiny-moe"):
-        spec = tiny.TINY_MODELS[name]
-        ours = KNOWN_MODELS[name]
-        assert (ours.num_layers, ours.hidden_size, ours.intermediate_size) == (
-            spec.num_hidden_layers,
-            spec.hidden_size,
-            spec.intermediate_size,
-        )
-        assert (ours.num_attention_heads, ours.num_key_value_heads, ours.head_dim) == (
-            spec.num_attention_heads,
-            spec.num_key_value_heads,
-            spec.head_dim,
-        )
-        assert ours.num_experts == spec.num_experts
-        assert (ours.moe_intermediate_size or 0) == spec.moe_intermediate_size
