@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import itertools
 import json
 import logging
 import math
@@ -471,6 +472,8 @@ class _ArmState:
     manifest: Any
     export_settings: Any
     dp: DataParallel
+    kv_recorder: Any = None
+    kv_settings: Any = None
 
 
 def _refit(state: _ArmState) -> tuple[dict[str, int], float, int, float]:
@@ -480,6 +483,14 @@ def _refit(state: _ArmState) -> tuple[dict[str, int], float, int, float]:
     if state.spec.rollout_precision == "fp8":
         # the bridge adapter uses Megatron-Bridge's quantized-export hook where the installed version has one
         stream = refit_stream(state.model, state.manifest, state.export_settings)
+        if state.kv_recorder is not None and state.kv_recorder.layers():
+            from megatron_fp8.rl.kv_calibration import compute_kv_scales
+
+            kv = compute_kv_scales(
+                state.kv_recorder, percentile=state.kv_settings.percentile, margin=state.kv_settings.margin
+            )
+            state.kv_recorder.reset()
+            stream = itertools.chain(stream, kv.items())
     else:
         stream = export_hf_weights(state.model)
     result = state.refit.refit(stream)
@@ -867,6 +878,13 @@ def _run_arm(
                 ),
                 dp=dp or DataParallel(),
             )
+            kv_hooks = None
+            if fp8 and vllm_cfg.kv_cache_dtype == "fp8":
+                # FP8 KV cache: q/k/v amax of every training forward -> per-layer scales sent with each refit
+                from megatron_fp8.rl.kv_calibration import KVAmaxRecorder, attach_kv_amax_hooks
+
+                state.kv_recorder, state.kv_settings = KVAmaxRecorder(), config.kv_cache
+                kv_hooks = attach_kv_amax_hooks(model.model[0], state.kv_recorder, kind="megatron")
             eos_id = tokenizer.eos_token_id
             pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else eos_id
             if eos_id is None:
@@ -882,6 +900,8 @@ def _run_arm(
                     results.append(on_step(metrics))
             finally:
                 state.refit.close()
+                if kv_hooks is not None:
+                    kv_hooks.remove()
             application = model.recipe_application
     finally:
         engine.close()

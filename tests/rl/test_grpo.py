@@ -215,3 +215,17 @@ def test_data_parallel_from_env(monkeypatch):
     monkeypatch.delenv("MASTER_PORT", raising=False)
     with pytest.raises(ConfigError, match="MASTER_ADDR, MASTER_PORT not set"), data_parallel_from_env():
         pass
+
+
+@pytest.mark.slow
+def test_fp8_kv_cache_scales_travel_with_each_refit(tmp_path):
+    """kv_cache_dtype=fp8: q/k/v amax recorded in the training forward, 3 float32 scales per layer refit."""
+    from megatron_fp8.config import load_config
+    from megatron_fp8.rl.grpo import run_grpo
+
+    cfg = load_config(None, ["policy.generation.vllm_cfg.kv_cache_dtype=fp8", "grpo.warm_start_steps=1"])
+    result = run_grpo(cfg, out_dir=tmp_path, steps=2, arms=["fp8"], progress=False)
+    weight_scales = 4 * 36 * 4  # tiny: 36 blocks of 128x128 per layer, 4 layers, float32
+    kv_scales = 4 * 3 * 4  # 4 layers x q/k/v, float32
+    for step in result.arm("fp8").steps:
+        assert step.refit_bytes["scales"] == weight_scales + kv_scales
