@@ -376,7 +376,7 @@ def print_table(result: dict) -> None:
         rows.append((f"Llama-8B {ls['layers']}/{ls['layers_full_model']}L", ls))
     for label, r in rows:
         table.add_row(label, f"{r['bytes_moved'] / 1e6:.1f}", *(_fmt(r.get(key), spec) for _, key, spec in cols))
-    Console().print(table)
+    Console(width=max(Console().width, 140)).print(table)
     for r in result["shapes"]:
         if r.get("best_config"):
             Console().print(f"best config for {r['shape']}: {r['best_config']}")

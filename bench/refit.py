@@ -337,7 +337,7 @@ def _print_table(summary: dict) -> None:
             f"{r['seconds']:.3f}",
             f"{r['gbps']:.2f}",
         )
-    console = Console()
+    console = Console(width=max(Console().width, 140))
     console.print(table)
     console.print(
         f"FP8-param payload ratio (FP8 + scales) / BF16 = {p['payload_ratio']:.6f} "
