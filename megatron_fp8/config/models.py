@@ -60,6 +60,7 @@ def _tiny_dims(name: str) -> ModelDims:
 KNOWN_MODELS: dict[str, ModelDims] = {
     "tiny": _tiny_dims("tiny"),
     "tiny-moe": _tiny_dims("tiny-moe"),
+    "tiny-llama": _tiny_dims("tiny-llama"),
     "llama-3.1-8b": ModelDims(
         num_layers=32,
         hidden_size=4096,

@@ -66,7 +66,8 @@ class TinyModelSpec:
 
     Attributes:
         name: registry name, also the cache folder prefix.
-        architecture: Hugging Face class name, ``"Qwen3ForCausalLM"`` or ``"Qwen3MoeForCausalLM"``.
+        architecture: Hugging Face class name: ``"Qwen3ForCausalLM"``, ``"Qwen3MoeForCausalLM"`` or
+            ``"LlamaForCausalLM"`` (no q/k norms; for the Llama mappings of Megatron-Bridge and vLLM).
         hidden_size: model width (elements).
         num_hidden_layers: decoder layers.
         num_attention_heads: query heads.
@@ -163,6 +164,7 @@ def _check_spec(spec: TinyModelSpec) -> None:
 
 TINY_MODELS: dict[str, TinyModelSpec] = {
     "tiny": TinyModelSpec(name="tiny", architecture="Qwen3ForCausalLM"),
+    "tiny-llama": TinyModelSpec(name="tiny-llama", architecture="LlamaForCausalLM"),
     "tiny-moe": TinyModelSpec(
         name="tiny-moe",
         architecture="Qwen3MoeForCausalLM",
@@ -224,9 +226,17 @@ def spec_hash(spec: TinyModelSpec) -> str:
 
 
 def _build_hf_model(spec: TinyModelSpec) -> torch.nn.Module:
-    from transformers import Qwen3Config, Qwen3ForCausalLM, Qwen3MoeConfig, Qwen3MoeForCausalLM
+    from transformers import (
+        LlamaConfig,
+        LlamaForCausalLM,
+        Qwen3Config,
+        Qwen3ForCausalLM,
+        Qwen3MoeConfig,
+        Qwen3MoeForCausalLM,
+    )
 
     classes = {
+        "LlamaForCausalLM": (LlamaConfig, LlamaForCausalLM),
         "Qwen3ForCausalLM": (Qwen3Config, Qwen3ForCausalLM),
         "Qwen3MoeForCausalLM": (Qwen3MoeConfig, Qwen3MoeForCausalLM),
     }

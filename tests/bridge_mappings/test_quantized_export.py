@@ -28,7 +28,7 @@ def _manifest(names: dict[str, tuple[int, ...]], fp8: set[str]) -> Manifest:
     return Manifest("test", fp, tuple(sorted(fp8)), tuple(sorted(set(names) - fp8)), (), {})
 
 
-@pytest.fixture(scope="module", params=["tiny", "tiny-moe"])
+@pytest.fixture(scope="module", params=["tiny", "tiny-llama", "tiny-moe"])
 def exported(request):
     from megatron_fp8.megatron import build_megatron_model, megatron_parallel
     from megatron_fp8.megatron.export import export_hf_weights

@@ -37,7 +37,7 @@ def parallel():
 
 @pytest.fixture(scope="module")
 def paths():
-    return {"dense": tiny_model_path("dense"), "moe": tiny_model_path("moe")}
+    return {"dense": tiny_model_path("dense"), "moe": tiny_model_path("moe"), "llama": tiny_model_path("tiny-llama")}
 
 
 @pytest.fixture(scope="module")
@@ -64,7 +64,7 @@ def built(parallel, paths):
     return get
 
 
-@pytest.mark.parametrize("kind", ["dense", "moe"])
+@pytest.mark.parametrize("kind", ["dense", "moe", "llama"])
 def test_fp32_logits_match_hf(kind, built, hf_logits):
     m = built(kind, "fp32")
     assert type(m.model[0]).__name__ == "DistributedDataParallel"
@@ -107,7 +107,7 @@ def test_left_padding_does_not_change_real_token_logprobs(built):
     torch.testing.assert_close(with_pad[:, 3:], plain, atol=1e-4, rtol=0)
 
 
-@pytest.mark.parametrize(("kind", "dtype"), [("dense", "bf16"), ("moe", "bf16"), ("dense", "fp32")])
+@pytest.mark.parametrize(("kind", "dtype"), [("dense", "bf16"), ("moe", "bf16"), ("llama", "bf16"), ("dense", "fp32")])
 def test_export_round_trips_bit_exactly(kind, dtype, built, paths):
     m = built(kind, dtype)
     reference = load_file(str(paths[kind] / "model.safetensors"))

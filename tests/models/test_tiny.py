@@ -130,7 +130,7 @@ def test_env_var_selects_cache_root(tmp_path, monkeypatch, dense):
 
 
 def test_unknown_name_lists_valid_names():
-    with pytest.raises(ConfigError, match="valid names: dense, moe, tiny, tiny-moe"):
+    with pytest.raises(ConfigError, match="valid names: dense, moe, tiny, tiny-llama, tiny-moe"):
         tiny_model_path("llama-70b")
     with pytest.raises(ConfigError, match="valid names"):
         get_spec("huge")
