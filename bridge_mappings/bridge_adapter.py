@@ -20,6 +20,8 @@ from typing import Any
 
 import torch
 
+from megatron_fp8.quant.formats import SCALE_SUFFIX
+
 logger = logging.getLogger(__name__)
 
 
@@ -115,7 +117,7 @@ def quantized_hf_weight_stream(
         if is_fp8(name):
             q, scale = quant_fn(name, tensor)
             yield name, q
-            yield name + "_scale_inv", scale
+            yield name + SCALE_SUFFIX, scale
         else:
             yield name, tensor
 

@@ -22,10 +22,10 @@ import torch
 from bridge_mappings.manifest import Manifest
 from megatron_fp8.errors import ManifestError
 from megatron_fp8.quant import quantize_blockwise
+from megatron_fp8.quant.formats import SCALE_SUFFIX
 
 logger = logging.getLogger(__name__)
 
-SCALE_SUFFIX = "_scale_inv"
 
 ROW_PARALLEL_SUFFIXES: tuple[str, ...] = ("self_attn.o_proj.weight", "mlp.down_proj.weight", "down_proj.weight")
 """Weights Megatron splits along K (row-parallel); all other linear weights split along N."""
@@ -90,8 +90,9 @@ def preflight(planned: Mapping[str, Sequence[int]], manifest: Manifest, settings
     """
     names = set(planned)
     missing = sorted(manifest.fp8_set - names)
-    capable = {n for n, s in planned.items() if n in manifest.fp8_set or n in set(manifest.fp8_capable_bf16)}
-    unexpected_capable = sorted(set(manifest.fp8_capable_bf16) - names)
+    deliberate_bf16 = set(manifest.fp8_capable_bf16)
+    capable = names & (manifest.fp8_set | deliberate_bf16)
+    unexpected_capable = sorted(deliberate_bf16 - names)
     problems = []
     if missing:
         problems.append(f"{len(missing)} manifest name(s) not in the weight stream: {missing[:6]}")

@@ -22,7 +22,7 @@ def run(args: argparse.Namespace) -> int:
     from megatron_fp8.cli._io import stdout_to_stderr
     from megatron_fp8.megatron import build_megatron_model, megatron_parallel
     from megatron_fp8.models import resolve_model
-    from megatron_fp8.refit.session import _run_gloo, run_refits
+    from megatron_fp8.refit.session import run_refits, run_refits_over_gloo
 
     path = resolve_model(args.model)
     runs = {}
@@ -52,7 +52,7 @@ def run(args: argparse.Namespace) -> int:
                 m = build_megatron_model(path, recipe="blockwise")
                 weights = dict(export_hf_weights(m))
             for precision in precisions:
-                runs[precision] = _run_gloo(
+                runs[precision] = run_refits_over_gloo(
                     weights,
                     path,
                     manifest,

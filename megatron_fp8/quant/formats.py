@@ -48,6 +48,9 @@ FLOAT_INPUT_DTYPES: tuple[torch.dtype, ...] = (torch.bfloat16, torch.float16, to
 
 NonFinitePolicy = Literal["raise", "sanitize"]
 
+SCALE_SUFFIX: str = "_scale_inv"
+"""Appended to a weight's HF name to name its block scales (``...q_proj.weight_scale_inv``), as vLLM loads them."""
+
 
 def _fp32_scale(amax: torch.Tensor) -> torch.Tensor:
     scale = (amax / FP8_MAX).clamp_min_(MIN_SCALE)

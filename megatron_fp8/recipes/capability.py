@@ -88,6 +88,17 @@ class Requirements:
     te_reason: str = ""
 
 
+_BLOCKWISE = Requirements(
+    needs_gpu=True,
+    min_cc=(9, 0),
+    max_cc=(10, 0),
+    arch="Hopper (compute capability 9.x)",
+    min_torch_cuda=(12, 9),
+    min_cublas=(12, 9),
+    min_te="2.3.0.dev0",
+    te_reason="Megatron-Core builds Float8BlockScaling only from TE 2.3",
+)
+
 REQUIREMENTS: dict[str, Requirements] = {
     "bf16": Requirements(),
     "tensorwise": Requirements(
@@ -98,26 +109,8 @@ REQUIREMENTS: dict[str, Requirements] = {
         min_te="2.2.0.dev0",
         te_reason="Megatron-Core builds Float8CurrentScaling only from TE 2.2",
     ),
-    "blockwise": Requirements(
-        needs_gpu=True,
-        min_cc=(9, 0),
-        max_cc=(10, 0),
-        arch="Hopper (compute capability 9.x)",
-        min_torch_cuda=(12, 9),
-        min_cublas=(12, 9),
-        min_te="2.3.0.dev0",
-        te_reason="Megatron-Core builds Float8BlockScaling only from TE 2.3",
-    ),
-    "fp8_param": Requirements(
-        needs_gpu=True,
-        min_cc=(9, 0),
-        max_cc=(10, 0),
-        arch="Hopper (compute capability 9.x)",
-        min_torch_cuda=(12, 9),
-        min_cublas=(12, 9),
-        min_te="2.3.0.dev0",
-        te_reason="Megatron-Core builds Float8BlockScaling only from TE 2.3",
-    ),
+    "blockwise": _BLOCKWISE,
+    "fp8_param": _BLOCKWISE,  # FP8 primary weights: the blockwise GEMMs, same hardware
     "delayed": Requirements(
         needs_gpu=True,
         min_cc=(8, 9),

@@ -23,10 +23,9 @@ from typing import Any
 import torch
 
 from megatron_fp8.errors import RefitError
+from megatron_fp8.quant.formats import SCALE_SUFFIX
 
 logger = logging.getLogger(__name__)
-
-TRANSPORT_CHOICES = ("inproc", "gloo")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -61,7 +60,7 @@ def _counting(
 ) -> Iterator[tuple[str, torch.Tensor]]:
     box["bytes"] = 0
     for name, t in stream:
-        base = name[: -len("_scale_inv")] if name.endswith("_scale_inv") else name
+        base = name.removesuffix(SCALE_SUFFIX)
         if base in names:
             box["bytes"] += t.numel() * t.element_size()
         yield name, t
@@ -74,7 +73,7 @@ def _max_rel_error(held: dict[str, torch.Tensor], trainer: dict[str, torch.Tenso
     for name in names:
         h = held[name]
         if h.dtype == torch.float8_e4m3fn:
-            h = dequantize_blockwise(h, held[name + "_scale_inv"])
+            h = dequantize_blockwise(h, held[name + SCALE_SUFFIX])
         ref = trainer[name].float()
         worst = max(worst, float((h.float() - ref).norm()) / max(float(ref.norm()), 1e-30))
     return worst
@@ -105,20 +104,25 @@ def _receiver_main(rank_args: dict[str, Any], queue: Any) -> None:
         receiver = RefitReceiver(
             TorchDistTransport(src=0, timeout=rank_args["timeout"]), apply=applier, timeout=rank_args["timeout"]
         )
-        errs = []
+        verified = []
         for _ in range(rank_args["repeats"]):
-            receiver.receive(first_timeout=rank_args["timeout"])
-            errs.append(applier.last_verify.max_rel_weight_error if applier.last_verify else None)
+            report = receiver.receive(first_timeout=rank_args["timeout"])
+            verified.append(applier.last_verify is not None and applier.last_verify.version == report.version)
         gen = engine.generate([rank_args["prompt"]], max_new_tokens=8)
         held = {
             n: t.clone()
             for n, t in engine.named_weights()
-            if n in set(rank_args["fp8_names"]) or n.endswith("_scale_inv")
+            if n in set(rank_args["fp8_names"]) or n.endswith(SCALE_SUFFIX)
         }
         buf = io.BytesIO()
         torch.save(held, buf)  # plain bytes: tensors shared by file descriptor die with this process
         queue.put(
-            {"ok": True, "versions": [receiver.version], "generated": list(gen.token_ids[0]), "held": buf.getvalue()}
+            {
+                "ok": True,
+                "verified": all(verified),
+                "generated": list(gen.token_ids[0]),
+                "held": buf.getvalue(),
+            }
         )
     except BaseException as exc:  # reported to the trainer process
         queue.put({"ok": False, "error": f"{type(exc).__name__}: {exc}"})
@@ -133,19 +137,20 @@ def run_refits(
     manifest: Any,
     *,
     precision: str,
-    transport: str = "inproc",
     repeats: int = 3,
     prompt: tuple[int, ...] = (1, 2, 3, 4),
     timeout: float = 120.0,
 ) -> RefitRun:
-    """Refit an engine ``repeats`` times from the Megatron model ``m`` and measure.
+    """Refit an in-process engine ``repeats`` times from the Megatron model ``m`` and measure.
+
+    Timed per refit: the Megatron-Bridge export, quantization (FP8), packing, transfer and the
+    engine's apply + read-back verification.
 
     Args:
         m: a built :class:`~megatron_fp8.megatron.MegatronModel` (trainer side).
         model_path: its HF checkpoint (to build the engine).
         manifest: vLLM's FP8 manifest (:class:`bridge_mappings.manifest.Manifest`).
         precision: ``"fp8"`` (quantize before transfer) or ``"bf16"`` (same params in BF16).
-        transport: ``"inproc"`` or ``"gloo"`` (engine in a second process).
         repeats: refits to time (the median is reported).
     """
     from bridge_mappings.quantized_export import refit_stream
@@ -153,54 +158,36 @@ def run_refits(
     from megatron_fp8.refit.pipeline import ColocatedRefit
     from megatron_fp8.vllm.appliers import ReferenceEngineApplier
 
-    if transport not in TRANSPORT_CHOICES:
-        raise RefitError(f"unknown transport {transport!r}; valid: {list(TRANSPORT_CHOICES)}")
     names = manifest.fp8_set
-
-    def stream(box: dict[str, int]) -> Iterator[tuple[str, torch.Tensor]]:
-        src = refit_stream(m, manifest) if precision == "fp8" else export_hf_weights(m)
-        return _counting(src, names, box)
-
-    trainer = {n: t for n, t in export_hf_weights(m) if n in names}
-    times: list[float] = []
     box: dict[str, int] = {}
-    if transport == "inproc":
-        engine = _make_engine(model_path, precision, manifest.quantization_config, manifest.fp8_params)
-        applier = ReferenceEngineApplier(engine)
-        session = ColocatedRefit(applier, timeout=timeout)
-        versions = []
+    engine = _make_engine(model_path, precision, manifest.quantization_config, manifest.fp8_params)
+    applier = ReferenceEngineApplier(engine)
+    session = ColocatedRefit(applier, timeout=timeout)
+    times, versions, verified = [], [], []
+    try:
         for _ in range(repeats):
-            result = session.refit(stream(box))
+            src = refit_stream(m, manifest) if precision == "fp8" else export_hf_weights(m)
+            result = session.refit(_counting(src, names, box))
             times.append(result.seconds)
             versions.append(result.version)
-            payload = dict(result.send.payload_bytes)
+            verified.append(applier.last_verify is not None and applier.last_verify.version == result.version)
+    finally:
         session.close()
-        held = dict(engine.named_weights())
-        generated = tuple(engine.generate([list(prompt)], max_new_tokens=8).token_ids[0])
-        return RefitRun(
-            precision,
-            transport,
-            tuple(versions),
-            payload,
-            box["bytes"],
-            statistics.median(times),
-            True,
-            _max_rel_error(held, trainer, names),
-            generated,
-        )
-
-    return _run_gloo(
-        dict(export_hf_weights(m)),
-        model_path,
-        manifest,
-        precision=precision,
-        repeats=repeats,
-        prompt=prompt,
-        timeout=timeout,
+    trainer = {n: t for n, t in export_hf_weights(m) if n in names}
+    return RefitRun(
+        precision,
+        "inproc",
+        tuple(versions),
+        dict(result.send.payload_bytes),
+        box["bytes"],
+        statistics.median(times),
+        all(verified),
+        _max_rel_error(dict(engine.named_weights()), trainer, names),
+        tuple(engine.generate([list(prompt)], max_new_tokens=8).token_ids[0]),
     )
 
 
-def _run_gloo(
+def run_refits_over_gloo(
     weights: dict[str, torch.Tensor],
     model_path: Path,
     manifest: Any,
@@ -210,8 +197,10 @@ def _run_gloo(
     prompt: tuple[int, ...],
     timeout: float,
 ) -> RefitRun:
-    """The gloo path: the trainer's export is taken first (Megatron owns this process's default
-    group), then a 2-process gloo group carries the refits to a rollout process.
+    """Refit a reference engine in a second process over a real 2-process gloo group.
+
+    ``weights`` is the trainer's BF16 HF-named export, taken beforehand (Megatron owns this
+    process's default group while the model exists).
 
     Timed per refit: quantization (FP8), packing, broadcast and the receiver's apply + verify.
     """
@@ -278,7 +267,7 @@ def _run_gloo(
         payload,
         box["bytes"],
         statistics.median(times),
-        True,
+        result["verified"],
         _max_rel_error(result["held"], trainer, names),
         tuple(result["generated"]),
     )

@@ -15,6 +15,7 @@ import torch
 
 from megatron_fp8.errors import ConfigError
 from megatron_fp8.quant import quantize_blockwise
+from megatron_fp8.quant.formats import SCALE_SUFFIX
 
 LINEARS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 """The 7 linear weights per decoder layer (HF names, suffix ``.weight``)."""
@@ -149,6 +150,6 @@ def fp8_stream(
         if name in fp8:
             q, scale_inv = quantize_blockwise(tensor, scale_format=scale_format, name=name)  # type: ignore[arg-type]
             yield name, q
-            yield name + "_scale_inv", scale_inv
+            yield name + SCALE_SUFFIX, scale_inv
         else:
             yield name, tensor

@@ -24,11 +24,10 @@ import torch
 
 from megatron_fp8.errors import RefitError
 from megatron_fp8.quant import dequantize_blockwise
+from megatron_fp8.quant.formats import SCALE_SUFFIX
 from megatron_fp8.refit.buckets import TensorMeta
 
 logger = logging.getLogger(__name__)
-
-SCALE_SUFFIX = "_scale_inv"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -50,7 +49,8 @@ class VerifyResult:
     worst: str
 
 
-def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
+def relative_error(a: torch.Tensor, b: torch.Tensor) -> float:
+    """``||a - b|| / ||b||`` in float32 (0-safe denominator)."""
     a, b = a.to(torch.float32), b.to(torch.float32)
     return float((a - b).norm()) / max(float(b.norm()), 1e-30)
 
@@ -118,14 +118,14 @@ class ReferenceEngineApplier:
                         raise RefitError(f"verification failed for {name}: FP8 bytes differ from what was sent")
                     err = 0.0
                 else:
-                    err = _rel(dequantize_blockwise(h, scale, block_size=self.block_size), tensor)
+                    err = relative_error(dequantize_blockwise(h, scale, block_size=self.block_size), tensor)
                     if not math.isfinite(err) or err > 0.07:  # FP8 e4m3 rounding is <= 2**-4 relative
                         raise RefitError(
                             f"verification failed for {name}: relative error {err:.3g} after "
                             "quantization on arrival exceeds FP8 rounding"
                         )
             else:
-                err = _rel(h, tensor.to(h.dtype))
+                err = relative_error(h, tensor.to(h.dtype))
                 if not math.isfinite(err) or err > 0:
                     raise RefitError(
                         f"verification failed for {name}: the engine holds a different tensor "

@@ -37,8 +37,6 @@ SUPPORTED_MODEL_TYPES: dict[str, str] = {
 KV_SCALE_KINDS: tuple[str, ...] = ("q", "k", "v")
 """KV-cache scale tensors per layer: ``model.layers.{i}.self_attn.attn.{q,k,v}_scale``."""
 
-SCALE_SUFFIX = "_scale_inv"
-"""An FP8 weight ``X`` travels with its block scales under the name ``X + "_scale_inv"``."""
 
 _LAYER_RE = re.compile(r"^model\.layers\.(\d+)\.")
 

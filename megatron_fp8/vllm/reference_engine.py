@@ -51,9 +51,8 @@ import torch
 
 from megatron_fp8.errors import ConfigError, RefitError, WeightStreamError
 from megatron_fp8.quant import quantize_blockwise
-from megatron_fp8.quant.formats import FP8_DTYPE, FP8_MAX
+from megatron_fp8.quant.formats import FP8_DTYPE, FP8_MAX, SCALE_SUFFIX
 from megatron_fp8.vllm.reference_config import (
-    SCALE_SUFFIX,
     ParamSpec,
     ReferenceModelConfig,
     ReferenceQuantConfig,

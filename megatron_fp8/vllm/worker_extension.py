@@ -25,11 +25,12 @@ import torch
 
 from megatron_fp8.errors import RefitError
 from megatron_fp8.quant import dequantize_blockwise, quantize_blockwise
+from megatron_fp8.quant.formats import SCALE_SUFFIX
 from megatron_fp8.vllm import adapter
+from megatron_fp8.vllm.appliers import relative_error
 
 logger = logging.getLogger(__name__)
 
-SCALE_SUFFIX = "_scale_inv"
 KV_SCALE_SUFFIXES = (".attn.q_scale", ".attn.k_scale", ".attn.v_scale")
 
 
@@ -49,12 +50,6 @@ class VerifyReport:
     checked: int
     max_rel_error: float
     worst: str
-
-
-def _rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
-    a, b = a.to(torch.float32), b.to(torch.float32)
-    den = float(b.norm())
-    return float((a - b).norm()) / max(den, 1e-12)
 
 
 class FP8RefitWorkerExtension:
@@ -283,7 +278,7 @@ class VllmRefitApplier:
                 out = module(probe.to(next(iter(module.parameters())).device))
             out = out[0] if isinstance(out, tuple) else out
             expected = probe.float() @ w.t()
-            err = _rel_err(out.float().cpu(), expected)
+            err = relative_error(out.float().cpu(), expected)
             checked += len(shards)
             if err > worst:
                 worst, worst_name = err, module.prefix
@@ -294,7 +289,7 @@ class VllmRefitApplier:
                 )
         for name, tensor in self._staged.items():
             if name in params and params[name].numel() == tensor.numel() and tensor.dtype != torch.float8_e4m3fn:
-                err = _rel_err(params[name].detach().cpu(), tensor)
+                err = relative_error(params[name].detach().cpu(), tensor)
                 checked += 1
                 if err > worst:
                     worst, worst_name = err, name
