@@ -286,8 +286,7 @@ def bench_tiny_model(*, transports: list[str], bucket_bytes: int, repeats: int, 
     """
     from bridge_mappings.manifest import ManifestStore, build_quantization_config
     from bridge_mappings.quantized_export import quantized_stream
-    from megatron_fp8.megatron import build_megatron_model, megatron_parallel
-    from megatron_fp8.megatron.export import export_hf_weights
+    from megatron_fp8.megatron import build_megatron_model, export_hf_weights, megatron_parallel
     from megatron_fp8.models import resolve_model
 
     path = resolve_model("tiny")

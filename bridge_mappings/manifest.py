@@ -195,7 +195,7 @@ class Manifest:
 def make_fingerprint(
     model_path: str | Path, quantization_config: dict, *, num_first_layers_in_bf16: int, num_last_layers_in_bf16: int
 ) -> Fingerprint:
-    from megatron_fp8.vllm.adapter import vllm_version
+    from megatron_fp8.rollout.vllm.adapter import vllm_version
 
     return Fingerprint(
         model_config_sha256=model_config_hash(load_hf_config(model_path)),
@@ -248,11 +248,11 @@ def ask_vllm(
     With CUDA, an FP8 engine is built and its parameter dtypes are read
     (``vllm-param-dtype``); without, a BF16 engine is built and vLLM's FP8
     quantization config is asked per layer (``vllm-quant-method``). A given
-    ``llm`` must carry :class:`~megatron_fp8.vllm.worker_extension.FP8RefitWorkerExtension`.
+    ``llm`` must carry :class:`~megatron_fp8.rollout.vllm.worker_extension.FP8RefitWorkerExtension`.
     """
     import torch
 
-    from megatron_fp8.vllm import adapter
+    from megatron_fp8.rollout.vllm import adapter
 
     fingerprint = make_fingerprint(
         model_path,

@@ -19,10 +19,13 @@ from collections.abc import Iterable, Iterator, Mapping, Sequence
 
 import torch
 
+from bridge_mappings.adapter import quantized_hf_weight_stream
 from bridge_mappings.manifest import Manifest
 from megatron_fp8.errors import ManifestError
+from megatron_fp8.layout import blockable_tp_sizes, tp_splits_blockable
+from megatron_fp8.megatron.build import MegatronModel
 from megatron_fp8.quant import quantize_blockwise
-from megatron_fp8.quant.formats import SCALE_SUFFIX
+from megatron_fp8.vocab import SCALE_SUFFIX
 
 logger = logging.getLogger(__name__)
 
@@ -66,8 +69,8 @@ def check_tp_divisibility(
             continue
         row_parallel = name.endswith(ROW_PARALLEL_SUFFIXES)
         axis, size = ("K", shape[1]) if row_parallel else ("N", shape[0])
-        if size % tp_size or (size // tp_size) % block:
-            ok = [t for t in (1, 2, 4, 8, 16) if size % t == 0 and (size // t) % block == 0]
+        if not tp_splits_blockable(size, tp_size, block):
+            ok = blockable_tp_sizes(size, block)
             problems.append(
                 f"{name} {tuple(shape)}: {axis}={size} / TP {tp_size} is not a multiple of {block} "
                 f"(TP sizes that work: {ok or 'none'})"
@@ -164,7 +167,7 @@ def checked_stream(
 
 
 def refit_stream(
-    m: object, manifest: Manifest, settings: ExportSettings | None = None, *, check: bool = True
+    m: MegatronModel, manifest: Manifest, settings: ExportSettings | None = None, *, check: bool = True
 ) -> Iterator[tuple[str, torch.Tensor]]:
     """The refit stream of a built Megatron model: HF names, FP8 exactly where vLLM holds FP8.
 
@@ -175,14 +178,12 @@ def refit_stream(
         check: validate the stream against the manifest while it flows
             (:func:`checked_stream`).
     """
-    from bridge_mappings.bridge_adapter import quantized_hf_weight_stream
-
     settings = settings or ExportSettings()
     fp8 = manifest.fp8_set
     stream = quantized_hf_weight_stream(
-        m,
+        m.bridge,
+        m.model,
         is_fp8=fp8.__contains__,
         quant_fn=lambda name, t: quantize_named(name, t, settings),
-        block_size=settings.block_size,
     )
     return checked_stream(stream, manifest) if check else stream

@@ -79,3 +79,7 @@ class WeightStreamError(RefitError, ValueError):
     def __init__(self, message: str, *, name: str | None = None):
         super().__init__(message)
         self.name = name
+
+
+class TransformerEngineMissingError(MegatronFP8Error, RuntimeError):
+    """A TransformerEngine stand-in was used for real work on a machine without TE."""

@@ -22,7 +22,7 @@ def run(args: argparse.Namespace) -> int:
     from megatron_fp8.cli._io import stdout_to_stderr
     from megatron_fp8.megatron import build_megatron_model, megatron_parallel
     from megatron_fp8.models import resolve_model
-    from megatron_fp8.refit.session import run_refits, run_refits_over_gloo
+    from megatron_fp8.rl.refit_session import run_refits, run_refits_over_gloo
 
     path = resolve_model(args.model)
     runs = {}
@@ -46,7 +46,7 @@ def run(args: argparse.Namespace) -> int:
                 for precision in precisions:
                     runs[precision] = run_refits(m, path, manifest, precision=precision, repeats=args.repeats)
         else:
-            from megatron_fp8.megatron.export import export_hf_weights
+            from megatron_fp8.megatron import export_hf_weights
 
             with megatron_parallel():
                 m = build_megatron_model(path, recipe="blockwise")

@@ -17,10 +17,6 @@ from megatron_fp8.config.loader import (
 )
 from megatron_fp8.config.models import KNOWN_MODELS, ModelDims, known_dims, model_key
 from megatron_fp8.config.schema import (
-    ARMS,
-    IS_VARIANTS,
-    ROLLOUT_ENGINES,
-    TRANSPORTS,
     FP8TrainConfig,
     GenerationConfig,
     GRPOConfig,
@@ -40,12 +36,8 @@ from megatron_fp8.config.schema import (
 from megatron_fp8.config.validate import tp_sizes_that_work, validate_config, validate_tp_divisibility
 
 __all__ = [
-    "ARMS",
     "DEFAULT_CONFIG_NAME",
-    "IS_VARIANTS",
     "KNOWN_MODELS",
-    "ROLLOUT_ENGINES",
-    "TRANSPORTS",
     "FP8TrainConfig",
     "GRPOConfig",
     "GenerationConfig",

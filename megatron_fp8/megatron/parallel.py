@@ -26,7 +26,7 @@ import torch
 import torch.distributed as dist
 
 from megatron_fp8.errors import ConfigError
-from megatron_fp8.megatron.te_shim import reset_rng_tracker, use_cpu_rng_tracker
+from megatron_fp8.megatron._patches import reset_rng_tracker, use_cpu_rng_tracker
 
 logger = logging.getLogger(__name__)
 

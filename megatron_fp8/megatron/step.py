@@ -28,9 +28,9 @@ from typing import Any
 import torch
 
 from megatron_fp8.errors import ConfigError
+from megatron_fp8.megatron._patches import cpu_device_patches
 from megatron_fp8.megatron.build import MegatronModel
 from megatron_fp8.megatron.optim import AdamConfig, MegatronDDPAdam
-from megatron_fp8.megatron.te_shim import cpu_device_patches
 
 logger = logging.getLogger(__name__)
 

@@ -13,11 +13,11 @@ CPU tensors to a chunked torch implementation. Both produce the same bytes.
 
 from __future__ import annotations
 
-import math
 from typing import Literal
 
 import torch
 
+from megatron_fp8.layout import block_scale_shape, ceil_div
 from megatron_fp8.quant import _checks
 from megatron_fp8.quant.formats import FP8_DTYPE, FP8_MAX, SCALE_FORMATS, ScaleFormat
 
@@ -32,8 +32,7 @@ def blockwise_scale_shape(
     shape: tuple[int, ...] | torch.Size, block_size: tuple[int, int] = (128, 128)
 ) -> tuple[int, ...]:
     """Shape of the ``scale_inv`` tensor for a weight (or expert stack) of ``shape``."""
-    *lead, n, k = shape
-    return (*lead, math.ceil(n / block_size[0]), math.ceil(k / block_size[1]))
+    return block_scale_shape(tuple(shape), block_size)
 
 
 def _check_block_size(block_size: tuple[int, int]) -> tuple[int, int]:
@@ -70,7 +69,7 @@ def _blockwise_torch(
     magnitude faster on CPU than the textbook permute-based version.
     """
     e, n, k = x3.shape
-    nb, kb = math.ceil(n / bn), math.ceil(k / bk)
+    nb, kb = ceil_div(n, bn), ceil_div(k, bk)
     kp = kb * bk
     q = torch.empty((e, n, k), dtype=FP8_DTYPE, device=x3.device)
     amax = torch.empty((e, nb, kb), dtype=torch.float32, device=x3.device)

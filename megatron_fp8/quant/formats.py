@@ -30,9 +30,10 @@ from typing import Literal
 
 import torch
 
+from megatron_fp8 import vocab
 from megatron_fp8.errors import QuantInputError
 
-FP8_DTYPE: torch.dtype = torch.float8_e4m3fn
+FP8_DTYPE: torch.dtype = getattr(torch, vocab.FP8_DTYPE_NAME)
 """The FP8 element type vLLM, DeepGEMM and TransformerEngine use for weights."""
 
 FP8_MAX: float = float(torch.finfo(torch.float8_e4m3fn).max)  # 448.0
@@ -43,13 +44,22 @@ MIN_SCALE: float = float(torch.finfo(torch.float32).tiny)  # 2**-126
 
 ScaleFormat = Literal["fp32", "ue8m0"]
 
-FLOAT_INPUT_DTYPES: tuple[torch.dtype, ...] = (torch.bfloat16, torch.float16, torch.float32)
-"""Input dtypes the quantizers accept."""
+FLOAT_INPUT_DTYPES: tuple[torch.dtype, ...] = tuple(getattr(torch, n) for n in vocab.FLOAT_INPUT_DTYPES)
+"""Input dtypes the quantizers (and the engines, for unquantized tensors) accept."""
+
+WIRE_DTYPES: dict[str, torch.dtype] = {n: getattr(torch, n) for n in vocab.WIRE_DTYPES if hasattr(torch, n)}
+"""Dtypes a refit bucket can carry, by the name stored in its metadata (those this torch has)."""
+
+PARAM_DTYPES: dict[str, torch.dtype] = {k: getattr(torch, v) for k, v in vocab.PARAM_DTYPES.items()}
+"""Trainer parameter dtypes by config short name (``bf16``, ``fp32``)."""
+
+KV_CACHE_DTYPES: dict[str, torch.dtype] = {k: getattr(torch, v) for k, v in vocab.KV_CACHE_DTYPES.items()}
+"""vLLM ``kv_cache_dtype`` name -> element type of the cache."""
 
 NonFinitePolicy = Literal["raise", "sanitize"]
 
-SCALE_SUFFIX: str = "_scale_inv"
-"""Appended to a weight's HF name to name its block scales (``...q_proj.weight_scale_inv``), as vLLM loads them."""
+SCALE_SUFFIX: str = vocab.SCALE_SUFFIX
+"""Re-exported from :mod:`megatron_fp8.vocab`."""
 
 
 def _fp32_scale(amax: torch.Tensor) -> torch.Tensor:

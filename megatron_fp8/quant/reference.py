@@ -24,11 +24,10 @@ They are slow (several full-size float64 temporaries); use them on small tensors
 
 from __future__ import annotations
 
-import math
-
 import torch
 
 from megatron_fp8.errors import QuantInputError
+from megatron_fp8.layout import ceil_div
 from megatron_fp8.quant.formats import FP8_DTYPE, FP8_MAX, MIN_SCALE, check_scale_format
 
 __all__ = [
@@ -115,7 +114,7 @@ def quantize_blockwise_reference(
     bn, bk = block_size
     x3 = (x if x.dim() == 3 else x.unsqueeze(0)).to(torch.float64)
     e, n, k = x3.shape
-    nb, kb = math.ceil(n / bn), math.ceil(k / bk)
+    nb, kb = ceil_div(n, bn), ceil_div(k, bk)
     padded = torch.zeros((e, nb * bn, kb * bk), dtype=torch.float64)
     padded[:, :n, :k] = x3
     tiles = padded.view(e, nb, bn, kb, bk).permute(0, 1, 3, 2, 4).contiguous()  # [E, nb, kb, bn, bk]
@@ -144,7 +143,7 @@ def quantize_per_token_group_reference(
         ``[..., ceil(K / group_size)]``.
     """
     lead, k = tuple(x.shape[:-1]), x.shape[-1]
-    ng = math.ceil(k / group_size)
+    ng = ceil_div(k, group_size)
     x2 = x.reshape(-1, k).to(torch.float64)
     padded = torch.zeros((x2.shape[0], ng * group_size), dtype=torch.float64)
     padded[:, :k] = x2

@@ -9,11 +9,11 @@ group uses only its real elements.
 
 from __future__ import annotations
 
-import math
 from typing import Literal
 
 import torch
 
+from megatron_fp8.layout import ceil_div
 from megatron_fp8.quant import _checks
 from megatron_fp8.quant.blockwise import Backend, resolve_backend
 from megatron_fp8.quant.formats import FP8_DTYPE, FP8_MAX, SCALE_FORMATS, ScaleFormat
@@ -25,7 +25,7 @@ def _token_group_torch(
     x2: torch.Tensor, g: int, scale_format: str, *, name: str | None
 ) -> tuple[torch.Tensor, torch.Tensor]:
     m, k = x2.shape
-    ng = math.ceil(k / g)
+    ng = ceil_div(k, g)
     kp = ng * g
     q = torch.empty((m, k), dtype=FP8_DTYPE, device=x2.device)
     amax = torch.empty((m, ng), dtype=torch.float32, device=x2.device)
@@ -104,7 +104,7 @@ def dequantize_per_token_group(
 ) -> torch.Tensor:
     """Inverse of :func:`quantize_per_token_group` (``q * scale_inv`` per group)."""
     k = q.shape[-1]
-    expected = (*q.shape[:-1], math.ceil(k / group_size))
+    expected = (*q.shape[:-1], ceil_div(k, group_size))
     if tuple(scale_inv.shape) != expected:
         raise _checks.QuantInputError(
             f"dequantize_per_token_group: scale_inv has shape {tuple(scale_inv.shape)}, q {tuple(q.shape)} "

@@ -37,11 +37,11 @@ the GPU tests.
 from __future__ import annotations
 
 import logging
-import math
 
 import torch
 
 from megatron_fp8.errors import QuantInputError
+from megatron_fp8.layout import ceil_div
 from megatron_fp8.quant import _checks
 from megatron_fp8.quant.formats import FP8_DTYPE, FP8_MAX, MIN_SCALE, SCALE_FORMATS
 
@@ -232,7 +232,7 @@ def launch_blockwise(
     """
     triton_mod, blockwise_kernel, _ = _kernels()
     e, n, k = x3.shape
-    nb, kb = math.ceil(n / bn), math.ceil(k / bk)
+    nb, kb = ceil_div(n, bn), ceil_div(k, bk)
     cols = max(1, min(int(cols_per_program), kb))
     q = torch.empty((e, n, k), dtype=FP8_DTYPE if fp8_out else torch.float32, device=x3.device)
     scale = torch.empty((e, nb, kb), dtype=torch.float32, device=x3.device)
@@ -264,7 +264,7 @@ def launch_token_group(
     """
     triton_mod, _, token_group_kernel = _kernels()
     m, k = x2.shape
-    ng = math.ceil(k / group_size)
+    ng = ceil_div(k, group_size)
     g_p2 = _next_pow2(group_size)
     if rows_per_program is None:
         rows = min(_next_pow2(m), max(1, 8192 // g_p2))

@@ -311,21 +311,15 @@ def build_bridge_mixed_precision(
     """A Megatron-Bridge ``MixedPrecisionConfig`` for the recipe (BF16 base + the recipe's FP8 fields).
 
     Starts from Bridge's ``bf16_mixed()`` and applies the recipe on top, so the result is the same whichever
-    Bridge named recipe is closest. Needs ``megatron.bridge`` importable (on CPU: the TransformerEngine shim
-    installed first).
+    Bridge named recipe is closest. Needs megatron-bridge installed.
 
     Raises:
         ConfigError: Megatron-Bridge is not importable; the message names the remedy.
     """
-    try:
-        from megatron.bridge.training.mixed_precision import bf16_mixed
-    except ImportError as exc:
-        raise ConfigError(
-            f"Megatron-Bridge's mixed_precision module is not importable ({exc}); install megatron-bridge, and on "
-            "CPU call megatron_fp8.megatron.te_shim.install() first"
-        ) from exc
+    from bridge_mappings.adapter import bf16_mixed_precision  # lazy: Megatron-Bridge is optional here
+
     return apply_recipe(
-        bf16_mixed(),
+        bf16_mixed_precision(),
         recipe_or_name,
         num_first_layers_in_bf16=num_first_layers_in_bf16,
         num_last_layers_in_bf16=num_last_layers_in_bf16,

@@ -22,18 +22,20 @@ from megatron_fp8.refit.buckets import (
 from megatron_fp8.refit.receiver import CallableApplier, DictApplier, ReceiveReport, RefitApplier, RefitReceiver
 from megatron_fp8.refit.sender import PAYLOAD_CLASSES, RefitSender, SendReport, payload_class
 from megatron_fp8.refit.transport import (
-    TRANSPORTS,
+    FACTORIES,
     CudaIpcTransport,
     InProcTransport,
     TorchDistTransport,
     Transport,
     make_transport,
 )
+from megatron_fp8.vocab import TRANSPORTS
 
 __all__ = [
     "ALIGN",
     "DTYPES",
     "PAYLOAD_CLASSES",
+    "FACTORIES",
     "TRANSPORTS",
     "Bucket",
     "CallableApplier",

@@ -32,6 +32,7 @@ from dataclasses import dataclass
 import torch
 
 from megatron_fp8.errors import NonFiniteError, RefitError
+from megatron_fp8.quant.formats import WIRE_DTYPES
 
 logger = logging.getLogger(__name__)
 
@@ -41,25 +42,7 @@ ALIGN = 16
 MiB = 1 << 20
 GiB = 1 << 30
 
-_DTYPE_NAMES = (
-    "float8_e4m3fn",
-    "float8_e5m2",
-    "float8_e4m3fnuz",
-    "float8_e5m2fnuz",
-    "float8_e8m0fnu",
-    "bfloat16",
-    "float16",
-    "float32",
-    "float64",
-    "int8",
-    "uint8",
-    "int16",
-    "int32",
-    "int64",
-    "bool",
-)
-
-DTYPES: dict[str, torch.dtype] = {n: getattr(torch, n) for n in _DTYPE_NAMES if hasattr(torch, n)}
+DTYPES: dict[str, torch.dtype] = WIRE_DTYPES
 """Dtypes a bucket can carry, by the string stored in :attr:`TensorMeta.dtype`."""
 
 _DTYPE_TO_NAME: dict[torch.dtype, str] = {v: k for k, v in DTYPES.items()}

@@ -43,7 +43,7 @@ class ColocatedRefit:
     """A sender and a receiver joined by an in-process transport, reused across refits.
 
     Args:
-        applier: the engine side (e.g. :class:`~megatron_fp8.vllm.appliers.VllmApplier`).
+        applier: the engine side (e.g. :class:`~megatron_fp8.rollout.vllm.applier.VllmApplier`).
         bucket_bytes: bucket capacity in bytes (default: sized for the device).
         timeout: seconds any single wait may take before it is an error.
     """

@@ -15,7 +15,7 @@ import torch
 
 from megatron_fp8.errors import ConfigError
 from megatron_fp8.quant import quantize_blockwise
-from megatron_fp8.quant.formats import SCALE_SUFFIX
+from megatron_fp8.vocab import SCALE_SUFFIX
 
 LINEARS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 """The 7 linear weights per decoder layer (HF names, suffix ``.weight``)."""

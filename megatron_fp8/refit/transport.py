@@ -1,7 +1,7 @@
 """Transports that move refit buckets from the trainer to the rollout engine(s).
 
 One interface, :class:`Transport`, with four implementations picked by name from
-:data:`TRANSPORTS` (:func:`make_transport`):
+:data:`FACTORIES` (:func:`make_transport`):
 
 * ``inproc``: a bounded queue between two threads of one process;
 * ``gloo`` / ``nccl``: :class:`TorchDistTransport`, a ``torch.distributed``
@@ -640,23 +640,23 @@ def _torch_dist(backend: str) -> Callable[..., Transport]:
     return build
 
 
-TRANSPORTS: dict[str, Callable[..., Transport]] = {
+FACTORIES: dict[str, Callable[..., Transport]] = {
     "inproc": InProcTransport,
     "gloo": _torch_dist("gloo"),
     "nccl": _torch_dist("nccl"),
     "cuda_ipc": CudaIpcTransport,
 }
-"""Transport factories by name; keyword arguments go to the class."""
+"""Transport factories by name (the keys of :data:`megatron_fp8.vocab.TRANSPORTS`); keyword arguments go to the class."""
 
 
 def make_transport(name: str, **kwargs: Any) -> Transport:
-    """Build the transport registered as ``name`` in :data:`TRANSPORTS`.
+    """Build the transport registered as ``name`` in :data:`FACTORIES`.
 
     Raises:
         ConfigError: unknown name (the message lists the valid names) or a bad option.
     """
     try:
-        factory = TRANSPORTS[name]
+        factory = FACTORIES[name]
     except KeyError:
-        raise ConfigError(f"unknown refit transport {name!r}; valid transports: {sorted(TRANSPORTS)}") from None
+        raise ConfigError(f"unknown refit transport {name!r}; valid transports: {sorted(FACTORIES)}") from None
     return factory(**kwargs)

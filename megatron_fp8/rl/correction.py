@@ -10,7 +10,7 @@ is off-policy. Each response token gets an importance weight
 (``c = log_ratio_clamp``, default 20, only to keep ``exp`` finite), computed in
 float32 and detached: it rescales the loss and never carries a gradient.
 
-Variants (:data:`IS_VARIANTS`; ``S = sum_t log w_t`` over a sequence's real
+Variants (:data:`megatron_fp8.vocab.IS_VARIANTS`; ``S = sum_t log w_t`` over a sequence's real
 tokens, ``n`` = its number of real tokens; ``C = cap``, ``[lo, hi] = band``):
 
 =================  ==========================================================  ===============================
@@ -53,6 +53,7 @@ from dataclasses import dataclass
 import torch
 
 from megatron_fp8.errors import ConfigError
+from megatron_fp8.vocab import IS_VARIANTS, IS_VARIANTS_WITH_CAP
 
 DEFAULT_LOG_RATIO_CLAMP: float = 20.0
 """Bound on ``|logp_train - logp_rollout|`` before ``exp``; exp(20) ~ 4.9e8 stays finite in float32."""
@@ -83,7 +84,7 @@ class ISConfig:
         if self.variant not in IS_VARIANTS:
             raise ConfigError(f"unknown IS variant {self.variant!r}; valid names: {sorted(IS_VARIANTS)}")
         if self.cap is None:
-            if self.variant != "seq_is" and self.variant in _USES_CAP:
+            if self.variant != "seq_is" and self.variant in IS_VARIANTS_WITH_CAP:
                 raise ConfigError(
                     f"IS variant {self.variant!r} needs a truncation cap; set cap to a positive number such as 2.0"
                 )
@@ -194,7 +195,7 @@ def _seq_mask_tis(b: _Batch) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     return w.clamp(max=cap) * kept, kept, (w > cap) & kept
 
 
-IS_VARIANTS: dict[str, _Variant] = {
+RULES: dict[str, _Variant] = {
     "none": _none,
     "token_tis": _token_tis,
     "seq_is": _seq_is,
@@ -204,9 +205,7 @@ IS_VARIANTS: dict[str, _Variant] = {
     "seq_mask_geo": _seq_mask_geo,
     "seq_mask_tis": _seq_mask_tis,
 }
-"""Registry: variant name -> weight rule (see the module docstring for each formula)."""
-
-_USES_CAP = frozenset({"token_tis", "seq_is", "seq_mask_tis"})
+"""Registry: variant name (a key of :data:`megatron_fp8.vocab.IS_VARIANTS`) -> weight rule (formulas above)."""
 
 
 def _check_pair(a: torch.Tensor, b: torch.Tensor, mask: torch.Tensor, names: tuple[str, str, str]) -> None:
@@ -274,7 +273,7 @@ def compute_is_weights(
             "(both must be finite wherever response_mask is True)"
         )
     batch = _Batch(log_ratio=log_ratio, real=real, real_f=real.float(), config=config)
-    weights, kept, truncated = IS_VARIANTS[config.variant](batch)
+    weights, kept, truncated = RULES[config.variant](batch)
     n_real = int(real.sum())
     denom = max(n_real, 1)
     return ISResult(

@@ -1,12 +1,12 @@
 """The GRPO driver: BF16 vs FP8 vs FP8+TIS rollout on one model, one seed, one task.
 
-:func:`run_grpo` runs each arm of ``config.grpo.arms`` (:data:`ARM_SPECS`) from the same
+:func:`run_grpo` runs each arm of ``config.grpo.arms`` (:data:`megatron_fp8.vocab.ARMS`) from the same
 initial weights, the same prompts and the same sampling seeds. One step of one arm:
 
 1. sample ``num_prompts_per_step`` problems of the toy task (:mod:`megatron_fp8.rl.task`),
    the same for every arm;
 2. roll out ``num_generations_per_prompt`` responses per prompt with the arm's engine
-   (:mod:`megatron_fp8.rl.rollout`; BF16 or FP8 weights) and keep the engine's per-token
+   (:mod:`megatron_fp8.rollout.engines`; BF16 or FP8 weights) and keep the engine's per-token
    log-probabilities ``logp_rollout``;
 3. score the responses (verifiable partial-credit reward) and normalise within each
    group: ``A = (r - mean_group) / (std_group + 1e-6)``;
@@ -50,12 +50,13 @@ from typing import Any
 
 import torch
 
-from megatron_fp8.config.schema import ARMS, RunConfig
+from megatron_fp8.config.schema import RunConfig
 from megatron_fp8.errors import ConfigError, ManifestError
 from megatron_fp8.rl.correction import ISConfig, ISResult, compute_is_weights, ppo_loss
 from megatron_fp8.rl.metrics import METRIC_KEYS, mismatch_metrics
-from megatron_fp8.rl.rollout import Rollout, RolloutEngine, build_rollout_engine, resolve_engine_name
 from megatron_fp8.rl.task import Problem, ToyTask, get_task, sample_problems
+from megatron_fp8.rollout.engines import Rollout, RolloutEngine, build_rollout_engine, resolve_engine_name
+from megatron_fp8.vocab import ARMS, ArmSpec
 
 logger = logging.getLogger(__name__)
 
@@ -66,33 +67,6 @@ CONFIG_FILE = "config.yaml"
 
 ADVANTAGE_EPS = 1e-6
 """Added to the group's reward standard deviation before dividing."""
-
-
-@dataclass(frozen=True)
-class ArmSpec:
-    """How one arm differs from the others.
-
-    Attributes:
-        name: the arm name (a key of :data:`megatron_fp8.config.schema.ARMS`).
-        rollout_precision: ``"bf16"`` or ``"fp8"`` rollout weights.
-        correct: apply the configured importance-sampling correction in the loss.
-        fp8_training_recipe: train with the config's FP8 recipe (``False``: the ``bf16`` recipe).
-    """
-
-    name: str
-    rollout_precision: str
-    correct: bool
-    fp8_training_recipe: bool
-
-
-ARM_SPECS: dict[str, ArmSpec] = {
-    "bf16": ArmSpec("bf16", "bf16", correct=False, fp8_training_recipe=False),
-    "fp8": ArmSpec("fp8", "fp8", correct=False, fp8_training_recipe=True),
-    "fp8_tis": ArmSpec("fp8_tis", "fp8", correct=True, fp8_training_recipe=True),
-}
-"""Registry: arm name -> :class:`ArmSpec` (same names as ``config.schema.ARMS``)."""
-
-assert set(ARM_SPECS) == set(ARMS), "ARM_SPECS and config.schema.ARMS must list the same arms"
 
 
 @dataclass(frozen=True)
@@ -354,7 +328,7 @@ def fp8_manifest(config: RunConfig, model_path: Path, qcfg: dict) -> Any:
         ManifestError: vLLM failed to answer (its output is in the message).
     """
     from bridge_mappings.manifest import ManifestStore, make_fingerprint
-    from megatron_fp8.vllm.adapter import vllm_version
+    from megatron_fp8.rollout.vllm.adapter import vllm_version
 
     vllm_cfg = config.policy.generation.vllm_cfg
     first, last = vllm_cfg.num_first_layers_in_bf16, vllm_cfg.num_last_layers_in_bf16
@@ -929,7 +903,7 @@ def run_grpo(
         config: the run configuration (:func:`megatron_fp8.config.load_config`).
         out_dir: output folder (created; an existing ``metrics.jsonl`` there is replaced).
         steps: steps per arm; ``None`` = ``config.grpo.num_steps``.
-        arms: arm names (keys of :data:`ARM_SPECS`); ``None`` = ``config.grpo.arms``.
+        arms: arm names (keys of :data:`megatron_fp8.vocab.ARMS`); ``None`` = ``config.grpo.arms``.
         progress: show a progress bar on stderr.
 
     Returns:
@@ -945,9 +919,9 @@ def run_grpo(
     if n_steps < 1:
         raise ConfigError(f"steps must be >= 1, got {n_steps}")
     arm_names = tuple(config.grpo.arms if arms is None else arms)
-    unknown = [a for a in arm_names if a not in ARM_SPECS]
+    unknown = [a for a in arm_names if a not in ARMS]
     if unknown or not arm_names:
-        raise ConfigError(f"unknown or no arm(s) {unknown or list(arm_names)}; valid arms: {', '.join(ARM_SPECS)}")
+        raise ConfigError(f"unknown or no arm(s) {unknown or list(arm_names)}; valid arms: {', '.join(ARMS)}")
     if len(set(arm_names)) != len(arm_names):
         raise ConfigError(f"an arm is listed twice: {list(arm_names)}")
     if "fp8_tis" in arm_names and config.loss_fn.is_variant == "none":
@@ -996,7 +970,7 @@ def _run_grpo_ranks(
     tokenizer = AutoTokenizer.from_pretrained(str(model_path))
 
     manifest, qcfg, manifest_source = None, None, ""
-    if any(ARM_SPECS[a].rollout_precision == "fp8" for a in arm_names):
+    if any(ARMS[a].rollout_precision == "fp8" for a in arm_names):
         qcfg = rollout_quantization_config(config, model_path)
         box: list[Any] = [fp8_manifest(config, model_path, qcfg) if dp.is_writer else None]
         if dp.world_size > 1:  # asked of vLLM once, on rank 0, and shared
@@ -1033,10 +1007,10 @@ def _run_grpo_ranks(
             return m
 
         for name in arm_names:
-            logger.info("GRPO arm %s: %s", name, ARMS[name])
+            logger.info("GRPO arm %s: %s", name, ARMS[name].description)
             results.append(
                 _run_arm(
-                    ARM_SPECS[name],
+                    ARMS[name],
                     config=config,
                     steps=n_steps,
                     model_path=model_path,

@@ -68,20 +68,9 @@ from torch import nn
 
 from megatron_fp8.errors import ConfigError, NonFiniteError
 from megatron_fp8.quant.formats import FP8_MAX, scale_from_amax
+from megatron_fp8.vocab import KV_SCALE_KINDS, kv_scale_name
 
 logger = logging.getLogger(__name__)
-
-KV_SCALE_NAME_TEMPLATE: str = "model.layers.{layer}.self_attn.attn.{which}_scale"
-"""vLLM parameter name of one attention scale; ``which`` in ``q``, ``k``, ``v``."""
-
-QKV: tuple[str, str, str] = ("q", "k", "v")
-
-
-def kv_scale_name(layer: int, which: str) -> str:
-    """vLLM name of the ``which`` (``q``/``k``/``v``) scale of decoder layer ``layer`` (0-based)."""
-    if which not in QKV:
-        raise ConfigError(f"unknown attention scale {which!r}; valid names: {list(QKV)}")
-    return KV_SCALE_NAME_TEMPLATE.format(layer=layer, which=which)
 
 
 class KVAmaxRecorder:
@@ -228,7 +217,7 @@ def compute_kv_scales(
     for layer in local_layers:
         hist = recorder.history(layer).double()
         if not torch.isfinite(hist).all():
-            bad = QKV[int((~torch.isfinite(hist)).any(dim=0).nonzero()[0])]
+            bad = KV_SCALE_KINDS[int((~torch.isfinite(hist)).any(dim=0).nonzero()[0])]
             name = kv_scale_name(layer, bad)
             raise NonFiniteError(
                 f"{name}: the recorded {bad} amax is NaN/Inf in layer {layer}; the training forward produced "
@@ -249,7 +238,7 @@ def compute_kv_scales(
     scales = scale_from_amax((table * margin).float(), scale_format="fp32")
     out: dict[str, torch.Tensor] = {}
     for layer in range(total):
-        for j, which in enumerate(QKV):
+        for j, which in enumerate(KV_SCALE_KINDS):
             out[kv_scale_name(layer, which)] = scales[layer, j].clone().reshape(())
     logger.debug("KV scales for %d layers (max k_scale %.4g, FP8 max %g)", total, float(scales[:, 1].max()), FP8_MAX)
     return out

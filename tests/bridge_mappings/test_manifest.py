@@ -32,7 +32,7 @@ def expected_dense(layers):
 
 @pytest.fixture(scope="module")
 def dense_engine():
-    from megatron_fp8.vllm.adapter import build_llm, shutdown_llm
+    from megatron_fp8.rollout.vllm.adapter import build_llm, shutdown_llm
 
     path = tiny_model_path("tiny")
     llm = build_llm(str(path), skip_tokenizer_init=True)

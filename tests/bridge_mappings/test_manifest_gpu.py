@@ -16,7 +16,7 @@ SCRIPT = textwrap.dedent(
     import json, sys
     from bridge_mappings.manifest import ask_vllm, build_quantization_config
     from megatron_fp8.models import tiny_model_path
-    from megatron_fp8.vllm.adapter import build_llm, shutdown_llm
+    from megatron_fp8.rollout.vllm.adapter import build_llm, shutdown_llm
 
     path = tiny_model_path(sys.argv[1])
     qcfg = build_quantization_config(path, num_first_layers_in_bf16=1)

@@ -15,7 +15,7 @@ LINEAR = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn
 
 @pytest.fixture(scope="module")
 def llama_engine():
-    from megatron_fp8.vllm.adapter import build_llm, shutdown_llm
+    from megatron_fp8.rollout.vllm.adapter import build_llm, shutdown_llm
 
     path = tiny_model_path("tiny-llama")
     llm = build_llm(str(path), skip_tokenizer_init=True)

@@ -30,7 +30,7 @@ def expected_moe(layers, experts=4):
 
 @pytest.fixture(scope="module")
 def moe_engine():
-    from megatron_fp8.vllm.adapter import build_llm, shutdown_llm
+    from megatron_fp8.rollout.vllm.adapter import build_llm, shutdown_llm
 
     path = tiny_model_path("tiny-moe")
     llm = build_llm(str(path), skip_tokenizer_init=True)

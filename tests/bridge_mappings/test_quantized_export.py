@@ -30,8 +30,7 @@ def _manifest(names: dict[str, tuple[int, ...]], fp8: set[str]) -> Manifest:
 
 @pytest.fixture(scope="module", params=["tiny", "tiny-llama", "tiny-moe"])
 def exported(request):
-    from megatron_fp8.megatron import build_megatron_model, megatron_parallel
-    from megatron_fp8.megatron.export import export_hf_weights
+    from megatron_fp8.megatron import build_megatron_model, export_hf_weights, megatron_parallel
 
     path = tiny_model_path(request.param)
     with megatron_parallel():
@@ -129,10 +128,8 @@ def test_tp_divisibility_names_weight_and_working_sizes():
 
 
 def test_refit_stream_through_the_bridge_adapter_equals_quantized_export():
-    from bridge_mappings.bridge_adapter import has_quantized_export
     from bridge_mappings.quantized_export import refit_stream
-    from megatron_fp8.megatron import build_megatron_model, megatron_parallel
-    from megatron_fp8.megatron.export import export_hf_weights
+    from megatron_fp8.megatron import build_megatron_model, export_hf_weights, megatron_parallel
 
     path = tiny_model_path("tiny")
     with megatron_parallel():
@@ -140,7 +137,6 @@ def test_refit_stream_through_the_bridge_adapter_equals_quantized_export():
         plain = dict(export_hf_weights(m))
         fp8 = {n for n in plain if n.endswith(("q_proj.weight", "down_proj.weight"))}
         manifest = _manifest({n: tuple(t.shape) for n, t in plain.items()}, fp8)
-        assert not has_quantized_export(m.bridge)  # megatron-bridge 0.3.x: quantize in the stream
         got = dict(refit_stream(m, manifest))
     want = dict(quantized_stream(plain.items(), manifest))
     assert list(got) == list(want)

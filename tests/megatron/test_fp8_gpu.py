@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from megatron_fp8.megatron.te_shim import real_te_available
+from bridge_mappings._patches import real_te_available
 from megatron_fp8.models import tiny_model_path
 
 pytestmark = [

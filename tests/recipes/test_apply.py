@@ -122,9 +122,9 @@ def test_config_without_fields_rejected():
 
 
 def test_bridge_mixed_precision_config():
-    from megatron_fp8.megatron.te_shim import install
+    from bridge_mappings.adapter import import_bridge
 
-    install()
+    import_bridge()
     from megatron.bridge.training.mixed_precision import MixedPrecisionConfig
 
     from megatron_fp8.recipes import build_bridge_mixed_precision

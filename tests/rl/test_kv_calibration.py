@@ -281,8 +281,8 @@ def _mcore_gpt(*, qk_norm_and_rope: bool):
 
 @pytest.mark.megatron
 def test_megatron_core_hooks_and_fused_qkv_layout():
+    from megatron_fp8.megatron._patches import cpu_device_patches
     from megatron_fp8.megatron.parallel import megatron_parallel
-    from megatron_fp8.megatron.te_shim import cpu_device_patches
 
     ids = torch.randint(0, 64, (2, 8))
     pos = torch.arange(8)[None].expand(2, 8)

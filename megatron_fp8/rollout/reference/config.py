@@ -1,6 +1,6 @@
 """Model, quantization and parameter layout of the reference FP8 engine.
 
-This module belongs to :mod:`megatron_fp8.vllm.reference_engine`, an emulator
+This module belongs to :mod:`megatron_fp8.rollout.reference.engine`, an emulator
 and oracle of vLLM's FP8 W8A8 blockwise numerics for CPU machines. It is NOT a
 serving engine; on GPU use vLLM.
 
@@ -20,13 +20,14 @@ quantization config into
 
 from __future__ import annotations
 
-import math
 import re
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
 from megatron_fp8.errors import ConfigError, ManifestError
+from megatron_fp8.layout import ceil_div
+from megatron_fp8.vocab import KV_SCALE_KINDS, kv_scale_name
 
 SUPPORTED_MODEL_TYPES: dict[str, str] = {
     "qwen3": "Qwen3ForCausalLM (dense)",
@@ -34,7 +35,6 @@ SUPPORTED_MODEL_TYPES: dict[str, str] = {
 }
 """Registry: HF ``model_type`` -> description of what the reference engine runs."""
 
-KV_SCALE_KINDS: tuple[str, ...] = ("q", "k", "v")
 """KV-cache scale tensors per layer: ``model.layers.{i}.self_attn.attn.{q,k,v}_scale``."""
 
 
@@ -312,7 +312,7 @@ def param_specs(cfg: ReferenceModelConfig) -> dict[str, ParamSpec]:
 
 def kv_scale_names(cfg: ReferenceModelConfig) -> list[str]:
     """Names of the float32 KV-cache scales, ``model.layers.{i}.self_attn.attn.{q,k,v}_scale``."""
-    return [f"model.layers.{i}.self_attn.attn.{s}_scale" for i in range(cfg.num_hidden_layers) for s in KV_SCALE_KINDS]
+    return [kv_scale_name(i, kind) for i in range(cfg.num_hidden_layers) for kind in KV_SCALE_KINDS]
 
 
 KV_SCALE_ALIASES: tuple[tuple[str, str], ...] = (
@@ -448,4 +448,4 @@ def layer_index(name: str) -> int | None:
 
 def scale_shape(shape: tuple[int, ...], block_size: tuple[int, int]) -> tuple[int, int]:
     """``[ceil(N/bn), ceil(K/bk)]``: the float32 block-scale shape of an ``[N, K]`` weight."""
-    return (math.ceil(shape[0] / block_size[0]), math.ceil(shape[1] / block_size[1]))
+    return (ceil_div(shape[0], block_size[0]), ceil_div(shape[1], block_size[1]))

@@ -23,7 +23,7 @@ from typing import Any
 import torch
 
 from megatron_fp8.errors import RefitError
-from megatron_fp8.quant.formats import SCALE_SUFFIX
+from megatron_fp8.vocab import SCALE_SUFFIX
 
 logger = logging.getLogger(__name__)
 
@@ -80,7 +80,7 @@ def _max_rel_error(held: dict[str, torch.Tensor], trainer: dict[str, torch.Tenso
 
 
 def _make_engine(model_path: Path, precision: str, qcfg: dict, fp8_names: tuple[str, ...]):
-    from megatron_fp8.vllm.reference_engine import ReferenceFP8Engine
+    from megatron_fp8.rollout.reference.engine import ReferenceFP8Engine
 
     if precision == "fp8":
         return ReferenceFP8Engine.from_hf_checkpoint(model_path, quantization=qcfg, fp8_names=fp8_names)
@@ -93,7 +93,7 @@ def _receiver_main(rank_args: dict[str, Any], queue: Any) -> None:
 
     from megatron_fp8.refit.receiver import RefitReceiver
     from megatron_fp8.refit.transport import TorchDistTransport
-    from megatron_fp8.vllm.appliers import ReferenceEngineApplier
+    from megatron_fp8.rollout.reference.applier import ReferenceEngineApplier
 
     try:
         dist.init_process_group("gloo", init_method=rank_args["init_method"], rank=1, world_size=2)
@@ -154,9 +154,9 @@ def run_refits(
         repeats: refits to time (the median is reported).
     """
     from bridge_mappings.quantized_export import refit_stream
-    from megatron_fp8.megatron.export import export_hf_weights
+    from megatron_fp8.megatron import export_hf_weights
     from megatron_fp8.refit.pipeline import ColocatedRefit
-    from megatron_fp8.vllm.appliers import ReferenceEngineApplier
+    from megatron_fp8.rollout.reference.applier import ReferenceEngineApplier
 
     names = manifest.fp8_set
     box: dict[str, int] = {}

@@ -1,9 +1,9 @@
 """vLLM worker extension: the receiving end of a refit, and the manifest oracle.
 
-Passed to vLLM as ``worker_extension_cls="megatron_fp8.vllm.worker_extension.FP8RefitWorkerExtension"``;
+Passed to vLLM as ``worker_extension_cls="megatron_fp8.rollout.vllm.worker_extension.FP8RefitWorkerExtension"``;
 vLLM mixes it into every worker, and the trainer calls its methods with
 ``llm.collective_rpc("mfp8_...", args=...)``. All vLLM version differences it
-relies on live in :mod:`megatron_fp8.vllm.adapter`.
+relies on live in :mod:`megatron_fp8.rollout.vllm.adapter`.
 
 Refit protocol on the worker (see :class:`VllmRefitApplier`): every tensor of a
 version is received and validated first (known name, dtype, shape), then loaded
@@ -25,31 +25,11 @@ import torch
 
 from megatron_fp8.errors import RefitError
 from megatron_fp8.quant import dequantize_blockwise, quantize_blockwise
-from megatron_fp8.quant.formats import SCALE_SUFFIX
-from megatron_fp8.vllm import adapter
-from megatron_fp8.vllm.appliers import relative_error
+from megatron_fp8.refit.verify import VerifyReport, relative_error
+from megatron_fp8.rollout.vllm import adapter
+from megatron_fp8.vocab import KV_SCALE_SUFFIXES, SCALE_SUFFIX
 
 logger = logging.getLogger(__name__)
-
-KV_SCALE_SUFFIXES = (".attn.q_scale", ".attn.k_scale", ".attn.v_scale")
-
-
-@dataclasses.dataclass(frozen=True)
-class VerifyReport:
-    """Result of reading back what the engine holds after a refit.
-
-    Attributes:
-        version: refit version verified.
-        checked: number of HF tensors compared.
-        max_rel_error: largest relative Frobenius error between what the engine
-            computes with and what was sent (dequantized for FP8).
-        worst: name of the tensor with the largest error.
-    """
-
-    version: int
-    checked: int
-    max_rel_error: float
-    worst: str
 
 
 class FP8RefitWorkerExtension:

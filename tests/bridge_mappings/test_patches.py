@@ -1,4 +1,5 @@
-"""Tests of the TransformerEngine import shim and the CPU patches."""
+"""Tests of the private patches: TE import stand-ins and the SequentialMLP export fix (bridge_mappings._patches),
+and Megatron-Core's CPU device answer (megatron_fp8.megatron._patches)."""
 
 from __future__ import annotations
 
@@ -7,7 +8,10 @@ import importlib
 import pytest
 import torch
 
-from megatron_fp8.megatron import te_shim
+from bridge_mappings import _patches as te_shim
+from bridge_mappings.adapter import import_bridge
+from megatron_fp8.errors import TransformerEngineMissingError
+from megatron_fp8.megatron import _patches as cpu_patches
 
 pytestmark = pytest.mark.megatron
 
@@ -16,22 +20,22 @@ needs_no_te = pytest.mark.skipif(te_shim.real_te_available(), reason="real Trans
 
 @needs_no_te
 def test_install_is_idempotent_and_bridge_imports():
-    assert te_shim.install() is True
-    assert te_shim.install() is True
-    assert te_shim.is_installed()
-    bridge = te_shim.import_megatron_bridge()
+    assert te_shim.install_te_standins() is True
+    assert te_shim.install_te_standins() is True
+    assert te_shim.te_standins_installed()
+    bridge = import_bridge()
     assert hasattr(bridge, "AutoBridge")
     assert not te_shim.real_te_available()
 
 
 @needs_no_te
 def test_standins_fail_loudly_with_the_remedy():
-    te_shim.install()
+    te_shim.install_te_standins()
     import transformer_engine.pytorch as te
 
-    with pytest.raises(te_shim.TransformerEngineMissingError, match="make image"):
+    with pytest.raises(TransformerEngineMissingError, match="make image"):
         te.Linear(4, 4)
-    with pytest.raises(te_shim.TransformerEngineMissingError, match="needs a GPU build"):
+    with pytest.raises(TransformerEngineMissingError, match="needs a GPU build"):
         te.ops.Sequential()
     with pytest.raises(AttributeError, match="TransformerEngine is not installed"):
         _ = te.fp8_autocast
@@ -43,8 +47,8 @@ def test_standins_fail_loudly_with_the_remedy():
 
 @needs_no_te
 def test_megatron_core_keeps_its_non_te_paths():
-    te_shim.install()
-    te_shim.import_megatron_bridge()
+    te_shim.install_te_standins()
+    import_bridge()
     importlib.import_module("megatron.bridge.models.qwen.qwen3_moe_bridge")
     assert te_shim.mcore_modules_that_saw_the_shim() == []
     for name in (
@@ -60,7 +64,7 @@ def test_megatron_core_keeps_its_non_te_paths():
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the patch is inactive with CUDA")
 def test_cpu_device_patch_is_scoped():
     original = torch.cuda.current_device
-    with te_shim.cpu_device_patches() as active:
+    with cpu_patches.cpu_device_patches() as active:
         assert active is True
         assert torch.cuda.current_device() == torch.device("cpu")
         assert torch.zeros(1).to(device=torch.cuda.current_device()).device.type == "cpu"
@@ -68,8 +72,8 @@ def test_cpu_device_patch_is_scoped():
 
 
 def test_sequential_expert_export_fix_is_idempotent():
-    te_shim.install()
-    te_shim.import_megatron_bridge()
+    te_shim.install_te_standins()
+    import_bridge()
     from megatron.bridge.models.conversion.param_mapping import MegatronParamMapping
 
     assert te_shim.fix_sequential_expert_export()

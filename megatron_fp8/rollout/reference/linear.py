@@ -40,6 +40,7 @@ from __future__ import annotations
 import torch
 
 from megatron_fp8.errors import QuantInputError
+from megatron_fp8.layout import ceil_div
 from megatron_fp8.quant import quantize_per_token_group
 from megatron_fp8.quant.formats import FP8_DTYPE
 
@@ -62,7 +63,7 @@ def _check_block_operands(
             f"{label}: K={k} is not a multiple of block_k={bk}; vLLM's per-token-group activation quantizer "
             "needs whole groups (keep this layer in BF16)"
         )
-    expected = (-(-n // bn), k // bk)
+    expected = (ceil_div(n, bn), k // bk)
     if sw.dtype != torch.float32 or tuple(sw.shape) != expected:
         raise QuantInputError(
             f"{label}: scale_inv must be float32 {expected} for block_size {block_size}, "

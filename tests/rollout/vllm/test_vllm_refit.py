@@ -50,8 +50,8 @@ def _checkpoint(src, dst, weights):
 
 
 def test_refits_match_engines_built_from_the_same_weights(tmp_path):
-    from megatron_fp8.vllm import adapter
-    from megatron_fp8.vllm.appliers import VllmApplier
+    from megatron_fp8.rollout.vllm import adapter
+    from megatron_fp8.rollout.vllm.applier import VllmApplier
 
     path = tiny_model_path("tiny")
     base = load_file(str(path / "model.safetensors"))

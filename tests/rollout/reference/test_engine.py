@@ -11,9 +11,9 @@ import transformers
 
 from megatron_fp8.errors import ConfigError, ManifestError, QuantInputError, RefitError, WeightStreamError
 from megatron_fp8.quant import dequantize_blockwise, quantize_blockwise, quantize_per_token_group
-from megatron_fp8.quant.formats import SCALE_SUFFIX
-from megatron_fp8.vllm.reference_engine import ReferenceFP8Engine
-from megatron_fp8.vllm.reference_linear import bf16_linear, w8a8_block_fp8_linear, w8a8_block_fp8_matmul
+from megatron_fp8.rollout.reference.engine import ReferenceFP8Engine
+from megatron_fp8.rollout.reference.linear import bf16_linear, w8a8_block_fp8_linear, w8a8_block_fp8_matmul
+from megatron_fp8.vocab import SCALE_SUFFIX
 
 FP8_QUANT = {
     "quant_method": "fp8",

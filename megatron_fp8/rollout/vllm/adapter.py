@@ -20,6 +20,8 @@ from typing import Any
 
 import torch
 
+from megatron_fp8.layout import ceil_div, is_blockable
+
 logger = logging.getLogger(__name__)
 
 FP8_LINEAR_METHODS = ("Fp8LinearMethod", "Fp8OnlineLinearMethod")
@@ -195,7 +197,7 @@ def build_llm(
     model_path: str,
     *,
     quantization_config: dict | None = None,
-    worker_extension_cls: str | None = "megatron_fp8.vllm.worker_extension.FP8RefitWorkerExtension",
+    worker_extension_cls: str | None = "megatron_fp8.rollout.vllm.worker_extension.FP8RefitWorkerExtension",
     max_model_len: int = 512,
     seed: int = 0,
     skip_tokenizer_init: bool = False,
@@ -294,7 +296,7 @@ def _column_slices(module: Any, shard: str | int | None, n_total: int, block: in
     else:
         offset, size, rank = 0, n_total // tp_size, tp_rank
         full = n_total
-    if offset % block or size % block:
+    if not is_blockable(offset, size, block):
         raise RefitTargetError(
             f"{module.prefix}: shard {shard!r} at rows {offset}:{offset + size} is not a multiple of "
             f"the {block}-row block; blockwise FP8 needs 128-aligned TP partitions"
@@ -362,11 +364,11 @@ def inplace_load_weights(model: torch.nn.Module, weights: Iterable[tuple[str, to
             block = 1
             if leaf == "weight_scale_inv":
                 wshape = module.weight.shape
-                block = -(-wshape[0] // param.shape[0]) if param.dim() == 2 else 1
+                block = ceil_div(wshape[0], param.shape[0]) if param.dim() == 2 else 1
             tp_rank, tp_size = int(getattr(module, "tp_rank", 0)), int(getattr(module, "tp_size", 1))
             if kind == "column":
                 dst_rows, src_rows, full = _column_slices(module, shard, tensor.shape[0] * block, block)
-                expected = (-(-full // block), param.shape[1])
+                expected = (ceil_div(full, block), param.shape[1])
                 t = _Target(param, (dst_rows,), (src_rows,), name)
             elif kind == "row":
                 expected = (param.shape[0], param.shape[1] * tp_size)

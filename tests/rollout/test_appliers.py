@@ -11,8 +11,8 @@ from bridge_mappings.quantized_export import quantized_stream
 from megatron_fp8.errors import RefitError
 from megatron_fp8.models import tiny_model_path
 from megatron_fp8.refit.pipeline import ColocatedRefit
-from megatron_fp8.vllm.appliers import ReferenceEngineApplier
-from megatron_fp8.vllm.reference_engine import ReferenceFP8Engine
+from megatron_fp8.rollout.reference.applier import ReferenceEngineApplier
+from megatron_fp8.rollout.reference.engine import ReferenceFP8Engine
 
 QCFG = {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic", "weight_block_size": [128, 128]}
 TARGET = "model.layers.1.mlp.down_proj.weight"

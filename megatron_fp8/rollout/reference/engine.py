@@ -11,7 +11,7 @@ and Qwen3-MoE models (HF config semantics):
   ``scale_inv``; everything else (embeddings, norms, router, lm_head, layers in
   ``ignored_layers``) is bfloat16;
 * FP8 linears run vLLM's dynamic W8A8 blockwise GEMM
-  (:mod:`megatron_fp8.vllm.reference_linear`): activations quantized per token
+  (:mod:`megatron_fp8.rollout.reference.linear`): activations quantized per token
   in groups of 128, per-K-block float32 partial sums scaled by
   ``sa[m, kb] * sw[n // 128, kb]``, bfloat16 output;
 * :meth:`ReferenceFP8Engine.load_weights` accepts vLLM's refit stream
@@ -51,8 +51,8 @@ import torch
 
 from megatron_fp8.errors import ConfigError, RefitError, WeightStreamError
 from megatron_fp8.quant import quantize_blockwise
-from megatron_fp8.quant.formats import FP8_DTYPE, FP8_MAX, SCALE_SUFFIX
-from megatron_fp8.vllm.reference_config import (
+from megatron_fp8.quant.formats import FLOAT_INPUT_DTYPES, FP8_DTYPE, FP8_MAX, KV_CACHE_DTYPES
+from megatron_fp8.rollout.reference.config import (
     ParamSpec,
     ReferenceModelConfig,
     ReferenceQuantConfig,
@@ -66,22 +66,11 @@ from megatron_fp8.vllm.reference_config import (
     quant_config_from_hf,
     scale_shape,
 )
-from megatron_fp8.vllm.reference_linear import bf16_linear, w8a8_block_fp8_linear
+from megatron_fp8.rollout.reference.linear import bf16_linear, w8a8_block_fp8_linear
+from megatron_fp8.vocab import FINISH_REASONS, SCALE_SUFFIX
 
 logger = logging.getLogger(__name__)
 
-KV_CACHE_DTYPES: dict[str, torch.dtype] = {
-    "auto": torch.bfloat16,
-    "bfloat16": torch.bfloat16,
-    "fp8": FP8_DTYPE,
-    "fp8_e4m3": FP8_DTYPE,
-}
-"""Registry: vLLM ``kv_cache_dtype`` name -> dtype of the emulated KV cache."""
-
-FINISH_REASONS: tuple[str, ...] = ("stop", "length")
-"""``"stop"``: an EOS token was produced (and is included); ``"length"``: ``max_new_tokens`` reached."""
-
-_FLOAT_STREAM_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 _CHECKPOINT_FILE = "model.safetensors"
 
 
@@ -96,7 +85,7 @@ class GenerationResult:
             the generated tokens under the engine's distribution: ``log_softmax(logits / T)``
             for ``temperature = T > 0`` (before top-p truncation), ``log_softmax(logits)``
             for greedy decoding.
-        finish_reasons: per sequence, one of :data:`FINISH_REASONS`.
+        finish_reasons: per sequence, one of :data:`megatron_fp8.vocab.FINISH_REASONS`.
     """
 
     token_ids: tuple[tuple[int, ...], ...]
@@ -273,7 +262,7 @@ class ReferenceFP8Engine:
         return WeightStreamError(f"weight stream item {name!r}: {message}; nothing was applied", name=name)
 
     def _check_float(self, name: str, t: torch.Tensor, shape: tuple[int, ...], held: str) -> None:
-        if t.dtype not in _FLOAT_STREAM_DTYPES:
+        if t.dtype not in FLOAT_INPUT_DTYPES:
             raise self._stream_error(
                 name,
                 f"expected a bfloat16 (or float16/float32) tensor because the engine holds it in {held}, got {t.dtype}",

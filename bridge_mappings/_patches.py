@@ -1,7 +1,13 @@
-"""The one narrow TransformerEngine import shim, and every other CPU patch Megatron needs.
+"""Private: every patch megatron-fp8 applies to Megatron-Bridge (and the TE import it needs), version-gated.
 
-Why this exists
----------------
+Applied only by :func:`bridge_mappings.adapter.import_bridge`, the one entry point
+to ``megatron.bridge``; nothing else imports this module (tests excepted).
+Each patch names the versions it serves, why it exists and the upstream code it
+works around; on a Megatron-Bridge outside :data:`PATCHED_VERSIONS` none is
+applied and :func:`apply` says so.
+
+Patch 1: TransformerEngine import stand-ins (only when TE is not importable)
+----------------------------------------------------------------------------
 megatron-bridge 0.3.1 imports TransformerEngine (TE) at import time, even on code
 paths that never run TE: ``megatron/bridge/peft/lora_layers.py`` and
 ``megatron/bridge/peft/lora.py`` do ``import transformer_engine.pytorch as te``,
@@ -10,45 +16,37 @@ reached from ``import megatron.bridge`` (AutoBridge -> model_bridge -> peft_brid
 -> canonical_lora -> lora_layers). TE has no CPU build, so without help the
 bridge cannot even be imported on a CPU-only machine.
 
-:func:`install` registers stand-in ``transformer_engine`` /
+:func:`install_te_standins` registers stand-in ``transformer_engine`` /
 ``transformer_engine.pytorch`` / ``transformer_engine.pytorch.ops`` modules holding
 only the attributes those import-time statements touch (``Linear``,
 ``LayerNormLinear``, ``ops.Sequential``), and nothing else. Every stand-in class
-raises :class:`TransformerEngineMissingError` when instantiated, so any code path
-that would use TE for real math fails loudly instead of computing something else.
+raises :class:`~megatron_fp8.errors.TransformerEngineMissingError` when
+instantiated, so any code path that would use TE for real math fails loudly.
 Deeper imports (``from transformer_engine.pytorch import fp8_autocast``,
 ``import transformer_engine_torch``) still raise ``ImportError`` as before, so the
 libraries' own ``try/except ImportError`` fallbacks keep working.
 
 Megatron-Core probes ``import transformer_engine`` in many modules and caches
-``HAVE_TE`` at import. :func:`install` therefore imports the Megatron-Core modules
-the bridge pulls in *before* registering the stand-ins, so they all keep
-``HAVE_TE = False`` and choose their local (non-TE) paths;
-:func:`mcore_modules_that_saw_the_shim` lists any that did not (the tests check it
-is empty). A few megatron-bridge modules (model providers for Qwen, GLM, DeepSeek,
-OLMoE, and PEFT helpers) record ``HAVE_TE = True`` because their only probe is a
-bare ``import transformer_engine``; for the Qwen3 paths used here that flag is not
-read.
+``HAVE_TE`` at import. The Megatron-Core modules the bridge pulls in are therefore
+imported *before* the stand-ins are registered, so they keep ``HAVE_TE = False``
+and choose their local (non-TE) paths; :func:`mcore_modules_that_saw_the_shim`
+lists any that did not (the tests check it is empty). Never active when a real TE
+is importable; idempotent.
 
-The shim is never active when the real TE is importable (:func:`install` returns
-``False`` and changes nothing), and it is idempotent.
-
-Other CPU patches
------------------
-:func:`cpu_device_patches` is a context manager that answers
-``torch.cuda.current_device()`` with ``torch.device("cpu")`` while it is active,
-only when torch has no usable CUDA (a CPU-only build or no visible GPU).
-Megatron-Core calls it to place tensors even when ``use_cpu_initialization=True``:
-e.g. ``RotaryEmbedding.get_emb`` moves ``inv_freq`` to
-``torch.cuda.current_device()`` on the first forward, and DDP / optimizer buffers
-are allocated there. On CPU-only torch the call raises, and the index ``0`` would
-mean ``cuda:0``; answering the CPU device makes those placements land on CPU. No
-other module of megatron-fp8 patches Megatron, TE or torch.
+Patch 2: ``SequentialMLP`` expert export (megatron-bridge 0.3.x)
+----------------------------------------------------------------
+Upstream: ``megatron/bridge/models/conversion/param_mapping.py``,
+``MegatronParamMapping.gather_from_ep_ranks`` derives global expert ids from a
+``.weight{N}`` suffix that only TE's grouped-GEMM experts have; the per-expert
+``SequentialMLP`` layout (``...local_experts.{i}.linear_fc1.weight``, what MoE
+models use without TE) raises there. :func:`fix_sequential_expert_export` wraps
+it: for ``local_experts.{i}`` parameters the global ids are
+``i % per_rank + per_rank * ep_rank`` and the tensors are all-gathered over the EP
+group; every other parameter goes to the original method.
 """
 
 from __future__ import annotations
 
-import contextlib
 import functools
 import importlib
 import importlib.util
@@ -56,14 +54,16 @@ import logging
 import re
 import sys
 import types
-from collections.abc import Iterator
 from typing import Any
 
 import torch
 
-from megatron_fp8.errors import MegatronFP8Error
+from megatron_fp8.errors import MegatronFP8Error, TransformerEngineMissingError
 
 logger = logging.getLogger(__name__)
+
+PATCHED_VERSIONS: tuple[str, ...] = ("0.3.",)
+"""Megatron-Bridge version prefixes these patches were written and tested against."""
 
 SHIM_MARKER = "__megatron_fp8_te_shim__"
 """Attribute set to ``True`` on every stand-in module."""
@@ -109,10 +109,6 @@ _PRELOADED: set[str] = set()
 """Megatron-Core modules already imported when the stand-ins were registered."""
 
 
-class TransformerEngineMissingError(MegatronFP8Error, RuntimeError):
-    """A TransformerEngine stand-in was used for real work on a machine without TE."""
-
-
 def _standin_class(qualname: str) -> type:
     def __init__(self, *args: object, **kwargs: object) -> None:
         raise TransformerEngineMissingError(f"{qualname} was constructed, but {REMEDY}")
@@ -144,7 +140,7 @@ def real_te_available() -> bool:
         return False
 
 
-def is_installed() -> bool:
+def te_standins_installed() -> bool:
     """Whether the stand-in modules are currently registered in ``sys.modules``."""
     return getattr(sys.modules.get("transformer_engine"), SHIM_MARKER, False) is True
 
@@ -167,7 +163,7 @@ def _build_standins() -> dict[str, types.ModuleType]:
     return {m.__name__: m for m in (te, pt, ops)}
 
 
-def install() -> bool:
+def install_te_standins() -> bool:
     """Register the TransformerEngine stand-ins when TE is not importable.
 
     Imports the Megatron-Core modules that probe TE first (so they keep
@@ -177,7 +173,7 @@ def install() -> bool:
         ``True`` when the stand-ins are registered (now or already), ``False`` when a
         real TransformerEngine is importable and nothing was changed.
     """
-    if is_installed():
+    if te_standins_installed():
         return True
     if real_te_available():
         logger.debug("real TransformerEngine found; TE shim not installed")
@@ -187,7 +183,7 @@ def install() -> bool:
     _bind_missing_mcore_names()
     _PRELOADED.update(n for n in sys.modules if n.startswith("megatron.core"))
     sys.modules.update(_build_standins())
-    logger.info("TransformerEngine not installed: registered import-time stand-ins (megatron_fp8.megatron.te_shim)")
+    logger.debug("TransformerEngine not installed: registered import-time stand-ins (bridge_mappings._patches)")
     return True
 
 
@@ -197,34 +193,24 @@ def _bind_missing_mcore_names() -> None:
         moe_utils.te_general_gemm = None  # read unguarded by RouterGatingLinearFunction.forward
 
 
-def uninstall() -> None:
+def uninstall_te_standins() -> None:
     """Remove the stand-ins from ``sys.modules`` (modules that already imported them keep their references)."""
-    if not is_installed():
+    if not te_standins_installed():
         return
     for name in _STANDIN_MODULES:
         sys.modules.pop(name, None)
 
 
-def import_megatron_bridge() -> types.ModuleType:
-    """Import ``megatron.bridge`` with the shim installed when needed.
-
-    Returns:
-        The ``megatron.bridge`` module.
-    """
-    install()
-    return importlib.import_module("megatron.bridge")
-
-
 def mcore_modules_that_saw_the_shim() -> list[str]:
     """Megatron-Core modules imported after the stand-ins were registered that cached ``HAVE_TE = True``.
 
-    Modules imported before :func:`install` cannot have seen the stand-ins (some set
+    Modules imported before :func:`install_te_standins` cannot have seen the stand-ins (some set
     ``HAVE_TE = True`` for reasons unrelated to the TE import and are not listed).
 
     Returns:
         Sorted module names; empty when the shim is not installed or no module was affected.
     """
-    if not is_installed():
+    if not te_standins_installed():
         return []
     return sorted(
         name
@@ -236,63 +222,15 @@ def mcore_modules_that_saw_the_shim() -> list[str]:
     )
 
 
-def _torch_has_cuda() -> bool:
-    return torch.version.cuda is not None and torch.cuda.is_available()
-
-
-@contextlib.contextmanager
-def cpu_device_patches() -> Iterator[bool]:
-    """Answer ``torch.cuda.current_device()`` with the CPU device while active, without CUDA only.
-
-    Yields:
-        ``True`` when the patch is active, ``False`` when CUDA is available and nothing
-        was patched.
-    """
-    if _torch_has_cuda():
-        yield False
-        return
-    original = torch.cuda.current_device
-
-    def current_device() -> torch.device:
-        return torch.device("cpu")
-
-    torch.cuda.current_device = current_device
-    try:
-        yield True
-    finally:
-        torch.cuda.current_device = original
-
-
-def use_cpu_rng_tracker() -> bool:
-    """Install Megatron's no-op-fork RNG tracker when CUDA is unavailable (see the module docstring).
-
-    Returns:
-        ``True`` when the CPU tracker was installed, ``False`` when CUDA is available
-        (the caller should use ``model_parallel_cuda_manual_seed`` instead).
-    """
-    if _torch_has_cuda():
-        return False
-    from megatron.core.tensor_parallel import random as mp_random
-
-    mp_random.initialize_rng_tracker(inference_rng_tracker=True, force_reset=True)
-    return True
-
-
-def reset_rng_tracker() -> None:
-    """Drop Megatron's RNG tracker so the next model build starts from a fresh one."""
-    from megatron.core.tensor_parallel import random as mp_random
-
-    mp_random.initialize_rng_tracker(force_reset=True)
-    mp_random._CUDA_RNG_STATE_TRACKER = None
-    mp_random._CUDA_RNG_STATE_TRACKER_INITIALIZED = False
-
-
 _LOCAL_EXPERT = re.compile(r"\.local_experts\.(\d+)\.")
 _HF_EXPERT = re.compile(r"experts\.(\d+)")
 
 
 def _gather_local_experts(
-    mapping: Any, megatron_weights: torch.Tensor | None, megatron_module: Any, hf_param_name: str | None
+    mapping: Any,
+    megatron_weights: torch.Tensor | None,
+    megatron_module: torch.nn.Module | None,
+    hf_param_name: str | None,
 ) -> dict[str, torch.Tensor]:
     if megatron_module is None:
         per_rank = mapping.broadcast_obj_from_pp_rank(None, "num_experts_per_rank")
@@ -314,12 +252,13 @@ def _gather_local_experts(
 
 
 def fix_sequential_expert_export() -> bool:
-    """Let megatron-bridge export ``SequentialMLP`` expert weights (see the module docstring). Idempotent.
+    """Let megatron-bridge 0.3.x export ``SequentialMLP`` expert weights (patch 2 of the module docstring). Idempotent.
 
     Returns:
         ``True`` when the wrapper is in place (now or already).
     """
-    from megatron.bridge.models.conversion.param_mapping import MegatronParamMapping
+    param_mapping = importlib.import_module("megatron.bridge.models.conversion.param_mapping")
+    MegatronParamMapping = param_mapping.MegatronParamMapping
 
     original = MegatronParamMapping.gather_from_ep_ranks
     if getattr(original, SHIM_MARKER, False):
@@ -334,3 +273,24 @@ def fix_sequential_expert_export() -> bool:
     setattr(gather_from_ep_ranks, SHIM_MARKER, True)
     MegatronParamMapping.gather_from_ep_ranks = gather_from_ep_ranks
     return True
+
+
+def apply(version: str | None) -> None:
+    """Apply the patches the installed Megatron-Bridge needs (see the module docstring). Idempotent.
+
+    Patch 1 runs whenever TE is not importable (whatever the version: it only adds
+    import-time stand-ins); patch 2 only on :data:`PATCHED_VERSIONS`.
+
+    Args:
+        version: the installed megatron-bridge version (``None``: unknown).
+    """
+    install_te_standins()
+    if version is not None and version.startswith(PATCHED_VERSIONS):
+        fix_sequential_expert_export()
+    else:
+        logger.warning(
+            "megatron-bridge %s is not a version megatron-fp8 was tested with (%s): no patch applied; "
+            "MoE export without TransformerEngine may fail",
+            version,
+            ", ".join(v + "x" for v in PATCHED_VERSIONS),
+        )

@@ -1,0 +1,164 @@
+"""The Megatron-Bridge boundary: the only module of megatron-fp8 that imports ``megatron.bridge``.
+
+Everything megatron-fp8 asks of Megatron-Bridge goes through here:
+
+* :func:`import_bridge`: import ``megatron.bridge`` with the private patches of
+  :mod:`bridge_mappings._patches` applied first (the entry point of every patch);
+* :func:`load_bridge`: ``AutoBridge.from_hf_pretrained`` for a checkpoint folder;
+* :func:`export_hf_weights`: the HF-named weight stream of a built model,
+  through the bridge's own mapping registry (QKV / gate-up splits, TP / EP
+  gathers, PP broadcasts are the bridge's job);
+* :func:`quantized_hf_weight_stream`: that stream with FP8 + ``_scale_inv`` for
+  the names vLLM holds in FP8;
+* :func:`bf16_mixed_precision`: Megatron-Bridge's ``bf16_mixed()`` config.
+
+Supported version: megatron-bridge 0.3.x (the pin of both the CPU venv and the
+container: ``requirements/constraints.txt``, ``docker/constraints-container.txt``).
+Its ``AutoBridge.export_hf_weights(model, cpu=False, show_progress=True,
+conversion_tasks=None, merge_adapter_weights=True)`` is the only export this
+module calls; FP8 is produced by quantizing each gathered tensor as it leaves that
+stream, which works on every release that has ``export_hf_weights``. Newer
+releases' quantized exports (``export_hf_weights_quant``, ``export_weight_dtype``)
+are not used: nothing here could run them, so no branch pretends to.
+"""
+
+from __future__ import annotations
+
+import importlib
+import importlib.metadata
+import inspect
+import logging
+import types
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+import torch
+
+from bridge_mappings import _patches
+from megatron_fp8.errors import ConfigError
+from megatron_fp8.megatron._patches import cpu_device_patches
+from megatron_fp8.vocab import SCALE_SUFFIX
+
+if TYPE_CHECKING:  # the bridge's own types, for annotations only
+    from megatron.bridge import AutoBridge
+    from megatron.bridge.training.mixed_precision import MixedPrecisionConfig
+
+logger = logging.getLogger(__name__)
+
+__all__ = [
+    "bf16_mixed_precision",
+    "bridge_version",
+    "export_hf_weights",
+    "import_bridge",
+    "load_bridge",
+    "quantized_hf_weight_stream",
+]
+
+QuantFn = Callable[[str, torch.Tensor], tuple[torch.Tensor, torch.Tensor]]
+"""``(hf_name, tensor) -> (fp8 data, float32 scale_inv)``."""
+
+
+def bridge_version() -> str | None:
+    """Installed megatron-bridge version, or ``None``."""
+    try:
+        return importlib.metadata.version("megatron-bridge")
+    except importlib.metadata.PackageNotFoundError:
+        return None
+
+
+def import_bridge() -> types.ModuleType:
+    """Import ``megatron.bridge`` with the patches it needs on this machine applied first.
+
+    Returns:
+        The ``megatron.bridge`` module.
+
+    Raises:
+        ConfigError: megatron-bridge is not installed (the message names the fix).
+    """
+    version = bridge_version()
+    if version is None:
+        raise ConfigError("megatron-bridge is not installed: run `make install` (or use the image from `make image`)")
+    _patches.apply(version)
+    return importlib.import_module("megatron.bridge")
+
+
+def load_bridge(hf_path: str | Path, *, dtype: torch.dtype) -> AutoBridge:
+    """``AutoBridge.from_hf_pretrained(hf_path, dtype=dtype)``.
+
+    Raises:
+        ConfigError: the checkpoint is one the bridge cannot handle (the bridge's reason quoted).
+    """
+    bridge_mod = import_bridge()
+    try:
+        return bridge_mod.AutoBridge.from_hf_pretrained(str(hf_path), dtype=dtype)
+    except ValueError as exc:
+        raise ConfigError(f"Megatron-Bridge cannot load {hf_path}: {exc}") from exc
+
+
+def _export_kwargs(bridge: AutoBridge, *, cpu: bool) -> dict[str, bool]:
+    accepted = inspect.signature(bridge.export_hf_weights).parameters
+    kwargs: dict[str, bool] = {}
+    if "cpu" in accepted:
+        kwargs["cpu"] = cpu
+    if "show_progress" in accepted:
+        kwargs["show_progress"] = False
+    return kwargs
+
+
+def export_hf_weights(
+    bridge: AutoBridge, model: list[torch.nn.Module], *, cpu: bool = True
+) -> Iterator[tuple[str, torch.Tensor]]:
+    """Yield a built model's weights under Hugging Face names, in the bridge's order.
+
+    Collective over the model-parallel group: every rank must iterate the whole stream.
+
+    Args:
+        bridge: the bridge the model was built with.
+        model: the model chunks (one per virtual pipeline stage).
+        cpu: move each tensor to CPU before yielding it.
+
+    Yields:
+        ``(hf_name, tensor)``; tensors have the HF shapes (e.g. ``q_proj.weight`` ``[N_out, K_in]``)
+        and the model's parameter dtype. Every rank receives every full tensor.
+    """
+    kwargs = _export_kwargs(bridge, cpu=cpu)
+    with cpu_device_patches():
+        stream = iter(bridge.export_hf_weights(model, **kwargs))
+    while True:
+        # The CPU device answer is active only while the bridge produces the next tensor.
+        with cpu_device_patches():
+            item = next(stream, None)
+        if item is None:
+            return
+        name, tensor = item[0], item[1]
+        yield name, (tensor.cpu() if cpu else tensor)
+
+
+def quantized_hf_weight_stream(
+    bridge: AutoBridge,
+    model: list[torch.nn.Module],
+    *,
+    is_fp8: Callable[[str], bool],
+    quant_fn: QuantFn,
+    cpu: bool = True,
+) -> Iterator[tuple[str, torch.Tensor]]:
+    """The quantizing export: FP8 weight + ``_scale_inv`` for ``is_fp8`` names, the export dtype otherwise.
+
+    Each full (gathered) tensor is quantized as it leaves :func:`export_hf_weights`, so the
+    scale is ``[ceil(N/128), ceil(K/128)]`` over the whole HF weight, as vLLM loads it.
+    """
+    for name, tensor in export_hf_weights(bridge, model, cpu=cpu):
+        if is_fp8(name):
+            q, scale = quant_fn(name, tensor)
+            yield name, q
+            yield name + SCALE_SUFFIX, scale
+        else:
+            yield name, tensor
+
+
+def bf16_mixed_precision() -> MixedPrecisionConfig:
+    """Megatron-Bridge's ``bf16_mixed()`` ``MixedPrecisionConfig`` (the base FP8 recipes are applied on)."""
+    import_bridge()
+    mixed_precision = importlib.import_module("megatron.bridge.training.mixed_precision")
+    return mixed_precision.bf16_mixed()

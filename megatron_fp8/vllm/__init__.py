@@ -1,1 +1,0 @@
-"""vllm stage (see megatron_fp8 package docstring)."""

