@@ -4,7 +4,11 @@ Applied only by :func:`bridge_mappings.adapter.import_bridge`, the one entry poi
 to ``megatron.bridge``; nothing else imports this module (tests excepted).
 Each patch names the versions it serves, why it exists and the upstream code it
 works around; on a Megatron-Bridge outside :data:`PATCHED_VERSIONS` none is
-applied and :func:`apply` says so.
+applied and :func:`apply` says so. Patches 3 and 4 (Megatron-Core on a CPU-only
+machine) are scoped or explicit calls, exposed by the adapter as
+:func:`~bridge_mappings.adapter.cpu_device_patches`,
+:func:`~bridge_mappings.adapter.use_cpu_rng_tracker` and
+:func:`~bridge_mappings.adapter.reset_rng_tracker`.
 
 Patch 1: TransformerEngine import stand-ins (only when TE is not importable)
 ----------------------------------------------------------------------------
@@ -33,6 +37,12 @@ and choose their local (non-TE) paths; :func:`mcore_modules_that_saw_the_shim`
 lists any that did not (the tests check it is empty). Never active when a real TE
 is importable; idempotent.
 
+Part of the same patch: Megatron-Core 0.16.x ``megatron/core/transformer/moe/moe_utils.py``
+binds ``te_general_gemm`` only when its TE import succeeds, yet
+``RouterGatingLinearFunction.forward`` reads the name unguarded
+(``if te_general_gemm is not None``); :func:`install_te_standins` binds it to ``None``,
+the value the module means by "not available".
+
 Patch 2: ``SequentialMLP`` expert export (megatron-bridge 0.3.x)
 ----------------------------------------------------------------
 Upstream: ``megatron/bridge/models/conversion/param_mapping.py``,
@@ -42,11 +52,29 @@ Upstream: ``megatron/bridge/models/conversion/param_mapping.py``,
 models use without TE) raises there. :func:`fix_sequential_expert_export` wraps
 it: for ``local_experts.{i}`` parameters the global ids are
 ``i % per_rank + per_rank * ep_rank`` and the tensors are all-gathered over the EP
-group; every other parameter goes to the original method.
+group; every other parameter goes to the original method. Applied only on
+:data:`PATCHED_VERSIONS`: another release may have fixed or moved the method.
+
+Patch 3: ``torch.cuda.current_device()`` on a CPU-only machine (scoped)
+-----------------------------------------------------------------------
+Megatron-Core (0.16.x) places tensors with ``torch.cuda.current_device()`` even
+when ``use_cpu_initialization=True``: e.g. ``RotaryEmbedding.get_emb`` moves
+``inv_freq`` there on the first forward
+(``megatron/core/models/common/embeddings/rotary_pos_embedding.py``), and DDP /
+optimizer buffers are allocated there. On CPU-only torch the call raises, and the
+index ``0`` would mean ``cuda:0``. :func:`cpu_device_patches` answers the CPU
+device while it is active, only when torch has no usable CUDA.
+
+Patch 4: Megatron's RNG tracker without CUDA (explicit)
+-------------------------------------------------------
+``megatron/core/tensor_parallel/random.py`` forks CUDA RNG states;
+:func:`use_cpu_rng_tracker` installs its inference (no-op-fork) tracker when CUDA
+is unavailable, :func:`reset_rng_tracker` drops it between model builds.
 """
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import importlib
 import importlib.util
@@ -54,11 +82,15 @@ import logging
 import re
 import sys
 import types
-from typing import Any
+from collections.abc import Callable, Iterator
+from typing import TYPE_CHECKING
 
 import torch
 
 from megatron_fp8.errors import MegatronFP8Error, TransformerEngineMissingError
+
+if TYPE_CHECKING:  # the patched class, for annotations only
+    from megatron.bridge.models.conversion.param_mapping import MegatronParamMapping
 
 logger = logging.getLogger(__name__)
 
@@ -120,7 +152,7 @@ def _standin_class(qualname: str) -> type:
     )
 
 
-def _standin_getattr(module_name: str):
+def _standin_getattr(module_name: str) -> Callable[[str], object]:
     def __getattr__(name: str) -> object:
         if name.startswith("__"):
             raise AttributeError(name)
@@ -227,7 +259,7 @@ _HF_EXPERT = re.compile(r"experts\.(\d+)")
 
 
 def _gather_local_experts(
-    mapping: Any,
+    mapping: MegatronParamMapping,
     megatron_weights: torch.Tensor | None,
     megatron_module: torch.nn.Module | None,
     hf_param_name: str | None,
@@ -265,7 +297,12 @@ def fix_sequential_expert_export() -> bool:
         return True
 
     @functools.wraps(original)
-    def gather_from_ep_ranks(self, megatron_weights, megatron_module, hf_param_name):
+    def gather_from_ep_ranks(
+        self: MegatronParamMapping,
+        megatron_weights: torch.Tensor | None,
+        megatron_module: torch.nn.Module | None,
+        hf_param_name: str | None,
+    ) -> dict[str, torch.Tensor]:
         if _LOCAL_EXPERT.search(str(self.megatron_param or "")):
             return _gather_local_experts(self, megatron_weights, megatron_module, hf_param_name)
         return original(self, megatron_weights, megatron_module, hf_param_name)
@@ -273,6 +310,57 @@ def fix_sequential_expert_export() -> bool:
     setattr(gather_from_ep_ranks, SHIM_MARKER, True)
     MegatronParamMapping.gather_from_ep_ranks = gather_from_ep_ranks
     return True
+
+
+def _torch_has_cuda() -> bool:
+    return torch.version.cuda is not None and torch.cuda.is_available()
+
+
+@contextlib.contextmanager
+def cpu_device_patches() -> Iterator[bool]:
+    """Answer ``torch.cuda.current_device()`` with the CPU device while active, without CUDA only.
+
+    Yields:
+        ``True`` when the patch is active, ``False`` when CUDA is available and nothing
+        was patched.
+    """
+    if _torch_has_cuda():
+        yield False
+        return
+    original = torch.cuda.current_device
+
+    def current_device() -> torch.device:
+        return torch.device("cpu")
+
+    torch.cuda.current_device = current_device
+    try:
+        yield True
+    finally:
+        torch.cuda.current_device = original
+
+
+def use_cpu_rng_tracker() -> bool:
+    """Install Megatron's no-op-fork RNG tracker when CUDA is unavailable (see the module docstring).
+
+    Returns:
+        ``True`` when the CPU tracker was installed, ``False`` when CUDA is available
+        (the caller should use ``model_parallel_cuda_manual_seed`` instead).
+    """
+    if _torch_has_cuda():
+        return False
+    from megatron.core.tensor_parallel import random as mp_random  # lazy: Megatron-Core is optional
+
+    mp_random.initialize_rng_tracker(inference_rng_tracker=True, force_reset=True)
+    return True
+
+
+def reset_rng_tracker() -> None:
+    """Drop Megatron's RNG tracker so the next model build starts from a fresh one."""
+    from megatron.core.tensor_parallel import random as mp_random  # lazy: Megatron-Core is optional
+
+    mp_random.initialize_rng_tracker(force_reset=True)
+    mp_random._CUDA_RNG_STATE_TRACKER = None
+    mp_random._CUDA_RNG_STATE_TRACKER_INITIALIZED = False
 
 
 def apply(version: str | None) -> None:
@@ -289,8 +377,8 @@ def apply(version: str | None) -> None:
         fix_sequential_expert_export()
     else:
         logger.warning(
-            "megatron-bridge %s is not a version megatron-fp8 was tested with (%s): no patch applied; "
-            "MoE export without TransformerEngine may fail",
+            "megatron-bridge %s is not a version megatron-fp8 was tested with (%s): the SequentialMLP expert "
+            "export fix (patch 2) is not applied; MoE export without TransformerEngine may fail",
             version,
             ", ".join(v + "x" for v in PATCHED_VERSIONS),
         )

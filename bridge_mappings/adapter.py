@@ -10,7 +10,12 @@ Everything megatron-fp8 asks of Megatron-Bridge goes through here:
   gathers, PP broadcasts are the bridge's job);
 * :func:`quantized_hf_weight_stream`: that stream with FP8 + ``_scale_inv`` for
   the names vLLM holds in FP8;
-* :func:`bf16_mixed_precision`: Megatron-Bridge's ``bf16_mixed()`` config.
+* :func:`bf16_mixed_precision`: Megatron-Bridge's ``bf16_mixed()`` config;
+* :func:`transformer_engine_available`: whether a real TransformerEngine is importable
+  (the patches' import stand-ins never count);
+* the bridge's types for annotations (``AutoBridge``, ``GPTModelProvider``,
+  ``MixedPrecisionConfig``), re-exported under ``TYPE_CHECKING`` so that no other
+  module names ``megatron.bridge``, even for typing.
 
 Supported version: megatron-bridge 0.3.x (the pin of both the CPU venv and the
 container: ``requirements/constraints.txt``, ``docker/constraints-container.txt``).
@@ -24,6 +29,7 @@ are not used: nothing here could run them, so no branch pretends to.
 
 from __future__ import annotations
 
+import contextlib
 import importlib
 import importlib.metadata
 import inspect
@@ -37,12 +43,12 @@ import torch
 
 from bridge_mappings import _patches
 from megatron_fp8.errors import ConfigError
-from megatron_fp8.megatron._patches import cpu_device_patches
 from megatron_fp8.vocab import SCALE_SUFFIX
 
-if TYPE_CHECKING:  # the bridge's own types, for annotations only
-    from megatron.bridge import AutoBridge
-    from megatron.bridge.training.mixed_precision import MixedPrecisionConfig
+if TYPE_CHECKING:  # the bridge's own types, for annotations only (re-exported: `import X as X`)
+    from megatron.bridge import AutoBridge as AutoBridge
+    from megatron.bridge.models import GPTModelProvider as GPTModelProvider
+    from megatron.bridge.training.mixed_precision import MixedPrecisionConfig as MixedPrecisionConfig
 
 logger = logging.getLogger(__name__)
 
@@ -53,6 +59,7 @@ __all__ = [
     "import_bridge",
     "load_bridge",
     "quantized_hf_weight_stream",
+    "transformer_engine_available",
 ]
 
 QuantFn = Callable[[str, torch.Tensor], tuple[torch.Tensor, torch.Tensor]]
@@ -65,6 +72,11 @@ def bridge_version() -> str | None:
         return importlib.metadata.version("megatron-bridge")
     except importlib.metadata.PackageNotFoundError:
         return None
+
+
+def transformer_engine_available() -> bool:
+    """Whether a real TransformerEngine is importable (the TE import stand-ins of the patches never count)."""
+    return _patches.real_te_available()
 
 
 def import_bridge() -> types.ModuleType:
@@ -162,3 +174,22 @@ def bf16_mixed_precision() -> MixedPrecisionConfig:
     import_bridge()
     mixed_precision = importlib.import_module("megatron.bridge.training.mixed_precision")
     return mixed_precision.bf16_mixed()
+
+
+def cpu_device_patches() -> contextlib.AbstractContextManager[bool]:
+    """Scope in which Megatron-Core's ``torch.cuda.current_device()`` answers the CPU device (without CUDA only).
+
+    Patch 3 of :mod:`bridge_mappings._patches`. Yields ``True`` when active, ``False`` when CUDA is
+    available and nothing was patched.
+    """
+    return _patches.cpu_device_patches()
+
+
+def use_cpu_rng_tracker() -> bool:
+    """Install Megatron's no-op-fork RNG tracker when CUDA is unavailable (patch 4); ``False`` with CUDA."""
+    return _patches.use_cpu_rng_tracker()
+
+
+def reset_rng_tracker() -> None:
+    """Drop Megatron's RNG tracker so the next model build starts from a fresh one (patch 4)."""
+    _patches.reset_rng_tracker()

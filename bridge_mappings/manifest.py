@@ -26,9 +26,17 @@ import os
 import re
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING
+
+import torch
+import torch.distributed as dist
+from safetensors import safe_open
 
 from megatron_fp8.errors import ManifestError
+from megatron_fp8.rollout.vllm import adapter as vllm_adapter
+
+if TYPE_CHECKING:  # vLLM's engine, for annotations only (named by the vLLM adapter, vLLM's one room)
+    from megatron_fp8.rollout.vllm.adapter import LLM
 
 logger = logging.getLogger(__name__)
 
@@ -36,7 +44,7 @@ MANIFEST_SCHEMA = 1
 _LAYER_RE = re.compile(r"^(?P<prefix>.*\blayers)\.(?P<idx>\d+)\.(?P<rest>.+)$")
 
 
-def _canonical(obj: Any) -> str:
+def _canonical(obj: object) -> str:
     return json.dumps(obj, sort_keys=True, separators=(",", ":"))
 
 
@@ -60,8 +68,6 @@ def model_config_hash(config: dict) -> str:
 
 def checkpoint_tensors(model_path: str | Path) -> dict[str, tuple[int, ...]]:
     """Names and shapes of every tensor in an HF safetensors checkpoint (headers only)."""
-    from safetensors import safe_open
-
     files = sorted(Path(model_path).glob("*.safetensors"))
     if not files:
         raise ManifestError(f"{model_path}: no *.safetensors files")
@@ -112,7 +118,7 @@ def build_quantization_config(
             ignored.add(expert.group(1) if expert else module)
         elif keep_router_bf16 and num_experts and not expert and shape[0] == int(num_experts):
             ignored.add(module)
-    qcfg: dict[str, Any] = {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic"}
+    qcfg: dict[str, object] = {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic"}
     if weight_block_size is not None:
         qcfg["weight_block_size"] = [int(b) for b in weight_block_size]
     qcfg["ignored_layers"] = sorted(ignored)
@@ -195,11 +201,9 @@ class Manifest:
 def make_fingerprint(
     model_path: str | Path, quantization_config: dict, *, num_first_layers_in_bf16: int, num_last_layers_in_bf16: int
 ) -> Fingerprint:
-    from megatron_fp8.rollout.vllm.adapter import vllm_version
-
     return Fingerprint(
         model_config_sha256=model_config_hash(load_hf_config(model_path)),
-        vllm_version=vllm_version() or "not-installed",
+        vllm_version=vllm_adapter.vllm_version() or "not-installed",
         quantization_config=_canonical(quantization_config),
         num_first_layers_in_bf16=int(num_first_layers_in_bf16),
         num_last_layers_in_bf16=int(num_last_layers_in_bf16),
@@ -241,7 +245,7 @@ def ask_vllm(
     *,
     num_first_layers_in_bf16: int = 0,
     num_last_layers_in_bf16: int = 0,
-    llm: Any | None = None,
+    llm: LLM | None = None,
 ) -> Manifest:
     """Ask vLLM which parameters it holds in FP8 (builds an engine unless ``llm`` is given).
 
@@ -250,10 +254,6 @@ def ask_vllm(
     quantization config is asked per layer (``vllm-quant-method``). A given
     ``llm`` must carry :class:`~megatron_fp8.rollout.vllm.worker_extension.FP8RefitWorkerExtension`.
     """
-    import torch
-
-    from megatron_fp8.rollout.vllm import adapter
-
     fingerprint = make_fingerprint(
         model_path,
         quantization_config,
@@ -262,15 +262,15 @@ def ask_vllm(
     )
     live = torch.cuda.is_available() if llm is None else _is_fp8_engine(llm)
     if llm is None:
-        llm = adapter.build_llm(
+        llm = vllm_adapter.build_llm(
             str(model_path), quantization_config=quantization_config if live else None, skip_tokenizer_init=True
         )
     if live:
         decisions = llm.collective_rpc("mfp8_param_dtype_decisions")[0]
-        source = f"vllm-param-dtype {adapter.vllm_version()}"
+        source = f"vllm-param-dtype {vllm_adapter.vllm_version()}"
     else:
         decisions = llm.collective_rpc("mfp8_quant_decisions", args=(quantization_config,))[0]
-        source = f"vllm-quant-method {adapter.vllm_version()}"
+        source = f"vllm-quant-method {vllm_adapter.vllm_version()}"
     manifest = manifest_from_decisions(
         decisions,
         source=source,
@@ -287,7 +287,7 @@ def ask_vllm(
     return manifest
 
 
-def _is_fp8_engine(llm: Any) -> bool:
+def _is_fp8_engine(llm: LLM) -> bool:
     decisions = llm.collective_rpc("mfp8_param_dtype_decisions")[0]
     return any(d["is_fp8"] for d in decisions)
 
@@ -350,19 +350,17 @@ class ManifestStore:
         num_first_layers_in_bf16: int = 0,
         num_last_layers_in_bf16: int = 0,
         refresh: bool = False,
-        llm: Any | None = None,
-        group: Any | None = None,
+        llm: LLM | None = None,
+        group: dist.ProcessGroup | None = None,
     ) -> StoredManifest:
         """Reuse the stored manifest when its fingerprint matches, else ask vLLM once.
 
         With a ``torch.distributed`` ``group``, only its first rank reads/asks and
         the result is broadcast to the others.
         """
-        import torch.distributed as dist
-
         distributed = group is not None and dist.is_initialized()
         rank = dist.get_rank(group) if distributed else 0
-        payload: list[Any] = [None]
+        payload: list[StoredManifest | None] = [None]
         if rank == 0:
             payload[0] = self._get_or_ask_local(
                 model_path,
@@ -375,10 +373,20 @@ class ManifestStore:
         if distributed:
             src = dist.get_global_rank(group, 0)
             dist.broadcast_object_list(payload, src=src, group=group)
-        return payload[0]
+        stored = payload[0]
+        if stored is None:
+            raise ManifestError(f"rank 0 of the group sent no FP8 manifest for {model_path}")
+        return stored
 
     def _get_or_ask_local(
-        self, model_path, quantization_config, *, num_first_layers_in_bf16, num_last_layers_in_bf16, refresh, llm
+        self,
+        model_path: str | Path,
+        quantization_config: dict,
+        *,
+        num_first_layers_in_bf16: int,
+        num_last_layers_in_bf16: int,
+        refresh: bool,
+        llm: LLM | None,
     ) -> StoredManifest:
         expected = make_fingerprint(
             model_path,

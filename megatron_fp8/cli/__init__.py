@@ -12,13 +12,14 @@ import argparse
 import importlib
 import logging
 import sys
+from types import ModuleType
 
 from megatron_fp8 import __version__
+from megatron_fp8.errors import MegatronFP8Error
 
-COMMANDS: dict[str, tuple[str, str]] = {
+COMMANDS: dict[str, tuple[str, str]] = {  # name -> (module, one-line help)
     "doctor": ("megatron_fp8.cli.doctor", "which FP8 recipes this machine can run, and why not"),
     "demo": ("megatron_fp8.cli.demo", "the main job on the embedded default (what `make demo` runs)"),
-    "quantize": ("megatron_fp8.cli.quantize", "quantize a model's weights; print payload and error per tensor"),
     "manifest": ("megatron_fp8.cli.manifest", "the set of HF parameters vLLM holds in FP8 (asked of vLLM once)"),
     "refit": ("megatron_fp8.cli.refit", "refit an engine from a Megatron model: FP8 vs BF16 payload, time, error"),
     "grpo": ("megatron_fp8.cli.grpo", "GRPO with FP8 rollout: BF16 vs FP8 vs FP8+TIS arms"),
@@ -26,12 +27,14 @@ COMMANDS: dict[str, tuple[str, str]] = {
 }
 
 
-def _load(name: str):
+def _load(name: str) -> ModuleType:
+    """Import the module of command ``name`` (only the command that runs is ever imported)."""
     module_name, _ = COMMANDS[name]
     return importlib.import_module(module_name)
 
 
 def build_parser(argv: list[str]) -> argparse.ArgumentParser:
+    """The top-level parser; only the subcommand named in ``argv`` gets its arguments (and its module imported)."""
     parser = argparse.ArgumentParser(prog="megatron-fp8", description=__doc__.splitlines()[0])
     parser.add_argument("--version", action="version", version=f"megatron-fp8 {__version__}")
     parser.add_argument("-v", "--verbose", action="store_true", help="debug logging")
@@ -45,6 +48,7 @@ def build_parser(argv: list[str]) -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    """Run ``megatron-fp8``; returns the exit code (1 for a :class:`MegatronFP8Error`, 2 without a command)."""
     argv = list(sys.argv[1:] if argv is None else argv)
     parser = build_parser(argv)
     args = parser.parse_args(argv)
@@ -54,8 +58,6 @@ def main(argv: list[str] | None = None) -> int:
     if args.command is None:
         parser.print_help()
         return 2
-    from megatron_fp8.errors import MegatronFP8Error
-
     try:
         return int(_load(args.command).run(args) or 0)
     except MegatronFP8Error as exc:

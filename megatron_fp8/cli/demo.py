@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import argparse
 
+from megatron_fp8.cli.grpo import run_job
+
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """Register ``--out``."""
@@ -18,8 +20,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     """Run the embedded default GRPO job into ``--out``."""
-    from megatron_fp8.cli.grpo import run_job
-
     job = argparse.Namespace(
         config=None,
         steps=None,

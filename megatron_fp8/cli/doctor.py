@@ -16,6 +16,10 @@ from __future__ import annotations
 import argparse
 import json
 
+from rich.console import Console
+from rich.panel import Panel
+from rich.table import Table
+
 from megatron_fp8.recipes import CPU_EMULATION_NOTE, RECIPES, check_all, probe_environment
 
 _ENV_ROWS: tuple[tuple[str, str], ...] = (
@@ -51,10 +55,6 @@ def run(args: argparse.Namespace) -> int:
         payload = {"environment": env.to_dict(), "recipes": [v.to_dict() for v in verdicts]}
         print(json.dumps(payload, indent=2))
         return 0
-
-    from rich.console import Console
-    from rich.panel import Panel
-    from rich.table import Table
 
     console = Console()
     env_dict = env.to_dict()

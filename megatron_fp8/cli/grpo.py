@@ -13,7 +13,9 @@ import argparse
 import logging
 from pathlib import Path
 
+from megatron_fp8.config import load_config
 from megatron_fp8.errors import ConfigError
+from megatron_fp8.vocab import ARMS
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -21,14 +23,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--config", default=None, help="YAML file (default: the embedded tiny_cpu.yaml)")
     parser.add_argument("--steps", type=int, default=None, metavar="N", help="steps per arm (default: grpo.num_steps)")
     parser.add_argument("--out", default=None, metavar="DIR", help="output folder (default: the config's out_dir)")
-    parser.add_argument("--arms", default=None, metavar="a,b,c", help="comma-separated arms: bf16, fp8, fp8_tis")
+    parser.add_argument("--arms", default=None, metavar="a,b,c", help=f"comma-separated arms: {', '.join(ARMS)}")
     parser.add_argument("--no-progress", action="store_true", help="no progress bar")
     parser.add_argument("overrides", nargs="*", metavar="KEY=VALUE", help="dotted overrides, e.g. grpo.seed=1")
 
 
 def run_job(args: argparse.Namespace) -> tuple[Path, Path, Path] | None:
     """Load the config, run GRPO and print the summary; returns ``(metrics, summary, plot)`` paths."""
-    from megatron_fp8.config import load_config
+    # lazy: the RL stack (engines, trainer) loads only when a run starts, not for `grpo --help`
     from megatron_fp8.rl.grpo import run_grpo
 
     config = load_config(args.config, list(getattr(args, "overrides", []) or []))
@@ -37,7 +39,7 @@ def run_job(args: argparse.Namespace) -> tuple[Path, Path, Path] | None:
     if getattr(args, "arms", None):
         arms = [a.strip() for a in args.arms.split(",") if a.strip()]
         if not arms:
-            raise ConfigError(f"--arms {args.arms!r} names no arm; e.g. --arms bf16,fp8,fp8_tis")
+            raise ConfigError(f"--arms {args.arms!r} names no arm; e.g. --arms {','.join(ARMS)}")
     out = Path(args.out) if args.out else Path(config.out_dir)
     steps = getattr(args, "steps", None)
     result = run_grpo(config, out_dir=out, steps=steps, arms=arms, progress=not getattr(args, "no_progress", False))

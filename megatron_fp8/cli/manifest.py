@@ -5,8 +5,17 @@ from __future__ import annotations
 import argparse
 import json
 
+from rich.console import Console
+from rich.table import Table
+
+from bridge_mappings.manifest import ManifestStore, build_quantization_config
+from megatron_fp8.cli._io import stdout_to_stderr
+from megatron_fp8.models import resolve_model
+from megatron_fp8.vocab import FP8_DTYPE_NAME, SCALE_SUFFIX
+
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """Register ``--model``, the BF16 layer counts, ``--quantize-router``, ``--refresh``, ``--store``, ``--json``."""
     parser.add_argument("--model", default="tiny", help="'tiny', 'tiny-moe' or an HF checkpoint folder")
     parser.add_argument("--num-first-layers-in-bf16", type=int, default=0, metavar="N")
     parser.add_argument("--num-last-layers-in-bf16", type=int, default=0, metavar="N")
@@ -21,10 +30,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from bridge_mappings.manifest import ManifestStore, build_quantization_config
-    from megatron_fp8.cli._io import stdout_to_stderr
-    from megatron_fp8.models import resolve_model
-
+    """Print the FP8 manifest of ``--model`` (asking vLLM only when no matching one is stored)."""
     path = resolve_model(args.model)
     qcfg = build_quantization_config(
         path,
@@ -47,9 +53,6 @@ def run(args: argparse.Namespace) -> int:
         out["path"] = str(stored.path)
         print(json.dumps(out, indent=1))
         return 0
-    from rich.console import Console
-    from rich.table import Table
-
     console = Console()
     status = "reused the stored manifest" if stored.reused else "asked vLLM and stored the answer"
     console.print(
@@ -58,7 +61,7 @@ def run(args: argparse.Namespace) -> int:
     )
     table = Table("HF parameter", "vLLM holds it in")
     for name in m.fp8_params:
-        table.add_row(name, "[green]float8_e4m3fn[/] (+ _scale_inv)")
+        table.add_row(name, f"[green]{FP8_DTYPE_NAME}[/] (+ {SCALE_SUFFIX})")
     for name in m.fp8_capable_bf16:
         table.add_row(name, "[yellow]bfloat16[/] (ignored layer)")
     console.print(table)

@@ -6,8 +6,17 @@ import argparse
 import dataclasses
 import json
 
+from rich.console import Console
+from rich.table import Table
+
+from bridge_mappings.manifest import ManifestStore, build_quantization_config
+from megatron_fp8.cli._io import stdout_to_stderr
+from megatron_fp8.megatron import build_megatron_model, export_hf_weights, megatron_parallel
+from megatron_fp8.models import resolve_model
+
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """Register ``--model``, ``--compare-bf16``, ``--transport``, ``--repeats``, the BF16 layer counts, ``--json``."""
     parser.add_argument("--model", default="tiny", help="'tiny', 'tiny-moe' or an HF checkpoint folder")
     parser.add_argument("--compare-bf16", action="store_true", help="also refit the same parameters in BF16")
     parser.add_argument("--transport", choices=("inproc", "gloo"), default="inproc")
@@ -18,10 +27,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from bridge_mappings.manifest import ManifestStore, build_quantization_config
-    from megatron_fp8.cli._io import stdout_to_stderr
-    from megatron_fp8.megatron import build_megatron_model, megatron_parallel
-    from megatron_fp8.models import resolve_model
+    """Refit an engine from a Megatron model of ``--model`` and print payload, time and error (exit 1 if unverified)."""
+    # lazy: the RL stack (engines, trainer) loads only when a run starts, not for `refit --help`
     from megatron_fp8.rl.refit_session import run_refits, run_refits_over_gloo
 
     path = resolve_model(args.model)
@@ -46,8 +53,6 @@ def run(args: argparse.Namespace) -> int:
                 for precision in precisions:
                     runs[precision] = run_refits(m, path, manifest, precision=precision, repeats=args.repeats)
         else:
-            from megatron_fp8.megatron import export_hf_weights
-
             with megatron_parallel():
                 m = build_megatron_model(path, recipe="blockwise")
                 weights = dict(export_hf_weights(m))
@@ -83,9 +88,6 @@ def run(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps(out, indent=1))
         return 0 if out["verified"] else 1
-    from rich.console import Console
-    from rich.table import Table
-
     console = Console()
     console.print(
         f"[bold]refit[/] {path} over {args.transport}; manifest: {manifest.source} "

@@ -17,16 +17,22 @@ import difflib
 import logging
 import types
 import typing
+from collections.abc import Mapping, Sequence
 from importlib import resources
 from pathlib import Path
-from typing import Any, Literal
+from typing import Annotated, Literal, TypeVar
+
+from omegaconf import DictConfig, ListConfig, OmegaConf
+from omegaconf.errors import OmegaConfBaseException
 
 from megatron_fp8.config.models import known_dims
-from megatron_fp8.config.schema import RunConfig
+from megatron_fp8.config.schema import JSONValue, OneOf, RunConfig
 from megatron_fp8.config.validate import validate_config
 from megatron_fp8.errors import ConfigError
 
 logger = logging.getLogger(__name__)
+
+T = TypeVar("T")
 
 DEFAULT_CONFIG_NAME = "tiny_cpu.yaml"
 """File name of the embedded default, shipped as package data in ``megatron_fp8/config/defaults/``."""
@@ -40,10 +46,23 @@ def default_config_text() -> str:
 # --------------------------------------------------------------------------- strict conversion
 
 
-def _type_name(tp: Any) -> str:
+def _choices(tp: object) -> tuple[object, ...] | None:
+    """The allowed values of a ``Literal[...]`` or ``Annotated[str, OneOf(...)]`` type, else ``None``."""
     origin = typing.get_origin(tp)
     if origin is Literal:
-        return "one of " + ", ".join(repr(a) for a in typing.get_args(tp))
+        return typing.get_args(tp)
+    if origin is Annotated:
+        for meta in typing.get_args(tp)[1:]:
+            if isinstance(meta, OneOf):
+                return meta.choices
+    return None
+
+
+def _type_name(tp: object) -> str:
+    origin = typing.get_origin(tp)
+    choices = _choices(tp)
+    if choices is not None:
+        return "one of " + ", ".join(repr(a) for a in choices)
     if origin in (typing.Union, types.UnionType):
         return " or ".join(_type_name(a) for a in typing.get_args(tp))
     if origin is tuple:
@@ -57,11 +76,12 @@ def _type_name(tp: Any) -> str:
     return getattr(tp, "__name__", str(tp))
 
 
-def _type_error(path: str, tp: Any, value: Any) -> ConfigError:
+def _type_error(path: str, tp: object, value: object) -> ConfigError:
     return ConfigError(f"{path}: expected {_type_name(tp)}, got {type(value).__name__} {value!r}")
 
 
-def _convert(tp: Any, value: Any, path: str) -> Any:
+def _convert(tp: object, value: object, path: str) -> object:
+    """``value`` checked against the schema type ``tp`` (and converted: lists -> tuples, ints -> floats)."""
     origin = typing.get_origin(tp)
     if origin in (typing.Union, types.UnionType):
         args = typing.get_args(tp)
@@ -78,10 +98,13 @@ def _convert(tp: Any, value: Any, path: str) -> Any:
                 if len([a for a in args if a is not type(None)]) == 1:
                     raise
         raise _type_error(path, tp, value)
-    if origin is Literal:
-        if value not in typing.get_args(tp):
+    choices = _choices(tp)
+    if choices is not None:
+        if value not in choices:
             raise _type_error(path, tp, value)
         return value
+    if origin is Annotated:
+        return _convert(typing.get_args(tp)[0], value, path)
     if origin is tuple:
         if not isinstance(value, (list, tuple)):
             raise _type_error(path, tp, value)
@@ -96,7 +119,7 @@ def _convert(tp: Any, value: Any, path: str) -> Any:
                 raise ConfigError(f"{path}.{k}: expected a string (or number), got {type(v).__name__} {v!r}")
             out[str(k)] = str(v)
         return out
-    if dataclasses.is_dataclass(tp):
+    if isinstance(tp, type) and dataclasses.is_dataclass(tp):
         return build_dataclass(tp, value, path)
     if tp is bool:
         if not isinstance(value, bool):
@@ -117,7 +140,7 @@ def _convert(tp: Any, value: Any, path: str) -> Any:
     raise TypeError(f"schema type {tp!r} at {path} is not handled by the config converter")  # schema bug
 
 
-def build_dataclass(cls: type, data: Any, path: str = "") -> Any:
+def build_dataclass(cls: type[T], data: object, path: str = "") -> T:
     """Build a schema dataclass from a plain mapping, strictly.
 
     Args:
@@ -134,10 +157,12 @@ def build_dataclass(cls: type, data: Any, path: str = "") -> Any:
         data = {}
     if not isinstance(data, dict):
         raise ConfigError(f"{where}: expected a mapping, got {type(data).__name__} {data!r}")
-    hints = typing.get_type_hints(cls)
+    if not dataclasses.is_dataclass(cls):
+        raise TypeError(f"{cls!r} is not a schema dataclass")  # programming error, not a config error
+    hints = typing.get_type_hints(cls, include_extras=True)
     names = [f.name for f in dataclasses.fields(cls)]
     aliases: dict[str, str] = getattr(cls, "ALIASES", {})
-    kwargs: dict[str, Any] = {}
+    kwargs: dict[str, object] = {}
     for key, value in data.items():
         key = str(key)
         name = aliases.get(key, key)
@@ -161,21 +186,15 @@ def build_dataclass(cls: type, data: Any, path: str = "") -> Any:
 # --------------------------------------------------------------------------- loading
 
 
-def _to_plain(node: Any) -> dict[str, Any]:
-    from omegaconf import OmegaConf
-    from omegaconf.errors import OmegaConfBaseException
-
+def _to_plain(node: DictConfig | ListConfig) -> dict[str, JSONValue]:
     try:
         plain = OmegaConf.to_container(node, resolve=True)
     except OmegaConfBaseException as exc:
         raise ConfigError(f"config interpolation failed: {exc}") from exc
-    return plain if isinstance(plain, dict) else {}
+    return {str(k): v for k, v in plain.items()} if isinstance(plain, dict) else {}
 
 
-def _merge(path: str | Path | None, overrides: typing.Sequence[str]) -> dict[str, Any]:
-    from omegaconf import OmegaConf
-    from omegaconf.errors import OmegaConfBaseException
-
+def _merge(path: str | Path | None, overrides: Sequence[str]) -> dict[str, JSONValue]:
     try:
         if path is None:
             base = OmegaConf.create(default_config_text())
@@ -213,23 +232,23 @@ def _merge(path: str | Path | None, overrides: typing.Sequence[str]) -> dict[str
         raise ConfigError(f"cannot apply overrides {list(overrides)}: {exc}") from exc
 
 
-def _section_type(tp: Any) -> type | None:
+def _section_type(tp: object) -> type | None:
     """The schema dataclass inside ``tp`` (unwrapping ``X | None``), else ``None``."""
-    if dataclasses.is_dataclass(tp):
-        return tp  # type: ignore[return-value]
+    if isinstance(tp, type) and dataclasses.is_dataclass(tp):
+        return tp
     if typing.get_origin(tp) in (typing.Union, types.UnionType):
         for arg in typing.get_args(tp):
-            if dataclasses.is_dataclass(arg):
+            if isinstance(arg, type) and dataclasses.is_dataclass(arg):
                 return arg
     return None
 
 
-def _canonicalize(data: Any, cls: type, path: str) -> Any:
+def _canonicalize(data: JSONValue, cls: type, path: str) -> JSONValue:
     """Rename alias keys to their canonical names, recursively (unknown keys are left for the converter)."""
     if not isinstance(data, dict):
         return data
     aliases: dict[str, str] = getattr(cls, "ALIASES", {})
-    out: dict[str, Any] = {}
+    out: dict[str, JSONValue] = {}
     for key, value in data.items():
         name = aliases.get(str(key), str(key))
         if name in out:
@@ -246,7 +265,7 @@ def _canonicalize(data: Any, cls: type, path: str) -> Any:
     return out
 
 
-def _reconcile_model_name(raw: dict[str, Any]) -> None:
+def _reconcile_model_name(raw: dict[str, JSONValue]) -> None:
     policy = raw.get("policy")
     if not isinstance(policy, dict) or policy.get("model_name") is None:
         return
@@ -265,7 +284,7 @@ def _reconcile_model_name(raw: dict[str, Any]) -> None:
 def _fill_model(cfg: RunConfig) -> RunConfig:
     m = cfg.model
     dims = known_dims(m.name_or_path)
-    updates: dict[str, Any] = {}
+    updates: dict[str, object] = {}
     if dims is not None:
         for key in (
             "num_layers",
@@ -287,7 +306,7 @@ def _fill_model(cfg: RunConfig) -> RunConfig:
     return dataclasses.replace(cfg, model=dataclasses.replace(m, **updates))
 
 
-def config_from_dict(data: dict[str, Any]) -> RunConfig:
+def config_from_dict(data: Mapping[str, JSONValue]) -> RunConfig:
     """Build and validate a :class:`RunConfig` from a plain nested dict (e.g. :meth:`RunConfig.to_dict`).
 
     Raises:
@@ -300,7 +319,7 @@ def config_from_dict(data: dict[str, Any]) -> RunConfig:
     return cfg
 
 
-def load_config(path: str | Path | None = None, overrides: typing.Sequence[str] = ()) -> RunConfig:
+def load_config(path: str | Path | None = None, overrides: Sequence[str] = ()) -> RunConfig:
     """Load, override, fill in and validate a run config.
 
     Args:

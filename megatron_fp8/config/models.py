@@ -1,13 +1,15 @@
 """Dimensions of the models megatron-fp8 knows, for validation before anything is loaded.
 
-The tiny models mirror :data:`megatron_fp8.models.tiny.TINY_MODELS` (a test keeps
-them equal) but are repeated here so that loading a config never imports torch.
-The public models are the published Hugging Face ``config.json`` values.
+The tiny models are read from :data:`megatron_fp8.models.tiny.TINY_MODELS` (one
+source of truth); the public models are the published Hugging Face
+``config.json`` values.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+
+from megatron_fp8.models.tiny import MODEL_ALIASES, TINY_MODELS
 
 
 @dataclass(frozen=True)
@@ -42,8 +44,6 @@ class ModelDims:
 
 def _tiny_dims(name: str) -> ModelDims:
     """Dimensions of an embedded tiny model, read from its spec (one source of truth)."""
-    from megatron_fp8.models.tiny import TINY_MODELS
-
     spec = TINY_MODELS[name]
     return ModelDims(
         num_layers=spec.num_hidden_layers,
@@ -58,9 +58,7 @@ def _tiny_dims(name: str) -> ModelDims:
 
 
 KNOWN_MODELS: dict[str, ModelDims] = {
-    "tiny": _tiny_dims("tiny"),
-    "tiny-moe": _tiny_dims("tiny-moe"),
-    "tiny-llama": _tiny_dims("tiny-llama"),
+    **{name: _tiny_dims(name) for name in TINY_MODELS},
     "llama-3.1-8b": ModelDims(
         num_layers=32,
         hidden_size=4096,
@@ -90,13 +88,10 @@ KNOWN_MODELS: dict[str, ModelDims] = {
 }
 """Known models by canonical key (lower-case base name without ``-instruct`` / ``-base``)."""
 
-MODEL_NAME_ALIASES: dict[str, str] = {"dense": "tiny", "moe": "tiny-moe"}
-"""Alternative spellings of the tiny models (as :mod:`megatron_fp8.models` accepts)."""
-
 
 def model_key(name_or_path: str) -> str:
     """Canonical :data:`KNOWN_MODELS` key for a model name or path (it may not be in the table)."""
-    name = MODEL_NAME_ALIASES.get(name_or_path, name_or_path)
+    name = MODEL_ALIASES.get(name_or_path, name_or_path)
     base = name.rstrip("/").rsplit("/", 1)[-1].lower()
     for suffix in ("-instruct", "-base"):
         if base.endswith(suffix):

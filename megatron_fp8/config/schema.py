@@ -35,7 +35,45 @@ declared per section in ``ALIASES``: ``use_weight_pow2_scale`` ->
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field
-from typing import Any, ClassVar, Literal
+from typing import Annotated, ClassVar, Literal, TypeAlias
+
+import yaml
+
+from megatron_fp8 import vocab
+from megatron_fp8.recipes.registry import FP8_FORMATS
+
+JSONValue: TypeAlias = "str | int | float | bool | None | list[JSONValue] | dict[str, JSONValue]"
+"""Plain data as YAML / JSON carries it (what :meth:`RunConfig.to_dict` returns and the loader reads)."""
+
+
+@dataclass(frozen=True)
+class OneOf:
+    """Schema marker on a ``str`` field: the value must be one of ``choices``.
+
+    Used as ``Annotated[str, OneOf(...)]`` for the closed sets declared in :mod:`megatron_fp8.vocab`, so
+    the schema names the set instead of spelling it; the loader treats it like a ``Literal``.
+
+    Attributes:
+        choices: the valid values, in the order messages list them.
+    """
+
+    choices: tuple[str, ...]
+
+
+Fp8Format = Annotated[str, OneOf(tuple(FP8_FORMATS))]
+"""Megatron-Core ``TransformerConfig.fp8`` format, a key of :data:`megatron_fp8.recipes.registry.FP8_FORMATS`."""
+
+RolloutPrecision = Annotated[str, OneOf(vocab.ROLLOUT_PRECISIONS)]
+"""Rollout weight precision, one of :data:`megatron_fp8.vocab.ROLLOUT_PRECISIONS`."""
+
+ISVariant = Annotated[str, OneOf(tuple(vocab.IS_VARIANTS))]
+"""Importance-sampling variant, a key of :data:`megatron_fp8.vocab.IS_VARIANTS`."""
+
+RolloutEngine = Annotated[str, OneOf(tuple(vocab.ROLLOUT_ENGINES))]
+"""Rollout engine, a key of :data:`megatron_fp8.vocab.ROLLOUT_ENGINES`."""
+
+Transport = Annotated[str, OneOf(tuple(vocab.TRANSPORTS))]
+"""Refit transport, a key of :data:`megatron_fp8.vocab.TRANSPORTS`."""
 
 
 @dataclass(frozen=True)
@@ -82,7 +120,7 @@ class FP8TrainConfig:
     """
 
     enabled: bool = False
-    fp8: Literal["e4m3", "hybrid"] = "e4m3"
+    fp8: Fp8Format = "e4m3"
     fp8_recipe: str = "blockwise"
     fp8_param: bool = False
     num_first_layers_in_bf16: int = 0
@@ -168,7 +206,7 @@ class VllmConfig:
         quantization_config: explicit vLLM quantization config; ``None`` = blockwise 128x128 dynamic.
     """
 
-    precision: Literal["bf16", "fp8"] = "bf16"
+    precision: RolloutPrecision = "bf16"
     use_deep_gemm: bool = False
     gpu_memory_utilization: float = 0.5
     num_first_layers_in_bf16: int = 0
@@ -230,9 +268,7 @@ class LossConfig:
     """
 
     use_importance_sampling_correction: bool = False
-    is_variant: Literal[
-        "token_tis", "seq_is", "token_mask", "seq_mask_sum", "seq_mask_geo", "icepop", "seq_mask_tis", "none"
-    ] = "token_tis"
+    is_variant: ISVariant = "token_tis"
     is_cap: float = 2.0
     is_lower: float | None = None
     is_upper: float | None = None
@@ -276,7 +312,7 @@ class GRPOConfig:
     temperature: float = 1.0
     learning_rate: float = 1e-5
     seed: int = 0
-    arms: tuple[str, ...] = ("bf16", "fp8", "fp8_tis")
+    arms: tuple[str, ...] = tuple(vocab.ARMS)
     task: str = "addition"
     task_max_digits: int = 1
     updates_per_step: int = 1
@@ -295,7 +331,7 @@ class RolloutConfig:
         engine: a key of :data:`megatron_fp8.vocab.ROLLOUT_ENGINES`.
     """
 
-    engine: Literal["auto", "reference", "vllm"] = "auto"
+    engine: RolloutEngine = "auto"
 
 
 @dataclass(frozen=True)
@@ -310,7 +346,7 @@ class RefitConfig:
     """
 
     bucket_size_mb: int = 512
-    transport: Literal["inproc", "gloo", "nccl", "cuda_ipc"] = "inproc"
+    transport: Transport = "inproc"
     timeout_s: float = 120.0
     verify: bool = True
 
@@ -374,20 +410,21 @@ class RunConfig:
         qc = vllm.quantization_config
         return qc is None or qc.weight_block_size is not None
 
-    def to_dict(self) -> dict[str, Any]:
+    def to_dict(self) -> dict[str, JSONValue]:
         """Plain nested dict (tuples as lists) that :func:`megatron_fp8.config.load_config` reads back."""
-        return _plain(asdict(self))
+        return {k: _plain(v) for k, v in asdict(self).items()}
 
     def dump_yaml(self) -> str:
         """The config as YAML text."""
-        import yaml
-
         return yaml.safe_dump(self.to_dict(), sort_keys=False)
 
 
-def _plain(value: Any) -> Any:
+def _plain(value: object) -> JSONValue:
+    """``value`` with tuples turned into lists, recursively (the leaves of ``asdict`` are JSON scalars)."""
     if isinstance(value, dict):
-        return {k: _plain(v) for k, v in value.items()}
+        return {str(k): _plain(v) for k, v in value.items()}
     if isinstance(value, (list, tuple)):
         return [_plain(v) for v in value]
-    return value
+    if value is None or isinstance(value, (str, int, float, bool)):
+        return value
+    raise TypeError(f"config value {value!r} of type {type(value).__name__} is not plain data")  # schema bug

@@ -13,14 +13,15 @@ are replicated, one head per rank.
 from __future__ import annotations
 
 import difflib
+from collections.abc import Callable
 from dataclasses import dataclass
 
+from megatron_fp8 import vocab
 from megatron_fp8.config.models import ModelDims
-from megatron_fp8.config.schema import RunConfig
+from megatron_fp8.config.schema import FP8TrainConfig, RunConfig, VllmConfig
 from megatron_fp8.errors import ConfigError
 from megatron_fp8.layout import is_blockable
-from megatron_fp8.recipes.registry import FP32_BLOCK_SCALES_ENV, fp8_recipe_names
-from megatron_fp8.vocab import ARMS
+from megatron_fp8.recipes.registry import FP32_BLOCK_SCALES_ENV, RECIPES, fp8_recipe_names
 
 
 @dataclass(frozen=True)
@@ -74,8 +75,26 @@ def _shards(
     return problems, shards
 
 
-def _tp_problems(block: int, **dims: int | None) -> list[str]:
-    problems, shards = _shards(**dims)  # type: ignore[arg-type]
+def _tp_problems(
+    *,
+    hidden_size: int,
+    intermediate_size: int,
+    num_heads: int,
+    num_kv_heads: int,
+    head_dim: int,
+    tp: int,
+    moe_intermediate_size: int | None,
+    block: int,
+) -> list[str]:
+    problems, shards = _shards(
+        hidden_size=hidden_size,
+        intermediate_size=intermediate_size,
+        num_heads=num_heads,
+        num_kv_heads=num_kv_heads,
+        head_dim=head_dim,
+        tp=tp,
+        moe_intermediate_size=moe_intermediate_size,
+    )
     for shard in shards:
         if not is_blockable(0, shard.size, block):
             problems.append(
@@ -92,7 +111,7 @@ def tp_sizes_that_work(
     head_dim: int,
     *,
     moe_intermediate_size: int | None = None,
-    block: int = 128,
+    block: int = vocab.DEFAULT_BLOCK,
     candidates: tuple[int, ...] = (1, 2, 4, 8, 16, 32, 64),
 ) -> tuple[int, ...]:
     """TP sizes (from ``candidates``) for which every partition fits the 128x128 blockwise format."""
@@ -100,7 +119,6 @@ def tp_sizes_that_work(
         tp
         for tp in candidates
         if not _tp_problems(
-            block,
             hidden_size=hidden_size,
             intermediate_size=intermediate_size,
             num_heads=num_heads,
@@ -108,6 +126,7 @@ def tp_sizes_that_work(
             head_dim=head_dim,
             tp=tp,
             moe_intermediate_size=moe_intermediate_size,
+            block=block,
         )
     )
 
@@ -121,7 +140,7 @@ def validate_tp_divisibility(
     tp: int,
     *,
     moe_intermediate_size: int | None = None,
-    block: int = 128,
+    block: int = vocab.DEFAULT_BLOCK,
     key: str = "tensor_parallel_size",
 ) -> None:
     """Check that TP ``tp`` splits every projection into whole ``block``-sized FP8 blocks.
@@ -142,17 +161,26 @@ def validate_tp_divisibility(
     """
     if not isinstance(tp, int) or isinstance(tp, bool) or tp < 1:
         raise ConfigError(f"{key} must be an integer >= 1, got {tp!r}")
-    dims = dict(
+    problems = _tp_problems(
         hidden_size=hidden_size,
         intermediate_size=intermediate_size,
         num_heads=num_heads,
         num_kv_heads=num_kv_heads,
         head_dim=head_dim,
+        tp=tp,
         moe_intermediate_size=moe_intermediate_size,
+        block=block,
     )
-    problems = _tp_problems(block, tp=tp, **dims)
     if problems:
-        ok = tp_sizes_that_work(block=block, **dims)  # type: ignore[arg-type]
+        ok = tp_sizes_that_work(
+            hidden_size,
+            intermediate_size,
+            num_heads,
+            num_kv_heads,
+            head_dim,
+            moe_intermediate_size=moe_intermediate_size,
+            block=block,
+        )
         suggestion = f"TP sizes that work for this model: {', '.join(map(str, ok))}" if ok else "no TP size works"
         raise ConfigError(
             f"{key}={tp} breaks {block}x{block} blockwise FP8: " + "; ".join(problems) + f". Set {key} to one of "
@@ -162,188 +190,287 @@ def validate_tp_divisibility(
 
 def _dims_of(cfg: RunConfig) -> ModelDims | None:
     m = cfg.model
-    needed = (m.hidden_size, m.intermediate_size, m.num_attention_heads, m.num_key_value_heads, m.head_dim)
-    if any(v is None for v in needed):
+    if (
+        m.hidden_size is None
+        or m.intermediate_size is None
+        or m.num_attention_heads is None
+        or m.num_key_value_heads is None
+        or m.head_dim is None
+    ):
         return None
     return ModelDims(
         num_layers=m.num_layers or 0,
-        hidden_size=m.hidden_size,  # type: ignore[arg-type]
-        intermediate_size=m.intermediate_size,  # type: ignore[arg-type]
-        num_attention_heads=m.num_attention_heads,  # type: ignore[arg-type]
-        num_key_value_heads=m.num_key_value_heads,  # type: ignore[arg-type]
-        head_dim=m.head_dim,  # type: ignore[arg-type]
+        hidden_size=m.hidden_size,
+        intermediate_size=m.intermediate_size,
+        num_attention_heads=m.num_attention_heads,
+        num_key_value_heads=m.num_key_value_heads,
+        head_dim=m.head_dim,
         moe_intermediate_size=m.moe_intermediate_size,
         num_experts=m.num_experts or 0,
     )
 
 
-def validate_config(cfg: RunConfig) -> None:
-    """Check the cross-field rules; raise one :class:`ConfigError` listing every problem and its fix."""
-    errors: list[str] = []
-    vllm = cfg.policy.generation.vllm_cfg
-    mcfg = cfg.policy.megatron_cfg
-    fp8 = mcfg.fp8_cfg
-    v = "policy.generation.vllm_cfg"
+# --------------------------------------------------------------------------- cross-field rules
 
+_VLLM = "policy.generation.vllm_cfg"
+_FP8 = "policy.megatron_cfg.fp8_cfg"
+
+Rule = Callable[[RunConfig], list[str]]
+"""One cross-field rule: the run config -> its problems (each naming the dotted key and the fix), ``[]`` if none."""
+
+
+def _at_least(section: str, obj: object, keys: tuple[str, ...], minimum: int) -> list[str]:
+    """``{section}.{key} must be >= {minimum}`` for each of ``keys`` whose value on ``obj`` is below ``minimum``."""
+    return [
+        f"{section}.{key} must be >= {minimum}, got {getattr(obj, key)}" for key in keys if getattr(obj, key) < minimum
+    ]
+
+
+def quantization_config_rules(cfg: RunConfig) -> list[str]:
+    """``vllm_cfg.quantization_config``: blockwise needs all four keys and a 2-D positive block; FP8 only."""
+    vllm = cfg.policy.generation.vllm_cfg
     qc = vllm.quantization_config
-    if qc is not None and qc.weight_block_size is not None:
+    if qc is None:
+        return []
+    problems: list[str] = []
+    where = f"{_VLLM}.quantization_config"
+    if qc.weight_block_size is not None:
         missing = [k for k in ("quant_method", "fmt", "activation_scheme") if getattr(qc, k) is None]
         if missing:
-            errors.append(
-                f"{v}.quantization_config has weight_block_size but lacks "
-                + ", ".join(f"{v}.quantization_config.{k}" for k in missing)
+            problems.append(
+                f"{where} has weight_block_size but lacks "
+                + ", ".join(f"{where}.{k}" for k in missing)
                 + " (set quant_method: fp8, fmt: e4m3, activation_scheme: dynamic)"
             )
         if len(qc.weight_block_size) != 2 or any(b <= 0 for b in qc.weight_block_size):
-            errors.append(
-                f"{v}.quantization_config.weight_block_size must be two positive ints [block_n, block_k], "
+            problems.append(
+                f"{where}.weight_block_size must be two positive ints [block_n, block_k], "
                 f"got {list(qc.weight_block_size)}"
             )
-    if qc is not None and vllm.precision != "fp8":
-        errors.append(f"{v}.quantization_config is set but {v}.precision is {vllm.precision!r}; set precision: fp8")
+    if vllm.precision != "fp8":
+        problems.append(f"{where} is set but {_VLLM}.precision is {vllm.precision!r}; set precision: fp8")
+    return problems
 
+
+def generation_rules(cfg: RunConfig) -> list[str]:
+    """vLLM rollout: MoE FP8 rollout must be blockwise; memory fraction in (0, 1]; TP >= 1."""
+    vllm = cfg.policy.generation.vllm_cfg
+    problems: list[str] = []
     if cfg.model.is_moe and vllm.precision == "fp8" and not cfg.rollout_blockwise:
-        errors.append(
+        problems.append(
             f"model {cfg.model.name_or_path!r} is MoE: FP8 rollout must be blockwise, per-tensor is not supported; "
-            f"set {v}.quantization_config.weight_block_size: [128, 128] (or drop quantization_config)"
+            f"set {_VLLM}.quantization_config.weight_block_size: [128, 128] (or drop quantization_config)"
         )
-    if vllm.kv_cache_dtype == "fp8" and vllm.precision != "fp8":
-        errors.append(f"{v}.kv_cache_dtype: fp8 needs {v}.precision: fp8 (got {vllm.precision!r})")
     if not 0.0 < vllm.gpu_memory_utilization <= 1.0:
-        errors.append(f"{v}.gpu_memory_utilization must be in (0, 1], got {vllm.gpu_memory_utilization}")
+        problems.append(f"{_VLLM}.gpu_memory_utilization must be in (0, 1], got {vllm.gpu_memory_utilization}")
+    problems += _at_least(_VLLM, vllm, ("tensor_parallel_size",), 1)
+    return problems
 
+
+def kv_cache_rules(cfg: RunConfig) -> list[str]:
+    """FP8 KV cache needs FP8 rollout; calibration percentile in (0, 100] and margin >= 1."""
+    vllm = cfg.policy.generation.vllm_cfg
+    kv = cfg.kv_cache
+    problems: list[str] = []
+    if vllm.kv_cache_dtype == "fp8" and vllm.precision != "fp8":
+        problems.append(f"{_VLLM}.kv_cache_dtype: fp8 needs {_VLLM}.precision: fp8 (got {vllm.precision!r})")
+    if not 0.0 < kv.percentile <= 100.0:
+        problems.append(f"kv_cache.percentile must be in (0, 100], got {kv.percentile}")
+    if kv.margin < 1.0:
+        problems.append(f"kv_cache.margin must be >= 1.0, got {kv.margin}")
+    return problems
+
+
+def tp_divisibility_rules(cfg: RunConfig) -> list[str]:
+    """Blockwise FP8 rollout: the rollout TP splits every projection into whole blocks (module docstring)."""
     dims = _dims_of(cfg)
-    if cfg.rollout_blockwise and dims is not None:
-        block = qc.weight_block_size[0] if qc is not None and qc.weight_block_size else 128
-        try:
-            validate_tp_divisibility(
-                dims.hidden_size,
-                dims.intermediate_size,
-                dims.num_attention_heads,
-                dims.num_key_value_heads,
-                dims.head_dim,
-                vllm.tensor_parallel_size,
-                moe_intermediate_size=dims.moe_intermediate_size,
-                block=block,
-                key=f"{v}.tensor_parallel_size",
-            )
-        except ConfigError as exc:
-            errors.append(str(exc))
+    if not cfg.rollout_blockwise or dims is None:
+        return []
+    vllm = cfg.policy.generation.vllm_cfg
+    qc = vllm.quantization_config
+    block = qc.weight_block_size[0] if qc is not None and qc.weight_block_size else vocab.DEFAULT_BLOCK
+    try:
+        validate_tp_divisibility(
+            dims.hidden_size,
+            dims.intermediate_size,
+            dims.num_attention_heads,
+            dims.num_key_value_heads,
+            dims.head_dim,
+            vllm.tensor_parallel_size,
+            moe_intermediate_size=dims.moe_intermediate_size,
+            block=block,
+            key=f"{_VLLM}.tensor_parallel_size",
+        )
+    except ConfigError as exc:
+        return [str(exc)]
+    return []
 
-    if fp8.enabled:
-        valid = fp8_recipe_names()
-        if fp8.fp8_recipe not in valid:
-            close = difflib.get_close_matches(fp8.fp8_recipe, valid, n=1)
-            hint = f"did you mean {close[0]!r}? " if close else ""
-            errors.append(
-                f"policy.megatron_cfg.fp8_cfg.fp8_recipe {fp8.fp8_recipe!r} is not an FP8 recipe; {hint}valid: "
-                + ", ".join(valid)
-                + " (or set fp8_cfg.enabled: false for BF16 training)"
-            )
-        elif fp8.fp8_param and fp8.fp8_recipe not in ("blockwise", "fp8_param"):
-            errors.append(
-                f"policy.megatron_cfg.fp8_cfg.fp8_param: true is supported with fp8_recipe: blockwise (the "
-                f"'fp8_param' recipe), not {fp8.fp8_recipe!r}; set fp8_param: false or fp8_recipe: blockwise"
-            )
-        elif fp8.fp8_recipe == "delayed" and (fp8.num_first_layers_in_bf16 or fp8.num_last_layers_in_bf16):
-            errors.append(
-                "policy.megatron_cfg.fp8_cfg: delayed scaling cannot keep first/last layers in BF16; set "
-                "num_first_layers_in_bf16 and num_last_layers_in_bf16 to 0 or use fp8_recipe: tensorwise/blockwise"
-            )
-        if cfg.training_recipe in ("blockwise", "fp8_param"):
-            value = mcfg.env_vars.get(FP32_BLOCK_SCALES_ENV)
-            if value is not None and value != "1":
-                errors.append(
-                    f"policy.megatron_cfg.env_vars.{FP32_BLOCK_SCALES_ENV} is {value!r}; the blockwise recipe "
-                    "needs '1' (float32 block scales, matching the rollout side); set it to \"1\" or remove it"
-                )
 
+def fp8_training_rules(cfg: RunConfig) -> list[str]:
+    """``fp8_cfg``: a known FP8 recipe, ``fp8_param`` only with blockwise, no BF16 layers with delayed
+    scaling, and float32 block scales in the environment of the blockwise recipes."""
+    mcfg = cfg.policy.megatron_cfg
+    fp8 = mcfg.fp8_cfg
+    if not fp8.enabled:
+        return []
+    problems: list[str] = []
+    valid = fp8_recipe_names()
+    if fp8.fp8_recipe not in valid:
+        close = difflib.get_close_matches(fp8.fp8_recipe, valid, n=1)
+        hint = f"did you mean {close[0]!r}? " if close else ""
+        problems.append(
+            f"{_FP8}.fp8_recipe {fp8.fp8_recipe!r} is not an FP8 recipe; {hint}valid: "
+            + ", ".join(valid)
+            + " (or set fp8_cfg.enabled: false for BF16 training)"
+        )
+    elif fp8.fp8_param and fp8.fp8_recipe not in ("blockwise", "fp8_param"):
+        problems.append(
+            f"{_FP8}.fp8_param: true is supported with fp8_recipe: blockwise (the "
+            f"'fp8_param' recipe), not {fp8.fp8_recipe!r}; set fp8_param: false or fp8_recipe: blockwise"
+        )
+    elif fp8.fp8_recipe == "delayed" and (fp8.num_first_layers_in_bf16 or fp8.num_last_layers_in_bf16):
+        problems.append(
+            f"{_FP8}: delayed scaling cannot keep first/last layers in BF16; set "
+            "num_first_layers_in_bf16 and num_last_layers_in_bf16 to 0 or use fp8_recipe: tensorwise/blockwise"
+        )
+    recipe = RECIPES.get(cfg.training_recipe)
+    if recipe is not None and FP32_BLOCK_SCALES_ENV in recipe.env:
+        value = mcfg.env_vars.get(FP32_BLOCK_SCALES_ENV)
+        if value is not None and value != recipe.env[FP32_BLOCK_SCALES_ENV]:
+            problems.append(
+                f"policy.megatron_cfg.env_vars.{FP32_BLOCK_SCALES_ENV} is {value!r}; the blockwise recipe "
+                "needs '1' (float32 block scales, matching the rollout side); set it to \"1\" or remove it"
+            )
+    return problems
+
+
+def bf16_layer_rules(cfg: RunConfig) -> list[str]:
+    """First/last BF16 layer counts (training and rollout): >= 0, together at most the model's layers."""
     layers = cfg.model.num_layers
-    for section, obj in (("policy.megatron_cfg.fp8_cfg", fp8), (v, vllm)):
-        for key in ("num_first_layers_in_bf16", "num_last_layers_in_bf16"):
-            value = getattr(obj, key)
-            if value < 0:
-                errors.append(f"{section}.{key} must be >= 0, got {value}")
+    problems: list[str] = []
+    sections: tuple[tuple[str, FP8TrainConfig | VllmConfig], ...] = (
+        (_FP8, cfg.policy.megatron_cfg.fp8_cfg),
+        (_VLLM, cfg.policy.generation.vllm_cfg),
+    )
+    for section, obj in sections:
+        problems += _at_least(section, obj, ("num_first_layers_in_bf16", "num_last_layers_in_bf16"), 0)
         total = obj.num_first_layers_in_bf16 + obj.num_last_layers_in_bf16
         if layers and total > layers:
-            errors.append(
+            problems.append(
                 f"{section}: num_first_layers_in_bf16 + num_last_layers_in_bf16 = {total} exceeds the model's "
                 f"{layers} layers; lower them"
             )
+    return problems
 
-    for key in (
+
+def training_parallelism_rules(cfg: RunConfig) -> list[str]:
+    """Training TP, PP, CP and EP are >= 1."""
+    keys = (
         "tensor_model_parallel_size",
         "pipeline_model_parallel_size",
         "context_parallel_size",
         "expert_model_parallel_size",
-    ):
-        if getattr(mcfg, key) < 1:
-            errors.append(f"policy.megatron_cfg.{key} must be >= 1, got {getattr(mcfg, key)}")
-    if vllm.tensor_parallel_size < 1:
-        errors.append(f"{v}.tensor_parallel_size must be >= 1, got {vllm.tensor_parallel_size}")
+    )
+    return _at_least("policy.megatron_cfg", cfg.policy.megatron_cfg, keys, 1)
 
+
+def loss_rules(cfg: RunConfig) -> list[str]:
+    """``loss_fn``: positive IS cap, ordered IS bounds, PPO clip epsilons in range, positive log-ratio clamp."""
     loss = cfg.loss_fn
+    problems: list[str] = []
     if loss.is_cap <= 0:
-        errors.append(f"loss_fn.is_cap must be > 0, got {loss.is_cap}")
+        problems.append(f"loss_fn.is_cap must be > 0, got {loss.is_cap}")
     if loss.is_lower is not None and loss.is_lower < 0:
-        errors.append(f"loss_fn.is_lower must be >= 0, got {loss.is_lower}")
+        problems.append(f"loss_fn.is_lower must be >= 0, got {loss.is_lower}")
     if loss.is_lower is not None and loss.is_upper is not None and loss.is_lower >= loss.is_upper:
-        errors.append(f"loss_fn.is_lower ({loss.is_lower}) must be below loss_fn.is_upper ({loss.is_upper})")
+        problems.append(f"loss_fn.is_lower ({loss.is_lower}) must be below loss_fn.is_upper ({loss.is_upper})")
     if not 0.0 <= loss.ratio_clip_min < 1.0:
-        errors.append(
+        problems.append(
             f"loss_fn.ratio_clip_min is the PPO clip epsilon below 1: must be in [0, 1), got {loss.ratio_clip_min}"
         )
     if loss.ratio_clip_max < 0.0:
-        errors.append(
+        problems.append(
             f"loss_fn.ratio_clip_max is the PPO clip epsilon above 1: must be >= 0, got {loss.ratio_clip_max}"
         )
     if loss.log_ratio_clamp <= 0:
-        errors.append(f"loss_fn.log_ratio_clamp must be > 0, got {loss.log_ratio_clamp}")
+        problems.append(f"loss_fn.log_ratio_clamp must be > 0, got {loss.log_ratio_clamp}")
+    return problems
 
+
+def grpo_rules(cfg: RunConfig) -> list[str]:
+    """``grpo``: positive counts and rates, known distinct arms, groups of at least 2 generations."""
     g = cfg.grpo
-    for key in (
+    counts = (
         "num_steps",
         "num_prompts_per_step",
         "num_generations_per_prompt",
         "max_new_tokens",
         "task_max_digits",
         "updates_per_step",
-    ):
-        if getattr(g, key) < 1:
-            errors.append(f"grpo.{key} must be >= 1, got {getattr(g, key)}")
+    )
+    problems = _at_least("grpo", g, counts, 1)
     if g.temperature <= 0:
-        errors.append(f"grpo.temperature must be > 0, got {g.temperature}")
+        problems.append(f"grpo.temperature must be > 0, got {g.temperature}")
     if g.learning_rate <= 0:
-        errors.append(f"grpo.learning_rate must be > 0, got {g.learning_rate}")
+        problems.append(f"grpo.learning_rate must be > 0, got {g.learning_rate}")
+    arms = ", ".join(vocab.ARMS)
     if not g.arms:
-        errors.append(f"grpo.arms is empty; choose from {', '.join(ARMS)}")
-    unknown = [a for a in g.arms if a not in ARMS]
+        problems.append(f"grpo.arms is empty; choose from {arms}")
+    unknown = [a for a in g.arms if a not in vocab.ARMS]
     if unknown:
-        errors.append(f"grpo.arms has unknown arm(s) {unknown}; valid arms: {', '.join(ARMS)}")
+        problems.append(f"grpo.arms has unknown arm(s) {unknown}; valid arms: {arms}")
     if len(set(g.arms)) != len(g.arms):
-        errors.append(f"grpo.arms lists an arm twice: {list(g.arms)}")
-    if g.warmup_steps < 0:
-        errors.append(f"grpo.warmup_steps must be >= 0, got {g.warmup_steps}")
-    if g.warm_start_steps < 0:
-        errors.append(f"grpo.warm_start_steps must be >= 0, got {g.warm_start_steps}")
+        problems.append(f"grpo.arms lists an arm twice: {list(g.arms)}")
+    problems += _at_least("grpo", g, ("warmup_steps", "warm_start_steps"), 0)
     if g.warm_start_learning_rate <= 0:
-        errors.append(f"grpo.warm_start_learning_rate must be > 0, got {g.warm_start_learning_rate}")
+        problems.append(f"grpo.warm_start_learning_rate must be > 0, got {g.warm_start_learning_rate}")
     if g.num_generations_per_prompt < 2:
-        errors.append(
+        problems.append(
             f"grpo.num_generations_per_prompt is {g.num_generations_per_prompt}: GRPO normalises rewards within a "
             "group, which needs at least 2 generations per prompt"
         )
+    return problems
 
-    if cfg.refit.bucket_size_mb < 1:
-        errors.append(f"refit.bucket_size_mb must be >= 1, got {cfg.refit.bucket_size_mb}")
+
+def refit_rules(cfg: RunConfig) -> list[str]:
+    """``refit``: bucket of at least 1 MiB, positive timeout."""
+    problems = _at_least("refit", cfg.refit, ("bucket_size_mb",), 1)
     if cfg.refit.timeout_s <= 0:
-        errors.append(f"refit.timeout_s must be > 0, got {cfg.refit.timeout_s}")
-    if not 0.0 < cfg.kv_cache.percentile <= 100.0:
-        errors.append(f"kv_cache.percentile must be in (0, 100], got {cfg.kv_cache.percentile}")
-    if cfg.kv_cache.margin < 1.0:
-        errors.append(f"kv_cache.margin must be >= 1.0, got {cfg.kv_cache.margin}")
-    if cfg.logging.log_every < 1:
-        errors.append(f"logging.log_every must be >= 1, got {cfg.logging.log_every}")
+        problems.append(f"refit.timeout_s must be > 0, got {cfg.refit.timeout_s}")
+    return problems
 
-    if errors:
-        raise ConfigError("invalid run config:\n  - " + "\n  - ".join(errors))
+
+def logging_rules(cfg: RunConfig) -> list[str]:
+    """``logging``: log at least every step."""
+    return _at_least("logging", cfg.logging, ("log_every",), 1)
+
+
+RULES: tuple[Rule, ...] = (
+    quantization_config_rules,
+    generation_rules,
+    kv_cache_rules,
+    tp_divisibility_rules,
+    fp8_training_rules,
+    bf16_layer_rules,
+    training_parallelism_rules,
+    loss_rules,
+    grpo_rules,
+    refit_rules,
+    logging_rules,
+)
+"""Every cross-field rule, run in this order by :func:`validate_config`."""
+
+
+def validate_config(cfg: RunConfig, *, rules: tuple[Rule, ...] = RULES) -> None:
+    """Run every rule; raise one :class:`ConfigError` listing every problem and its fix.
+
+    Args:
+        cfg: the run config (model dimensions already filled in).
+        rules: the rules to run (default :data:`RULES`).
+
+    Raises:
+        ConfigError: ``"invalid run config:"`` followed by one ``  - problem`` line per problem.
+    """
+    problems = [problem for rule in rules for problem in rule(cfg)]
+    if problems:
+        raise ConfigError("invalid run config:\n  - " + "\n  - ".join(problems))

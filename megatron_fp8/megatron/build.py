@@ -33,15 +33,21 @@ import logging
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING
 
 import torch
 
 from bridge_mappings import adapter as bridge_adapter
-from bridge_mappings._patches import real_te_available
 from megatron_fp8.errors import ConfigError
-from megatron_fp8.megatron._patches import cpu_device_patches
 from megatron_fp8.quant.formats import PARAM_DTYPES
+from megatron_fp8.recipes import RecipeApplication, apply_recipe_with_report
+
+if TYPE_CHECKING:  # Megatron types, for annotations only (Megatron is optional at import time)
+    from megatron.core.distributed import DistributedDataParallelConfig
+    from megatron.core.transformer import TransformerConfig
+    from megatron.core.transformer.spec_utils import ModuleSpec
+
+    from bridge_mappings.adapter import AutoBridge, GPTModelProvider
 
 logger = logging.getLogger(__name__)
 
@@ -83,15 +89,15 @@ class MegatronModel:
         ddp_config: the Megatron-Core ``DistributedDataParallelConfig`` used for wrapping.
     """
 
-    bridge: Any
+    bridge: AutoBridge
     model: list[torch.nn.Module]
-    provider: Any
-    transformer_config: Any
-    recipe_application: Any
+    provider: GPTModelProvider
+    transformer_config: TransformerConfig
+    recipe_application: RecipeApplication
     hf_path: Path
     dtype: torch.dtype
     vocab_size: int
-    ddp_config: Any
+    ddp_config: DistributedDataParallelConfig
 
     @property
     def is_moe(self) -> bool:
@@ -114,8 +120,8 @@ def _resolve_dtype(dtype: torch.dtype | str) -> torch.dtype:
     return dtype
 
 
-def _local_layer_spec(provider: Any) -> Any:
-    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+def _local_layer_spec(provider: GPTModelProvider) -> ModuleSpec:
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec  # lazy: Megatron-Core is optional
 
     return get_gpt_layer_local_spec(
         num_experts=provider.num_moe_experts,
@@ -125,7 +131,7 @@ def _local_layer_spec(provider: Any) -> Any:
     )
 
 
-def _configure_for_cpu(provider: Any) -> None:
+def _configure_for_cpu(provider: GPTModelProvider) -> None:
     """Local layer spec, fusions off, CPU init; every change is a documented provider field."""
     provider.transformer_layer_spec = _local_layer_spec(provider)
     for name in FUSIONS_OFF:
@@ -137,7 +143,7 @@ def _configure_for_cpu(provider: Any) -> None:
     provider.use_cpu_initialization = True
 
 
-def _set_dtype(provider: Any, dtype: torch.dtype) -> None:
+def _set_dtype(provider: GPTModelProvider, dtype: torch.dtype) -> None:
     provider.bf16 = dtype == torch.bfloat16
     provider.fp16 = False
     provider.params_dtype = dtype
@@ -146,15 +152,15 @@ def _set_dtype(provider: Any, dtype: torch.dtype) -> None:
         provider.autocast_dtype = dtype
 
 
-def _wrap_ddp(model: list[torch.nn.Module], ddp_config: Any) -> list[torch.nn.Module]:
+def _wrap_ddp(model: list[torch.nn.Module], ddp_config: DistributedDataParallelConfig) -> list[torch.nn.Module]:
     """Megatron-Core DDP around each chunk.
 
     Megatron-Bridge's own ``_ddp_wrap`` builds the wrappers on a ``torch.cuda.Stream`` (for
     CUDA graphs), which does not exist on CPU; this is the same construction without the stream.
     """
-    from megatron.core.distributed import DistributedDataParallel
-    from megatron.core.process_groups_config import ProcessGroupCollection
-    from megatron.core.utils import get_model_config
+    from megatron.core.distributed import DistributedDataParallel  # lazy: Megatron-Core is optional
+    from megatron.core.process_groups_config import ProcessGroupCollection  # lazy: Megatron-Core is optional
+    from megatron.core.utils import get_model_config  # lazy: Megatron-Core is optional
 
     pg_collection = ProcessGroupCollection.use_mpu_process_groups()
     wrapped = [
@@ -180,7 +186,7 @@ def build_megatron_model(
     num_last_layers_in_bf16: int = 0,
     dtype: torch.dtype | str = torch.bfloat16,
     check_capability: bool = True,
-    configure: Callable[[Any], None] | None = None,
+    configure: Callable[[GPTModelProvider], None] | None = None,
 ) -> MegatronModel:
     """Build a Megatron-Core model from a Hugging Face checkpoint and load its weights.
 
@@ -206,9 +212,8 @@ def build_megatron_model(
             checkpoint the bridge cannot handle.
         megatron_fp8.errors.RecipeUnsupportedError: an FP8 recipe this GPU cannot run.
     """
-    from megatron.core import parallel_state
-
-    from megatron_fp8.recipes import apply_recipe_with_report
+    from megatron.core import parallel_state  # lazy: Megatron-Core is optional
+    from megatron.core.distributed import DistributedDataParallelConfig  # lazy: Megatron-Core is optional
 
     if not parallel_state.model_parallel_is_initialized():
         raise ConfigError(
@@ -218,10 +223,8 @@ def build_megatron_model(
     dtype = _resolve_dtype(dtype)
     hf_path = Path(hf_path)
     bridge = bridge_adapter.load_bridge(hf_path, dtype=dtype)
-    from megatron.core.distributed import DistributedDataParallelConfig
-
     provider = bridge.to_megatron_provider(load_weights=False)
-    on_cpu = not torch.cuda.is_available() or not real_te_available()
+    on_cpu = not torch.cuda.is_available() or not bridge_adapter.transformer_engine_available()
     if on_cpu:
         _configure_for_cpu(provider)
     _set_dtype(provider, dtype)
@@ -255,7 +258,7 @@ def build_megatron_model(
         use_distributed_optimizer=False,
         check_for_nan_in_grad=True,
     )
-    with cpu_device_patches():
+    with bridge_adapter.cpu_device_patches():
         model = provider.provide_distributed_model(
             wrap_with_ddp=False,
             bf16=dtype == torch.bfloat16,

@@ -25,6 +25,7 @@ import logging
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Protocol
 
 import torch
 
@@ -52,12 +53,28 @@ class AdamConfig:
     clip_grad: float = 1.0
 
 
+class StepOptimizer(Protocol):
+    """What :func:`megatron_fp8.megatron.step.train_step` needs of an optimizer.
+
+    Met by Megatron-Core's ``MegatronOptimizer`` (``get_megatron_optimizer``) and by
+    :class:`MegatronDDPAdam`.
+    """
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """Clear the gradients."""
+        ...
+
+    def step(self) -> tuple[bool, float | None, int | None]:
+        """One update: ``(update_successful, grad_norm, num_zeros_in_grad)``."""
+        ...
+
+
 def _no_decay(name: str, param: torch.Tensor) -> bool:
     return name.endswith(".bias") or param.dim() == 1
 
 
 def _counts_for_norm(param: torch.Tensor) -> bool:
-    from megatron.core import parallel_state
+    from megatron.core import parallel_state  # lazy: Megatron-Core is optional
 
     if getattr(param, "tensor_model_parallel", False):
         return True
@@ -114,7 +131,7 @@ class MegatronDDPAdam:
         return None if grad is None else grad.float()
 
     def _global_norm(self, grads: list[tuple[torch.nn.Parameter, torch.Tensor]]) -> float:
-        from megatron.core import parallel_state
+        from megatron.core import parallel_state  # lazy: Megatron-Core is optional
 
         squares = torch.zeros(1, dtype=torch.float64)
         for param, grad in grads:

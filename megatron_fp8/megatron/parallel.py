@@ -25,8 +25,8 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
+from bridge_mappings.adapter import reset_rng_tracker, use_cpu_rng_tracker
 from megatron_fp8.errors import ConfigError
-from megatron_fp8.megatron._patches import reset_rng_tracker, use_cpu_rng_tracker
 
 logger = logging.getLogger(__name__)
 
@@ -113,7 +113,7 @@ def megatron_parallel(
         ConfigError: inconsistent sizes, a missing port for multi-process runs, or
             Megatron parallel state that is already initialised.
     """
-    from megatron.core import parallel_state, tensor_parallel
+    from megatron.core import parallel_state, tensor_parallel  # lazy: Megatron-Core is optional
 
     rank = rank if rank is not None else (_env_int("RANK") or 0)
     world_size = world_size if world_size is not None else (_env_int("WORLD_SIZE") or 1)

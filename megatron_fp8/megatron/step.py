@@ -23,14 +23,17 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING
 
 import torch
 
+from bridge_mappings.adapter import cpu_device_patches
 from megatron_fp8.errors import ConfigError
-from megatron_fp8.megatron._patches import cpu_device_patches
 from megatron_fp8.megatron.build import MegatronModel
-from megatron_fp8.megatron.optim import AdamConfig, MegatronDDPAdam
+from megatron_fp8.megatron.optim import AdamConfig, MegatronDDPAdam, StepOptimizer
+
+if TYPE_CHECKING:  # Megatron-Core's optimizer, for annotations only (Megatron is optional at import time)
+    from megatron.core.optimizer import MegatronOptimizer
 
 logger = logging.getLogger(__name__)
 
@@ -174,8 +177,8 @@ def token_logprobs(
     return logprobs_from_logits(logits, input_ids, temperature=temperature)
 
 
-def _megatron_optimizer(m: MegatronModel, config: AdamConfig) -> Any:
-    from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+def _megatron_optimizer(m: MegatronModel, config: AdamConfig) -> MegatronOptimizer:
+    from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer  # lazy: Megatron-Core is optional
 
     if not torch.cuda.is_available():
         raise ConfigError(
@@ -198,11 +201,11 @@ def _megatron_optimizer(m: MegatronModel, config: AdamConfig) -> Any:
     return get_megatron_optimizer(opt_config, m.model)
 
 
-def _torch_optimizer(m: MegatronModel, config: AdamConfig) -> Any:
+def _torch_optimizer(m: MegatronModel, config: AdamConfig) -> MegatronDDPAdam:
     return MegatronDDPAdam(m.model, config)
 
 
-OPTIMIZER_BACKENDS: dict[str, Callable[[MegatronModel, AdamConfig], Any]] = {
+OPTIMIZER_BACKENDS: dict[str, Callable[[MegatronModel, AdamConfig], StepOptimizer]] = {
     "megatron": _megatron_optimizer,
     "torch": _torch_optimizer,
 }
@@ -217,7 +220,7 @@ def make_optimizer(
     clip_grad: float = 1.0,
     adam_eps: float = 1e-8,
     backend: str = "auto",
-) -> Any:
+) -> StepOptimizer:
     """Adam for the model.
 
     Args:
@@ -266,7 +269,7 @@ def _unpack_batch(batch: torch.Tensor | Mapping[str, torch.Tensor]) -> tuple[tor
 
 def train_step(
     m: MegatronModel,
-    optimizer: Any,
+    optimizer: StepOptimizer,
     loss_fn: Callable[[torch.Tensor], torch.Tensor],
     batch: torch.Tensor | Mapping[str, torch.Tensor],
     *,

@@ -44,6 +44,7 @@ from megatron_fp8.models.tokenizer import (
     save_tokenizer,
     special_token_ids,
 )
+from megatron_fp8.vocab import DEFAULT_BLOCK
 
 logger = logging.getLogger(__name__)
 
@@ -153,9 +154,11 @@ def _check_spec(spec: TinyModelSpec) -> None:
     }
     if spec.is_moe:
         dims["moe_intermediate_size"] = spec.moe_intermediate_size
-    bad = {k: v for k, v in dims.items() if v % 128}
+    bad = {k: v for k, v in dims.items() if v % DEFAULT_BLOCK}
     if bad:
-        raise ConfigError(f"tiny model {spec.name!r}: dimensions {bad} are not multiples of 128; fix the spec")
+        raise ConfigError(
+            f"tiny model {spec.name!r}: dimensions {bad} are not multiples of {DEFAULT_BLOCK}; fix the spec"
+        )
     if spec.vocab_size < TOKENIZER_SIZE:
         raise ConfigError(
             f"tiny model {spec.name!r}: vocab_size {spec.vocab_size} is below the tokenizer size {TOKENIZER_SIZE}"
@@ -208,7 +211,7 @@ def default_cache_dir() -> Path:
 
 
 def _hash_inputs(spec: TinyModelSpec) -> dict[str, object]:
-    import transformers
+    import transformers  # lazy: transformers is optional (only needed to build a checkpoint)
 
     return {
         "format_version": FORMAT_VERSION,
@@ -226,7 +229,7 @@ def spec_hash(spec: TinyModelSpec) -> str:
 
 
 def _build_hf_model(spec: TinyModelSpec) -> torch.nn.Module:
-    from transformers import (
+    from transformers import (  # lazy: transformers is optional (only needed to build a checkpoint)
         LlamaConfig,
         LlamaForCausalLM,
         Qwen3Config,
@@ -254,7 +257,7 @@ def _build_hf_model(spec: TinyModelSpec) -> torch.nn.Module:
 
 
 def _write_checkpoint(spec: TinyModelSpec, target: Path) -> None:
-    from transformers import GenerationConfig
+    from transformers import GenerationConfig  # lazy: transformers is optional
 
     model = _build_hf_model(spec)
     ids = special_token_ids()

@@ -10,7 +10,7 @@ from megatron_fp8.quant.blockwise import (
     expand_block_scales,
     quantize_blockwise,
 )
-from megatron_fp8.quant.formats import FP8_DTYPE, FP8_MAX, SCALE_FORMATS, is_pow2, scale_from_amax
+from megatron_fp8.quant.formats import FP8_DTYPE, FP8_MAX, SCALE_FORMATS, SCALE_RULES, is_pow2, scale_from_amax
 from megatron_fp8.quant.tensorwise import (
     dequantize_per_channel,
     dequantize_tensorwise,
@@ -23,6 +23,7 @@ __all__ = [
     "FP8_DTYPE",
     "FP8_MAX",
     "SCALE_FORMATS",
+    "SCALE_RULES",
     "blockwise_scale_shape",
     "dequantize_blockwise",
     "dequantize_per_channel",

@@ -3,15 +3,17 @@
 from __future__ import annotations
 
 import logging
+import typing
 
 import torch
 
 from megatron_fp8.errors import NonFiniteError, QuantInputError
-from megatron_fp8.quant.formats import FLOAT_INPUT_DTYPES, check_scale_format
+from megatron_fp8.quant.formats import FLOAT_INPUT_DTYPES, NonFinitePolicy, check_scale_format
 
 logger = logging.getLogger(__name__)
 
-NONFINITE_POLICIES = ("raise", "sanitize")
+NONFINITE_POLICIES: tuple[str, ...] = typing.get_args(NonFinitePolicy)
+"""The values of :data:`~megatron_fp8.quant.formats.NonFinitePolicy`, for run-time checks."""
 
 
 def _label(name: str | None) -> str:

@@ -13,15 +13,22 @@ CPU tensors to a chunked torch implementation. Both produce the same bytes.
 
 from __future__ import annotations
 
+import typing
 from typing import Literal
 
 import torch
 
+from megatron_fp8 import vocab
 from megatron_fp8.layout import block_scale_shape, ceil_div
 from megatron_fp8.quant import _checks
-from megatron_fp8.quant.formats import FP8_DTYPE, FP8_MAX, SCALE_FORMATS, ScaleFormat
+from megatron_fp8.quant.formats import FP8_DTYPE, FP8_MAX, SCALE_RULES, NonFinitePolicy, ScaleFormat
 
 Backend = Literal["auto", "torch", "triton"]
+"""Where a quantizer runs: ``"auto"`` (Triton for CUDA tensors), ``"torch"`` or ``"triton"``."""
+
+_BACKENDS: tuple[str, ...] = typing.get_args(Backend)
+
+_DEFAULT_BLOCK_SIZE = (vocab.DEFAULT_BLOCK, vocab.DEFAULT_BLOCK)
 
 # Rows of the input processed per step on the torch path: bounds the float32
 # temporary to ``_CHUNK_ELEMS * 4`` bytes so it stays in cache and memory stays flat.
@@ -29,7 +36,7 @@ _CHUNK_ELEMS = 1 << 20
 
 
 def blockwise_scale_shape(
-    shape: tuple[int, ...] | torch.Size, block_size: tuple[int, int] = (128, 128)
+    shape: tuple[int, ...] | torch.Size, block_size: tuple[int, int] = _DEFAULT_BLOCK_SIZE
 ) -> tuple[int, ...]:
     """Shape of the ``scale_inv`` tensor for a weight (or expert stack) of ``shape``."""
     return block_scale_shape(tuple(shape), block_size)
@@ -47,11 +54,11 @@ def _check_block_size(block_size: tuple[int, int]) -> tuple[int, int]:
 
 def resolve_backend(x: torch.Tensor, backend: Backend) -> str:
     """Pick ``"triton"`` for CUDA tensors (when Triton imports) and ``"torch"`` otherwise."""
-    if backend not in ("auto", "torch", "triton"):
-        raise _checks.QuantInputError(f"unknown backend {backend!r}; valid names: ['auto', 'torch', 'triton']")
+    if backend not in _BACKENDS:
+        raise _checks.QuantInputError(f"unknown backend {backend!r}; valid names: {list(_BACKENDS)}")
     if backend == "auto":
         if x.is_cuda:
-            from megatron_fp8.quant import triton_kernels
+            from megatron_fp8.quant import triton_kernels  # lazy: imports Triton (optional) only for CUDA tensors
 
             return "triton" if triton_kernels.available() else "torch"
         return "torch"
@@ -78,7 +85,7 @@ def _blockwise_torch(
     buf = torch.empty((min(nb, rows_per_chunk) * bn, kp), dtype=torch.float32, device=x3.device)
     if kp != k:
         buf[:, k:] = 0  # zeros never raise a maximum of |x|: amax stays over real elements
-    scale_fn = SCALE_FORMATS[scale_format]
+    scale_fn = SCALE_RULES[scale_format]
     for ei in range(e):
         for b0 in range(0, nb, rows_per_chunk):
             b1 = min(nb, b0 + rows_per_chunk)
@@ -109,9 +116,9 @@ def _blockwise_torch(
 def quantize_blockwise(
     x: torch.Tensor,
     *,
-    block_size: tuple[int, int] = (128, 128),
+    block_size: tuple[int, int] = _DEFAULT_BLOCK_SIZE,
     scale_format: ScaleFormat = "fp32",
-    nonfinite: Literal["raise", "sanitize"] = "raise",
+    nonfinite: NonFinitePolicy = "raise",
     name: str | None = None,
     backend: Backend = "auto",
 ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -145,7 +152,7 @@ def quantize_blockwise(
         x = _checks.sanitize(x, name=name)
     x3 = x if x.dim() == 3 else x.unsqueeze(0)
     if resolve_backend(x, backend) == "triton":
-        from megatron_fp8.quant import triton_kernels
+        from megatron_fp8.quant import triton_kernels  # lazy: imports Triton (optional) only when it runs
 
         q, scale = triton_kernels.quantize_blockwise_triton(x3, bn, bk, scale_format, name=name)
     else:
@@ -156,7 +163,7 @@ def quantize_blockwise(
 
 
 def expand_block_scales(
-    scale_inv: torch.Tensor, shape: tuple[int, ...] | torch.Size, block_size: tuple[int, int] = (128, 128)
+    scale_inv: torch.Tensor, shape: tuple[int, ...] | torch.Size, block_size: tuple[int, int] = _DEFAULT_BLOCK_SIZE
 ) -> torch.Tensor:
     """Broadcast per-block scales to one value per element of ``shape`` (float32)."""
     bn, bk = _check_block_size(block_size)
@@ -169,7 +176,7 @@ def dequantize_blockwise(
     q: torch.Tensor,
     scale_inv: torch.Tensor,
     *,
-    block_size: tuple[int, int] = (128, 128),
+    block_size: tuple[int, int] = _DEFAULT_BLOCK_SIZE,
     out_dtype: torch.dtype = torch.float32,
 ) -> torch.Tensor:
     """Inverse of :func:`quantize_blockwise`: ``q * scale_inv`` per block.

@@ -26,7 +26,8 @@ check the bytes against a float64 reference of this two-step rule
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Literal
+from types import MappingProxyType
+from typing import Literal, TypeAlias
 
 import torch
 
@@ -36,13 +37,14 @@ from megatron_fp8.errors import QuantInputError
 FP8_DTYPE: torch.dtype = getattr(torch, vocab.FP8_DTYPE_NAME)
 """The FP8 element type vLLM, DeepGEMM and TransformerEngine use for weights."""
 
-FP8_MAX: float = float(torch.finfo(torch.float8_e4m3fn).max)  # 448.0
+FP8_MAX: float = float(torch.finfo(FP8_DTYPE).max)  # 448.0
 """Largest finite e4m3fn value."""
 
 MIN_SCALE: float = float(torch.finfo(torch.float32).tiny)  # 2**-126
 """Smallest scale_inv ever produced (float32's smallest normal number)."""
 
-ScaleFormat = Literal["fp32", "ue8m0"]
+ScaleFormat: TypeAlias = str
+"""Name of a scale format: a key of :data:`megatron_fp8.vocab.SCALE_FORMATS` (checked by :func:`check_scale_format`)."""
 
 FLOAT_INPUT_DTYPES: tuple[torch.dtype, ...] = tuple(getattr(torch, n) for n in vocab.FLOAT_INPUT_DTYPES)
 """Input dtypes the quantizers (and the engines, for unquantized tensors) accept."""
@@ -57,9 +59,13 @@ KV_CACHE_DTYPES: dict[str, torch.dtype] = {k: getattr(torch, v) for k, v in voca
 """vLLM ``kv_cache_dtype`` name -> element type of the cache."""
 
 NonFinitePolicy = Literal["raise", "sanitize"]
+"""What a quantizer does with NaN/Inf input: raise :class:`~megatron_fp8.errors.NonFiniteError`, or replace by 0."""
 
 SCALE_SUFFIX: str = vocab.SCALE_SUFFIX
 """Re-exported from :mod:`megatron_fp8.vocab`."""
+
+SCALE_FORMATS = vocab.SCALE_FORMATS
+"""Re-exported from :mod:`megatron_fp8.vocab`: scale format name -> description (the rules are :data:`SCALE_RULES`)."""
 
 
 def _fp32_scale(amax: torch.Tensor) -> torch.Tensor:
@@ -77,17 +83,17 @@ def _ue8m0_scale(amax: torch.Tensor) -> torch.Tensor:
     return torch.where(amax == 0, torch.ones_like(scale), scale)
 
 
-SCALE_FORMATS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
-    "fp32": _fp32_scale,
-    "ue8m0": _ue8m0_scale,
-}
-"""Registry: scale format name -> ``amax (float32) -> scale_inv (float32)``."""
+SCALE_RULES: MappingProxyType[str, Callable[[torch.Tensor], torch.Tensor]] = MappingProxyType(
+    {"fp32": _fp32_scale, "ue8m0": _ue8m0_scale}
+)
+"""Registry: scale format name (a key of :data:`megatron_fp8.vocab.SCALE_FORMATS`) -> ``amax -> scale_inv``
+(both float32, same shape)."""
 
 
 def check_scale_format(scale_format: str) -> None:
     """Raise :class:`QuantInputError` listing the valid names for an unknown format."""
-    if scale_format not in SCALE_FORMATS:
-        raise QuantInputError(f"unknown scale_format {scale_format!r}; valid names: {sorted(SCALE_FORMATS)}")
+    if scale_format not in SCALE_RULES:
+        raise QuantInputError(f"unknown scale_format {scale_format!r}; valid names: {sorted(SCALE_RULES)}")
 
 
 def scale_from_amax(amax: torch.Tensor, *, scale_format: ScaleFormat = "fp32") -> torch.Tensor:
@@ -103,7 +109,7 @@ def scale_from_amax(amax: torch.Tensor, *, scale_format: ScaleFormat = "fp32") -
         float32 tensor of ``amax``'s shape; 1.0 where ``amax == 0``.
     """
     check_scale_format(scale_format)
-    return SCALE_FORMATS[scale_format](amax.to(torch.float32))
+    return SCALE_RULES[scale_format](amax.to(torch.float32))
 
 
 def is_pow2(scale: torch.Tensor) -> torch.Tensor:

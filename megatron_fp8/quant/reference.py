@@ -29,6 +29,7 @@ import torch
 from megatron_fp8.errors import QuantInputError
 from megatron_fp8.layout import ceil_div
 from megatron_fp8.quant.formats import FP8_DTYPE, FP8_MAX, MIN_SCALE, check_scale_format
+from megatron_fp8.vocab import DEFAULT_BLOCK
 
 __all__ = [
     "E4M3_MIN_NORMAL_EXP",
@@ -94,7 +95,7 @@ def _quantize_values(x64: torch.Tensor, scale64: torch.Tensor) -> torch.Tensor:
 
 
 def quantize_blockwise_reference(
-    x: torch.Tensor, *, block_size: tuple[int, int] = (128, 128), scale_format: str = "fp32"
+    x: torch.Tensor, *, block_size: tuple[int, int] = (DEFAULT_BLOCK, DEFAULT_BLOCK), scale_format: str = "fp32"
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Textbook blockwise quantization: pad, view, permute, amax, divide, permute back.
 
@@ -129,7 +130,7 @@ def quantize_blockwise_reference(
 
 
 def quantize_per_token_group_reference(
-    x: torch.Tensor, *, group_size: int = 128, scale_format: str = "fp32"
+    x: torch.Tensor, *, group_size: int = DEFAULT_BLOCK, scale_format: str = "fp32"
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Textbook per-token-group quantization (pad K, view groups, amax, divide).
 
@@ -155,7 +156,7 @@ def quantize_per_token_group_reference(
 
 
 def quantize_blockwise_naive(
-    x: torch.Tensor, *, block_size: tuple[int, int] = (128, 128)
+    x: torch.Tensor, *, block_size: tuple[int, int] = (DEFAULT_BLOCK, DEFAULT_BLOCK)
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The textbook float32 version a user would write: the CPU benchmark's baseline.
 

@@ -7,12 +7,10 @@ output row (per-channel); ``x ~= q * scale_inv``.
 
 from __future__ import annotations
 
-from typing import Literal
-
 import torch
 
 from megatron_fp8.quant import _checks
-from megatron_fp8.quant.formats import FP8_DTYPE, FP8_MAX, ScaleFormat, scale_from_amax
+from megatron_fp8.quant.formats import FP8_DTYPE, FP8_MAX, NonFinitePolicy, ScaleFormat, scale_from_amax
 
 
 def _abs_max(x: torch.Tensor, dim: int | None) -> torch.Tensor:
@@ -29,7 +27,7 @@ def quantize_tensorwise(
     x: torch.Tensor,
     *,
     scale_format: ScaleFormat = "fp32",
-    nonfinite: Literal["raise", "sanitize"] = "raise",
+    nonfinite: NonFinitePolicy = "raise",
     name: str | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Quantize with one float32 scale for the whole tensor.
@@ -73,7 +71,7 @@ def quantize_per_channel(
     x: torch.Tensor,
     *,
     scale_format: ScaleFormat = "fp32",
-    nonfinite: Literal["raise", "sanitize"] = "raise",
+    nonfinite: NonFinitePolicy = "raise",
     name: str | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Quantize a ``[N, K]`` weight with one scale per output row.

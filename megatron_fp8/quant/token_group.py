@@ -9,14 +9,13 @@ group uses only its real elements.
 
 from __future__ import annotations
 
-from typing import Literal
-
 import torch
 
+from megatron_fp8 import vocab
 from megatron_fp8.layout import ceil_div
 from megatron_fp8.quant import _checks
 from megatron_fp8.quant.blockwise import Backend, resolve_backend
-from megatron_fp8.quant.formats import FP8_DTYPE, FP8_MAX, SCALE_FORMATS, ScaleFormat
+from megatron_fp8.quant.formats import FP8_DTYPE, FP8_MAX, SCALE_RULES, NonFinitePolicy, ScaleFormat
 
 _CHUNK_ELEMS = 1 << 20
 
@@ -34,7 +33,7 @@ def _token_group_torch(
     buf = torch.empty((min(m, rows_per_chunk), kp), dtype=torch.float32, device=x2.device)
     if kp != k:
         buf[:, k:] = 0
-    scale_fn = SCALE_FORMATS[scale_format]
+    scale_fn = SCALE_RULES[scale_format]
     for r0 in range(0, m, rows_per_chunk):
         r1 = min(m, r0 + rows_per_chunk)
         work = buf[: r1 - r0]
@@ -55,9 +54,9 @@ def _token_group_torch(
 def quantize_per_token_group(
     x: torch.Tensor,
     *,
-    group_size: int = 128,
+    group_size: int = vocab.DEFAULT_BLOCK,
     scale_format: ScaleFormat = "fp32",
-    nonfinite: Literal["raise", "sanitize"] = "raise",
+    nonfinite: NonFinitePolicy = "raise",
     name: str | None = None,
     backend: Backend = "auto",
 ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -91,7 +90,7 @@ def quantize_per_token_group(
     lead, k = tuple(x.shape[:-1]), x.shape[-1]
     x2 = x.reshape(-1, k)
     if resolve_backend(x, backend) == "triton":
-        from megatron_fp8.quant import triton_kernels
+        from megatron_fp8.quant import triton_kernels  # lazy: imports Triton (optional) only when it runs
 
         q, scale = triton_kernels.quantize_per_token_group_triton(x2, group_size, scale_format, name=name)
     else:
@@ -100,7 +99,11 @@ def quantize_per_token_group(
 
 
 def dequantize_per_token_group(
-    q: torch.Tensor, scale_inv: torch.Tensor, *, group_size: int = 128, out_dtype: torch.dtype = torch.float32
+    q: torch.Tensor,
+    scale_inv: torch.Tensor,
+    *,
+    group_size: int = vocab.DEFAULT_BLOCK,
+    out_dtype: torch.dtype = torch.float32,
 ) -> torch.Tensor:
     """Inverse of :func:`quantize_per_token_group` (``q * scale_inv`` per group)."""
     k = q.shape[-1]

@@ -37,13 +37,17 @@ the GPU tests.
 from __future__ import annotations
 
 import logging
+from typing import TYPE_CHECKING
 
 import torch
 
 from megatron_fp8.errors import QuantInputError
 from megatron_fp8.layout import ceil_div
 from megatron_fp8.quant import _checks
-from megatron_fp8.quant.formats import FP8_DTYPE, FP8_MAX, MIN_SCALE, SCALE_FORMATS
+from megatron_fp8.quant.formats import FP8_DTYPE, FP8_MAX, MIN_SCALE, check_scale_format
+
+if TYPE_CHECKING:
+    from triton.runtime.jit import KernelInterface
 
 logger = logging.getLogger(__name__)
 
@@ -89,7 +93,7 @@ if triton is not None:
 
     @triton.jit
     def _scale_from_amax(amax, UE8M0: tl.constexpr):
-        # amax: float32 (scalar or vector). Same rule as formats.SCALE_FORMATS.
+        # amax: float32 (scalar or vector). Same rule as formats.SCALE_RULES.
         ratio = tl.maximum(tl.math.div_rn(amax, 448.0), 1.1754943508222875e-38)  # 2**-126
         if UE8M0:
             bits = ratio.to(tl.int32, bitcast=True)
@@ -183,10 +187,11 @@ if triton is not None:
         tl.store(amax_ptr + s_idx, amax, mask=row_ok)
 
 
-def _kernels():
+def _kernels() -> tuple[KernelInterface, KernelInterface]:
+    """The two jitted kernels ``(blockwise, token_group)``; raises when Triton is missing."""
     if triton is None:
         raise QuantInputError(f"backend='triton' needs the triton package ({_IMPORT_ERROR}); use backend='torch'")
-    return triton, _blockwise_kernel, _token_group_kernel
+    return _blockwise_kernel, _token_group_kernel
 
 
 def _next_pow2(n: int) -> int:
@@ -194,8 +199,7 @@ def _next_pow2(n: int) -> int:
 
 
 def _check_runnable(x: torch.Tensor, scale_format: str, what: str, name: str | None) -> None:
-    if scale_format not in SCALE_FORMATS:
-        raise QuantInputError(f"unknown scale_format {scale_format!r}; valid names: {sorted(SCALE_FORMATS)}")
+    check_scale_format(scale_format)
     if not _triton_importable():
         raise QuantInputError(f"{what}: backend='triton' needs the triton package; use backend='torch'")
     if not x.is_cuda and not interpreter_active():
@@ -230,7 +234,7 @@ def launch_blockwise(
         ``fp8_out=False``) ``[E, N, K]``; ``scale_inv`` and ``amax`` float32
         ``[E, ceil(N/bn), ceil(K/bk)]`` (``amax`` is +inf for a tile holding NaN).
     """
-    triton_mod, blockwise_kernel, _ = _kernels()
+    blockwise_kernel, _ = _kernels()
     e, n, k = x3.shape
     nb, kb = ceil_div(n, bn), ceil_div(k, bk)
     cols = max(1, min(int(cols_per_program), kb))
@@ -239,7 +243,7 @@ def launch_blockwise(
     amax = torch.empty_like(scale)
     bn_p2, bk_p2 = _next_pow2(bn), _next_pow2(bk)
     warps = num_warps if num_warps is not None else _default_num_warps(bn_p2 * bk_p2)
-    grid = (triton_mod.cdiv(kb, cols), nb, e)
+    grid = (ceil_div(kb, cols), nb, e)
     blockwise_kernel[grid](
         x3, q, scale, amax, n, k, nb, kb,
         BN=bn, BK=bk, BN_P2=bn_p2, BK_P2=bk_p2, COLS=cols,
@@ -262,7 +266,7 @@ def launch_token_group(
     Returns:
         ``(q, scale_inv, amax)``: ``[M, K]`` and float32 ``[M, ceil(K/group_size)]`` twice.
     """
-    triton_mod, _, token_group_kernel = _kernels()
+    _, token_group_kernel = _kernels()
     m, k = x2.shape
     ng = ceil_div(k, group_size)
     g_p2 = _next_pow2(group_size)
@@ -274,7 +278,7 @@ def launch_token_group(
     scale = torch.empty((m, ng), dtype=torch.float32, device=x2.device)
     amax = torch.empty_like(scale)
     warps = num_warps if num_warps is not None else _default_num_warps(rows * g_p2)
-    grid = (triton_mod.cdiv(m, rows), ng)
+    grid = (ceil_div(m, rows), ng)
     token_group_kernel[grid](
         x2, q, scale, amax, m, k, ng,
         G=group_size, G_P2=g_p2, ROWS=rows,

@@ -32,7 +32,7 @@ import logging
 import os
 from collections.abc import Mapping, MutableMapping
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Generic, TypeVar
 
 from megatron_fp8.errors import ConfigError, RecipeUnsupportedError
 from megatron_fp8.recipes.capability import (
@@ -45,11 +45,20 @@ from megatron_fp8.recipes.capability import (
 from megatron_fp8.recipes.registry import (
     DDP_CONFIG_FIELDS,
     TRANSFORMER_CONFIG_FIELDS,
+    FieldValue,
     Recipe,
     get_recipe,
 )
 
+if TYPE_CHECKING:
+    from bridge_mappings.adapter import MixedPrecisionConfig
+
 logger = logging.getLogger(__name__)
+
+ConfigT = TypeVar("ConfigT")
+"""The config type a recipe is applied to (``TransformerConfig``, DDP config, ``MixedPrecisionConfig``, ...):
+the recipe fields are found by name (``getattr`` / :func:`dataclasses.fields`), so any class carrying some of
+them works, and the result has the input's type."""
 
 MATH_MODES: dict[str, str] = {
     "fp8": "the GEMMs run in FP8 through TransformerEngine",
@@ -61,7 +70,7 @@ MATH_MODES: dict[str, str] = {
 
 
 @dataclass(frozen=True)
-class RecipeApplication:
+class RecipeApplication(Generic[ConfigT]):
     """What :func:`apply_recipe_with_report` did.
 
     Attributes:
@@ -80,9 +89,9 @@ class RecipeApplication:
     """
 
     recipe: str
-    config: Any
+    config: ConfigT
     config_type: str
-    fields_set: Mapping[str, Any]
+    fields_set: Mapping[str, FieldValue]
     fields_absent: tuple[str, ...]
     env_set: Mapping[str, str]
     math: str
@@ -93,20 +102,20 @@ class RecipeApplication:
     notes: tuple[str, ...] = field(default_factory=tuple)
 
 
-def _has_field(config: Any, name: str) -> bool:
+def _has_field(config: object, name: str) -> bool:
     if dataclasses.is_dataclass(config):
         return any(f.name == name for f in dataclasses.fields(config))
     return hasattr(config, name)
 
 
-def _is_transformer_config(config: Any) -> bool:
+def _is_transformer_config(config: object) -> bool:
     return any(
         klass.__name__ == "TransformerConfig" and klass.__module__.startswith("megatron.core")
         for klass in type(config).__mro__
     )
 
 
-def _num_layers_per_stage(config: Any) -> int | None:
+def _num_layers_per_stage(config: object) -> int | None:
     layers = getattr(config, "num_layers", None)
     pp = getattr(config, "pipeline_model_parallel_size", 1) or 1
     if not isinstance(layers, int):
@@ -160,10 +169,10 @@ def _set_env(recipe: Recipe, env: MutableMapping[str, str]) -> dict[str, str]:
     return written
 
 
-def _build(config: Any, updates: dict[str, Any], recipe: Recipe) -> tuple[Any, tuple[str, ...]]:
+def _build(config: ConfigT, updates: Mapping[str, FieldValue], recipe: Recipe) -> tuple[ConfigT, tuple[str, ...]]:
     """A new config with ``updates``; Megatron-Core's validation runs for TransformerConfig."""
     notes: list[str] = []
-    if _is_transformer_config(config):
+    if _is_transformer_config(config) and dataclasses.is_dataclass(config) and not isinstance(config, type):
         try:
             return dataclasses.replace(config, **updates), ()
         except (ValueError, AssertionError) as exc:
@@ -187,7 +196,7 @@ def _build(config: Any, updates: dict[str, Any], recipe: Recipe) -> tuple[Any, t
 
 
 def apply_recipe_with_report(
-    config: Any,
+    config: ConfigT,
     recipe_or_name: str | Recipe,
     *,
     num_first_layers_in_bf16: int = 0,
@@ -197,7 +206,7 @@ def apply_recipe_with_report(
     allow_cpu_emulation: bool | None = None,
     environment: Environment | None = None,
     env: MutableMapping[str, str] | None = None,
-) -> RecipeApplication:
+) -> RecipeApplication[ConfigT]:
     """Apply a recipe and report exactly what was set.
 
     Args:
@@ -272,7 +281,7 @@ def apply_recipe_with_report(
 
 
 def apply_recipe(
-    config: Any,
+    config: ConfigT,
     recipe_or_name: str | Recipe,
     *,
     num_first_layers_in_bf16: int = 0,
@@ -282,7 +291,7 @@ def apply_recipe(
     allow_cpu_emulation: bool | None = None,
     environment: Environment | None = None,
     env: MutableMapping[str, str] | None = None,
-) -> Any:
+) -> ConfigT:
     """Apply a recipe and return the new config (see :func:`apply_recipe_with_report` for the arguments)."""
     return apply_recipe_with_report(
         config,
@@ -307,7 +316,7 @@ def build_bridge_mixed_precision(
     allow_cpu_emulation: bool | None = None,
     environment: Environment | None = None,
     env: MutableMapping[str, str] | None = None,
-) -> Any:
+) -> MixedPrecisionConfig:
     """A Megatron-Bridge ``MixedPrecisionConfig`` for the recipe (BF16 base + the recipe's FP8 fields).
 
     Starts from Bridge's ``bf16_mixed()`` and applies the recipe on top, so the result is the same whichever
@@ -316,7 +325,7 @@ def build_bridge_mixed_precision(
     Raises:
         ConfigError: Megatron-Bridge is not importable; the message names the remedy.
     """
-    from bridge_mappings.adapter import bf16_mixed_precision  # lazy: Megatron-Bridge is optional here
+    from bridge_mappings.adapter import bf16_mixed_precision  # lazy: pulls torch; recipes must stay torch-free
 
     return apply_recipe(
         bf16_mixed_precision(),

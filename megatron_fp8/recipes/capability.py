@@ -48,7 +48,6 @@ import subprocess
 import sys
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any
 
 from packaging.version import InvalidVersion, Version
 
@@ -181,9 +180,9 @@ class Environment:
         """Whether a CUDA GPU with a known compute capability is present."""
         return self.gpu_count > 0 and self.compute_capability is not None
 
-    def to_dict(self) -> dict[str, Any]:
+    def to_dict(self) -> dict[str, str | int | None]:
         """JSON-ready dict (``compute_capability`` as ``"9.0"`` or ``None``)."""
-        out = asdict(self)
+        out: dict[str, str | int | None] = asdict(self)
         cc = self.compute_capability
         out["compute_capability"] = None if cc is None else f"{cc[0]}.{cc[1]}"
         return out
@@ -204,7 +203,7 @@ class Verdict:
     supported: bool
     reasons: tuple[str, ...] = ()
 
-    def to_dict(self) -> dict[str, Any]:
+    def to_dict(self) -> dict[str, str | bool | list[str]]:
         """``{"name": str, "supported": bool, "reasons": [str, ...]}``."""
         return {"name": self.name, "supported": self.supported, "reasons": list(self.reasons)}
 
@@ -290,7 +289,7 @@ def _cublas_version(torch_cuda: str | None) -> str | None:
 def _gpu_from_torch() -> tuple[str | None, tuple[int, int] | None, int]:
     torch = sys.modules.get("torch")
     if torch is None:
-        import torch
+        import torch  # lazy: torch is imported only when the caller asks for a torch probe (doctor never does)
     if not torch.cuda.is_available():
         return None, None, 0
     major, minor = torch.cuda.get_device_capability(0)

@@ -18,9 +18,12 @@ Field names are those of the installed Megatron-Core 0.16.1
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TypeAlias
 
 from megatron_fp8.errors import ConfigError
+
+FieldValue: TypeAlias = str | int | bool | None
+"""A value a recipe writes into a ``TransformerConfig`` / DDP config field."""
 
 FP32_BLOCK_SCALES_ENV = "NVTE_FP8_BLOCK_SCALING_FP32_SCALES"
 """TransformerEngine switch: ``1`` keeps blockwise scales in float32 instead of rounding them to powers of 2."""
@@ -98,7 +101,7 @@ class Recipe:
         num_first_layers_in_bf16: int = 0,
         num_last_layers_in_bf16: int = 0,
         fp8_format: str | None = None,
-    ) -> dict[str, Any]:
+    ) -> dict[str, FieldValue]:
         """The ``TransformerConfig`` fields this recipe sets.
 
         Args:
@@ -148,7 +151,7 @@ class Recipe:
             "num_layers_at_end_in_bf16": num_last_layers_in_bf16,
         }
 
-    def ddp_fields(self) -> dict[str, Any]:
+    def ddp_fields(self) -> dict[str, FieldValue]:
         """The ``DistributedDataParallelConfig`` fields this recipe sets (keys from :data:`DDP_CONFIG_FIELDS`)."""
         return {"fp8_param_gather": self.fp8_param_gather}
 

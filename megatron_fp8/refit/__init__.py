@@ -5,20 +5,16 @@ memory, validated) -> :class:`Transport` (``inproc`` / ``gloo`` / ``nccl`` /
 ``cuda_ipc``, every wait with a deadline) -> :class:`RefitReceiver` (stages a
 whole version, then ``begin`` / ``stage`` / ``commit`` on a
 :class:`RefitApplier`, or ``abort`` on any failure).
+
+Modules: :mod:`.wire` (bucket format, dtype names, versions), :mod:`.checksum`,
+:mod:`.finite` (NaN/Inf refusal), :mod:`.buckets` (packer), :mod:`.transport`
+(one module per transport plus the registry), :mod:`.sender`, :mod:`.receiver`,
+:mod:`.pipeline` (colocated refit), :mod:`.synthetic`, :mod:`.verify`.
 """
 
-from megatron_fp8.refit.buckets import (
-    ALIGN,
-    DTYPES,
-    Bucket,
-    RefitVersion,
-    TensorMeta,
-    check_finite,
-    default_bucket_bytes,
-    pack_buckets,
-    payload_checksum,
-    unpack_bucket,
-)
+from megatron_fp8.refit.buckets import default_bucket_bytes, pack_buckets, unpack_bucket
+from megatron_fp8.refit.checksum import payload_checksum
+from megatron_fp8.refit.finite import check_finite
 from megatron_fp8.refit.receiver import CallableApplier, DictApplier, ReceiveReport, RefitApplier, RefitReceiver
 from megatron_fp8.refit.sender import PAYLOAD_CLASSES, RefitSender, SendReport, payload_class
 from megatron_fp8.refit.transport import (
@@ -29,6 +25,7 @@ from megatron_fp8.refit.transport import (
     Transport,
     make_transport,
 )
+from megatron_fp8.refit.wire import ALIGN, DTYPES, Bucket, RefitVersion, TensorMeta
 from megatron_fp8.vocab import TRANSPORTS
 
 __all__ = [

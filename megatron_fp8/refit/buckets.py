@@ -1,334 +1,76 @@
-"""Refit buckets: a stream of named tensors packed into flat byte buffers.
+"""Refit buckets: a stream of named tensors packed into flat byte buffers, and unpacked again.
 
-A refit moves one *version* of the weights as a sequence of :class:`Bucket`
-objects. Each bucket is a 1-D ``uint8`` payload plus the :class:`TensorMeta`
-records (name, shape, dtype, byte offset, byte count) of the tensors inside it.
-The metadata is produced by the same single pass that copies the bytes
-(:func:`pack_buckets`), so names, shapes, dtypes and order can never drift from
-the data (DESIGN.md pitfall "metadata must come from the same iterator").
+:func:`pack_buckets` turns a stream of ``(name, tensor)`` pairs into
+:class:`~megatron_fp8.refit.wire.Bucket` objects (the wire format, see
+:mod:`megatron_fp8.refit.wire`). The metadata is produced by the same single
+pass that copies the bytes, so names, shapes, dtypes and order can never drift
+from the data (DESIGN.md pitfall "metadata must come from the same iterator").
 
 Validation happens on both ends:
 
 * before a tensor is packed: known dtype, unique name, finite values (float
   tensors via ``isfinite``; FP8 tensors through their NaN/Inf bit patterns,
-  e.g. ``0x7f``/``0xff`` for ``float8_e4m3fn``);
+  e.g. ``0x7f``/``0xff`` for ``float8_e4m3fn``; see :mod:`megatron_fp8.refit.finite`);
 * when a bucket is unpacked (:func:`unpack_bucket`): version, checksum, every
   ``offset + nbytes`` inside the payload, no overlapping ranges, byte counts
   that agree with shape and dtype.
 
 Offsets are aligned to :data:`ALIGN` (16) bytes, which satisfies every
 supported dtype, so tensors come out as zero-copy views of the payload.
+
+The wire names (:class:`TensorMeta`, :class:`Bucket`, :class:`RefitVersion`,
+:data:`DTYPES`, ...) are re-exported here for existing imports.
 """
 
 from __future__ import annotations
 
-import json
-import logging
-import math
-import threading
-from collections.abc import Callable, Iterable, Iterator
-from dataclasses import dataclass
+from collections.abc import Iterable, Iterator
 
 import torch
 
-from megatron_fp8.errors import NonFiniteError, RefitError
-from megatron_fp8.quant.formats import WIRE_DTYPES
+from megatron_fp8.errors import RefitError
+from megatron_fp8.layout import ceil_div
+from megatron_fp8.refit.checksum import payload_checksum
+from megatron_fp8.refit.finite import check_finite
+from megatron_fp8.refit.wire import (
+    ALIGN,
+    DTYPES,
+    Bucket,
+    RefitVersion,
+    TensorMeta,
+    decode_metas,
+    dtype_name,
+    encode_metas,
+    torch_dtype,
+)
 
-logger = logging.getLogger(__name__)
-
-ALIGN = 16
-"""Byte alignment of every tensor offset inside a bucket payload (and of the payload length)."""
+__all__ = [
+    "ALIGN",
+    "DTYPES",
+    "GiB",
+    "MiB",
+    "Bucket",
+    "RefitVersion",
+    "TensorMeta",
+    "align_up",
+    "check_finite",
+    "decode_metas",
+    "default_bucket_bytes",
+    "dtype_name",
+    "encode_metas",
+    "pack_buckets",
+    "payload_checksum",
+    "torch_dtype",
+    "unpack_bucket",
+]
 
 MiB = 1 << 20
 GiB = 1 << 30
 
-DTYPES: dict[str, torch.dtype] = WIRE_DTYPES
-"""Dtypes a bucket can carry, by the string stored in :attr:`TensorMeta.dtype`."""
-
-_DTYPE_TO_NAME: dict[torch.dtype, str] = {v: k for k, v in DTYPES.items()}
-
-
-_CHECK_CHUNK = 1 << 24  # elements per reduction in the finiteness fast path (bounds the temporaries)
-
-
-def _chunks(t: torch.Tensor) -> Iterator[torch.Tensor]:
-    flat = t.reshape(-1)
-    for start in range(0, flat.numel(), _CHECK_CHUNK):
-        yield flat[start : start + _CHECK_CHUNK]
-
-
-def _float_has_nonfinite(t: torch.Tensor) -> bool:
-    # amax propagates NaN and |-inf| = inf: one cheap reduction per chunk instead of a bool mask.
-    return any(not bool(torch.isfinite(c.abs().amax())) for c in _chunks(t))
-
-
-def _float_nonfinite_mask(t: torch.Tensor) -> torch.Tensor:
-    return ~torch.isfinite(t)
-
-
-def _fp8_rule(
-    has_bad: Callable[[torch.Tensor], torch.Tensor], mask: Callable[[torch.Tensor], torch.Tensor]
-) -> tuple[Callable[[torch.Tensor], bool], Callable[[torch.Tensor], torch.Tensor]]:
-    def fast(t: torch.Tensor) -> bool:
-        return any(bool(has_bad(c)) for c in _chunks(t.view(torch.uint8)))
-
-    def slow(t: torch.Tensor) -> torch.Tensor:
-        return mask(t.view(torch.uint8))
-
-    return fast, slow
-
-
-# dtype name -> (fast "holds a NaN/Inf?" test, mask of the offending elements for the error message).
-# Integer and bool dtypes have no non-finite values and are absent.
-_NONFINITE_RULES: dict[str, tuple[Callable[[torch.Tensor], bool], Callable[[torch.Tensor], torch.Tensor]]] = {
-    "bfloat16": (_float_has_nonfinite, _float_nonfinite_mask),
-    "float16": (_float_has_nonfinite, _float_nonfinite_mask),
-    "float32": (_float_has_nonfinite, _float_nonfinite_mask),
-    "float64": (_float_has_nonfinite, _float_nonfinite_mask),
-    # e4m3fn: no Inf; NaN is S.1111.111 (0x7f, 0xff).
-    "float8_e4m3fn": _fp8_rule(lambda b: (b & 0x7F).amax() == 0x7F, lambda b: (b & 0x7F) == 0x7F),
-    # e5m2 (IEEE-like): exponent 11111 is Inf (mantissa 0) or NaN: 0x7c..0x7f, 0xfc..0xff.
-    "float8_e5m2": _fp8_rule(lambda b: (b & 0x7F).amax() >= 0x7C, lambda b: (b & 0x7F) >= 0x7C),
-    # fnuz formats: the single NaN is 0x80 (negative zero's pattern).
-    "float8_e4m3fnuz": _fp8_rule(lambda b: (b == 0x80).any(), lambda b: b == 0x80),
-    "float8_e5m2fnuz": _fp8_rule(lambda b: (b == 0x80).any(), lambda b: b == 0x80),
-    # UE8M0 scales: 0xff is NaN.
-    "float8_e8m0fnu": _fp8_rule(lambda b: b.amax() == 0xFF, lambda b: b == 0xFF),
-}
-
-
-def dtype_name(dtype: torch.dtype, *, tensor_name: str | None = None) -> str:
-    """The :data:`DTYPES` key of ``dtype``.
-
-    Raises:
-        RefitError: ``dtype`` cannot travel in a bucket; the message lists the valid dtypes.
-    """
-    try:
-        return _DTYPE_TO_NAME[dtype]
-    except KeyError:
-        who = f"tensor {tensor_name!r}: " if tensor_name else ""
-        raise RefitError(
-            f"{who}dtype {dtype} cannot be sent in a refit bucket; valid dtypes: {sorted(DTYPES)}. "
-            "Cast it (or view it as bytes) before handing it to the refit stream."
-        ) from None
-
-
-def torch_dtype(name: str, *, tensor_name: str | None = None) -> torch.dtype:
-    """The torch dtype stored under ``name`` in :data:`DTYPES`.
-
-    Raises:
-        RefitError: unknown name; the message lists the valid names.
-    """
-    try:
-        return DTYPES[name]
-    except KeyError:
-        who = f"tensor {tensor_name!r}: " if tensor_name else ""
-        raise RefitError(f"{who}unknown dtype {name!r} in refit metadata; valid dtypes: {sorted(DTYPES)}") from None
-
 
 def align_up(n: int, alignment: int = ALIGN) -> int:
-    """``n`` rounded up to a multiple of ``alignment`` (bytes)."""
-    return (n + alignment - 1) // alignment * alignment
-
-
-@dataclass(frozen=True)
-class TensorMeta:
-    """Where one tensor lives inside a bucket payload.
-
-    Attributes:
-        name: HF parameter name, e.g. ``model.layers.0.self_attn.q_proj.weight_scale_inv``.
-        shape: tensor shape (``()`` for a scalar).
-        dtype: a :data:`DTYPES` key, e.g. ``"float8_e4m3fn"``.
-        offset: byte offset inside the payload, a multiple of :data:`ALIGN`.
-        nbytes: byte count, ``prod(shape) * itemsize``.
-    """
-
-    name: str
-    shape: tuple[int, ...]
-    dtype: str
-    offset: int
-    nbytes: int
-
-    @property
-    def numel(self) -> int:
-        """Number of elements (``prod(shape)``; 1 for a scalar)."""
-        return math.prod(self.shape)
-
-    def to_json(self) -> list:
-        """A compact JSON-able form ``[name, shape, dtype, offset, nbytes]``."""
-        return [self.name, list(self.shape), self.dtype, self.offset, self.nbytes]
-
-    @classmethod
-    def from_json(cls, item: object) -> TensorMeta:
-        """Inverse of :meth:`to_json`.
-
-        Raises:
-            RefitError: the item is not a well-formed metadata record.
-        """
-        try:
-            name, shape, dt, offset, nbytes = item  # type: ignore[misc]
-            if not isinstance(name, str) or not isinstance(dt, str):
-                raise TypeError("name and dtype must be strings")
-            shape_t = tuple(int(s) for s in shape)
-            if any(s < 0 for s in shape_t):
-                raise ValueError("negative dimension")
-            return cls(name=name, shape=shape_t, dtype=dt, offset=int(offset), nbytes=int(nbytes))
-        except (TypeError, ValueError) as exc:
-            raise RefitError(f"malformed refit metadata record {item!r}: {exc}") from None
-
-
-def encode_metas(metas: Iterable[TensorMeta]) -> bytes:
-    """Serialize metadata records to UTF-8 JSON bytes (what travels before a payload)."""
-    return json.dumps([m.to_json() for m in metas], separators=(",", ":")).encode("utf-8")
-
-
-def decode_metas(data: bytes) -> tuple[TensorMeta, ...]:
-    """Parse bytes written by :func:`encode_metas`.
-
-    Raises:
-        RefitError: not valid JSON or not a list of records.
-    """
-    try:
-        items = json.loads(data.decode("utf-8")) if data else []
-    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise RefitError(f"refit metadata is not valid JSON ({exc}); the header or metadata was corrupted") from None
-    if not isinstance(items, list):
-        raise RefitError(f"refit metadata must be a JSON list, got {type(items).__name__}")
-    return tuple(TensorMeta.from_json(i) for i in items)
-
-
-# ----------------------------------------------------------------------------- checksum
-
-_CK_COLS = 251  # prime column count: word i gets weight (i mod 251) + 1
-_CK_ROWS = 1 << 14  # rows per chunk: a chunk is 251 * 16384 words = ~15.7 MiB of payload
-_M61 = (1 << 61) - 1
-_CK_MUL = (0x9E3779B1, 0x85EBCA77, 0xC2B2AE3D)
-
-
-def payload_checksum(payload: torch.Tensor) -> int:
-    """A fast, position-sensitive checksum of a 1-D ``uint8`` payload, computed on its own device.
-
-    The payload is read as unsigned 32-bit words ``w_i`` in chunks of ~15.7 MiB.
-    Per chunk ``k`` it accumulates the plain sum ``S``, the position-weighted
-    sum ``sum(w_i * ((i mod 251) + 1))`` and ``(k + 1) * S``; trailing bytes
-    (length not a multiple of 4) and the length itself are mixed in; the result
-    is reduced modulo the Mersenne prime ``2**61 - 1`` (fits in an int64 header).
-    Every single-byte change, truncation, and misplacement of data by a
-    non-multiple of 1004 bytes changes it. It is not cryptographic.
-
-    Cost: one read of the payload plus an int64 temporary of 2x the chunk
-    (~63 MiB) on the payload's device, two small reductions per chunk and one
-    host sync per chunk; measured ~0.4 GB/s on one shared CPU core, memory-bound on a GPU.
-
-    Args:
-        payload: 1-D ``torch.uint8`` tensor (any device, contiguous).
-
-    Returns:
-        The checksum as a Python int in ``[0, 2**61 - 1)``.
-    """
-    if payload.dtype != torch.uint8 or payload.dim() != 1:
-        raise RefitError(
-            f"a bucket payload must be a 1-D uint8 tensor, got {payload.dtype} of shape {tuple(payload.shape)}"
-        )
-    payload = payload.contiguous()
-    n = payload.numel()
-    nwords = n // 4
-    s1 = s2 = s3 = 0
-    if nwords:
-        words = payload[: nwords * 4].view(torch.int32)
-        weights = torch.arange(1, _CK_COLS + 1, dtype=torch.int64, device=payload.device)
-        chunk = _CK_COLS * _CK_ROWS
-        for k, start in enumerate(range(0, nwords, chunk)):
-            w = words[start : start + chunk].to(torch.int64).bitwise_and_(0xFFFFFFFF)
-            full = w.numel() // _CK_COLS * _CK_COLS
-            tail = w[full:]
-            colsum = w[:full].view(-1, _CK_COLS).sum(0)  # each < 2**46
-            plain = colsum.sum() + tail.sum()
-            weighted = (colsum * weights).sum() + (tail * weights[: tail.numel()]).sum()  # < 2**62
-            p, q = torch.stack([plain, weighted]).tolist()
-            s1 += p
-            s2 += q
-            s3 += (k + 1) * p
-    rest = payload[nwords * 4 :].tolist()
-    s_tail = sum((i + 1) * b for i, b in enumerate(rest))
-    return (s1 + s2 * _CK_MUL[0] + s3 * _CK_MUL[1] + s_tail * _CK_MUL[2] + n) % _M61
-
-
-# ----------------------------------------------------------------------------- bucket
-
-
-@dataclass(frozen=True)
-class Bucket:
-    """One packed slice of a refit version.
-
-    Attributes:
-        version: refit version this bucket belongs to (strictly increasing across refits).
-        index: position of the bucket in its version, starting at 0.
-        is_last: whether this is the final bucket of the version.
-        metas: tensors inside ``payload``, in stream order.
-        payload: 1-D ``torch.uint8`` tensor; its length is a multiple of :data:`ALIGN`.
-        checksum: :func:`payload_checksum` of ``payload`` computed by the sender.
-    """
-
-    version: int
-    index: int
-    is_last: bool
-    metas: tuple[TensorMeta, ...]
-    payload: torch.Tensor
-    checksum: int
-
-    @property
-    def nbytes(self) -> int:
-        """Payload length in bytes (tensor bytes plus alignment padding)."""
-        return int(self.payload.numel())
-
-    @property
-    def tensor_bytes(self) -> int:
-        """Sum of the tensors' byte counts (no padding)."""
-        return sum(m.nbytes for m in self.metas)
-
-    def describe(self) -> str:
-        """``"bucket 3 of version 7"``, for messages."""
-        return f"bucket {self.index} of version {self.version}"
-
-
-def _first_bad_index(mask_bad: torch.Tensor, shape: tuple[int, ...]) -> tuple[int, ...]:
-    flat = int(mask_bad.reshape(-1).nonzero()[0, 0])
-    if not shape:
-        return ()
-    idx = []
-    for dim in reversed(shape):
-        idx.append(flat % dim)
-        flat //= dim
-    return tuple(reversed(idx))
-
-
-def check_finite(name: str, tensor: torch.Tensor, *, version: int | None = None) -> None:
-    """Refuse a tensor holding NaN/Inf (float dtypes) or a NaN/Inf bit pattern (FP8 dtypes).
-
-    Raises:
-        NonFiniteError: naming the tensor, the count and the first offending index.
-    """
-    if tensor.numel() == 0:
-        return
-    rule = _NONFINITE_RULES.get(dtype_name(tensor.dtype, tensor_name=name))
-    if rule is None:
-        return
-    has_bad, bad_mask = rule
-    tensor = tensor.detach()
-    if not has_bad(tensor):
-        return
-    bad = bad_mask(tensor)
-    count = int(bad.sum())
-    first = _first_bad_index(bad, tuple(tensor.shape))
-    where = f" of version {version}" if version is not None else ""
-    raise NonFiniteError(
-        f"tensor {name!r}{where} ({tensor.dtype}, shape {tuple(tensor.shape)}) holds {count} NaN/Inf value(s), "
-        f"first at index {first}; refusing to refit it (the engine keeps its last good version). "
-        "Find the step that produced it (loss scale, grad clipping, zero-amax blocks) before refitting again.",
-        name=name,
-        block=first,
-    )
+    """``n`` (bytes, >= 0) rounded up to a multiple of ``alignment`` (bytes)."""
+    return ceil_div(n, alignment) * alignment
 
 
 class _Filling:
@@ -519,7 +261,7 @@ def unpack_bucket(
     return out
 
 
-# ----------------------------------------------------------------------------- sizing and versions
+# ----------------------------------------------------------------------------- sizing
 
 
 def default_bucket_bytes(
@@ -556,43 +298,3 @@ def default_bucket_bytes(
     else:
         size = cpu_bytes
     return align_up(max(min_bytes, size))
-
-
-class RefitVersion:
-    """A thread-safe, strictly increasing refit version counter.
-
-    The sender calls :meth:`next` for each refit; receivers call
-    :meth:`observe` on what arrives, which refuses anything not newer than the
-    last version seen.
-    """
-
-    def __init__(self, start: int = 0):
-        if start < 0:
-            raise RefitError(f"refit versions start at a non-negative int, got {start}")
-        self._last = start
-        self._lock = threading.Lock()
-
-    @property
-    def last(self) -> int:
-        """The most recent version issued or observed (``start`` before any)."""
-        return self._last
-
-    def next(self) -> int:
-        """Issue the next version (``last + 1``)."""
-        with self._lock:
-            self._last += 1
-            return self._last
-
-    def observe(self, version: int, *, what: str = "refit") -> None:
-        """Record ``version`` as seen.
-
-        Raises:
-            RefitError: ``version`` is not greater than :attr:`last`.
-        """
-        with self._lock:
-            if not isinstance(version, int) or version <= self._last:
-                raise RefitError(
-                    f"{what} version {version!r} is not newer than the last version {self._last}; versions must "
-                    "strictly increase (use RefitVersion.next())"
-                )
-            self._last = version

@@ -15,10 +15,10 @@ from collections.abc import Iterable
 
 import torch
 
-from megatron_fp8.refit.buckets import RefitVersion
 from megatron_fp8.refit.receiver import ReceiveReport, RefitApplier, RefitReceiver
 from megatron_fp8.refit.sender import RefitSender, SendReport
-from megatron_fp8.refit.transport import InProcTransport
+from megatron_fp8.refit.transport.inproc import InProcTransport
+from megatron_fp8.refit.wire import RefitVersion
 
 
 @dataclasses.dataclass(frozen=True)

@@ -24,8 +24,9 @@ from typing import Protocol, runtime_checkable
 import torch
 
 from megatron_fp8.errors import RefitAbortedError, RefitError, TransportClosedError
-from megatron_fp8.refit.buckets import RefitVersion, TensorMeta, torch_dtype, unpack_bucket
-from megatron_fp8.refit.transport import Transport
+from megatron_fp8.refit.buckets import unpack_bucket
+from megatron_fp8.refit.transport.base import Transport
+from megatron_fp8.refit.wire import RefitVersion, TensorMeta, torch_dtype
 
 logger = logging.getLogger(__name__)
 

@@ -11,8 +11,9 @@ from types import MappingProxyType
 import torch
 
 from megatron_fp8.errors import RefitError, TransportClosedError, TransportTimeoutError
-from megatron_fp8.refit.buckets import DTYPES, RefitVersion, TensorMeta, default_bucket_bytes, pack_buckets
-from megatron_fp8.refit.transport import Transport
+from megatron_fp8.refit.buckets import default_bucket_bytes, pack_buckets
+from megatron_fp8.refit.transport.base import Transport
+from megatron_fp8.refit.wire import DTYPES, RefitVersion, TensorMeta
 
 logger = logging.getLogger(__name__)
 

@@ -15,6 +15,7 @@ import torch
 
 from megatron_fp8.errors import ConfigError
 from megatron_fp8.quant import quantize_blockwise
+from megatron_fp8.quant.formats import ScaleFormat
 from megatron_fp8.vocab import SCALE_SUFFIX
 
 LINEARS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
@@ -138,7 +139,7 @@ def fp8_stream(
     weights: Mapping[str, torch.Tensor],
     fp8_names: Iterable[str],
     *,
-    scale_format: str = "fp32",
+    scale_format: ScaleFormat = "fp32",
 ) -> Iterator[tuple[str, torch.Tensor]]:
     """Quantize-before-transfer: FP8 parameters become ``(name, fp8)`` + ``(name_scale_inv, fp32)``.
 
@@ -148,7 +149,7 @@ def fp8_stream(
     fp8 = set(fp8_names)
     for name, tensor in weights.items():
         if name in fp8:
-            q, scale_inv = quantize_blockwise(tensor, scale_format=scale_format, name=name)  # type: ignore[arg-type]
+            q, scale_inv = quantize_blockwise(tensor, scale_format=scale_format, name=name)
             yield name, q
             yield name + SCALE_SUFFIX, scale_inv
         else:

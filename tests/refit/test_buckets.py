@@ -20,6 +20,7 @@ from megatron_fp8.refit import (
     payload_checksum,
     unpack_bucket,
 )
+from megatron_fp8.refit.wire import decode_metas, encode_metas
 
 
 def _random_bytes_tensor(dtype: torch.dtype, shape: tuple[int, ...], seed: int) -> torch.Tensor:
@@ -201,8 +202,6 @@ def test_version_mismatch():
 
 
 def test_meta_json_roundtrip_and_malformed():
-    from megatron_fp8.refit.buckets import decode_metas, encode_metas
-
     metas = _one_bucket().metas
     assert decode_metas(encode_metas(metas)) == metas
     with pytest.raises(RefitError, match="not valid JSON"):

@@ -24,7 +24,7 @@ def test_cuda_ipc_needs_cuda_or_valid_role():
 @pytest.mark.gpu
 def test_cuda_ipc_refit_is_exact():
     sys.path.insert(0, str(Path(__file__).parent))
-    import _cuda_ipc_worker
+    import _cuda_ipc_worker  # lazy: importable only once this folder is on sys.path (spawned receiver)
 
     gen = torch.Generator(device="cuda").manual_seed(0)
     items = [

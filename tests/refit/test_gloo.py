@@ -11,6 +11,9 @@ from pathlib import Path
 
 import pytest
 
+from megatron_fp8.errors import ConfigError
+from megatron_fp8.refit import make_transport
+
 WORKER = Path(__file__).with_name("_gloo_worker.py")
 REPO = Path(__file__).resolve().parents[2]
 
@@ -85,8 +88,5 @@ def test_stalled_sender_times_out_within_deadline(tmp_path):
 
 @pytest.mark.parametrize("name", ["nccl"])
 def test_registry_refuses_backend_mismatch_without_group(name):
-    from megatron_fp8.errors import ConfigError
-    from megatron_fp8.refit import make_transport
-
     with pytest.raises(ConfigError, match="init_process_group"):
         make_transport(name, src=0)

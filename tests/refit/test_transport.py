@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from megatron_fp8.errors import ConfigError, RefitAbortedError, TransportClosedError, TransportTimeoutError
-from megatron_fp8.refit import TRANSPORTS, InProcTransport, make_transport, pack_buckets
+from megatron_fp8.refit import FACTORIES, TRANSPORTS, InProcTransport, make_transport, pack_buckets
 
 
 def _buckets(n_tensors=3, version=1):
@@ -24,6 +24,10 @@ def test_registry_lists_valid_names():
     with pytest.raises(ConfigError, match=r"unknown refit transport 'tcp'.*cuda_ipc.*gloo.*inproc.*nccl"):
         make_transport("tcp")
     assert isinstance(make_transport("inproc", maxsize=2, timeout=1.0), InProcTransport)
+
+
+def test_registry_covers_the_vocabulary():
+    assert set(FACTORIES) == set(TRANSPORTS)
 
 
 def test_inproc_delivers_same_objects_in_order_and_counts():

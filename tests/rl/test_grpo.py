@@ -10,14 +10,10 @@ import torch
 
 from megatron_fp8.errors import ConfigError
 from megatron_fp8.rl import report
-from megatron_fp8.rl.grpo import (
-    ArmResult,
-    StepMetrics,
-    _make_batch,
-    group_advantages,
-    run_grpo,
-)
+from megatron_fp8.rl.batch import group_advantages, make_batch
+from megatron_fp8.rl.grpo import run_grpo
 from megatron_fp8.rl.metrics import METRIC_KEYS
+from megatron_fp8.rl.results import ArmResult, StepMetrics
 from megatron_fp8.rollout.engines import ENGINES, Rollout, resolve_engine_name
 
 
@@ -47,20 +43,20 @@ def test_make_batch_aligns_response_logprobs():
         finished=(True, False),
         engine="test",
     )
-    b = _make_batch(prompts, rollout, pad_id=3)
+    b = make_batch(prompts, rollout, pad_id=3)
     assert b.input_ids.tolist() == [[10, 11, 12, 5, 0], [20, 21, 6, 7, 8]]
     assert b.attention_mask.tolist() == [[1, 1, 1, 1, 1], [1, 1, 1, 1, 1]]
     # position t scores token t+1: row 0 response tokens sit at 3, 4 -> positions 2, 3
     assert b.response_mask.tolist() == [[False, False, True, True], [False, True, True, True]]
     torch.testing.assert_close(b.logp_rollout[0], torch.tensor([0.0, 0.0, -0.1, -0.2]))
     torch.testing.assert_close(b.logp_rollout[1], torch.tensor([0.0, -0.3, -0.4, -0.5]))
-    short = _make_batch([[1, 2]], Rollout(((9,),), (torch.tensor([-1.0]),), (False,), "t"), pad_id=3)
+    short = make_batch([[1, 2]], Rollout(((9,),), (torch.tensor([-1.0]),), (False,), "t"), pad_id=3)
     assert short.response_mask.tolist() == [[False, True]]
 
 
 def test_make_batch_pads_short_rows():
     rollout = Rollout(((5,), (6, 7, 8)), (torch.tensor([-1.0]), torch.tensor([-1.0, -2.0, -3.0])), (True, True), "t")
-    b = _make_batch([[1, 2], [1, 2]], rollout, pad_id=3)
+    b = make_batch([[1, 2], [1, 2]], rollout, pad_id=3)
     assert b.input_ids[0].tolist() == [1, 2, 5, 3, 3]
     assert b.attention_mask[0].tolist() == [1, 1, 1, 0, 0]
     assert b.response_mask[0].tolist() == [False, True, False, False]
@@ -198,7 +194,7 @@ def test_rolling_mean_by_hand():
 
 def test_data_parallel_from_env(monkeypatch):
     from megatron_fp8.errors import ConfigError
-    from megatron_fp8.rl.grpo import DataParallel, data_parallel_from_env
+    from megatron_fp8.rl.distributed import DataParallel, data_parallel_from_env
 
     monkeypatch.delenv("WORLD_SIZE", raising=False)
     monkeypatch.delenv("MFP8_ROLE", raising=False)

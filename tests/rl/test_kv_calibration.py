@@ -281,7 +281,7 @@ def _mcore_gpt(*, qk_norm_and_rope: bool):
 
 @pytest.mark.megatron
 def test_megatron_core_hooks_and_fused_qkv_layout():
-    from megatron_fp8.megatron._patches import cpu_device_patches
+    from bridge_mappings.adapter import cpu_device_patches
     from megatron_fp8.megatron.parallel import megatron_parallel
 
     ids = torch.randint(0, 64, (2, 8))

@@ -1,6 +1,6 @@
 """Model, quantization and parameter layout of the reference FP8 engine.
 
-This module belongs to :mod:`megatron_fp8.rollout.reference.engine`, an emulator
+This module belongs to :mod:`megatron_fp8.rollout.reference`, an emulator
 and oracle of vLLM's FP8 W8A8 blockwise numerics for CPU machines. It is NOT a
 serving engine; on GPU use vLLM.
 
@@ -23,11 +23,14 @@ from __future__ import annotations
 import re
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from megatron_fp8.errors import ConfigError, ManifestError
 from megatron_fp8.layout import ceil_div
 from megatron_fp8.vocab import KV_SCALE_KINDS, kv_scale_name
+
+if TYPE_CHECKING:
+    from transformers import PretrainedConfig  # typing only: transformers is optional at runtime
 
 SUPPORTED_MODEL_TYPES: dict[str, str] = {
     "qwen3": "Qwen3ForCausalLM (dense)",
@@ -35,7 +38,8 @@ SUPPORTED_MODEL_TYPES: dict[str, str] = {
 }
 """Registry: HF ``model_type`` -> description of what the reference engine runs."""
 
-"""KV-cache scale tensors per layer: ``model.layers.{i}.self_attn.attn.{q,k,v}_scale``."""
+JsonMapping = Mapping[str, Any]
+"""A parsed JSON object (``config.json``, a ``quantization_config``). ``Any``: JSON values are untyped."""
 
 
 _LAYER_RE = re.compile(r"^model\.layers\.(\d+)\.")
@@ -90,7 +94,7 @@ class ReferenceModelConfig:
     norm_topk_prob: bool
     decoder_sparse_step: int
     mlp_only_layers: tuple[int, ...]
-    raw: Mapping[str, Any]
+    raw: JsonMapping
 
     def is_moe_layer(self, layer: int) -> bool:
         """Whether decoder layer ``layer`` has a sparse MoE block (HF Qwen3-MoE rule)."""
@@ -99,7 +103,7 @@ class ReferenceModelConfig:
         )
 
 
-def _config_dict(hf_config: Any) -> dict[str, Any]:
+def _config_dict(hf_config: JsonMapping | PretrainedConfig) -> JsonMapping:
     if isinstance(hf_config, Mapping):
         return dict(hf_config)
     to_dict = getattr(hf_config, "to_dict", None)
@@ -108,7 +112,7 @@ def _config_dict(hf_config: Any) -> dict[str, Any]:
     raise ConfigError(f"hf_config must be a transformers config or a config.json dict, got {type(hf_config).__name__}")
 
 
-def _rope_theta(cfg: Mapping[str, Any]) -> float:
+def _rope_theta(cfg: JsonMapping) -> float:
     params = cfg.get("rope_parameters") or {}
     scaling = cfg.get("rope_scaling") or {}
     rope_type = params.get("rope_type", scaling.get("rope_type", scaling.get("type", "default")))
@@ -123,7 +127,7 @@ def _rope_theta(cfg: Mapping[str, Any]) -> float:
     return float(theta)
 
 
-def model_config_from_hf(hf_config: Any) -> ReferenceModelConfig:
+def model_config_from_hf(hf_config: JsonMapping | PretrainedConfig) -> ReferenceModelConfig:
     """Read a Qwen3 / Qwen3-MoE HF config (object or ``config.json`` dict).
 
     Raises:
@@ -188,7 +192,7 @@ class ReferenceQuantConfig:
     ignored_layers: tuple[str, ...] = ()
     activation_scale_format: str = "fp32"
 
-    def to_hf(self) -> dict[str, Any]:
+    def to_hf(self) -> dict[str, object]:
         """The ``quantization_config`` dict vLLM and HF checkpoints carry."""
         return {
             "quant_method": "fp8",
@@ -202,9 +206,7 @@ class ReferenceQuantConfig:
 _EXPECTED_QUANT_VALUES = {"quant_method": ("fp8",), "fmt": ("e4m3",), "activation_scheme": ("dynamic",)}
 
 
-def quant_config_from_hf(
-    quantization: Mapping[str, Any], *, activation_scale_format: str = "fp32"
-) -> ReferenceQuantConfig:
+def quant_config_from_hf(quantization: JsonMapping, *, activation_scale_format: str = "fp32") -> ReferenceQuantConfig:
     """Validate a vLLM / HF FP8 ``quantization_config`` dict.
 
     Raises:

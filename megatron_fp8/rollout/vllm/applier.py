@@ -11,12 +11,15 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Sequence
-from typing import Any
+from typing import TYPE_CHECKING
 
 import torch
 
 from megatron_fp8.refit.buckets import TensorMeta
 from megatron_fp8.refit.verify import VerifyReport
+
+if TYPE_CHECKING:  # vLLM's engine, for annotations only (vLLM is optional at import time)
+    from vllm import LLM
 
 logger = logging.getLogger(__name__)
 
@@ -32,7 +35,7 @@ class VllmApplier:
 
     def __init__(
         self,
-        llm: Any,
+        llm: LLM,
         *,
         fp8_names: Sequence[str] | None,
         verify: bool = True,

@@ -19,7 +19,7 @@ import dataclasses
 import logging
 import math
 from collections.abc import Iterable
-from typing import Any
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -29,11 +29,40 @@ from megatron_fp8.refit.verify import VerifyReport, relative_error
 from megatron_fp8.rollout.vllm import adapter
 from megatron_fp8.vocab import KV_SCALE_SUFFIXES, SCALE_SUFFIX
 
+if TYPE_CHECKING:  # vLLM's types, for annotations only (vLLM is optional at import time)
+    from vllm.config import VllmConfig
+    from vllm.v1.worker.gpu_model_runner import GPUModelRunner
+
 logger = logging.getLogger(__name__)
+
+
+@dataclasses.dataclass(frozen=True)
+class WorkerRefitState:
+    """The refit state of one vLLM worker (replaced, never mutated, on each change).
+
+    Attributes:
+        version: the refit version the worker holds (0: the checkpoint it was built from).
+        serving: ``False`` from the start of a commit until its verification passed.
+        fp8_names: the HF weight names the engine holds in FP8 (the manifest); ``None``: not configured.
+        block_size: ``(rows, cols)`` of an FP8 weight block.
+        known: HF name -> ``"linear"`` / ``"expert"`` / ``"other"`` for every name the engine
+            accepts (computed on the first refit, then reused).
+    """
+
+    version: int = 0
+    serving: bool = True
+    fp8_names: frozenset[str] | None = None
+    block_size: tuple[int, int] = (128, 128)
+    known: dict[str, str] | None = None
 
 
 class FP8RefitWorkerExtension:
     """Methods mixed into each vLLM worker (``self`` is the worker)."""
+
+    if TYPE_CHECKING:  # set by vLLM's worker, which this class is mixed into
+        model_runner: GPUModelRunner
+        vllm_config: VllmConfig
+        _mfp8: WorkerRefitState
 
     # -- manifest oracle -------------------------------------------------------------
     def mfp8_quant_decisions(self, quantization_config: dict) -> list[dict]:
@@ -52,23 +81,27 @@ class FP8RefitWorkerExtension:
         return [n for n, _ in self.model_runner.model.named_parameters()]
 
     # -- refit -----------------------------------------------------------------------
-    def _mfp8_state(self) -> dict[str, Any]:
+    def _mfp8_state(self) -> WorkerRefitState:
         state = getattr(self, "_mfp8", None)
         if state is None:
-            state = {"version": 0, "serving": True, "fp8_names": None, "block_size": (128, 128)}
-            self._mfp8 = state
+            state = self._mfp8 = WorkerRefitState()
         return state
+
+    def _mfp8_update(self, **changes: object) -> WorkerRefitState:
+        self._mfp8 = dataclasses.replace(self._mfp8_state(), **changes)
+        return self._mfp8
 
     def mfp8_configure(self, *, fp8_names: list[str] | None, block_size: tuple[int, int] = (128, 128)) -> None:
         """Tell the worker which HF weights it holds in FP8 (the manifest) before refits."""
-        state = self._mfp8_state()
-        state["fp8_names"] = set(fp8_names) if fp8_names is not None else None
-        state["block_size"] = tuple(block_size)
+        self._mfp8_update(
+            fp8_names=frozenset(fp8_names) if fp8_names is not None else None,
+            block_size=(int(block_size[0]), int(block_size[1])),
+        )
 
-    def mfp8_status(self) -> dict:
+    def mfp8_status(self) -> dict[str, int | bool]:
         """``{"version": int, "serving": bool}`` of this worker."""
         state = self._mfp8_state()
-        return {"version": state["version"], "serving": state["serving"]}
+        return {"version": state.version, "serving": state.serving}
 
     def mfp8_apply(self, version: int, items: list[tuple[str, torch.Tensor]], *, verify: bool = True) -> dict:
         """Validate, load and verify one complete refit version on this worker.
@@ -98,16 +131,20 @@ class VllmRefitApplier:
     engine holds in FP8 are quantized on arrival with the project's kernels.
     """
 
-    def __init__(self, worker: Any):
+    def __init__(self, worker: FP8RefitWorkerExtension):
         self.worker = worker
-        self.state = worker._mfp8_state()
         self.model = worker.model_runner.model
         self._staged: dict[str, torch.Tensor] = {}
         self._version: int | None = None
 
+    @property
+    def state(self) -> WorkerRefitState:
+        """The worker's current :class:`WorkerRefitState`."""
+        return self.worker._mfp8_state()
+
     # names the engine accepts, in checkpoint (HF) format
     def _known(self) -> dict[str, str]:
-        cache = self.state.get("known")
+        cache = self.state.known
         if cache is None:
             cache = {}
             packed = dict(getattr(self.model, "packed_modules_mapping", {}) or {})
@@ -125,13 +162,13 @@ class VllmRefitApplier:
             for name, _ in self.model.named_parameters():
                 if not any(name.startswith(m + ".") for m in module_names):
                     cache[name] = "other"
-            self.state["known"] = cache
+            self.worker._mfp8_update(known=cache)
         return cache
 
     def begin(self, version: int) -> None:
-        if version <= self.state["version"]:
+        if version <= self.state.version:
             raise RefitError(
-                f"refit version {version} is not newer than the engine's version {self.state['version']}; "
+                f"refit version {version} is not newer than the engine's version {self.state.version}; "
                 "versions must increase monotonically"
             )
         self._version = version
@@ -139,7 +176,7 @@ class VllmRefitApplier:
 
     def stage(self, name: str, tensor: torch.Tensor) -> None:
         known = self._known()
-        fp8_names = self.state["fp8_names"]
+        fp8_names = self.state.fp8_names
         if name.endswith(KV_SCALE_SUFFIXES):
             if name not in known:
                 raise RefitError(
@@ -165,7 +202,7 @@ class VllmRefitApplier:
             )
         if fp8_names is not None and name in fp8_names and tensor.dtype != torch.float8_e4m3fn:
             # a BF16 payload for a parameter the engine holds in FP8: quantize on arrival
-            q, s = quantize_blockwise(tensor, block_size=self.state["block_size"], name=name)
+            q, s = quantize_blockwise(tensor, block_size=self.state.block_size, name=name)
             self._staged[name], self._staged[name + SCALE_SUFFIX] = q, s
             return
         if tensor.dtype == torch.float8_e4m3fn and (fp8_names is None or name not in fp8_names):
@@ -188,7 +225,7 @@ class VllmRefitApplier:
             raise RefitError(f"FP8 weights arrived without their scales: {missing[:5]}")
 
     def _engine_items(self) -> Iterable[tuple[str, torch.Tensor]]:
-        fp8_engine = self.state["fp8_names"] is not None and any(
+        fp8_engine = self.state.fp8_names is not None and any(
             t.dtype == torch.float8_e4m3fn for t in self.model.parameters()
         )
         for name, tensor in self._staged.items():
@@ -197,7 +234,7 @@ class VllmRefitApplier:
                 scale = self._staged[name + SCALE_SUFFIX]
                 yield (
                     name,
-                    dequantize_blockwise(tensor, scale, block_size=self.state["block_size"], out_dtype=torch.bfloat16),
+                    dequantize_blockwise(tensor, scale, block_size=self.state.block_size, out_dtype=torch.bfloat16),
                 )
             elif name.endswith(SCALE_SUFFIX) and not fp8_engine:
                 continue
@@ -208,15 +245,14 @@ class VllmRefitApplier:
         if version != self._version:
             raise RefitError(f"commit for version {version} but version {self._version} was begun")
         self._check_complete()
-        self.state["serving"] = False  # from here until verified, this engine must not serve
+        self.worker._mfp8_update(serving=False)  # from here until verified, this engine must not serve
         try:
             adapter.reload_weights(self.worker.model_runner, self._engine_items())
             report = self.verify(version) if verify else None
         except Exception as exc:
             logger.error("refit version %d failed on the worker: %s (engine marked not serving)", version, exc)
             raise RefitError(f"refit version {version} failed while loading: {exc}") from exc
-        self.state["version"] = version
-        self.state["serving"] = True
+        self.worker._mfp8_update(version=version, serving=True)
         self._staged.clear()
         return report
 
@@ -228,7 +264,7 @@ class VllmRefitApplier:
     def _sent_dense(self, name: str) -> torch.Tensor:
         t = self._staged[name]
         if t.dtype == torch.float8_e4m3fn:
-            return dequantize_blockwise(t, self._staged[name + SCALE_SUFFIX], block_size=self.state["block_size"])
+            return dequantize_blockwise(t, self._staged[name + SCALE_SUFFIX], block_size=self.state.block_size)
         return t.to(torch.float32)
 
     def verify(self, version: int, *, tol: float = 2e-2) -> VerifyReport:

@@ -8,6 +8,7 @@ from pathlib import Path
 import pytest
 import torch
 import transformers
+from safetensors.torch import load_file
 
 from megatron_fp8.errors import ConfigError, ManifestError, QuantInputError, RefitError, WeightStreamError
 from megatron_fp8.quant import dequantize_blockwise, quantize_blockwise, quantize_per_token_group
@@ -56,7 +57,7 @@ def _build_in_test(kind: str, folder: Path) -> Path:
 
 def _checkpoint(kind: str, tmp_path_factory: pytest.TempPathFactory) -> Path:
     try:
-        from megatron_fp8.models import tiny_model_path
+        from megatron_fp8.models import tiny_model_path  # lazy: fall back to building the model here
     except ImportError:
         return _build_in_test(kind, tmp_path_factory.mktemp(kind))
     return tiny_model_path(kind, cache_dir=tmp_path_factory.mktemp("models"))
@@ -83,8 +84,8 @@ def _hf_model(path: Path) -> transformers.PreTrainedModel:
 
 
 def _prefill_logits(engine: ReferenceFP8Engine, ids: list[list[int]]) -> torch.Tensor:
-    hidden, _ = engine._prefill(ids, max(map(len, ids)))
-    return engine._logits(hidden).float()
+    hidden, _ = engine.model.prefill(ids, max(map(len, ids)))
+    return engine.model.logits(hidden).float()
 
 
 def _same(a: torch.Tensor, b: torch.Tensor) -> bool:
@@ -93,8 +94,6 @@ def _same(a: torch.Tensor, b: torch.Tensor) -> bool:
 
 
 def _bf16_stream(path: Path) -> dict[str, torch.Tensor]:
-    from safetensors.torch import load_file
-
     return load_file(str(path / "model.safetensors"))
 
 

@@ -1,0 +1,112 @@
+"""Refuse NaN/Inf before a tensor is packed: float dtypes via ``isfinite``, FP8 dtypes via their bit patterns.
+
+FP8 NaN/Inf encodings (e.g. ``0x7f``/``0xff`` for ``float8_e4m3fn``) are
+checked on the raw bytes, so no FP8 tensor is ever upcast for the test.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+
+import torch
+
+from megatron_fp8.errors import NonFiniteError
+from megatron_fp8.refit.wire import dtype_name
+
+_CHECK_CHUNK = 1 << 24  # elements per reduction in the finiteness fast path (bounds the temporaries)
+
+_HasBad = Callable[[torch.Tensor], bool]
+"""Fast test: does the tensor hold a NaN/Inf (one reduction per chunk)?"""
+_BadMask = Callable[[torch.Tensor], torch.Tensor]
+"""Bool mask of the offending elements (only built for the error message)."""
+
+
+def _chunks(t: torch.Tensor) -> Iterator[torch.Tensor]:
+    flat = t.reshape(-1)
+    for start in range(0, flat.numel(), _CHECK_CHUNK):
+        yield flat[start : start + _CHECK_CHUNK]
+
+
+def _float_has_nonfinite(t: torch.Tensor) -> bool:
+    # amax propagates NaN and |-inf| = inf: one cheap reduction per chunk instead of a bool mask.
+    return any(not bool(torch.isfinite(c.abs().amax())) for c in _chunks(t))
+
+
+def _float_nonfinite_mask(t: torch.Tensor) -> torch.Tensor:
+    return ~torch.isfinite(t)
+
+
+def _fp8_rule(
+    has_bad: Callable[[torch.Tensor], torch.Tensor], mask: Callable[[torch.Tensor], torch.Tensor]
+) -> tuple[_HasBad, _BadMask]:
+    def fast(t: torch.Tensor) -> bool:
+        return any(bool(has_bad(c)) for c in _chunks(t.view(torch.uint8)))
+
+    def slow(t: torch.Tensor) -> torch.Tensor:
+        return mask(t.view(torch.uint8))
+
+    return fast, slow
+
+
+# dtype name -> (fast "holds a NaN/Inf?" test, mask of the offending elements for the error message).
+# Integer and bool dtypes have no non-finite values and are absent.
+_NONFINITE_RULES: dict[str, tuple[_HasBad, _BadMask]] = {
+    "bfloat16": (_float_has_nonfinite, _float_nonfinite_mask),
+    "float16": (_float_has_nonfinite, _float_nonfinite_mask),
+    "float32": (_float_has_nonfinite, _float_nonfinite_mask),
+    "float64": (_float_has_nonfinite, _float_nonfinite_mask),
+    # e4m3fn: no Inf; NaN is S.1111.111 (0x7f, 0xff).
+    "float8_e4m3fn": _fp8_rule(lambda b: (b & 0x7F).amax() == 0x7F, lambda b: (b & 0x7F) == 0x7F),
+    # e5m2 (IEEE-like): exponent 11111 is Inf (mantissa 0) or NaN: 0x7c..0x7f, 0xfc..0xff.
+    "float8_e5m2": _fp8_rule(lambda b: (b & 0x7F).amax() >= 0x7C, lambda b: (b & 0x7F) >= 0x7C),
+    # fnuz formats: the single NaN is 0x80 (negative zero's pattern).
+    "float8_e4m3fnuz": _fp8_rule(lambda b: (b == 0x80).any(), lambda b: b == 0x80),
+    "float8_e5m2fnuz": _fp8_rule(lambda b: (b == 0x80).any(), lambda b: b == 0x80),
+    # UE8M0 scales: 0xff is NaN.
+    "float8_e8m0fnu": _fp8_rule(lambda b: b.amax() == 0xFF, lambda b: b == 0xFF),
+}
+
+
+def _first_bad_index(mask_bad: torch.Tensor, shape: tuple[int, ...]) -> tuple[int, ...]:
+    flat = int(mask_bad.reshape(-1).nonzero()[0, 0])
+    if not shape:
+        return ()
+    idx = []
+    for dim in reversed(shape):
+        idx.append(flat % dim)
+        flat //= dim
+    return tuple(reversed(idx))
+
+
+def check_finite(name: str, tensor: torch.Tensor, *, version: int | None = None) -> None:
+    """Refuse a tensor holding NaN/Inf (float dtypes) or a NaN/Inf bit pattern (FP8 dtypes).
+
+    Args:
+        name: HF name of the tensor, for the message.
+        tensor: any :data:`~megatron_fp8.refit.wire.DTYPES` dtype, any device, any shape.
+        version: refit version, for the message.
+
+    Raises:
+        NonFiniteError: naming the tensor, the count and the first offending index.
+        RefitError: the dtype cannot travel in a bucket.
+    """
+    if tensor.numel() == 0:
+        return
+    rule = _NONFINITE_RULES.get(dtype_name(tensor.dtype, tensor_name=name))
+    if rule is None:
+        return
+    has_bad, bad_mask = rule
+    tensor = tensor.detach()
+    if not has_bad(tensor):
+        return
+    bad = bad_mask(tensor)
+    count = int(bad.sum())
+    first = _first_bad_index(bad, tuple(tensor.shape))
+    where = f" of version {version}" if version is not None else ""
+    raise NonFiniteError(
+        f"tensor {name!r}{where} ({tensor.dtype}, shape {tuple(tensor.shape)}) holds {count} NaN/Inf value(s), "
+        f"first at index {first}; refusing to refit it (the engine keeps its last good version). "
+        "Find the step that produced it (loss scale, grad clipping, zero-amax blocks) before refitting again.",
+        name=name,
+        block=first,
+    )

@@ -1,0 +1,121 @@
+"""Token-level GRPO batches: prompt + response rows for the trainer, group advantages, decoding.
+
+The layout the trainer scores: row ``i`` is prompt ``i`` followed by its response, padded on
+the right; position ``t`` of the ``[B, T-1]`` log-probabilities scores token ``t + 1``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Protocol
+
+import torch
+
+from megatron_fp8.errors import ConfigError
+from megatron_fp8.rollout.engines import Rollout
+
+ADVANTAGE_EPS = 1e-6
+"""Added to the group's reward standard deviation before dividing."""
+
+
+class Tokenizer(Protocol):
+    """What GRPO needs of a Hugging Face tokenizer (``transformers`` is optional, so not its class)."""
+
+    eos_token_id: int | None
+    pad_token_id: int | None
+
+    def encode(self, text: str, *, add_special_tokens: bool = True) -> list[int]:
+        """Token ids of ``text``."""
+        ...
+
+    def decode(self, token_ids: Sequence[int], *, skip_special_tokens: bool = False) -> str:
+        """Text of ``token_ids``."""
+        ...
+
+    def __len__(self) -> int:
+        """Vocabulary size (ids ``>=`` this are not the tokenizer's)."""
+        ...
+
+
+@dataclass(frozen=True)
+class Batch:
+    """Prompt + response rows for the trainer.
+
+    Attributes:
+        input_ids: int64 ``[B, T]``, right-padded with the pad id.
+        attention_mask: int64 ``[B, T]``, 1 on prompt and response tokens.
+        response_mask: bool ``[B, T-1]``: position ``t`` scores token ``t + 1``, true where that is a response token.
+        logp_rollout: float32 ``[B, T-1]``, the engine's log-probabilities (nats) of the response
+            tokens, 0 off the response.
+    """
+
+    input_ids: torch.Tensor
+    attention_mask: torch.Tensor
+    response_mask: torch.Tensor
+    logp_rollout: torch.Tensor
+
+
+def make_batch(prompts: Sequence[Sequence[int]], rollout: Rollout, pad_id: int) -> Batch:
+    """Lay out ``prompts[i] + rollout.token_ids[i]`` rows with the rollout's log-probabilities aligned.
+
+    Args:
+        prompts: per row, the prompt token ids (at least one token).
+        rollout: one response per prompt, in the same order.
+        pad_id: id used for right padding.
+
+    Returns:
+        The :class:`Batch`.
+    """
+    seqs = [list(p) + list(r) for p, r in zip(prompts, rollout.token_ids, strict=True)]
+    b, t = len(seqs), max(len(s) for s in seqs)
+    input_ids = torch.full((b, t), pad_id, dtype=torch.int64)
+    attention = torch.zeros((b, t), dtype=torch.int64)
+    mask = torch.zeros((b, t - 1), dtype=torch.bool)
+    logp = torch.zeros((b, t - 1), dtype=torch.float32)
+    for i, (p, r, lp) in enumerate(zip(prompts, rollout.token_ids, rollout.logprobs, strict=True)):
+        n = len(p) + len(r)
+        input_ids[i, :n] = torch.tensor(seqs[i], dtype=torch.int64)
+        attention[i, :n] = 1
+        start = len(p) - 1
+        mask[i, start : start + len(r)] = True
+        logp[i, start : start + len(r)] = lp
+    return Batch(input_ids=input_ids, attention_mask=attention, response_mask=mask, logp_rollout=logp)
+
+
+def group_advantages(rewards: torch.Tensor) -> torch.Tensor:
+    """GRPO advantages ``(r - mean) / (std + 1e-6)`` within each group.
+
+    Args:
+        rewards: float ``[num_prompts, num_generations]``.
+
+    Returns:
+        float32 ``[num_prompts * num_generations]`` (row-major: prompt-major), 0 for groups whose
+        rewards are all equal.
+
+    Raises:
+        ConfigError: not ``[prompts, generations >= 2]``.
+    """
+    if rewards.dim() != 2 or rewards.shape[1] < 2:
+        raise ConfigError(f"group_advantages needs [prompts, generations >= 2] rewards, got {tuple(rewards.shape)}")
+    r = rewards.to(torch.float32)
+    adv = (r - r.mean(dim=1, keepdim=True)) / (r.std(dim=1, unbiased=False, keepdim=True) + ADVANTAGE_EPS)
+    return adv.reshape(-1)
+
+
+def decode_response(tokenizer: Tokenizer, ids: Sequence[int]) -> str:
+    """Text of response tokens, one token at a time (ids beyond the tokenizer become U+FFFD)."""
+    size = len(tokenizer)
+    return "".join(tokenizer.decode([i], skip_special_tokens=True) if i < size else "\ufffd" for i in ids)
+
+
+def eos_and_pad(tokenizer: Tokenizer, *, where: object) -> tuple[int, int]:
+    """``(eos id, pad id)``; the pad id falls back to EOS.
+
+    Raises:
+        ConfigError: the tokenizer has no EOS (``where`` names the model in the message).
+    """
+    eos = tokenizer.eos_token_id
+    if eos is None:
+        raise ConfigError(f"the tokenizer of {where} has no eos_token_id; GRPO needs one to stop responses")
+    return eos, tokenizer.pad_token_id if tokenizer.pad_token_id is not None else eos

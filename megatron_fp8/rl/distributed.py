@@ -1,0 +1,127 @@
+"""Data-parallel GRPO ranks: the process group from the environment and the rank-0 helpers.
+
+Under Slurm (``slurm/grpo.sbatch``) every task runs ``megatron-fp8 grpo`` with ``RANK``,
+``WORLD_SIZE``, ``MASTER_ADDR`` and ``MASTER_PORT`` set. Each rank rolls out its share of the
+step's prompts on its own colocated engine (whole groups, so advantages stay group-local),
+Megatron-Core's DDP averages the gradients over ranks, every rank refits its own engine, and
+rank 0 (the writer) averages the step metrics over ranks and writes the outputs.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import datetime
+import logging
+import os
+from collections.abc import Iterator, Mapping, Sequence
+from dataclasses import dataclass
+from typing import TypeVar
+
+import torch.distributed as dist
+
+from megatron_fp8.errors import ConfigError
+from megatron_fp8.rl.results import StepMetrics
+
+logger = logging.getLogger(__name__)
+
+T = TypeVar("T")
+
+
+@dataclass(frozen=True)
+class DataParallel:
+    """This process's place in a multi-process GRPO run (``torch.distributed`` from the environment).
+
+    Attributes:
+        rank: this process's rank, ``0 <= rank < world_size``.
+        world_size: number of GRPO processes.
+    """
+
+    rank: int = 0
+    world_size: int = 1
+
+    @property
+    def is_writer(self) -> bool:
+        """Rank 0 asks vLLM for the manifest, averages the metrics and writes the outputs."""
+        return self.rank == 0
+
+    def shard(self, items: Sequence[T]) -> list[T]:
+        """This rank's items: every ``world_size``-th, starting at ``rank``."""
+        return list(items[self.rank :: self.world_size])
+
+
+@contextlib.contextmanager
+def data_parallel_from_env(*, timeout_s: float = 1800.0) -> Iterator[DataParallel]:
+    """Join the ``WORLD_SIZE`` processes of this run (gloo) for its whole length; one process: no group.
+
+    Raises:
+        ConfigError: ``MFP8_ROLE`` other than ``colocated``, or ``WORLD_SIZE > 1`` without a rendezvous.
+    """
+    world = int(os.environ.get("WORLD_SIZE", "1") or 1)
+    rank = int(os.environ.get("RANK", "0") or 0)
+    role = os.environ.get("MFP8_ROLE", "colocated") or "colocated"
+    if role != "colocated":
+        raise ConfigError(
+            f"MFP8_ROLE={role!r} (slurm/grpo.sbatch with ROLLOUT_TASKS set): megatron-fp8 grpo runs colocated "
+            "data-parallel ranks, each training and rolling out; separate trainer/rollout placement is not "
+            "implemented yet. Unset ROLLOUT_TASKS."
+        )
+    if world <= 1:
+        yield DataParallel()
+        return
+    missing = [v for v in ("MASTER_ADDR", "MASTER_PORT") if not os.environ.get(v)]
+    if missing:
+        raise ConfigError(
+            f"WORLD_SIZE={world} but {', '.join(missing)} not set: launch through slurm/grpo.sbatch "
+            "(or torchrun), which set the rendezvous"
+        )
+    dist.init_process_group(
+        "gloo", init_method="env://", rank=rank, world_size=world, timeout=datetime.timedelta(seconds=timeout_s)
+    )
+    logger.info("GRPO data parallel: rank %d of %d", rank, world)
+    try:
+        yield DataParallel(rank=rank, world_size=world)
+    finally:
+        dist.destroy_process_group()
+
+
+def share_from_writer(value: T | None, dp: DataParallel) -> T:
+    """``value`` as computed on rank 0, on every rank (pickled broadcast; other ranks pass ``None``)."""
+    box: list[T | None] = [value]
+    if dp.world_size > 1:
+        dist.broadcast_object_list(box, src=0)
+    shared = box[0]
+    if shared is None:
+        raise ConfigError("rank 0 shared nothing: call share_from_writer with a value on rank 0")
+    return shared
+
+
+_SUM_FIELDS = ("refit_bytes",)
+"""Per-rank payloads add up; every other float is averaged, other values are taken from rank 0."""
+_RANK0_FIELDS = ("arm", "step", "engine", "sample")
+
+
+def _combine(key: str, values: Sequence[object]) -> object:
+    """One field over ranks: bools all-true, floats averaged (``_SUM_FIELDS`` summed), else rank 0's."""
+    first = values[0]
+    if isinstance(first, bool):
+        return all(values)
+    if isinstance(first, Mapping):
+        return {k: _combine(f"{key}.{k}", [v[k] for v in values if isinstance(v, Mapping)]) for k in first}
+    if not isinstance(first, (int, float)):
+        return first
+    numbers = [v for v in values if isinstance(v, (int, float))]
+    if key.split(".")[0] in _SUM_FIELDS:
+        return sum(numbers)
+    return float(sum(numbers) / len(numbers)) if isinstance(first, float) else first
+
+
+def average_over_ranks(m: StepMetrics, dp: DataParallel) -> StepMetrics:
+    """Average a step's numeric metrics over ranks (refit bytes summed); collective, rank 0 uses the result."""
+    if dp.world_size == 1:
+        return m
+    gathered: list[dict[str, object] | None] = [None] * dp.world_size
+    dist.all_gather_object(gathered, dataclasses.asdict(m))
+    records = [g for g in gathered if g is not None]
+    merged = {k: _combine(k, [r[k] for r in records]) for k in records[0] if k not in _RANK0_FIELDS}
+    return dataclasses.replace(m, **merged)

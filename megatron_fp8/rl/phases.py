@@ -1,0 +1,355 @@
+"""One GRPO step of one arm, as four phases: rollout -> score -> train -> refit.
+
+* :func:`rollout_phase`: this rank's share of the step's problems, ``num_generations_per_prompt``
+  responses each from the arm's engine, with the engine's per-token log-probabilities;
+* :func:`score_phase`: verifiable partial-credit rewards and group-normalised advantages;
+* :func:`train_phase`: the trainer's log-probabilities of the same tokens (no grad, the old
+  policy), the mismatch metrics and IS weights, ``grpo.updates_per_step`` PPO updates;
+* :func:`refit_phase`: the updated weights to the engine (FP8 + block scales for the manifest's
+  weights on the FP8 arms, plus FP8 KV-cache scales when recorded), verified two-phase commit.
+
+:func:`run_step` runs them in order and returns the step's :class:`~megatron_fp8.rl.results.StepMetrics`.
+"""
+
+from __future__ import annotations
+
+import itertools
+import time
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+from typing import Protocol
+
+import torch
+
+from bridge_mappings.manifest import Manifest
+from bridge_mappings.quantized_export import ExportSettings, refit_stream
+from megatron_fp8.config.schema import KVCacheConfig, RunConfig
+from megatron_fp8.errors import ManifestError
+from megatron_fp8.megatron import MegatronModel, StepOptimizer, export_hf_weights, token_logprobs, train_step
+from megatron_fp8.refit.pipeline import ColocatedRefit
+from megatron_fp8.rl.batch import Tokenizer, decode_response, group_advantages, make_batch
+from megatron_fp8.rl.correction import ISConfig, PPOStats, compute_is_weights, ppo_loss
+from megatron_fp8.rl.distributed import DataParallel
+from megatron_fp8.rl.kv_calibration import KVAmaxRecorder, compute_kv_scales
+from megatron_fp8.rl.metrics import METRIC_KEYS, mismatch_metrics
+from megatron_fp8.rl.results import StepMetrics, finite_mean
+from megatron_fp8.rl.task import Problem, RewardBreakdown, ToyTask, sample_problems
+from megatron_fp8.rollout.engines import Rollout, RolloutEngine
+from megatron_fp8.vocab import ArmSpec
+
+
+class Optimizer(StepOptimizer, Protocol):
+    """:func:`megatron_fp8.megatron.make_optimizer`'s optimizer, with the parameter groups the step sets the lr of."""
+
+    @property
+    def param_groups(self) -> list[dict[str, object]]:
+        """Parameter groups; each has an ``"lr"`` entry the step sets."""
+        ...
+
+
+@dataclass(frozen=True)
+class GRPOContext:
+    """What every step of every arm shares.
+
+    Attributes:
+        config: the run configuration.
+        task: the toy task.
+        tokenizer: the model's tokenizer.
+        eos_id: end-of-sequence id (stops responses).
+        pad_id: padding id of the trainer's batches.
+    """
+
+    config: RunConfig
+    task: ToyTask
+    tokenizer: Tokenizer
+    eos_id: int
+    pad_id: int
+
+
+@dataclass(frozen=True)
+class ArmState:
+    """One arm's trainer, engine and refit session, built once per arm.
+
+    Attributes:
+        spec: the arm.
+        model: the Megatron-Core policy.
+        optimizer: its optimizer.
+        engine: the arm's rollout engine.
+        refit: the colocated refit session into ``engine``.
+        manifest: vLLM's FP8 manifest (``None`` for BF16 arms).
+        export_settings: how FP8 weights and scales are produced.
+        dp: this process's data-parallel place.
+        kv_recorder: q/k/v amax of the training forwards, for FP8 KV-cache scales (``None``: no FP8 KV cache).
+        kv_settings: percentile and margin of those scales.
+    """
+
+    spec: ArmSpec
+    model: MegatronModel
+    optimizer: Optimizer
+    engine: RolloutEngine
+    refit: ColocatedRefit
+    manifest: Manifest | None
+    export_settings: ExportSettings
+    dp: DataParallel
+    kv_recorder: KVAmaxRecorder | None = None
+    kv_settings: KVCacheConfig = KVCacheConfig()
+
+
+# ----------------------------------------------------------------------------- rollout
+
+
+@dataclass(frozen=True)
+class RolloutOutcome:
+    """This rank's responses of one step.
+
+    Attributes:
+        problems: per response, its problem (each problem repeated ``num_generations_per_prompt`` times).
+        prompt_ids: per response, the prompt token ids.
+        rollout: the engine's responses and log-probabilities.
+        seconds: generation time, seconds.
+    """
+
+    problems: tuple[Problem, ...]
+    prompt_ids: tuple[list[int], ...]
+    rollout: Rollout
+    seconds: float
+
+
+def rollout_phase(state: ArmState, ctx: GRPOContext, *, step: int) -> RolloutOutcome:
+    """Sample this rank's problems of ``step`` (the same for every arm) and roll out every group."""
+    g = ctx.config.grpo
+    problems = state.dp.shard(sample_problems(ctx.task, seed=g.seed, step=step, count=g.num_prompts_per_step))
+    prompt_ids = [ctx.tokenizer.encode(p.prompt, add_special_tokens=False) for p in problems]
+    flat_prompts = tuple(ids for ids in prompt_ids for _ in range(g.num_generations_per_prompt))
+    flat_problems = tuple(p for p in problems for _ in range(g.num_generations_per_prompt))
+    t0 = time.perf_counter()
+    rollout = state.engine.generate(
+        flat_prompts,
+        max_new_tokens=g.max_new_tokens,
+        temperature=g.temperature,
+        seed=g.seed * 1_000_003 + step * 10_007,
+        eos_token_id=ctx.eos_id,
+    )
+    return RolloutOutcome(flat_problems, flat_prompts, rollout, time.perf_counter() - t0)
+
+
+# ----------------------------------------------------------------------------- score
+
+
+@dataclass(frozen=True)
+class Scores:
+    """The rewards of one step's responses.
+
+    Attributes:
+        texts: per response, the decoded text (EOS dropped).
+        breakdowns: per response, the task's score.
+        rewards: float32 ``[num_responses]``.
+        advantages: float32 ``[num_responses]``, normalised within each prompt's group.
+    """
+
+    texts: tuple[str, ...]
+    breakdowns: tuple[RewardBreakdown, ...]
+    rewards: torch.Tensor
+    advantages: torch.Tensor
+
+
+def score_phase(out: RolloutOutcome, ctx: GRPOContext) -> Scores:
+    """Decode and score every response, then the GRPO advantages within each group."""
+    texts, breakdowns = [], []
+    for problem, ids, finished in zip(out.problems, out.rollout.token_ids, out.rollout.finished, strict=True):
+        body = ids[:-1] if finished and ids and ids[-1] == ctx.eos_id else ids
+        text = decode_response(ctx.tokenizer, body)
+        texts.append(text)
+        breakdowns.append(ctx.task.reward(problem, text, finished=finished))
+    rewards = torch.tensor([s.reward for s in breakdowns], dtype=torch.float32)
+    advantages = group_advantages(rewards.view(-1, ctx.config.grpo.num_generations_per_prompt))
+    return Scores(tuple(texts), tuple(breakdowns), rewards, advantages)
+
+
+# ----------------------------------------------------------------------------- train
+
+
+def learning_rate_at(step: int, config: RunConfig) -> float:
+    """``grpo.learning_rate``, ramped linearly from 10% over ``grpo.warmup_steps``."""
+    g = config.grpo
+    if g.warmup_steps <= 0 or step >= g.warmup_steps:
+        return g.learning_rate
+    return g.learning_rate * (0.1 + 0.9 * step / g.warmup_steps)
+
+
+def is_config(config: RunConfig) -> ISConfig:
+    """The IS correction of ``loss_fn`` (band defaults from :class:`ISConfig` where unset)."""
+    loss = config.loss_fn
+    lo = loss.is_lower if loss.is_lower is not None else ISConfig.lo
+    hi = loss.is_upper if loss.is_upper is not None else ISConfig.hi
+    return ISConfig(variant=loss.is_variant, cap=loss.is_cap, lo=lo, hi=hi, log_ratio_clamp=loss.log_ratio_clamp)
+
+
+@dataclass(frozen=True)
+class TrainOutcome:
+    """The trainer's side of one step.
+
+    Attributes:
+        loss: PPO loss, mean over the updates (each before its update).
+        grad_norm: gradient norm before clipping, mean over the updates.
+        update_successful: every update was applied.
+        learning_rate: the learning rate used.
+        ppo: :meth:`PPOStats.as_floats` of the last update.
+        is_variant: the IS variant whose statistics are in ``mismatch``.
+        mismatch: :func:`~megatron_fp8.rl.metrics.mismatch_metrics` (with the IS statistics).
+        seconds: trainer scoring + updates, seconds.
+    """
+
+    loss: float
+    grad_norm: float
+    update_successful: bool
+    learning_rate: float
+    ppo: Mapping[str, float]
+    is_variant: str
+    mismatch: Mapping[str, float]
+    seconds: float
+
+
+def train_phase(state: ArmState, ctx: GRPOContext, out: RolloutOutcome, scores: Scores, *, step: int) -> TrainOutcome:
+    """Score the rollout with the trainer (old policy), compare with the engine, run the PPO updates."""
+    config, g = ctx.config, ctx.config.grpo
+    t0 = time.perf_counter()
+    batch = make_batch(out.prompt_ids, out.rollout, ctx.pad_id)
+    model_inputs = {"input_ids": batch.input_ids, "attention_mask": batch.attention_mask}
+    with torch.no_grad():
+        logp_old = token_logprobs(
+            state.model, batch.input_ids, temperature=g.temperature, attention_mask=batch.attention_mask
+        )
+    is_cfg = is_config(config)
+    # statistics of the configured variant for every arm; only arms that correct put the weights in the loss
+    diag_cfg = is_cfg if is_cfg.variant != "none" else ISConfig(log_ratio_clamp=is_cfg.log_ratio_clamp)
+    is_result = compute_is_weights(logp_old, batch.logp_rollout, batch.response_mask, config=diag_cfg)
+    mismatch = mismatch_metrics(
+        logp_old, batch.logp_rollout, batch.response_mask, is_result=is_result, log_ratio_clamp=is_cfg.log_ratio_clamp
+    )
+    weights = is_result if state.spec.correct else None
+
+    lr = learning_rate_at(step, config)
+    for group in state.optimizer.param_groups:
+        group["lr"] = lr
+    last_stats: list[PPOStats] = []
+
+    def loss_fn(logp_new: torch.Tensor) -> torch.Tensor:
+        loss, stats = ppo_loss(
+            logp_new,
+            logp_old,
+            scores.advantages,
+            batch.response_mask,
+            clip_low=config.loss_fn.ratio_clip_min,
+            clip_high=config.loss_fn.ratio_clip_max,
+            is_weights=weights,
+            log_ratio_clamp=config.loss_fn.log_ratio_clamp,
+        )
+        last_stats[:] = [stats]
+        return loss
+
+    losses, norms, ok = [], [], True
+    for _ in range(g.updates_per_step):
+        result = train_step(state.model, state.optimizer, loss_fn, model_inputs, temperature=g.temperature)
+        losses.append(result.loss)
+        norms.append(result.grad_norm)
+        ok = ok and result.update_successful
+    return TrainOutcome(
+        loss=finite_mean(losses),
+        grad_norm=finite_mean(norms),
+        update_successful=ok,
+        learning_rate=lr,
+        ppo=last_stats[0].as_floats(),
+        is_variant=diag_cfg.variant,
+        mismatch=mismatch,
+        seconds=time.perf_counter() - t0,
+    )
+
+
+# ----------------------------------------------------------------------------- refit
+
+
+@dataclass(frozen=True)
+class RefitOutcome:
+    """One refit of the engine after the updates.
+
+    Attributes:
+        payload_bytes: bytes sent per class (``fp8``, ``scales``, ``bf16``, ``other``).
+        seconds: export + quantization + transfer + verified commit, seconds.
+        version: the engine's weight version after the refit.
+        max_rel_error: worst relative weight error of the post-refit verification (``nan``: not verified).
+    """
+
+    payload_bytes: dict[str, int]
+    seconds: float
+    version: int
+    max_rel_error: float
+
+
+def _refit_tensors(state: ArmState) -> Iterable[tuple[str, torch.Tensor]]:
+    """The HF-named stream: BF16 export, or FP8 per the manifest (+ KV-cache scales when recorded)."""
+    if state.spec.rollout_precision != "fp8":
+        return export_hf_weights(state.model)
+    if state.manifest is None:
+        raise ManifestError(f"arm {state.spec.name} rolls out in FP8 but was given no FP8 manifest")
+    # the bridge adapter uses Megatron-Bridge's quantized-export hook where the installed version has one
+    stream: Iterable[tuple[str, torch.Tensor]] = refit_stream(state.model, state.manifest, state.export_settings)
+    if state.kv_recorder is not None and state.kv_recorder.layers():
+        kv = compute_kv_scales(
+            state.kv_recorder, percentile=state.kv_settings.percentile, margin=state.kv_settings.margin
+        )
+        state.kv_recorder.reset()
+        stream = itertools.chain(stream, kv.items())
+    return stream
+
+
+def refit_phase(state: ArmState) -> RefitOutcome:
+    """Send the trainer's weights to the arm's engine through the verified refit session."""
+    result = state.refit.refit(_refit_tensors(state))
+    verify = state.engine.applier.last_verify
+    err = float(verify.max_rel_error) if verify is not None else float("nan")
+    return RefitOutcome(dict(result.send.payload_bytes), float(result.seconds), int(result.version), err)
+
+
+# ----------------------------------------------------------------------------- the step
+
+
+def run_step(state: ArmState, ctx: GRPOContext, *, step: int) -> StepMetrics:
+    """Rollout -> score -> train -> refit for one step of one arm; this rank's metrics."""
+    t_step = time.perf_counter()
+    out = rollout_phase(state, ctx, step=step)
+    scores = score_phase(out, ctx)
+    train = train_phase(state, ctx, out, scores, step=step)
+    refit = refit_phase(state)
+    rewards, token_ids = scores.rewards, out.rollout.token_ids
+    best = int(torch.argmax(rewards))
+    return StepMetrics(
+        arm=state.spec.name,
+        step=step,
+        engine=out.rollout.engine,
+        reward_mean=float(rewards.mean()),
+        reward_std=float(rewards.std(unbiased=False)),
+        reward_max=float(rewards.max()),
+        exact_match=sum(s.exact for s in scores.breakdowns) / len(scores.breakdowns),
+        response_tokens_mean=sum(len(t) for t in token_ids) / len(token_ids),
+        loss=train.loss,
+        grad_norm=train.grad_norm,
+        update_successful=train.update_successful,
+        learning_rate=train.learning_rate,
+        ppo_clip_fraction=train.ppo["clip_fraction"],
+        ppo_approx_kl=train.ppo["approx_kl"],
+        is_applied=state.spec.correct,
+        is_variant=train.is_variant,
+        is_weight_mean=train.mismatch["is_weight_mean"],
+        is_truncated_fraction=train.mismatch["is_truncated_fraction"],
+        is_masked_fraction=train.mismatch["is_masked_fraction"],
+        mismatch={k: train.mismatch[k] for k in METRIC_KEYS},
+        refit_bytes=refit.payload_bytes,
+        refit_seconds=refit.seconds,
+        refit_version=refit.version,
+        refit_max_rel_error=refit.max_rel_error,
+        rollout_seconds=out.seconds,
+        train_seconds=train.seconds,
+        step_seconds=time.perf_counter() - t_step,
+        sample=f"{out.problems[best].prompt}{scores.texts[best]!r} (answer {out.problems[best].answer})",
+    )

@@ -1,0 +1,110 @@
+"""Supervised warm start shared by every GRPO arm, saved as a Hugging Face checkpoint folder.
+
+A randomly initialised toy model almost never earns a reward; a few supervised steps on the
+task's answers give GRPO a policy whose rewards vary within a group, so advantages are non-zero.
+"""
+
+from __future__ import annotations
+
+import logging
+import shutil
+from collections.abc import Mapping
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from safetensors.torch import save_file
+
+from megatron_fp8.config.schema import RunConfig
+from megatron_fp8.megatron import build_megatron_model, export_hf_weights, make_optimizer, megatron_parallel, train_step
+from megatron_fp8.rl.batch import Tokenizer, eos_and_pad, make_batch
+from megatron_fp8.rl.results import WARM_START_DIR
+from megatron_fp8.rl.task import ToyTask, sample_problems
+from megatron_fp8.rollout.engines import Rollout
+
+logger = logging.getLogger(__name__)
+
+WARM_START_SEED_OFFSET = 7919
+"""Added to ``grpo.seed`` for the warm-start problems, so they differ from the GRPO problems."""
+
+
+def save_hf_checkpoint(tensors: Mapping[str, torch.Tensor], source: Path, dest: Path) -> Path:
+    """Write the trainer's weights as an HF folder: the source's config/tokenizer files + ``model.safetensors``.
+
+    Args:
+        tensors: HF-named weights (any dtype; written as they are).
+        source: the HF checkpoint folder whose non-weight files are copied.
+        dest: the folder to write (created).
+
+    Returns:
+        ``dest``.
+    """
+    dest.mkdir(parents=True, exist_ok=True)
+    for f in source.iterdir():
+        if f.is_file() and not f.name.endswith((".safetensors", ".safetensors.index.json")):
+            shutil.copy2(f, dest / f.name)
+    tmp = dest / "model.safetensors.tmp"
+    save_file({n: t.detach().contiguous() for n, t in tensors.items()}, str(tmp), metadata={"format": "pt"})
+    tmp.replace(dest / "model.safetensors")
+    return dest
+
+
+def warm_start(
+    config: RunConfig, model_path: Path, *, task: ToyTask, tokenizer: Tokenizer, out_dir: Path
+) -> tuple[Path, list[float]]:
+    """Supervised warm start on task answers, shared by every arm; saved as an HF checkpoint folder.
+
+    ``grpo.warm_start_steps`` AdamW steps (lr ``grpo.warm_start_learning_rate``) of the mean
+    negative log-likelihood of ``answer + EOS`` given the prompt, on fresh problems each step
+    (seeded apart from the GRPO problems), ``num_prompts_per_step x num_generations_per_prompt``
+    examples per step, BF16 recipe. Every model-parallel rank trains and exports; rank 0 writes.
+
+    Returns:
+        ``(checkpoint folder, per-step loss)``; the folder is ``out_dir/warm_start``.
+
+    Raises:
+        ConfigError: the tokenizer has no EOS.
+    """
+    g = config.grpo
+    eos, pad = eos_and_pad(tokenizer, where=model_path)
+    batch_size = g.num_prompts_per_step * g.num_generations_per_prompt
+    losses: list[float] = []
+    path = out_dir / WARM_START_DIR
+    torch.manual_seed(g.seed)
+    with megatron_parallel(seed=g.seed):
+        model = build_megatron_model(model_path, recipe="bf16")
+        optimizer = make_optimizer(model, lr=g.warm_start_learning_rate)
+        for step in range(g.warm_start_steps):
+            problems = sample_problems(task, seed=g.seed + WARM_START_SEED_OFFSET, step=step, count=batch_size)
+            prompts = [tokenizer.encode(p.prompt, add_special_tokens=False) for p in problems]
+            answers = [(*tokenizer.encode(p.answer, add_special_tokens=False), eos) for p in problems]
+            teacher = Rollout(
+                token_ids=tuple(answers),
+                logprobs=tuple(torch.zeros(len(a)) for a in answers),
+                finished=tuple(True for _ in answers),
+                engine="warm-start",
+            )
+            batch = make_batch(prompts, teacher, pad)
+            mask = batch.response_mask.float()
+
+            def nll(logp: torch.Tensor, mask: torch.Tensor = mask) -> torch.Tensor:
+                """Mean negative log-likelihood of the answer tokens."""
+                return -(logp * mask).sum() / mask.sum()
+
+            result = train_step(
+                model, optimizer, nll, {"input_ids": batch.input_ids, "attention_mask": batch.attention_mask}
+            )
+            losses.append(result.loss)
+        tensors = dict(export_hf_weights(model))  # collective over model-parallel ranks: every rank exports
+        if not dist.is_initialized() or dist.get_rank() == 0:
+            save_hf_checkpoint(tensors, model_path, path)
+        if dist.is_initialized():
+            dist.barrier()
+    logger.info(
+        "warm start: %d supervised steps, NLL %.3f -> %.3f per answer token; checkpoint %s",
+        g.warm_start_steps,
+        losses[0] if losses else float("nan"),
+        losses[-1] if losses else float("nan"),
+        path,
+    )
+    return path, losses

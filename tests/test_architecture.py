@@ -1,0 +1,209 @@
+"""The layout rules of docs/architecture.md, checked on the source tree (static: nothing is imported to check).
+
+* no import cycle among ``megatron_fp8`` and ``bridge_mappings`` modules (any import, module-level or in a
+  function, including the package ``__init__`` files an import runs);
+* no library module over 600 lines;
+* the vocabulary and layout modules import no torch (pure data and integer math);
+* ``megatron.bridge`` is imported only by the Megatron-Bridge adapter (and its private patch module), vLLM only
+  inside ``megatron_fp8/rollout/vllm/``; private patch modules only by their adapter;
+* every registry that implements a closed set of :mod:`megatron_fp8.vocab` has exactly its keys.
+"""
+
+from __future__ import annotations
+
+import ast
+import pathlib
+import re
+
+import pytest
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+PACKAGES = ("megatron_fp8", "bridge_mappings")
+MAX_LINES = 600
+
+
+def _modules() -> dict[str, pathlib.Path]:
+    mods = {}
+    for pkg in PACKAGES:
+        for path in sorted((ROOT / pkg).rglob("*.py")):
+            parts = path.relative_to(ROOT).with_suffix("").parts
+            name = ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+            mods[name] = path
+    return mods
+
+
+MODULES = _modules()
+
+
+def _imported_names(name: str, path: pathlib.Path) -> list[str]:
+    """Every module name an ``import`` statement or ``importlib.import_module("...")`` call in the file names."""
+    tree = ast.parse(path.read_text(), filename=str(path))
+    is_pkg = path.name == "__init__.py"
+    out: list[str] = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            out += [a.name for a in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                parts = name.split(".") if is_pkg else name.split(".")[:-1]
+                parts = parts[: len(parts) - (node.level - 1)]
+                base = ".".join([*parts, base] if base else parts)
+            out += [base] + [f"{base}.{a.name}" for a in node.names]
+        elif (
+            isinstance(node, ast.Call)
+            and isinstance(node.func, ast.Attribute)
+            and node.func.attr == "import_module"
+            and node.args
+            and isinstance(node.args[0], ast.Constant)
+            and isinstance(node.args[0].value, str)
+        ):
+            out.append(node.args[0].value)
+    return out
+
+
+def _local_graph() -> dict[str, set[str]]:
+    """Module -> modules its imports execute: the target and every package ``__init__`` on the way to it.
+
+    Importing ``a.b.c`` runs ``a/__init__`` and ``a/b/__init__`` first, unless the importer already lives
+    inside that package (then the package is already initialising): those edges count too.
+    """
+    graph: dict[str, set[str]] = {}
+    for name, path in MODULES.items():
+        edges = set()
+        for target in _imported_names(name, path):
+            while target and target not in MODULES:
+                target = target.rpartition(".")[0]
+            parts = target.split(".") if target else []
+            for depth in range(1, len(parts) + 1):
+                node = ".".join(parts[:depth])
+                if node in MODULES and node != name and not name.startswith(node + "."):
+                    edges.add(node)
+        graph[name] = edges
+    return graph
+
+
+def _cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on_stack: set[str] = set()
+    found: list[list[str]] = []
+    counter = [0]
+
+    def visit(v: str) -> None:
+        index[v] = low[v] = counter[0]
+        counter[0] += 1
+        stack.append(v)
+        on_stack.add(v)
+        for w in sorted(graph.get(v, ())):
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on_stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            comp = []
+            while True:
+                w = stack.pop()
+                on_stack.discard(w)
+                comp.append(w)
+                if w == v:
+                    break
+            if len(comp) > 1:
+                found.append(sorted(comp))
+
+    for v in sorted(graph):
+        if v not in index:
+            visit(v)
+    return found
+
+
+def test_no_import_cycles():
+    assert _cycles(_local_graph()) == []
+
+
+def test_cycle_detector_finds_a_planted_cycle():
+    graph = {"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}
+    assert _cycles(graph) == [["a", "b", "c"]]
+
+
+@pytest.mark.parametrize("name", sorted(MODULES))
+def test_module_size(name):
+    lines = len(MODULES[name].read_text().splitlines())
+    assert lines <= MAX_LINES, f"{MODULES[name].relative_to(ROOT)} has {lines} lines (limit {MAX_LINES}): split it"
+
+
+@pytest.mark.parametrize("name", ["megatron_fp8.vocab", "megatron_fp8.layout", "megatron_fp8.errors"])
+def test_pure_modules_import_no_torch(name):
+    imported = _imported_names(name, MODULES[name])
+    third_party = [m for m in imported if not m.startswith(("megatron_fp8", "__future__"))]
+    assert all(m.split(".")[0] in {"dataclasses", "types", "typing", "collections"} for m in third_party), imported
+
+
+def _importers_of(prefix: str) -> set[str]:
+    return {
+        name
+        for name, path in MODULES.items()
+        if any(m == prefix or m.startswith(prefix + ".") for m in _imported_names(name, path))
+    }
+
+
+def test_megatron_bridge_has_one_boundary():
+    assert _importers_of("megatron.bridge") <= {"bridge_mappings.adapter", "bridge_mappings._patches"}
+    assert _importers_of("bridge_mappings._patches") == {"bridge_mappings.adapter"}
+
+
+def test_vllm_is_imported_only_by_its_adapter_room():
+    assert {n for n in _importers_of("vllm") if not n.startswith("megatron_fp8.rollout.vllm")} == set()
+
+
+def test_monkey_patches_live_in_the_adapters_private_module():
+    """``setattr`` on another package's module or class, or assigning to ``torch.*``/``megatron.*`` attributes."""
+    offenders = []
+    for name, path in MODULES.items():
+        if name == "bridge_mappings._patches":
+            continue
+        for node in ast.walk(ast.parse(path.read_text())):
+            targets = node.targets if isinstance(node, ast.Assign) else []
+            for t in targets:
+                if isinstance(t, ast.Attribute) and ast.unparse(t).startswith(("torch.", "megatron.", "vllm.")):
+                    offenders.append(f"{name}: {ast.unparse(t)}")
+    assert offenders == []
+
+
+def test_registries_implement_exactly_the_vocabulary():
+    from megatron_fp8 import vocab
+    from megatron_fp8.quant import formats
+    from megatron_fp8.refit.transport import FACTORIES
+    from megatron_fp8.rl.correction import RULES
+    from megatron_fp8.rollout.engines import ENGINES
+
+    assert set(RULES) == set(vocab.IS_VARIANTS)
+    assert set(FACTORIES) == set(vocab.TRANSPORTS)
+    assert set(ENGINES) | {"auto"} == set(vocab.ROLLOUT_ENGINES)
+    assert set(formats.SCALE_RULES) == set(vocab.SCALE_FORMATS)
+    assert vocab.IS_VARIANTS_WITH_CAP <= set(vocab.IS_VARIANTS)
+    assert all(spec.name == name for name, spec in vocab.ARMS.items())
+
+
+def test_architecture_doc_names_every_module_and_only_existing_ones():
+    """docs/architecture.md stays true: every module is covered (by path, folder or a ``a.py``, ``b.py`` list)."""
+    doc = (ROOT / "docs" / "architecture.md").read_text()
+    named = set(re.findall(r"`((?:megatron_fp8|bridge_mappings)/[\w/]+(?:\.py)?)`", doc))
+    for path in named:
+        assert (ROOT / path).exists(), f"docs/architecture.md names {path}, which does not exist"
+    siblings = set(re.findall(r"`(\w+\.py)`", doc))
+    missing = []
+    for path in MODULES.values():
+        rel = str(path.relative_to(ROOT))
+        if path.name == "__init__.py" or path.name == "__main__.py":
+            continue
+        covered = rel in named or any(rel.startswith(p.rstrip("/") + "/") for p in named if not p.endswith(".py"))
+        if not covered and path.name in siblings:
+            covered = any(
+                p.endswith(".py") and str(pathlib.Path(p).parent) == str(path.parent.relative_to(ROOT)) for p in named
+            )
+        if not covered:
+            missing.append(rel)
+    assert missing == [], f"add these modules to docs/architecture.md: {missing}"
