@@ -83,3 +83,27 @@ class WeightStreamError(RefitError, ValueError):
 
 class TransformerEngineMissingError(MegatronFP8Error, RuntimeError):
     """A TransformerEngine stand-in was used for real work on a machine without TE."""
+
+
+class RefitRefusedError(RefitError):
+    """The receiver did not commit a version the sender sent: it refused it, or rolled the engine back.
+
+    Attributes:
+        version: the refit version.
+        outcome: ``"refused"`` (nothing applied) or ``"rolled_back"`` (applied, failed, restored).
+        reason: the receiver's reason, naming the tensor or check.
+    """
+
+    def __init__(self, message: str, *, version: int, outcome: str, reason: str):
+        super().__init__(message)
+        self.version = version
+        self.outcome = outcome
+        self.reason = reason
+
+
+class RefitRolledBackError(RefitError):
+    """A version failed after its first write to the engine; the engine was restored to its last good version."""
+
+
+class EngineNotServingError(RefitError):
+    """The engine holds no good version (a failed refit could not be rolled back); commit a good version first."""

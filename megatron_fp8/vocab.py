@@ -174,3 +174,12 @@ ROLLOUT_ENGINES: Final = MappingProxyType(
 
 FINISH_REASONS: Final = ("stop", "length")
 """``"stop"``: an EOS token was produced (and is included); ``"length"``: ``max_new_tokens`` reached."""
+
+REFIT_OUTCOMES: Final = MappingProxyType(
+    {
+        "committed": "the engine serves the version and holds exactly what was sent",
+        "refused": "nothing of the version was applied; the engine keeps its last good version",
+        "rolled_back": "the version failed after its first write; the engine was restored to its last good version",
+    }
+)
+"""What a receiver reports back to the sender for each version (:class:`~megatron_fp8.errors.RefitRefusedError`)."""

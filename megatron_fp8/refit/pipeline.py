@@ -15,7 +15,8 @@ from collections.abc import Iterable
 
 import torch
 
-from megatron_fp8.refit.receiver import ReceiveReport, RefitApplier, RefitReceiver
+from megatron_fp8.refit.applier import RefitApplier
+from megatron_fp8.refit.receiver import ReceiveReport, RefitReceiver
 from megatron_fp8.refit.sender import RefitSender, SendReport
 from megatron_fp8.refit.transport.inproc import InProcTransport
 from megatron_fp8.refit.wire import RefitVersion

@@ -26,7 +26,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 import torch
 
 from megatron_fp8.errors import ConfigError
-from megatron_fp8.refit.receiver import RefitApplier
+from megatron_fp8.refit.applier import RefitApplier
 from megatron_fp8.refit.verify import VerifyReport
 from megatron_fp8.rollout.reference.applier import ReferenceEngineApplier
 from megatron_fp8.rollout.reference.engine import ReferenceFP8Engine
@@ -58,7 +58,7 @@ class Rollout:
 
 
 class VerifyingApplier(RefitApplier, Protocol):
-    """A :class:`~megatron_fp8.refit.receiver.RefitApplier` that reports its post-commit read-back.
+    """A :class:`~megatron_fp8.refit.applier.RefitApplier` that reports its post-commit read-back.
 
     Met by :class:`~megatron_fp8.rollout.vllm.applier.VllmApplier` and
     :class:`~megatron_fp8.rollout.reference.applier.ReferenceEngineApplier`.
