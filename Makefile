@@ -45,7 +45,7 @@ test-fast: install
 	$(BIN)/python -m pytest -m "not slow and not slurm" $(PYTEST_ARGS)
 
 demo: install
-	$(BIN)/megatron-fp8 demo --out $(OUT)/demo
+	$(BIN)/megatron-fp8 demo --out $(OUT)/demo --overwrite
 
 bench: install
 	$(BIN)/python bench/quant.py --out bench/results/quant.json

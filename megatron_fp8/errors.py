@@ -107,3 +107,7 @@ class RefitRolledBackError(RefitError):
 
 class EngineNotServingError(RefitError):
     """The engine holds no good version (a failed refit could not be rolled back); commit a good version first."""
+
+
+class UsageError(ConfigError):
+    """A bad command-line argument or an unusable output folder: the CLI exits with code 2."""

@@ -15,7 +15,7 @@ import sys
 from types import ModuleType
 
 from megatron_fp8 import __version__
-from megatron_fp8.errors import MegatronFP8Error
+from megatron_fp8.errors import MegatronFP8Error, UsageError
 
 COMMANDS: dict[str, tuple[str, str]] = {  # name -> (module, one-line help)
     "doctor": ("megatron_fp8.cli.doctor", "which FP8 recipes this machine can run, and why not"),
@@ -24,7 +24,15 @@ COMMANDS: dict[str, tuple[str, str]] = {  # name -> (module, one-line help)
     "refit": ("megatron_fp8.cli.refit", "refit an engine from a Megatron model: FP8 vs BF16 payload, time, error"),
     "grpo": ("megatron_fp8.cli.grpo", "GRPO with FP8 rollout: BF16 vs FP8 vs FP8+TIS arms"),
     "config": ("megatron_fp8.cli.config", "load, validate and print a run config"),
+    "report": ("megatron_fp8.cli.report", "rebuild a run's summary.md and metrics.png from its metrics.jsonl"),
 }
+
+EXIT_ERROR = 1
+"""Exit code of a run that failed with a clear error (bad config, refused refit, ...)."""
+EXIT_USAGE = 2
+"""Exit code of a usage error (a bad command-line argument, an unusable --out), as argparse's own."""
+EXIT_INTERRUPTED = 130
+"""Exit code after Ctrl-C (128 + SIGINT)."""
 
 
 def _load(name: str) -> ModuleType:
@@ -38,6 +46,7 @@ def build_parser(argv: list[str]) -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="megatron-fp8", description=__doc__.splitlines()[0])
     parser.add_argument("--version", action="version", version=f"megatron-fp8 {__version__}")
     parser.add_argument("-v", "--verbose", action="store_true", help="debug logging")
+    parser.add_argument("--debug", action="store_true", help="show the Python traceback of an error")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     chosen = next((a for a in argv if a in COMMANDS), None)
     for name, (_, help_text) in COMMANDS.items():
@@ -48,7 +57,13 @@ def build_parser(argv: list[str]) -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Run ``megatron-fp8``; returns the exit code (1 for a :class:`MegatronFP8Error`, 2 without a command)."""
+    """Run ``megatron-fp8``; returns the exit code.
+
+    Errors end in one line on stderr, never a traceback unless ``--debug``: :data:`EXIT_USAGE` for a usage
+    error (no command, :class:`~megatron_fp8.errors.UsageError`), :data:`EXIT_ERROR` for every other
+    :class:`MegatronFP8Error`, a file-system error or an unexpected exception, :data:`EXIT_INTERRUPTED`
+    after Ctrl-C (what was complete is kept: e.g. GRPO rebuilds its summary from the finished steps).
+    """
     argv = list(sys.argv[1:] if argv is None else argv)
     parser = build_parser(argv)
     args = parser.parse_args(argv)
@@ -57,12 +72,35 @@ def main(argv: list[str] | None = None) -> int:
     )
     if args.command is None:
         parser.print_help()
-        return 2
+        return EXIT_USAGE
+    prefix = f"megatron-fp8 {args.command}"
     try:
         return int(_load(args.command).run(args) or 0)
+    except KeyboardInterrupt:
+        if args.debug:
+            raise
+        print(f"{prefix}: interrupted; outputs of completed work are kept", file=sys.stderr)
+        return EXIT_INTERRUPTED
     except MegatronFP8Error as exc:
-        print(f"megatron-fp8 {args.command}: error: {exc}", file=sys.stderr)
-        return 1
+        if args.debug:
+            raise
+        print(f"{prefix}: error: {exc}", file=sys.stderr)
+        return EXIT_USAGE if isinstance(exc, UsageError) else EXIT_ERROR
+    except OSError as exc:
+        if args.debug:
+            raise
+        where = f" ({exc.filename})" if getattr(exc, "filename", None) else ""
+        print(f"{prefix}: error: {exc.strerror or exc}{where}; check the path and its permissions", file=sys.stderr)
+        return EXIT_ERROR
+    except Exception as exc:
+        if args.debug:
+            raise
+        print(
+            f"{prefix}: unexpected error: {type(exc).__name__}: {exc} (rerun with --debug for the traceback, "
+            "and please report it)",
+            file=sys.stderr,
+        )
+        return EXIT_ERROR
 
 
 if __name__ == "__main__":  # pragma: no cover

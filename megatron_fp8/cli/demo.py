@@ -13,9 +13,12 @@ from megatron_fp8.cli.grpo import run_job
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    """Register ``--out``."""
+    """Register ``--out``, ``--no-progress`` and ``--overwrite``."""
     parser.add_argument("--out", default="out/demo", metavar="DIR", help="output folder (default: out/demo)")
     parser.add_argument("--no-progress", action="store_true", help="no progress bar")
+    parser.add_argument(
+        "--overwrite", action="store_true", help="replace an earlier run's outputs in --out (refused otherwise)"
+    )
 
 
 def run(args: argparse.Namespace) -> int:
@@ -27,6 +30,7 @@ def run(args: argparse.Namespace) -> int:
         arms=None,
         overrides=[],
         no_progress=args.no_progress,
+        overwrite=args.overwrite,
         verbose=getattr(args, "verbose", False),
     )
     metrics, summary, plot = run_job(job)

@@ -3,7 +3,8 @@
 ``megatron-fp8 grpo [--config PATH] [--steps N] [--out DIR] [--arms a,b,c] [dotted.key=value ...]``
 runs :func:`megatron_fp8.rl.grpo.run_grpo` (embedded default: the tiny model on the
 ``addition`` toy task) and writes ``metrics.jsonl``, ``summary.md``, ``metrics.png`` and
-``config.yaml`` into ``--out`` (default: the config's ``out_dir``). A progress bar runs on
+``config.yaml`` (and ``warm_start/``) into ``--out`` (default: the config's ``out_dir``); a folder
+holding another run's outputs is refused unless ``--overwrite``. A progress bar runs on
 stderr; the summary table is printed at the end.
 """
 
@@ -14,17 +15,20 @@ import logging
 from pathlib import Path
 
 from megatron_fp8.config import load_config
-from megatron_fp8.errors import ConfigError
+from megatron_fp8.errors import UsageError
 from megatron_fp8.vocab import ARMS
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    """Register ``--config``, ``--steps``, ``--out``, ``--arms``, ``--no-progress`` and the overrides."""
+    """Register ``--config``, ``--steps``, ``--out``, ``--arms``, ``--no-progress``, ``--overwrite``, overrides."""
     parser.add_argument("--config", default=None, help="YAML file (default: the embedded tiny_cpu.yaml)")
     parser.add_argument("--steps", type=int, default=None, metavar="N", help="steps per arm (default: grpo.num_steps)")
     parser.add_argument("--out", default=None, metavar="DIR", help="output folder (default: the config's out_dir)")
     parser.add_argument("--arms", default=None, metavar="a,b,c", help=f"comma-separated arms: {', '.join(ARMS)}")
     parser.add_argument("--no-progress", action="store_true", help="no progress bar")
+    parser.add_argument(
+        "--overwrite", action="store_true", help="replace another run's outputs in --out (refused otherwise)"
+    )
     parser.add_argument("overrides", nargs="*", metavar="KEY=VALUE", help="dotted overrides, e.g. grpo.seed=1")
 
 
@@ -39,10 +43,19 @@ def run_job(args: argparse.Namespace) -> tuple[Path, Path, Path] | None:
     if getattr(args, "arms", None):
         arms = [a.strip() for a in args.arms.split(",") if a.strip()]
         if not arms:
-            raise ConfigError(f"--arms {args.arms!r} names no arm; e.g. --arms {','.join(ARMS)}")
+            raise UsageError(f"--arms {args.arms!r} names no arm; e.g. --arms {','.join(ARMS)}")
     out = Path(args.out) if args.out else Path(config.out_dir)
     steps = getattr(args, "steps", None)
-    result = run_grpo(config, out_dir=out, steps=steps, arms=arms, progress=not getattr(args, "no_progress", False))
+    if steps is not None and steps < 1:
+        raise UsageError(f"--steps must be >= 1, got {steps}")
+    result = run_grpo(
+        config,
+        out_dir=out,
+        steps=steps,
+        arms=arms,
+        progress=not getattr(args, "no_progress", False),
+        overwrite=getattr(args, "overwrite", False),
+    )
     if result.summary_path is None:  # a rank other than 0 of a multi-process run: rank 0 writes
         print(f"rank done in {result.seconds:.0f} s; rank 0 writes the outputs to {out}")
         return None

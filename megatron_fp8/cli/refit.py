@@ -11,6 +11,7 @@ from rich.table import Table
 
 from bridge_mappings.manifest import ManifestStore, build_quantization_config
 from megatron_fp8.cli._io import stdout_to_stderr
+from megatron_fp8.errors import UsageError
 from megatron_fp8.megatron import build_megatron_model, export_hf_weights, megatron_parallel
 from megatron_fp8.models import resolve_model
 
@@ -20,7 +21,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", default="tiny", help="'tiny', 'tiny-moe' or an HF checkpoint folder")
     parser.add_argument("--compare-bf16", action="store_true", help="also refit the same parameters in BF16")
     parser.add_argument("--transport", choices=("inproc", "gloo"), default="inproc")
-    parser.add_argument("--repeats", type=int, default=3, help="refits to time (median reported)")
+    parser.add_argument("--repeats", type=int, default=3, help="refits to time, >= 1 (median reported)")
     parser.add_argument("--num-first-layers-in-bf16", type=int, default=0, metavar="N")
     parser.add_argument("--num-last-layers-in-bf16", type=int, default=0, metavar="N")
     parser.add_argument("--json", action="store_true", help="print the result as JSON")
@@ -31,6 +32,10 @@ def run(args: argparse.Namespace) -> int:
     # lazy: the RL stack (engines, trainer) loads only when a run starts, not for `refit --help`
     from megatron_fp8.rl.refit_session import run_refits, run_refits_over_gloo
 
+    if args.repeats < 1:
+        raise UsageError(f"--repeats must be >= 1, got {args.repeats}")
+    if args.num_first_layers_in_bf16 < 0 or args.num_last_layers_in_bf16 < 0:
+        raise UsageError("--num-first-layers-in-bf16 / --num-last-layers-in-bf16 must be >= 0")
     path = resolve_model(args.model)
     runs = {}
     with stdout_to_stderr(args.json):
@@ -93,25 +98,17 @@ def run(args: argparse.Namespace) -> int:
         f"[bold]refit[/] {path} over {args.transport}; manifest: {manifest.source} "
         f"({'reused' if stored.reused else 'asked now'}), {len(manifest.fp8_params)} FP8 params"
     )
-    table = Table(
-        "precision",
-        "manifest-param bytes",
-        "wire bytes (fp8/scales/bf16)",
-        "median s",
-        "verified",
-        "max rel weight err",
-        "greedy tokens",
-    )
+    # Key columns only, in MB, so the table fits 80 columns; --json has every number.
+    table = Table("precision", "FP8-param MB", "wire MB fp8/scl/bf16", "median s", "verified", "max rel err")
     for r in runs.values():
         pb = r.payload_bytes
         table.add_row(
             r.precision,
-            f"{r.manifest_param_bytes:,}",
-            f"{pb['fp8']:,}/{pb['scales']:,}/{pb['bf16']:,}",
+            f"{r.manifest_param_bytes / 1e6:.3f}",
+            f"{pb['fp8'] / 1e6:.2f}/{pb['scales'] / 1e6:.3f}/{pb['bf16'] / 1e6:.2f}",
             f"{r.seconds:.3f}",
             "yes" if r.verified else "NO",
             f"{r.max_rel_weight_error:.4f}",
-            " ".join(map(str, r.generated)),
         )
     console.print(table)
     if "bf16" in runs:

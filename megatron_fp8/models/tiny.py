@@ -35,6 +35,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+from safetensors import safe_open
 
 from megatron_fp8.errors import ConfigError
 from megatron_fp8.models.tokenizer import (
@@ -332,10 +333,32 @@ def resolve_model(name_or_path: str | Path, *, cache_dir: Path | None = None) ->
         return tiny_model_path(key, cache_dir=cache_dir)
     path = Path(key).expanduser()
     if path.is_dir() and (path / "config.json").is_file():
+        _check_checkpoint_folder(path)
         return path.resolve()
     if path.is_dir():
         raise ConfigError(f"model folder {path} has no config.json; point at a Hugging Face checkpoint folder")
     raise ConfigError(
-        f"model {key!r} is neither a tiny model name ({_valid_names()}) "
-        "nor an existing Hugging Face folder containing config.json"
+        f"model {key!r} is neither a tiny model name ({_valid_names()}) nor an existing Hugging Face folder "
+        "containing config.json. To use a Hugging Face model, stage it first: "
+        f"`huggingface-cli download {key} --local-dir DIR`, then pass DIR"
     )
+
+
+def _check_checkpoint_folder(path: Path) -> None:
+    """Refuse a folder whose ``config.json`` is not a JSON object or whose safetensors headers are unreadable."""
+    cfg = path / "config.json"
+    try:
+        data = json.loads(cfg.read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise ConfigError(f"{cfg} is not valid JSON ({exc}); re-download or fix the checkpoint's config.json") from None
+    if not isinstance(data, dict) or "model_type" not in data:
+        raise ConfigError(f"{cfg} is not a Hugging Face model config (no 'model_type'); point at a checkpoint folder")
+    for shard in sorted(path.glob("*.safetensors")):
+        try:
+            with safe_open(str(shard), framework="pt"):
+                pass
+        except Exception as exc:  # safetensors raises its own SafetensorError (and OSError) for a damaged file
+            raise ConfigError(
+                f"{shard} cannot be read ({type(exc).__name__}: {exc}); the file is truncated or damaged: "
+                "re-download the checkpoint"
+            ) from None

@@ -12,23 +12,35 @@ gives (README "Refit guarantees"):
 * ``commit`` validates whatever is left before its first write; if anything fails
   after the first write, the engine is restored to its last good version and
   :class:`~megatron_fp8.errors.RefitRolledBackError` is raised, or, for an engine
-  that cannot restore, it stops serving until a good version commits;
+  that cannot restore, it stops serving (``serving`` is ``False``) until a good
+  version commits;
 * after a successful ``commit`` the engine serves ``version`` and holds exactly
-  what was sent (verified).
+  what was sent (verified byte for byte).
 
 :class:`DictApplier` is the reference implementation over a dict of tensors;
 :class:`CallableApplier` adapts a plain function (no guarantees beyond the function's).
+The helpers :func:`check_complete`, :func:`check_scale_values` and
+:func:`first_byte_mismatch` are shared with the engines' appliers.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping, Sequence
+import logging
+import warnings
+from collections.abc import Callable, Collection, Mapping, Sequence
 from typing import Protocol, runtime_checkable
 
 import torch
 
-from megatron_fp8.errors import RefitError
+from megatron_fp8.errors import EngineNotServingError, RefitError, RefitRolledBackError, WeightStreamError
+from megatron_fp8.refit.finite import check_finite
 from megatron_fp8.refit.wire import TensorMeta, torch_dtype
+from megatron_fp8.vocab import SCALE_SUFFIX, is_kv_scale_name
+
+logger = logging.getLogger(__name__)
+
+_SHOWN = 5
+"""How many names an error message lists before ``...``."""
 
 
 @runtime_checkable
@@ -48,10 +60,116 @@ class RefitApplier(Protocol):
         """Drop anything staged for ``version``; the engine keeps its last committed version."""
 
 
+# ----------------------------------------------------------------------------- shared checks
+
+
+def name_list(names: Collection[str], limit: int = _SHOWN) -> str:
+    """``'a', 'b', ... (+N more)``: the first ``limit`` names, sorted, for an error message."""
+    ordered = sorted(names)
+    shown = ", ".join(repr(n) for n in ordered[:limit])
+    return shown + (f", ... (+{len(ordered) - limit} more)" if len(ordered) > limit else "")
+
+
+def check_complete(
+    version: int,
+    announced: Collection[str],
+    *,
+    required: Collection[str],
+    allowed: Collection[str],
+    partial: bool,
+    extra_hint: str = "check the HF name mapping, the FP8 manifest and the KV-cache dtype of both sides",
+) -> None:
+    """Refuse a version that lacks a tensor the engine expects, or carries one it does not hold.
+
+    Args:
+        version: the refit version (for the message).
+        announced: every name the version carries.
+        required: the names a complete version must carry.
+        allowed: the names a version may carry (a superset of ``required``).
+        partial: only refuse extra names (a partial refit, opted into by name).
+        extra_hint: what to check about an extra name.
+
+    Raises:
+        WeightStreamError: naming the first missing / extra tensor, the counts and what to check;
+            ``name`` is the first extra name, else the first missing one.
+    """
+    got = set(announced)
+    extra = sorted(got - set(allowed))
+    missing = [] if partial else sorted(set(required) - got)
+    if not extra and not missing:
+        return
+    parts = []
+    if extra:
+        parts.append(
+            f"{extra[0]!r} is not a parameter of this engine ({len(extra)} unexpected tensor(s): {name_list(extra)}); "
+            + extra_hint
+        )
+    if missing:
+        parts.append(
+            f"{len(missing)} of the {len(set(required))} tensors a complete version carries are missing "
+            f"({name_list(missing)}); check that the sender streamed the whole model (a stream that ended early, "
+            "a lost tail bucket, a filtered export) with the engine's FP8 manifest; a partial refit must be asked "
+            "for by name (partial=True on the applier)"
+        )
+    raise WeightStreamError(
+        f"refit version {version} refused, nothing applied: " + "; ".join(parts), name=(extra or missing)[0]
+    )
+
+
+def is_scale_name(name: str) -> bool:
+    """Whether ``name`` is a block scale (``..._scale_inv``) or a KV-cache scale."""
+    return name.endswith(SCALE_SUFFIX) or is_kv_scale_name(name)
+
+
+def check_scale_values(name: str, tensor: torch.Tensor, *, version: int | None = None) -> None:
+    """Refuse a scale tensor holding a zero, negative, NaN or Inf value.
+
+    Args:
+        name: the scale's name (``..._scale_inv`` or a KV-cache scale).
+        tensor: the scales, any float dtype and shape (small: one value per 128x128 block or per layer).
+        version: refit version, for the message.
+
+    Raises:
+        WeightStreamError: naming the tensor, the count, the first offending index and value.
+    """
+    if tensor.numel() == 0:
+        return
+    values = tensor.detach().to(torch.float32)
+    bad = ~(torch.isfinite(values) & (values > 0))
+    if not bool(bad.any()):
+        return
+    flat = int(bad.reshape(-1).nonzero()[0, 0])
+    index = tuple(int(i) for i in torch.unravel_index(torch.tensor(flat), tuple(values.shape))) if values.dim() else ()
+    where = f" of version {version}" if version is not None else ""
+    raise WeightStreamError(
+        f"refit tensor {name!r}{where}: {int(bad.sum())} of {values.numel()} scale(s) are zero, negative, NaN or "
+        f"Inf (first at index {index}: {float(values.reshape(-1)[flat])}); every scale must be finite and > 0 "
+        "(an all-zero block gets 1.0): check the sender's quantizer and KV calibration; nothing applied",
+        name=name,
+    )
+
+
+def first_byte_mismatch(held: torch.Tensor, sent: torch.Tensor) -> int | None:
+    """Flat element index of the first element whose bytes differ, ``None`` when ``held`` equals ``sent`` exactly.
+
+    Dtype and shape must match (compare the element bytes, so ``-0.0 != 0.0`` and NaN payloads count).
+    """
+    if held.dtype != sent.dtype or held.numel() != sent.numel():
+        return 0
+    if held.numel() == 0:
+        return None
+    a = held.detach().reshape(-1).view(torch.uint8).reshape(held.numel(), -1)
+    b = sent.detach().reshape(-1).view(torch.uint8).to(held.device).reshape(held.numel(), -1)
+    if torch.equal(a, b):
+        return None
+    return int((a != b).any(dim=1).nonzero()[0, 0])
+
+
 def _same_bytes(a: torch.Tensor, b: torch.Tensor) -> bool:
-    if a.numel() == 0:
-        return True
-    return torch.equal(a.reshape(-1).view(torch.uint8), b.reshape(-1).view(torch.uint8).to(a.device))
+    return first_byte_mismatch(a, b) is None
+
+
+# ----------------------------------------------------------------------------- DictApplier
 
 
 class DictApplier:
@@ -62,57 +180,111 @@ class DictApplier:
     Incoming dtype and shape must equal the target's: an FP8 tensor is never
     silently cast into a BF16 slot.
 
+    Guarantees: a version carries exactly the names of ``tensors`` (unless
+    ``partial``); names, shapes and dtypes are checked in :meth:`begin`, values
+    (NaN/Inf anywhere, zero/negative scales) in :meth:`stage`; the first write is
+    in :meth:`commit`, which reads every tensor back (``verify``) and, on any
+    failure after its first write, restores the copies it took of the tensors it
+    overwrote (``rollback``: costs one extra copy of the version's tensors, on
+    their device, during the commit) and raises
+    :class:`~megatron_fp8.errors.RefitRolledBackError`. If the restore itself
+    fails (or ``rollback=False``), :attr:`serving` turns ``False`` until a version
+    commits.
+
     Args:
         tensors: name -> target tensor (the engine's weights).
         version: version the tensors hold now.
-        require_all: every name of ``tensors`` must be in each refit.
+        partial: accept a version that carries a subset of ``tensors`` (default: refuse it).
+        require_all: deprecated alias: ``True`` is the default, ``False`` means ``partial=True``.
         verify: read every tensor back after copying and compare bytes.
+        rollback: keep copies of the overwritten tensors during a commit, to restore them on failure.
+
+    Attributes:
+        version: the version the tensors hold (never advanced by a failed commit).
+        last_abort: ``(version, reason)`` of the last :meth:`abort`, else ``None``.
+        after_write: fault-injection hook for tests, called with this applier after the copies and
+            before verification (``None``: nothing).
     """
 
     def __init__(
-        self, tensors: Mapping[str, torch.Tensor], *, version: int = 0, require_all: bool = False, verify: bool = True
+        self,
+        tensors: Mapping[str, torch.Tensor],
+        *,
+        version: int = 0,
+        partial: bool = False,
+        require_all: bool | None = None,
+        verify: bool = True,
+        rollback: bool = True,
     ):
+        if require_all is not None:
+            warnings.warn(
+                "DictApplier(require_all=...) is deprecated: a refit must be complete by default; pass partial=True "
+                "to accept a partial version",
+                DeprecationWarning,
+                stacklevel=2,
+            )
+            partial = partial or not require_all
         self.tensors = tensors
         self.version = version
-        self.require_all = require_all
+        self.partial = partial
         self.verify = verify
+        self.rollback = rollback
         self.last_abort: tuple[int, str] | None = None
+        self.after_write: Callable[[DictApplier], None] | None = None
+        self._serving = True
         self._pending: int | None = None
         self._metas: dict[str, TensorMeta] = {}
         self._staged: dict[str, torch.Tensor] = {}
 
-    def _target(self, name: str) -> torch.Tensor:
-        try:
-            return self.tensors[name]
-        except KeyError:
-            known = sorted(self.tensors)
-            hint = ", ".join(known[:5]) + (", ..." if len(known) > 5 else "")
-            raise RefitError(
-                f"refit tensor {name!r} is not a parameter of this engine ({len(known)} known, e.g. {hint}); "
-                "check the HF name mapping and the FP8 manifest"
-            ) from None
+    @property
+    def require_all(self) -> bool:
+        """Deprecated: ``not partial``."""
+        return not self.partial
+
+    @property
+    def serving(self) -> bool:
+        """Whether the tensors hold a good (committed, verified) version; ``False`` after a failed restore."""
+        return self._serving
+
+    def _reset(self) -> None:
+        self._pending, self._metas, self._staged = None, {}, {}
 
     def _check(self, name: str, shape: tuple[int, ...], dtype: torch.dtype) -> None:
-        target = self._target(name)
+        target = self.tensors[name]
         if tuple(target.shape) != tuple(shape) or target.dtype != dtype:
-            raise RefitError(
+            raise WeightStreamError(
                 f"refit tensor {name!r}: got {tuple(shape)} {dtype}, the engine holds {tuple(target.shape)} "
-                f"{target.dtype}; trainer and engine disagree on this parameter's layout or precision"
+                f"{target.dtype}; trainer and engine disagree on this parameter's layout or precision "
+                "(check the export's HF mapping, TP gather and FP8 manifest); nothing applied",
+                name=name,
             )
 
     def begin(self, version: int, metas: Sequence[TensorMeta]) -> None:
+        """Check the version's names (complete, known, each once), shapes and dtypes; write nothing."""
+        self._reset()
         if version <= self.version:
             raise RefitError(f"refit version {version} is not newer than the applied version {self.version}")
-        self._pending, self._metas, self._staged = version, {}, {}
+        announced: dict[str, TensorMeta] = {}
+        for m in metas:
+            if m.name in announced:
+                raise WeightStreamError(f"refit version {version}: tensor {m.name!r} announced twice", name=m.name)
+            announced[m.name] = m
+        known = list(self.tensors)
+        check_complete(
+            version,
+            announced,
+            required=known,
+            allowed=known,
+            partial=self.partial,
+            extra_hint=f"the engine holds {len(known)} tensors (e.g. {name_list(known, 3)}); check the HF name "
+            "mapping and the FP8 manifest",
+        )
         for m in metas:
             self._check(m.name, m.shape, torch_dtype(m.dtype, tensor_name=m.name))
-            self._metas[m.name] = m
-        if self.require_all:
-            missing = sorted(set(self.tensors) - set(self._metas))
-            if missing:
-                raise RefitError(f"refit version {version} misses {len(missing)} engine tensor(s), e.g. {missing[:5]}")
+        self._pending, self._metas = version, announced
 
     def stage(self, name: str, tensor: torch.Tensor) -> None:
+        """Check one tensor against its announcement and its values (NaN/Inf, scales > 0); write nothing."""
         if self._pending is None:
             raise RefitError(f"stage({name!r}) called before begin()")
         if name not in self._metas:
@@ -120,29 +292,75 @@ class DictApplier:
         if name in self._staged:
             raise RefitError(f"refit tensor {name!r} staged twice in version {self._pending}")
         self._check(name, tuple(tensor.shape), tensor.dtype)
+        check_finite(name, tensor, version=self._pending)
+        if is_scale_name(name):
+            check_scale_values(name, tensor, version=self._pending)
         self._staged[name] = tensor
 
     def commit(self, version: int) -> None:
+        """Copy every staged tensor in place, read back, restore the previous bytes on any failure."""
         if self._pending != version:
             raise RefitError(f"commit({version}) does not match the version begun ({self._pending})")
         missing = sorted(set(self._metas) - set(self._staged))
         if missing:
+            self._reset()
             raise RefitError(
-                f"commit of version {version}: {len(missing)} announced tensor(s) never staged, e.g. {missing[:5]}"
+                f"commit of version {version}: {len(missing)} announced tensor(s) never staged "
+                f"({name_list(missing)}); nothing applied"
             )
-        with torch.no_grad():
-            for name, src in self._staged.items():
-                self.tensors[name].copy_(src)
-        if self.verify:
-            for name, src in self._staged.items():
-                if not _same_bytes(self.tensors[name], src):
-                    raise RefitError(f"refit version {version}: tensor {name!r} reads back different bytes after copy")
+        staged = self._staged
+        backup = {n: self.tensors[n].detach().clone() for n in staged} if self.rollback else None
+        try:
+            with torch.no_grad():
+                for name, src in staged.items():
+                    self.tensors[name].copy_(src)
+            if self.after_write is not None:
+                self.after_write(self)
+            if self.verify:
+                for name, src in staged.items():
+                    at = first_byte_mismatch(self.tensors[name], src)
+                    if at is not None:
+                        raise RefitError(
+                            f"refit version {version}: tensor {name!r} reads back different bytes after copy "
+                            f"(first at flat index {at}); check the device copy"
+                        )
+        except Exception as exc:
+            self._reset()
+            self._roll_back(version, backup, exc)
         self.version = version
-        self._pending, self._metas, self._staged = None, {}, {}
+        self._serving = True
+        self._reset()
+
+    def _roll_back(self, version: int, backup: dict[str, torch.Tensor] | None, exc: Exception) -> None:
+        if backup is None:
+            self._serving = False
+            raise EngineNotServingError(
+                f"refit version {version} failed after its first write ({exc}) and this applier keeps no copy to "
+                "restore (rollback=False): it serves nothing until a good version commits"
+            ) from exc
+        try:
+            with torch.no_grad():
+                for name, old in backup.items():
+                    self.tensors[name].copy_(old)
+            bad = [n for n, old in backup.items() if not _same_bytes(self.tensors[n], old)]
+        except Exception as restore_exc:
+            bad = [f"{type(restore_exc).__name__}: {restore_exc}"]
+        if bad:
+            self._serving = False
+            raise EngineNotServingError(
+                f"refit version {version} failed after its first write ({exc}) and restoring version "
+                f"{self.version} failed too ({name_list(bad)}): the engine serves nothing until a good version commits"
+            ) from exc
+        logger.warning("refit version %d rolled back to version %d: %s", version, self.version, exc)
+        raise RefitRolledBackError(
+            f"refit version {version} rolled back: {exc}; the engine holds version {self.version} again "
+            "(restored byte for byte)"
+        ) from exc
 
     def abort(self, version: int, reason: str) -> None:
+        """Drop what was staged; the tensors keep their version."""
         self.last_abort = (version, reason)
-        self._pending, self._metas, self._staged = None, {}, {}
+        self._reset()
 
 
 class CallableApplier:

@@ -11,9 +11,13 @@ Validation happens on both ends:
 * before a tensor is packed: known dtype, unique name, finite values (float
   tensors via ``isfinite``; FP8 tensors through their NaN/Inf bit patterns,
   e.g. ``0x7f``/``0xff`` for ``float8_e4m3fn``; see :mod:`megatron_fp8.refit.finite`);
-* when a bucket is unpacked (:func:`unpack_bucket`): version, checksum, every
-  ``offset + nbytes`` inside the payload, no overlapping ranges, byte counts
-  that agree with shape and dtype.
+* when a bucket is unpacked (:func:`unpack_bucket`): version, checksum (over the
+  payload *and* the header and metadata), every ``offset + nbytes`` inside the
+  payload, no overlapping ranges, byte counts that agree with shape and dtype.
+
+The last bucket of a version carries its :class:`VersionTrailer` (tensor count,
+every name/shape/dtype/nbytes, and the :class:`VersionDigest`), built by the
+same pass.
 
 Offsets are aligned to :data:`ALIGN` (16) bytes, which satisfies every
 supported dtype, so tensors come out as zero-copy views of the payload.
@@ -30,14 +34,17 @@ import torch
 
 from megatron_fp8.errors import RefitError
 from megatron_fp8.layout import ceil_div
-from megatron_fp8.refit.checksum import payload_checksum
+from megatron_fp8.refit.checksum import bucket_checksum, payload_checksum
 from megatron_fp8.refit.finite import check_finite
 from megatron_fp8.refit.wire import (
     ALIGN,
     DTYPES,
+    AnnouncedTensor,
     Bucket,
     RefitVersion,
     TensorMeta,
+    VersionDigest,
+    VersionTrailer,
     decode_metas,
     dtype_name,
     encode_metas,
@@ -53,7 +60,9 @@ __all__ = [
     "RefitVersion",
     "TensorMeta",
     "align_up",
+    "bucket_checksum",
     "check_finite",
+    "checksum_of",
     "decode_metas",
     "default_bucket_bytes",
     "dtype_name",
@@ -73,12 +82,26 @@ def align_up(n: int, alignment: int = ALIGN) -> int:
     return ceil_div(n, alignment) * alignment
 
 
+def checksum_of(bucket: Bucket) -> int:
+    """:func:`bucket_checksum` recomputed from a bucket's fields and payload (what the receiver compares)."""
+    return bucket_checksum(
+        bucket.payload,
+        version=bucket.version,
+        index=bucket.index,
+        is_last=bucket.is_last,
+        stream_id=bucket.stream_id,
+        metas=bucket.metas,
+        trailer=bucket.trailer,
+    )
+
+
 class _Filling:
     """The single bucket being filled by :func:`pack_buckets`."""
 
-    def __init__(self, version: int, index: int, capacity: int, device: torch.device):
+    def __init__(self, version: int, index: int, capacity: int, device: torch.device, stream_id: int):
         self.version = version
         self.index = index
+        self.stream_id = stream_id
         self.buffer = torch.empty(capacity, dtype=torch.uint8, device=device)
         self.capacity = capacity
         self.used = 0
@@ -97,18 +120,31 @@ class _Filling:
         self.metas.append(TensorMeta(name=name, shape=tuple(tensor.shape), dtype=dt, offset=offset, nbytes=nbytes))
         self.used = offset + nbytes
 
-    def finish(self, *, is_last: bool) -> Bucket:
+    def finish(self, *, trailer: VersionTrailer | None) -> Bucket:
         end = align_up(self.used)
         if end > self.used:
             self.buffer[self.used : end].zero_()
         payload = self.buffer[:end]
+        metas = tuple(self.metas)
+        is_last = trailer is not None
+        checksum = bucket_checksum(
+            payload,
+            version=self.version,
+            index=self.index,
+            is_last=is_last,
+            stream_id=self.stream_id,
+            metas=metas,
+            trailer=trailer,
+        )
         return Bucket(
             version=self.version,
             index=self.index,
             is_last=is_last,
-            metas=tuple(self.metas),
+            metas=metas,
             payload=payload,
-            checksum=payload_checksum(payload),
+            checksum=checksum,
+            stream_id=self.stream_id,
+            trailer=trailer,
         )
 
 
@@ -119,6 +155,7 @@ def pack_buckets(
     bucket_bytes: int,
     device: torch.device | str | None = None,
     check_finite_values: bool = True,
+    stream_id: int = 0,
 ) -> Iterator[Bucket]:
     """Pack a stream of named tensors into buckets, in one pass, with bounded memory.
 
@@ -138,9 +175,11 @@ def pack_buckets(
         device: where payload buffers live; default: the device of the first
             tensor of each bucket.
         check_finite_values: refuse NaN/Inf (see :func:`check_finite`).
+        stream_id: id of this sending stamped on every bucket (``0 <= stream_id < 2**62``).
 
     Yields:
-        :class:`Bucket` objects with indices 0, 1, ...; the last has ``is_last=True``.
+        :class:`Bucket` objects with indices 0, 1, ...; the last has ``is_last=True`` and the
+        :class:`VersionTrailer` (the announced set: memory ~100 bytes per tensor of the version).
 
     Raises:
         NonFiniteError: a tensor holds NaN/Inf (raised before its bucket is yielded).
@@ -150,8 +189,12 @@ def pack_buckets(
         raise RefitError(f"refit version must be a non-negative int, got {version!r}")
     if not isinstance(bucket_bytes, int) or bucket_bytes < ALIGN:
         raise RefitError(f"bucket_bytes must be an int >= {ALIGN}, got {bucket_bytes!r}")
+    if not isinstance(stream_id, int) or not 0 <= stream_id < 1 << 62:
+        raise RefitError(f"stream_id must be an int in [0, 2**62), got {stream_id!r}")
     dev = torch.device(device) if device is not None else None
     seen: set[str] = set()
+    announced: list[AnnouncedTensor] = []
+    digest = VersionDigest()
     index = 0
     current: _Filling | None = None
     for item in stream:
@@ -174,20 +217,24 @@ def pack_buckets(
             check_finite(name, tensor, version=version)
         nbytes = tensor.numel() * tensor.element_size()
         if current is not None and not current.fits(nbytes):
-            bucket = current.finish(is_last=False)
+            bucket = current.finish(trailer=None)
             current = None
             yield bucket
             index += 1
         if current is None:
             capacity = max(bucket_bytes, align_up(nbytes))
-            current = _Filling(version, index, capacity, dev if dev is not None else tensor.device)
+            current = _Filling(version, index, capacity, dev if dev is not None else tensor.device, stream_id)
         current.add(name, tensor, dt, nbytes)
+        meta = current.metas[-1]
+        digest.add(index, meta)
+        announced.append(AnnouncedTensor(name=name, shape=meta.shape, dtype=dt, nbytes=nbytes))
     if current is None:
         raise RefitError(
             f"the stream of refit version {version} yielded no tensors; an empty refit is almost certainly a bug "
             "(check the FP8 manifest and the parameter filter)"
         )
-    yield current.finish(is_last=True)
+    trailer = VersionTrailer(num_tensors=len(announced), tensors=tuple(announced), digest=digest.hexdigest())
+    yield current.finish(trailer=trailer)
 
 
 def unpack_bucket(
@@ -198,7 +245,7 @@ def unpack_bucket(
     Args:
         bucket: a received bucket.
         expected_version: refuse a bucket of any other version.
-        verify_checksum: recompute :func:`payload_checksum` and compare.
+        verify_checksum: recompute :func:`bucket_checksum` (payload, header, metadata, trailer) and compare.
 
     Returns:
         ``[(name, tensor), ...]`` in the bucket's metadata order; each tensor is
@@ -221,12 +268,19 @@ def unpack_bucket(
         raise RefitError(f"{where}: payload must be a 1-D uint8 tensor")
     size = payload.numel()
     if verify_checksum:
-        got = payload_checksum(payload)
+        got = checksum_of(bucket)
         if got != bucket.checksum:
             raise RefitError(
-                f"{where}: checksum mismatch over {size} payload bytes (sender {bucket.checksum}, received {got}); "
-                "the payload was corrupted or truncated in transit"
+                f"{where}: checksum mismatch over the header, {len(bucket.metas)} metadata record(s) and {size} "
+                f"payload bytes (sender {bucket.checksum}, received {got}); the payload, a tensor's name/shape/"
+                "offset or the header (is_last, index) was corrupted or truncated in transit"
             )
+    if bucket.is_last != (bucket.trailer is not None):
+        raise RefitError(
+            f"{where}: is_last={bucket.is_last} but the bucket {'lacks' if bucket.is_last else 'carries'} the "
+            "version trailer; a version ends exactly at the bucket that announces its tensor set (a buggy packer "
+            "or a forged header)"
+        )
     names: set[str] = set()
     for m in bucket.metas:
         dt = torch_dtype(m.dtype, tensor_name=m.name)

@@ -1,10 +1,17 @@
-"""The checksum every refit bucket carries: fast, position-sensitive, computed on the payload's device."""
+"""The checksum every refit bucket carries: its payload (fast, position-sensitive, on the payload's device)
+mixed with a digest of its header and metadata (version, index, is_last, stream id, trailer, every TensorMeta).
+"""
 
 from __future__ import annotations
+
+import hashlib
+import json
+from collections.abc import Sequence
 
 import torch
 
 from megatron_fp8.errors import RefitError
+from megatron_fp8.refit.wire import TensorMeta, VersionTrailer
 
 _CK_COLS = 251  # prime column count: word i gets weight (i mod 251) + 1
 _CK_ROWS = 1 << 14  # rows per chunk: a chunk is 251 * 16384 words = ~15.7 MiB of payload
@@ -59,3 +66,56 @@ def payload_checksum(payload: torch.Tensor) -> int:
     rest = payload[nwords * 4 :].tolist()
     s_tail = sum((i + 1) * b for i, b in enumerate(rest))
     return (s1 + s2 * _CK_MUL[0] + s3 * _CK_MUL[1] + s_tail * _CK_MUL[2] + n) % _M61
+
+
+_HEADER_MASK = (1 << 61) - 1
+
+
+def header_digest(
+    *,
+    version: int,
+    index: int,
+    is_last: bool,
+    stream_id: int,
+    metas: Sequence[TensorMeta],
+    trailer: VersionTrailer | None,
+) -> int:
+    """BLAKE2b digest (61 bits) of a bucket's header fields and metadata, computed on the host.
+
+    Any change of the version, index, ``is_last`` flag, stream id, a tensor's name, shape, dtype, offset or
+    byte count, or the trailer changes it. Cost: one JSON encoding of the metadata (~100 bytes per tensor).
+
+    Returns:
+        An int in ``[0, 2**61)``.
+    """
+    rec = [
+        int(version),
+        int(index),
+        bool(is_last),
+        int(stream_id),
+        [m.to_json() for m in metas],
+        trailer.to_json() if trailer is not None else None,
+    ]
+    data = json.dumps(rec, separators=(",", ":")).encode("utf-8")
+    return int.from_bytes(hashlib.blake2b(data, digest_size=8).digest(), "little") & _HEADER_MASK
+
+
+def bucket_checksum(
+    payload: torch.Tensor,
+    *,
+    version: int,
+    index: int,
+    is_last: bool,
+    stream_id: int,
+    metas: Sequence[TensorMeta],
+    trailer: VersionTrailer | None,
+) -> int:
+    """The checksum a bucket carries: :func:`payload_checksum` (on the payload's device) XOR :func:`header_digest`.
+
+    Returns:
+        An int in ``[0, 2**61)`` (fits the int64 header of the inter-process transports).
+    """
+    digest = header_digest(
+        version=version, index=index, is_last=is_last, stream_id=stream_id, metas=metas, trailer=trailer
+    )
+    return payload_checksum(payload) ^ digest

@@ -3,10 +3,16 @@
 A refit moves one *version* of the weights as a sequence of :class:`Bucket`
 objects. Each bucket is a 1-D ``uint8`` payload plus the :class:`TensorMeta`
 records (name, shape, dtype, byte offset, byte count) of the tensors inside it.
-Metadata travels as compact UTF-8 JSON (:func:`encode_metas` /
-:func:`decode_metas`); dtypes travel by name (:data:`DTYPES`, from
-:data:`megatron_fp8.quant.formats.WIRE_DTYPES`). Versions strictly increase
-(:class:`RefitVersion`).
+A version is self-describing: its last bucket carries a :class:`VersionTrailer`
+(the tensor count, every tensor's name, shape, dtype and byte count, and a
+:class:`VersionDigest` over every ``(bucket index, name, shape, dtype, offset,
+nbytes)``), so a receiver commits only the exact announced set. Every bucket is
+stamped with a random ``stream_id`` of its sending, so two senders on one wire
+are never confused. Metadata travels as compact UTF-8 JSON
+(:func:`encode_bucket_meta` / :func:`decode_bucket_meta`); dtypes travel by name
+(:data:`DTYPES`, from :data:`megatron_fp8.quant.formats.WIRE_DTYPES`). Versions
+strictly increase (:class:`RefitVersion`). After each version the receiver
+answers with a :class:`RefitOutcome`.
 
 Packing and unpacking live in :mod:`megatron_fp8.refit.buckets`, the payload
 checksum in :mod:`megatron_fp8.refit.checksum`, the NaN/Inf refusal in
@@ -15,6 +21,7 @@ checksum in :mod:`megatron_fp8.refit.checksum`, the NaN/Inf refusal in
 
 from __future__ import annotations
 
+import hashlib
 import json
 import math
 import threading
@@ -25,6 +32,7 @@ import torch
 
 from megatron_fp8.errors import RefitError
 from megatron_fp8.quant.formats import WIRE_DTYPES
+from megatron_fp8.vocab import REFIT_OUTCOMES
 
 ALIGN = 16
 """Byte alignment of every tensor offset inside a bucket payload (and of the payload length)."""
@@ -131,6 +139,144 @@ def decode_metas(data: bytes) -> tuple[TensorMeta, ...]:
 
 
 @dataclass(frozen=True)
+class AnnouncedTensor:
+    """One tensor of a version as its trailer announces it.
+
+    Attributes:
+        name: HF parameter name.
+        shape: tensor shape.
+        dtype: a :data:`DTYPES` key.
+        nbytes: byte count.
+    """
+
+    name: str
+    shape: tuple[int, ...]
+    dtype: str
+    nbytes: int
+
+    def describe(self) -> str:
+        """``"(256,) bfloat16, 512 bytes"``, for messages."""
+        return f"{self.shape} {self.dtype}, {self.nbytes} bytes"
+
+
+@dataclass(frozen=True)
+class VersionTrailer:
+    """What a version announces in its last bucket: the exact set of tensors the receiver must commit.
+
+    Attributes:
+        num_tensors: tensors in the version.
+        tensors: every tensor of the version in stream order.
+        digest: :class:`VersionDigest` hex digest over every ``(bucket index, name, shape, dtype, offset,
+            nbytes)`` of the version.
+    """
+
+    num_tensors: int
+    tensors: tuple[AnnouncedTensor, ...]
+    digest: str
+
+    def to_json(self) -> dict:
+        """A compact JSON-able form."""
+        return {
+            "n": self.num_tensors,
+            "t": [[t.name, list(t.shape), t.dtype, t.nbytes] for t in self.tensors],
+            "d": self.digest,
+        }
+
+    @classmethod
+    def from_json(cls, item: object) -> VersionTrailer:
+        """Inverse of :meth:`to_json`.
+
+        Raises:
+            RefitError: the item is not a well-formed trailer.
+        """
+        try:
+            tensors = tuple(
+                AnnouncedTensor(name=str(n), shape=tuple(int(s) for s in shape), dtype=str(dt), nbytes=int(nb))
+                for n, shape, dt, nb in item["t"]  # type: ignore[index]
+            )
+            trailer = cls(num_tensors=int(item["n"]), tensors=tensors, digest=str(item["d"]))  # type: ignore[index]
+        except (TypeError, ValueError, KeyError) as exc:
+            raise RefitError(f"malformed refit version trailer: {exc!r}") from None
+        if trailer.num_tensors != len(trailer.tensors):
+            raise RefitError(
+                f"refit version trailer announces {trailer.num_tensors} tensors but lists {len(trailer.tensors)}"
+            )
+        return trailer
+
+
+class VersionDigest:
+    """Running digest (BLAKE2b-128) over every ``(bucket index, name, shape, dtype, offset, nbytes)`` of a version.
+
+    Sender and receiver feed it the same records in stream order; equal hex digests mean the receiver got
+    the metadata the sender packed, bucket by bucket, in the same order.
+    """
+
+    def __init__(self) -> None:
+        self._h = hashlib.blake2b(digest_size=16)
+
+    def add(self, index: int, meta: TensorMeta) -> None:
+        """Feed one tensor record of bucket ``index``."""
+        rec = [index, meta.name, list(meta.shape), meta.dtype, meta.offset, meta.nbytes]
+        self._h.update(json.dumps(rec, separators=(",", ":")).encode("utf-8"))
+        self._h.update(b"\n")
+
+    def hexdigest(self) -> str:
+        """The digest so far, 32 hex characters."""
+        return self._h.hexdigest()
+
+
+def encode_bucket_meta(metas: Iterable[TensorMeta], trailer: VersionTrailer | None) -> bytes:
+    """Serialize a bucket's metadata records and its trailer (if any) to UTF-8 JSON bytes."""
+    obj = {"m": [m.to_json() for m in metas], "t": trailer.to_json() if trailer is not None else None}
+    return json.dumps(obj, separators=(",", ":")).encode("utf-8")
+
+
+def decode_bucket_meta(data: bytes) -> tuple[tuple[TensorMeta, ...], VersionTrailer | None]:
+    """Parse bytes written by :func:`encode_bucket_meta`: ``(metas, trailer or None)``.
+
+    Raises:
+        RefitError: not valid JSON or not a well-formed metadata object.
+    """
+    try:
+        obj = json.loads(data.decode("utf-8"))
+    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise RefitError(f"refit metadata is not valid JSON ({exc}); the header or metadata was corrupted") from None
+    if not isinstance(obj, dict) or not isinstance(obj.get("m"), list):
+        raise RefitError(f"refit bucket metadata must be a JSON object with a list 'm', got {type(obj).__name__}")
+    metas = tuple(TensorMeta.from_json(i) for i in obj["m"])
+    trailer = VersionTrailer.from_json(obj["t"]) if obj.get("t") is not None else None
+    return metas, trailer
+
+
+@dataclass(frozen=True)
+class RefitOutcome:
+    """What a receiver reports back to the sender after one version.
+
+    Attributes:
+        version: the refit version.
+        status: a :data:`megatron_fp8.vocab.REFIT_OUTCOMES` key (``committed``, ``refused``, ``rolled_back``).
+        reason: why it was not committed (``""`` when committed), naming the tensor or check.
+        stream_id: the :attr:`Bucket.stream_id` of the sending it answers.
+        receiver: who answered, e.g. ``"rank 1"``, for messages.
+    """
+
+    version: int
+    status: str
+    reason: str = ""
+    stream_id: int = 0
+    receiver: str = "receiver"
+
+    def __post_init__(self) -> None:
+        if self.status not in REFIT_OUTCOMES:
+            raise RefitError(f"unknown refit outcome {self.status!r}; valid outcomes: {sorted(REFIT_OUTCOMES)}")
+
+    @property
+    def committed(self) -> bool:
+        """Whether the receiver committed the version."""
+        return self.status == "committed"
+
+
+@dataclass(frozen=True)
 class Bucket:
     """One packed slice of a refit version.
 
@@ -140,7 +286,10 @@ class Bucket:
         is_last: whether this is the final bucket of the version.
         metas: tensors inside ``payload``, in stream order.
         payload: 1-D ``torch.uint8`` tensor; its length is a multiple of :data:`ALIGN`.
-        checksum: :func:`~megatron_fp8.refit.checksum.payload_checksum` of ``payload`` computed by the sender.
+        checksum: :func:`~megatron_fp8.refit.checksum.bucket_checksum` computed by the sender: the payload
+            checksum mixed with a digest of the header (version, index, is_last, stream_id, trailer) and metas.
+        stream_id: random id of the sending this bucket belongs to (``0 <= id < 2**62``), echoed in the outcome.
+        trailer: the version's announced set; present exactly on the last bucket.
     """
 
     version: int
@@ -149,6 +298,8 @@ class Bucket:
     metas: tuple[TensorMeta, ...]
     payload: torch.Tensor
     checksum: int
+    stream_id: int = 0
+    trailer: VersionTrailer | None = None
 
     @property
     def nbytes(self) -> int:

@@ -65,6 +65,7 @@ from megatron_fp8.rl.batch import Tokenizer, eos_and_pad
 from megatron_fp8.rl.distributed import DataParallel, average_over_ranks, data_parallel_from_env, share_from_writer
 from megatron_fp8.rl.fp8_rollout import fp8_manifest, rollout_quantization_config
 from megatron_fp8.rl.kv_calibration import KVAmaxRecorder, attach_kv_amax_hooks
+from megatron_fp8.rl.outputs import claim_out_dir, rebuild_outputs
 from megatron_fp8.rl.phases import ArmState, GRPOContext, run_step
 from megatron_fp8.rl.results import (
     CONFIG_FILE,
@@ -92,21 +93,25 @@ def run_grpo(
     steps: int | None = None,
     arms: Sequence[str] | None = None,
     progress: bool = True,
+    overwrite: bool = False,
 ) -> GRPOResult:
     """Run GRPO for each arm and write ``metrics.jsonl``, ``summary.md``, ``metrics.png`` and ``config.yaml``.
 
     Args:
         config: the run configuration (:func:`megatron_fp8.config.load_config`).
-        out_dir: output folder (created; an existing ``metrics.jsonl`` there is replaced).
+        out_dir: output folder (created); one that holds another run's outputs is refused unless
+            ``overwrite`` (:func:`megatron_fp8.rl.outputs.claim_out_dir`).
         steps: steps per arm; ``None`` = ``config.grpo.num_steps``.
         arms: arm names (keys of :data:`megatron_fp8.vocab.ARMS`); ``None`` = ``config.grpo.arms``.
         progress: show a progress bar on stderr.
+        overwrite: replace another run's outputs in ``out_dir``.
 
     Returns:
         The :class:`GRPOResult`.
 
     Raises:
-        ConfigError: unknown arm or task, bad step count, a non-blockwise FP8 rollout.
+        ConfigError: unknown arm or task, bad step count, a non-blockwise FP8 rollout, an unusable ``out_dir``.
+        KeyboardInterrupt: after the summary and plot were rebuilt from the completed steps.
         ManifestError: vLLM could not be asked for the FP8 manifest.
     """
     t_run = time.perf_counter()
@@ -114,16 +119,24 @@ def run_grpo(
     arm_names = tuple(config.grpo.arms if arms is None else arms)
     _check_arguments(config, n_steps=n_steps, arm_names=arm_names)
     task = get_task(config.grpo.task, max_digits=config.grpo.task_max_digits)
+    out = Path(out_dir)
+    if int(os.environ.get("RANK", "0")) == 0:  # the writer claims the folder before any model is built
+        claim_out_dir(out, overwrite=overwrite)
     with data_parallel_from_env() as dp:
         if config.grpo.num_prompts_per_step % dp.world_size:
             raise ConfigError(
                 f"grpo.num_prompts_per_step={config.grpo.num_prompts_per_step} is not divisible by the "
                 f"{dp.world_size} GRPO processes (WORLD_SIZE); each rank rolls out whole prompt groups"
             )
-        out = Path(out_dir)
-        results, manifest_source = _run_arms(
-            config, dp=dp, task=task, n_steps=n_steps, arm_names=arm_names, out=out, progress=progress
-        )
+        try:
+            results, manifest_source = _run_arms(
+                config, dp=dp, task=task, n_steps=n_steps, arm_names=arm_names, out=out, progress=progress
+            )
+        except KeyboardInterrupt:
+            if dp.is_writer and (out / METRICS_FILE).is_file() and (out / METRICS_FILE).stat().st_size:
+                rebuild_outputs(out, arm_order=arm_names)
+                logger.warning("interrupted: %s, %s rebuilt from the completed steps", SUMMARY_FILE, PLOT_FILE)
+            raise
     summary_path = plot_path = None
     if dp.is_writer:
         summary_path = report.write_summary(results, out / SUMMARY_FILE, config=config, manifest_source=manifest_source)
@@ -170,8 +183,7 @@ def _run_arms(
     from transformers import AutoTokenizer  # lazy: transformers is optional (not a core dependency)
 
     if dp.is_writer:
-        out.mkdir(parents=True, exist_ok=True)
-        (out / CONFIG_FILE).write_text(config.dump_yaml())
+        report.write_atomically(out / CONFIG_FILE, config.dump_yaml())
     model_path = Path(resolve_model(config.model.name_or_path))
     tokenizer: Tokenizer = AutoTokenizer.from_pretrained(str(model_path))
     eos_id, pad_id = eos_and_pad(tokenizer, where=model_path)
@@ -218,10 +230,11 @@ def _step_recorder(
     """What happens after every step: average over ranks, append to ``metrics.jsonl``, advance the bar."""
     bar_task: TaskID | None = bar.add_task("GRPO", total=total_steps, info="") if bar is not None else None
 
-    def on_step(local: StepMetrics) -> StepMetrics:
+    def on_step(local: StepMetrics, *, training: tuple[str, str] = ("n/a", "n/a")) -> StepMetrics:
         m = average_over_ranks(local, dp)
-        if sink is not None:
-            sink.write(json.dumps(m.to_json_dict(), sort_keys=False) + "\n")
+        if sink is not None:  # appended and flushed per step: a crash keeps every completed step
+            record = m.to_json_dict() | {"training_recipe": training[0], "training_math": training[1]}
+            sink.write(json.dumps(record, sort_keys=False) + "\n")
             sink.flush()
         logger.debug("arm %s step %d: reward %.3f gen_kl %.2e", m.arm, m.step, m.reward_mean, m.gen_kl)
         if bar is not None and bar_task is not None:
@@ -244,7 +257,7 @@ def _run_arm(
     model_path: Path,
     manifest: Manifest | None,
     qcfg: dict | None,
-    on_step: Callable[[StepMetrics], StepMetrics],
+    on_step: Callable[..., StepMetrics],
     dp: DataParallel,
 ) -> ArmResult:
     """One arm from the initial weights: build its engine and trainer, run ``steps`` steps, close both."""
@@ -290,7 +303,8 @@ def _run_arm(
                 else None
             )
             try:
-                results = tuple(on_step(run_step(state, ctx, step=step)) for step in range(steps))
+                training = (model.recipe_application.recipe, model.recipe_application.math)
+                results = tuple(on_step(run_step(state, ctx, step=step), training=training) for step in range(steps))
             finally:
                 state.refit.close()
                 if kv_hooks is not None:

@@ -13,9 +13,12 @@
 
 from __future__ import annotations
 
+import io
 import json
 import logging
 import math
+import os
+import tempfile
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -29,6 +32,20 @@ MIB = float(1 << 20)
 
 ARM_COLORS: dict[str, str] = {"bf16": "tab:blue", "fp8": "tab:red", "fp8_tis": "tab:green"}
 """Plot colour per arm (other names get matplotlib's cycle)."""
+
+
+def write_atomically(path: str | Path, data: str | bytes) -> Path:
+    """Write ``data`` to ``path`` through a temporary file in the same folder and a rename (never half a file)."""
+    p = Path(path)
+    fd, tmp = tempfile.mkstemp(dir=p.parent, prefix=f".{p.name}.")
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.write(data.encode() if isinstance(data, str) else data)
+        os.replace(tmp, p)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+    return p
 
 
 def read_metrics(path: str | Path) -> list[JSONRecord]:
@@ -116,8 +133,7 @@ def write_summary(
         "",
         summary_table(arms),
     ]
-    p.write_text("\n".join(lines))
-    return p
+    return write_atomically(p, "\n".join(lines))
 
 
 SMOOTH_WINDOW = 5
@@ -175,7 +191,9 @@ def plot_metrics(arms: Sequence[ArmResult], path: str | Path) -> Path:
         ax_k.grid(alpha=0.3)
         ax_k.legend()
         fig.tight_layout()
-        fig.savefig(p, format="png")
+        buffer = io.BytesIO()
+        fig.savefig(buffer, format="png")
+        write_atomically(p, buffer.getvalue())
     finally:
         plt.close(fig)
     return p

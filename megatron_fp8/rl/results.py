@@ -28,6 +28,9 @@ WARM_START_DIR = "warm_start"
 JSONRecord = dict[str, object]
 """One flat JSON object (a line of ``metrics.jsonl``)."""
 
+_RECORD_EXTRAS = frozenset({"training_recipe", "training_math"})
+"""Per-arm facts the driver adds to each record (not :class:`StepMetrics` fields)."""
+
 
 def finite_mean(values: Sequence[float]) -> float:
     """Mean of the finite values; ``nan`` when there are none."""
@@ -121,6 +124,34 @@ class StepMetrics:
             out[f"refit_{cls}_bytes"] = int(self.refit_bytes.get(cls, 0))
         out["refit_total_bytes"] = int(sum(self.refit_bytes.values()))
         return {k: (None if isinstance(v, float) and not math.isfinite(v) else v) for k, v in out.items()}
+
+    @classmethod
+    def from_json_dict(cls, record: JSONRecord, *, where: str = "metrics record") -> StepMetrics:
+        """Inverse of :meth:`to_json_dict` (``None`` floats come back as ``nan``).
+
+        Raises:
+            ConfigError: a field is missing (the message names it and ``where``).
+        """
+        fields = {f.name: f for f in dataclasses.fields(cls)}
+        values: dict[str, object] = {}
+        for name, f in fields.items():
+            if name == "mismatch":  # every key that is neither a field nor derived by to_json_dict
+                derived = {"gen_kl", *(f"refit_{c}_bytes" for c in ("fp8", "scales", "bf16", "other", "total"))}
+                values[name] = {
+                    k: float("nan") if v is None else float(v)  # type: ignore[arg-type]
+                    for k, v in record.items()
+                    if k not in fields and k not in derived and k not in _RECORD_EXTRAS
+                }
+            elif name == "refit_bytes":
+                values[name] = {c: int(record.get(f"refit_{c}_bytes") or 0) for c in ("fp8", "scales", "bf16", "other")}
+            elif name in record:
+                v = record[name]
+                values[name] = float("nan") if v is None and f.type in ("float", float) else v
+            elif f.default is dataclasses.MISSING:
+                raise ConfigError(f"{where}: field {name!r} is missing; was the file written by megatron-fp8 grpo?")
+        if "gen_kl_k3" not in values["mismatch"]:  # type: ignore[operator]
+            raise ConfigError(f"{where}: field 'gen_kl_k3' is missing; was the file written by megatron-fp8 grpo?")
+        return cls(**values)  # type: ignore[arg-type]
 
 
 @dataclass(frozen=True)
@@ -219,3 +250,32 @@ class GRPOResult:
             if a.arm == name:
                 return a
         raise ConfigError(f"arm {name!r} did not run; arms of this run: {', '.join(a.arm for a in self.arms)}")
+
+
+def arms_from_records(
+    records: Sequence[JSONRecord], *, arm_order: Sequence[str] | None = None, where: str = "metrics.jsonl"
+) -> list[ArmResult]:
+    """Group ``metrics.jsonl`` records into per-arm results (steps in file order).
+
+    Training recipe and math are read from the records when present, else ``"n/a"``; arm seconds
+    are the sum of the step times.
+    """
+    by_arm: dict[str, list[StepMetrics]] = {}
+    extra: dict[str, JSONRecord] = {}
+    for i, rec in enumerate(records, start=1):
+        step = StepMetrics.from_json_dict(rec, where=f"{where}:{i}")
+        by_arm.setdefault(step.arm, []).append(step)
+        extra.setdefault(step.arm, rec)
+    order = list(arm_order) if arm_order is not None else list(by_arm)
+    return [
+        ArmResult(
+            arm=name,
+            engine=by_arm[name][0].engine,
+            training_recipe=str(extra[name].get("training_recipe", "n/a")),
+            training_math=str(extra[name].get("training_math", "n/a")),
+            steps=tuple(by_arm[name]),
+            seconds=sum(s.step_seconds for s in by_arm[name]),
+        )
+        for name in order
+        if name in by_arm
+    ]

@@ -64,6 +64,7 @@ from megatron_fp8.rollout.reference.forward import ReferenceForward
 from megatron_fp8.rollout.reference.sampler import GenerationResult
 from megatron_fp8.rollout.reference.weights import (
     StagedUpdate,
+    WeightSnapshot,
     WeightStore,
     checkpoint_items,
     read_hf_config,
@@ -199,6 +200,14 @@ class ReferenceFP8Engine:
     def abort(self, staged: StagedUpdate) -> None:
         """Drop a staged update without applying it (idempotent for aborted updates)."""
         self.weights.abort(staged)
+
+    def snapshot(self, names: Iterable[str]) -> WeightSnapshot:
+        """Copies of the stored tensors ``names`` and the version counter (see :meth:`WeightStore.snapshot`)."""
+        return self.weights.snapshot(names)
+
+    def restore(self, snap: WeightSnapshot) -> None:
+        """Copy a snapshot back in place and reset the version counter (see :meth:`WeightStore.restore`)."""
+        self.weights.restore(snap)
 
     def load_weights(self, items: Iterable[tuple[str, torch.Tensor]]) -> frozenset[str]:
         """All-or-nothing :meth:`stage` + :meth:`commit` of a weight stream (see :meth:`stage`).
@@ -351,4 +360,5 @@ __all__ = [
     "GenerationResult",
     "ReferenceFP8Engine",
     "StagedUpdate",
+    "WeightSnapshot",
 ]

@@ -11,7 +11,9 @@ scalar KV-cache scale per layer and kind (default 1.0). A refit version goes
 in as a whole: :meth:`WeightStore.stage` validates the complete stream and
 prepares the new tensors without touching anything; :meth:`WeightStore.commit`
 copies them into the held tensors in place (``copy_``, never rebinding);
-:meth:`WeightStore.abort` drops them. :func:`read_hf_config`,
+:meth:`WeightStore.abort` drops them. :meth:`WeightStore.snapshot` /
+:meth:`WeightStore.restore` copy out and back the tensors a commit will overwrite
+(the refit applier's rollback). :func:`read_hf_config`,
 :func:`safetensors_files`, :func:`checkpoint_items` and
 :func:`save_fp8_checkpoint` read and write HF safetensors checkpoints.
 """
@@ -76,6 +78,32 @@ class StagedUpdate:
 
     def __repr__(self) -> str:
         return f"StagedUpdate({len(self.names)} tensors, state={self.state!r})"
+
+    @property
+    def targets(self) -> frozenset[str]:
+        """The stored tensors a commit of this update overwrites (weights, ``_scale_inv``, KV scales)."""
+        return frozenset(self._updates)
+
+
+class WeightSnapshot:
+    """Copies of some stored tensors and the store's version, taken before a commit to restore it on failure.
+
+    Made by :meth:`WeightStore.snapshot`; memory: the bytes of the copied tensors (CPU).
+
+    Attributes:
+        version: the store's version when taken.
+        tensors: name -> a private copy of the stored tensor.
+        nbytes: total bytes of the copies.
+    """
+
+    __slots__ = ("_engine_id", "_loaded", "nbytes", "tensors", "version")
+
+    def __init__(self, *, engine_id: int, version: int, loaded: frozenset[str], tensors: dict[str, torch.Tensor]):
+        self._engine_id = engine_id
+        self._loaded = loaded
+        self.version = version
+        self.tensors = tensors
+        self.nbytes = sum(t.numel() * t.element_size() for t in tensors.values())
 
 
 class WeightStore:
@@ -335,6 +363,35 @@ class WeightStore:
         staged._updates = {}
         logger.debug("reference engine: committed %d tensors (version %d)", len(staged.names), self._version)
         return weights
+
+    def snapshot(self, names: Iterable[str]) -> WeightSnapshot:
+        """Copies of the stored tensors ``names`` (e.g. :attr:`StagedUpdate.targets`) and the version counter.
+
+        Raises:
+            RefitError: an unknown name.
+        """
+        names = list(names)
+        unknown = [n for n in names if n not in self.tensors]
+        if unknown:
+            raise RefitError(f"snapshot: {unknown[:5]} are not stored tensors of this engine")
+        copies = {n: self.tensors[n].detach().clone() for n in names}
+        return WeightSnapshot(engine_id=id(self), version=self._version, loaded=frozenset(self._loaded), tensors=copies)
+
+    def restore(self, snap: WeightSnapshot) -> None:
+        """Copy a snapshot back in place (``copy_``, never rebinding) and reset the version counter to its version.
+
+        Raises:
+            RefitError: the snapshot belongs to another engine.
+        """
+        if snap._engine_id != id(self):
+            raise RefitError("restore: this WeightSnapshot was taken of another engine")
+        self._f64.clear()
+        with torch.no_grad():
+            for name, value in snap.tensors.items():
+                self.tensors[name].copy_(value)
+        self._loaded = set(snap._loaded)
+        self._version = snap.version
+        logger.debug("reference engine: restored %d tensors (version %d)", len(snap.tensors), self._version)
 
     def abort(self, staged: StagedUpdate) -> None:
         """Drop a staged update without applying it (idempotent for aborted updates)."""

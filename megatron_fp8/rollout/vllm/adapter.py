@@ -88,6 +88,22 @@ def _routed_experts_cls() -> type[torch.nn.Module]:
         return FusedMoE
 
 
+def _vocab_embedding_cls() -> type[torch.nn.Module]:
+    from vllm.model_executor.layers.vocab_parallel_embedding import VocabParallelEmbedding  # lazy: vLLM is optional
+
+    return VocabParallelEmbedding
+
+
+def attention_prefixes(model: torch.nn.Module) -> list[str]:
+    """Module names of the attention layers that own a KV cache (``...self_attn.attn``)."""
+    try:
+        from vllm.model_executor.layers.attention import Attention  # lazy: vLLM is optional
+    except ImportError:  # pragma: no cover - vLLM < 0.30
+        from vllm.attention.layer import Attention  # lazy: vLLM is optional
+
+    return [name for name, module in model.named_modules() if isinstance(module, Attention)]
+
+
 def _experts_prefix(module: torch.nn.Module) -> str:
     return getattr(module, "layer_name", None) or getattr(module, "prefix", "")
 
@@ -483,6 +499,13 @@ def inplace_load_weights(model: torch.nn.Module, weights: Iterable[tuple[str, to
                 )
             plan.append((t, name, tensor))
         elif name in params:
+            param = params[name]
+            sharded = getattr(param, "weight_loader", None) is not None and param.dim() >= 1
+            rows_ok = sharded and tensor.dim() == param.dim() and tuple(tensor.shape[1:]) == tuple(param.shape[1:])
+            if tuple(tensor.shape) != tuple(param.shape) and not rows_ok:
+                raise RefitTargetError(f"{name}: shape {tuple(tensor.shape)} does not fit {tuple(param.shape)}")
+            if tensor.dtype != param.dtype:
+                raise RefitTargetError(f"{name}: {tensor.dtype} arrived for a parameter that holds {param.dtype}")
             plan.append((None, name, tensor))
         elif ".experts." in name:
             raise RefitTargetError(f"{name}: routed experts need vLLM's layerwise reload (vLLM >= 0.15) to be refit")

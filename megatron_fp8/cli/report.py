@@ -1,0 +1,25 @@
+"""``megatron-fp8 report DIR``: rebuild a run's ``summary.md`` and ``metrics.png`` from its ``metrics.jsonl``.
+
+Works on a finished run, an interrupted one (every completed step is in ``metrics.jsonl``) and a crashed
+one; the summary header uses the run's ``config.yaml`` when it is there.
+"""
+
+from __future__ import annotations
+
+import argparse
+
+from megatron_fp8.rl.outputs import rebuild_outputs
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """Register the run folder."""
+    parser.add_argument("dir", metavar="DIR", help="a run's output folder (holds metrics.jsonl)")
+
+
+def run(args: argparse.Namespace) -> int:
+    """Rebuild and print the summary table."""
+    summary, plot, arms = rebuild_outputs(args.dir)
+    print(summary.read_text())
+    steps = sum(len(a.steps) for a in arms)
+    print(f"rebuilt from {steps} step(s) of {len(arms)} arm(s).\n  table: {summary}\n  plot:  {plot}")
+    return 0

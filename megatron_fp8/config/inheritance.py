@@ -1,0 +1,289 @@
+"""Config files as NeMo-RL writes them: ``defaults:`` inheritance, ``_override_``, interpolation, resolvers.
+
+Semantics (those of NeMo-RL's ``load_config_with_inheritance``, re-implemented here):
+
+* ``defaults:`` at the top of a file names one parent (a string) or several (a list). Relative paths
+  are relative to the directory of the file that names them; absolute paths are taken as they are.
+  Parents are composed depth-first (a parent's own ``defaults`` first) and merged in list order, then
+  the file itself is merged on top: later wins.
+* Merging is recursive for mappings; anything else (scalars, lists, ``null``) replaces. A ``???``
+  (OmegaConf's "mandatory") in a child does not replace a parent's value.
+* A mapping carrying ``_override_: true`` replaces the parent's mapping at that key instead of merging
+  into it (NeMo-RL honours the marker on top-level sections; it is honoured at any depth here). The
+  marker itself is dropped.
+* After the whole tree is composed (and the dotted command-line overrides merged), OmegaConf
+  interpolations resolve against the final tree, so ``${policy.max_total_sequence_length}`` in a
+  parent sees the child's value. NeMo-RL's resolvers are available: ``add``, ``mul``, ``div``, ``max``
+  (two arguments each).
+
+Every leaf remembers the file that set it last (:attr:`ComposedTree.sources`), which is what
+``megatron-fp8 config --explain`` prints. Errors name the file (and line/column, or the key).
+"""
+
+from __future__ import annotations
+
+import logging
+import operator
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+
+import yaml
+from omegaconf import OmegaConf
+from omegaconf.errors import OmegaConfBaseException
+
+from megatron_fp8.config.schema import JSONValue
+from megatron_fp8.errors import ConfigError
+
+logger = logging.getLogger(__name__)
+
+DEFAULTS_KEY = "defaults"
+"""Top-level key naming the parent file(s)."""
+
+OVERRIDE_MARKER = "_override_"
+"""Key inside a mapping: replace the parent's mapping instead of merging into it."""
+
+MANDATORY = "???"
+"""OmegaConf's mandatory-value marker: never replaces an inherited value."""
+
+OVERRIDE_SOURCE = "<override>"
+"""Source name of values given as dotted command-line overrides."""
+
+RESOLVERS: Mapping[str, Callable[[object, object], object]] = {
+    "add": operator.add,
+    "mul": operator.mul,
+    "div": operator.truediv,
+    "max": max,
+}
+"""NeMo-RL's OmegaConf resolvers (``${mul:a,b}``): name -> two-argument function."""
+
+
+@dataclass(frozen=True)
+class ComposedTree:
+    """A composed but not yet resolved config tree.
+
+    Attributes:
+        data: the merged tree (plain nested dicts; interpolation strings still unresolved).
+        sources: dotted leaf path -> the file (or :data:`OVERRIDE_SOURCE`) that set it last.
+        files: every file read, parents before children.
+    """
+
+    data: dict[str, JSONValue]
+    sources: dict[str, str]
+    files: tuple[Path, ...]
+
+
+def register_resolvers() -> None:
+    """Register :data:`RESOLVERS` with OmegaConf (idempotent; an existing resolver of the name is kept)."""
+    for name, fn in RESOLVERS.items():
+        if not OmegaConf.has_resolver(name):
+            OmegaConf.register_new_resolver(name, fn)
+
+
+def read_yaml(text: str, *, where: str) -> dict[str, JSONValue]:
+    """Parse one YAML document into a plain mapping (interpolations left as strings).
+
+    Args:
+        text: the YAML text.
+        where: the file name (or a description) for messages.
+
+    Raises:
+        ConfigError: malformed YAML (with line and column), or a top level that is not a mapping.
+    """
+    try:
+        cfg = OmegaConf.create(text) if text.strip() else OmegaConf.create({})
+    except yaml.MarkedYAMLError as exc:
+        mark = exc.problem_mark
+        at = f":{mark.line + 1}:{mark.column + 1}" if mark is not None else ""
+        raise ConfigError(f"{where}{at}: malformed YAML: {exc.problem or exc}") from exc
+    except (yaml.YAMLError, OmegaConfBaseException) as exc:
+        raise ConfigError(f"{where}: cannot parse YAML: {_first_line(exc)}") from exc
+    if not OmegaConf.is_dict(cfg):
+        raise ConfigError(f"{where}: the top level must be a YAML mapping, got a list")
+    plain = OmegaConf.to_container(cfg, resolve=False)
+    return {str(k): v for k, v in plain.items()} if isinstance(plain, dict) else {}
+
+
+def compose_file(path: str | Path) -> ComposedTree:
+    """Read ``path`` and its ``defaults:`` parents (recursively) into one unresolved tree.
+
+    Raises:
+        ConfigError: a missing file or parent (naming the file that names it), a malformed ``defaults``
+            entry, an inheritance cycle, or malformed YAML (line/column).
+    """
+    p = Path(path)
+    if not p.is_file():
+        raise ConfigError(f"config file {str(p)!r} not found; pass an existing YAML file or omit --config")
+    files: list[Path] = []
+    data, sources = _compose(p.resolve(), chain=(), files=files)
+    return ComposedTree(data=data, sources=sources, files=tuple(files))
+
+
+def compose_text(text: str, *, where: str) -> ComposedTree:
+    """One YAML text without parents (the embedded default); ``defaults:`` is refused (no directory)."""
+    data = read_yaml(text, where=where)
+    if DEFAULTS_KEY in data:
+        raise ConfigError(f"{where}: 'defaults:' needs a config file on disk to resolve parents against")
+    overridden: list[str] = []
+    _strip_markers(data, "", overridden)
+    return ComposedTree(data=data, sources={k: where for k in leaf_paths(data)}, files=())
+
+
+def _parents(data: dict[str, JSONValue], path: Path) -> list[Path]:
+    raw = data.pop(DEFAULTS_KEY, None)
+    if raw is None:
+        return []
+    entries = [raw] if isinstance(raw, str) else raw
+    if not isinstance(entries, list) or not all(isinstance(e, str) for e in entries):
+        raise ConfigError(f"{path}: 'defaults' must be a file name or a list of file names, got {raw!r}")
+    out: list[Path] = []
+    for entry in entries:
+        parent = Path(entry) if Path(entry).is_absolute() else path.parent / entry
+        if not parent.is_file():
+            raise ConfigError(
+                f"{path}: parent config {entry!r} named in 'defaults' not found (looked for {parent}); "
+                "fix the path (relative paths are relative to this file's directory)"
+            )
+        out.append(parent.resolve())
+    return out
+
+
+def _compose(path: Path, *, chain: tuple[Path, ...], files: list[Path]) -> tuple[dict[str, JSONValue], dict[str, str]]:
+    if path in chain:
+        cycle = " -> ".join(str(c) for c in (*chain[chain.index(path) :], path))
+        raise ConfigError(f"inheritance cycle in 'defaults': {cycle}; remove one of these parents")
+    try:
+        text = path.read_text()
+    except OSError as exc:
+        raise ConfigError(f"cannot read config {path}: {exc}") from exc
+    own = read_yaml(text, where=str(path))
+    parents = _parents(own, path)
+    base: dict[str, JSONValue] = {}
+    base_sources: dict[str, str] = {}
+    for parent in parents:
+        parent_data, parent_sources = _compose(parent, chain=(*chain, path), files=files)
+        base, base_sources = merge_trees(base, base_sources, parent_data, parent_sources)
+    files.append(path)
+    return merge_trees(base, base_sources, own, {k: str(path) for k in leaf_paths(own)})
+
+
+def merge_trees(
+    base: dict[str, JSONValue],
+    base_sources: dict[str, str],
+    top: dict[str, JSONValue],
+    top_sources: Mapping[str, str],
+) -> tuple[dict[str, JSONValue], dict[str, str]]:
+    """``top`` merged onto ``base`` (module docstring rules), with the merged per-leaf sources.
+
+    Neither input is modified. ``top_sources`` names the source of ``top``'s leaves (computed before
+    ``_override_`` markers are dropped is fine: markers are not leaves).
+    """
+    top = _copy(top)
+    overridden: list[str] = []
+    _strip_markers(top, "", overridden)
+    merged = _copy(base)
+    for prefix in overridden:
+        _delete(merged, prefix)
+    sources = {k: v for k, v in base_sources.items() if not any(_under(k, p) for p in overridden)}
+    _deep_merge(merged, top)
+    for key in leaf_paths(top):
+        value = _value_at(top, key)
+        if value == MANDATORY and key in sources:
+            continue  # "???" never replaces an inherited value
+        if not isinstance(value, dict):  # a scalar/list/null replaces whatever subtree was there
+            for stale in [k for k in sources if k.startswith(key + ".")]:
+                del sources[stale]
+        sources[key] = top_sources.get(key, OVERRIDE_SOURCE)
+    # a scalar/list/null replacing a mapping drops the mapping's leaves
+    live = set(leaf_paths(merged))
+    return merged, {k: v for k, v in sources.items() if k in live}
+
+
+def resolve(tree: ComposedTree) -> dict[str, JSONValue]:
+    """Resolve every interpolation of ``tree`` against the whole tree.
+
+    Raises:
+        ConfigError: an unknown key referenced, an interpolation cycle, an unknown resolver or a resolver
+            that failed, each naming the key and the file that set it.
+    """
+    register_resolvers()
+    try:
+        cfg = OmegaConf.create(tree.data)
+        plain = OmegaConf.to_container(cfg, resolve=True)
+    except OmegaConfBaseException as exc:
+        key = getattr(exc, "full_key", None) or "?"
+        where = tree.sources.get(str(key)) or (tree.files[-1] if tree.files else "the config")
+        raise ConfigError(f"{where}: cannot resolve '{key}': {_first_line(exc)}") from exc
+    return {str(k): v for k, v in plain.items()} if isinstance(plain, dict) else {}
+
+
+def leaf_paths(data: Mapping[str, JSONValue], prefix: str = "") -> list[str]:
+    """Dotted paths of the leaves of ``data`` (non-mappings and empty mappings), in order."""
+    out: list[str] = []
+    for key, value in data.items():
+        path = f"{prefix}.{key}" if prefix else str(key)
+        if isinstance(value, dict) and value:
+            out += leaf_paths(value, path)
+        elif key != OVERRIDE_MARKER:
+            out.append(path)
+    return out
+
+
+# --------------------------------------------------------------------------- helpers
+
+
+def _first_line(exc: BaseException) -> str:
+    text = str(exc).strip()
+    return text.splitlines()[0] if text else type(exc).__name__
+
+
+def _copy(data: JSONValue) -> JSONValue:
+    if isinstance(data, dict):
+        return {k: _copy(v) for k, v in data.items()}
+    if isinstance(data, list):
+        return [_copy(v) for v in data]
+    return data
+
+
+def _strip_markers(data: dict[str, JSONValue], prefix: str, overridden: list[str]) -> None:
+    """Drop ``_override_`` markers in place; record the paths whose marker was true."""
+    for key, value in list(data.items()):
+        if isinstance(value, dict):
+            path = f"{prefix}.{key}" if prefix else key
+            if value.pop(OVERRIDE_MARKER, False):
+                overridden.append(path)
+            _strip_markers(value, path, overridden)
+
+
+def _deep_merge(base: dict[str, JSONValue], top: Mapping[str, JSONValue]) -> None:
+    for key, value in top.items():
+        if isinstance(value, dict) and isinstance(base.get(key), dict):
+            _deep_merge(base[key], value)  # type: ignore[arg-type]
+        elif value == MANDATORY and key in base:
+            continue
+        else:
+            base[key] = _copy(value)
+
+
+def _under(key: str, prefix: str) -> bool:
+    return key == prefix or key.startswith(prefix + ".")
+
+
+def _value_at(data: Mapping[str, JSONValue], dotted: str) -> JSONValue:
+    node: JSONValue = dict(data)
+    for part in dotted.split("."):
+        if not isinstance(node, dict):
+            return None
+        node = node.get(part)
+    return node
+
+
+def _delete(data: dict[str, JSONValue], dotted: str) -> None:
+    parts = dotted.split(".")
+    node: JSONValue = data
+    for part in parts[:-1]:
+        if not isinstance(node, dict) or part not in node:
+            return
+        node = node[part]
+    if isinstance(node, dict):
+        node.pop(parts[-1], None)
