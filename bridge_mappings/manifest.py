@@ -11,20 +11,25 @@ Never derived from name rules. Two sources, both vLLM's own answer:
   mapping — the decision vLLM takes when it builds the FP8 engine.
 
 The answer is stored as JSON with a :class:`Fingerprint` (model config hash, vLLM
-version, quantization config, BF16 first/last layers) and reused for every refit;
-a stored manifest whose fingerprint differs is refused with a clear error
-(:class:`~megatron_fp8.errors.ManifestError`), never silently reused.
+version, quantization config, BF16 first/last layers) in a file whose name carries
+the fingerprint's digest (:class:`ManifestStore`): setups of one model coexist and
+each is reused. A stored file whose content hash or fingerprint is not its own
+(edited, truncated) is refused with a warning and asked again, never silently reused.
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import fcntl
+import glob
 import hashlib
 import json
 import logging
 import os
 import re
-from collections.abc import Sequence
+import tempfile
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -40,7 +45,7 @@ if TYPE_CHECKING:  # vLLM's engine, for annotations only (named by the vLLM adap
 
 logger = logging.getLogger(__name__)
 
-MANIFEST_SCHEMA = 1
+MANIFEST_SCHEMA = 2
 _LAYER_RE = re.compile(r"^(?P<prefix>.*\blayers)\.(?P<idx>\d+)\.(?P<rest>.+)$")
 
 
@@ -87,14 +92,17 @@ def build_quantization_config(
     keep_router_bf16: bool = True,
     weight_block_size: Sequence[int] | None = (128, 128),
     extra_ignored_layers: Sequence[str] = (),
+    ignored_layer_kws: Sequence[str] = (),
 ) -> dict:
     """The HF ``quantization_config`` handed to vLLM (``hf_overrides``).
 
     ``ignored_layers`` lists the *modules* vLLM must keep in BF16: every 2-D
     weight's module in the first/last ``N`` decoder layers (the routed-experts
     module once per layer), and, for MoE layers, the router (the 2-D weight whose
-    output size is ``num_experts``) when ``keep_router_bf16``. vLLM then decides
-    per layer; the manifest records its decision.
+    output size is ``num_experts``) when ``keep_router_bf16``, and every 2-D weight's
+    module whose name contains one of ``ignored_layer_kws`` (NeMo-RL's
+    ``vllm_cfg.quantization_ignored_layer_kws``; routed experts as their experts module).
+    vLLM then decides per layer; the manifest records its decision.
     """
     config = load_hf_config(model_path)
     num_layers = int(config.get("num_hidden_layers", 0))
@@ -109,6 +117,13 @@ def build_quantization_config(
     num_experts = config.get("num_experts") or config.get("num_local_experts")
     ignored: set[str] = set(extra_ignored_layers)
     for name, shape in checkpoint_tensors(model_path).items():
+        if (
+            len(shape) == 2
+            and name.endswith(".weight")
+            and any(kw in name[: -len(".weight")] for kw in ignored_layer_kws)
+        ):
+            expert_module = re.match(r"^(.*\.experts)\.\d+\.", name)
+            ignored.add(expert_module.group(1) if expert_module else name[: -len(".weight")])
         m = _LAYER_RE.match(name)
         if not m or len(shape) != 2 or not name.endswith(".weight"):
             continue
@@ -297,6 +312,11 @@ def default_store_dir() -> Path:
     return Path(root) / "manifests"
 
 
+def content_digest(data: dict) -> str:
+    """sha256 of a stored manifest's JSON without its ``content_sha256`` field (detects edits and truncation)."""
+    return _sha(_canonical({k: v for k, v in data.items() if k != "content_sha256"}))
+
+
 @dataclasses.dataclass(frozen=True)
 class StoredManifest:
     """A manifest and where it came from this time."""
@@ -306,40 +326,93 @@ class StoredManifest:
     reused: bool
 
 
+@contextlib.contextmanager
+def _file_lock(path: Path) -> Iterator[None]:
+    """An exclusive advisory lock on ``path`` (created if missing), held for the ``with`` block."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with path.open("a") as handle:
+        fcntl.flock(handle.fileno(), fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(handle.fileno(), fcntl.LOCK_UN)
+
+
 class ManifestStore:
-    """JSON files of manifests, one per model, checked by fingerprint before reuse."""
+    """JSON files of manifests keyed by setup: one file per (model, quantization config, BF16 layers, vLLM).
+
+    The file name carries the setup's :attr:`Fingerprint.digest`, so setups of one model coexist and each
+    is reused. A stored file is trusted only when its fingerprint is the one asked for and its content
+    hash matches (an edited or truncated file is refused with a warning and asked again). Writes are
+    atomic (temporary file + rename) and asks are serialised per setup by a file lock, so processes asking
+    at once on an empty cache ask vLLM once and never see a partial file.
+    """
 
     def __init__(self, root: str | Path | None = None):
         self.root = Path(root) if root is not None else default_store_dir()
 
-    def path_for(self, model_path: str | Path) -> Path:
-        cfg_hash = model_config_hash(load_hf_config(model_path))[:16]
-        return self.root / f"{Path(model_path).resolve().name}-{cfg_hash}.json"
+    def _stem(self, model_path: str | Path) -> str:
+        return Path(model_path).resolve().name
+
+    def path_for(self, model_path: str | Path, fingerprint: Fingerprint | None = None) -> Path:
+        """The file of ``model_path`` under ``fingerprint``'s setup.
+
+        Without a fingerprint: the most recently stored manifest of the model (the setup-less name when none).
+        """
+        stem = self._stem(model_path)
+        if fingerprint is not None:
+            return self.root / f"{stem}-{fingerprint.digest}.json"
+        stored = sorted(self.root.glob(f"{glob.escape(stem)}-*.json"), key=lambda p: p.stat().st_mtime)
+        return stored[-1] if stored else self.root / f"{stem}.json"
 
     def load(self, model_path: str | Path, expected: Fingerprint) -> Manifest | None:
-        path = self.path_for(model_path)
+        """The stored manifest of this setup, or ``None`` (none stored, or a stored one is refused).
+
+        A refused file (not JSON, malformed, another schema, content hash or fingerprint not its own) is
+        logged as a warning; the caller asks vLLM again and the new answer replaces it.
+        """
+        path = self.path_for(model_path, expected)
         if not path.is_file():
             return None
         try:
+            return self._read(path, expected)
+        except ManifestError as exc:
+            logger.warning("%s -- refusing it and asking vLLM again", exc)
+            return None
+
+    def _read(self, path: Path, expected: Fingerprint) -> Manifest:
+        try:
             data = json.loads(path.read_text())
-        except json.JSONDecodeError as exc:
-            raise ManifestError(f"{path}: not valid JSON ({exc}); delete it or pass --refresh") from exc
+        except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+            raise ManifestError(f"stored FP8 manifest {path} is not valid JSON ({exc})") from exc
+        if not isinstance(data, dict):
+            raise ManifestError(f"stored FP8 manifest {path} is not a JSON object")
+        if data.get("content_sha256") != content_digest(data):
+            raise ManifestError(f"stored FP8 manifest {path} does not match its content hash (edited or truncated)")
         manifest = Manifest.from_json(data, where=str(path))
         diffs = manifest.fingerprint.differences(expected)
         if diffs:
             raise ManifestError(
-                f"stored FP8 manifest {path} was asked of vLLM under a different setup and will not be reused: "
-                + "; ".join(diffs)
-                + ". Ask vLLM again with --refresh (or ManifestStore.get_or_ask(..., refresh=True))."
+                f"stored FP8 manifest {path} does not carry the fingerprint of its name: " + "; ".join(diffs)
             )
         return manifest
 
     def save(self, model_path: str | Path, manifest: Manifest) -> Path:
-        path = self.path_for(model_path)
+        """Write ``manifest`` atomically to its setup's file (a reader sees the old file or the new one)."""
+        path = self.path_for(model_path, manifest.fingerprint)
         path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_suffix(f".tmp{os.getpid()}")
-        tmp.write_text(json.dumps(manifest.to_json(), indent=1))
-        tmp.replace(path)
+        data = manifest.to_json()
+        data["content_sha256"] = content_digest(data)
+        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+        try:
+            with os.fdopen(fd, "w") as handle:
+                handle.write(json.dumps(data, indent=1))
+                handle.flush()
+                os.fsync(handle.fileno())
+            os.replace(tmp, path)
+        except BaseException:
+            Path(tmp).unlink(missing_ok=True)
+            raise
         return path
 
     def get_or_ask(
@@ -394,19 +467,18 @@ class ManifestStore:
             num_first_layers_in_bf16=num_first_layers_in_bf16,
             num_last_layers_in_bf16=num_last_layers_in_bf16,
         )
-        if not refresh:
-            stored = self.load(model_path, expected)
-            if stored is not None:
-                logger.info(
-                    "reusing stored FP8 manifest %s (fingerprint %s)", self.path_for(model_path), expected.digest
-                )
-                return StoredManifest(stored, self.path_for(model_path), reused=True)
-        manifest = ask_vllm(
-            model_path,
-            quantization_config,
-            num_first_layers_in_bf16=num_first_layers_in_bf16,
-            num_last_layers_in_bf16=num_last_layers_in_bf16,
-            llm=llm,
-        )
-        path = self.save(model_path, manifest)
-        return StoredManifest(manifest, path, reused=False)
+        path = self.path_for(model_path, expected)
+        with _file_lock(path.with_name(f".{path.name}.lock")):  # one ask per setup, whoever comes first
+            if not refresh:
+                stored = self.load(model_path, expected)
+                if stored is not None:
+                    logger.info("reusing stored FP8 manifest %s (fingerprint %s)", path, expected.digest)
+                    return StoredManifest(stored, path, reused=True)
+            manifest = ask_vllm(
+                model_path,
+                quantization_config,
+                num_first_layers_in_bf16=num_first_layers_in_bf16,
+                num_last_layers_in_bf16=num_last_layers_in_bf16,
+                llm=llm,
+            )
+            return StoredManifest(manifest, self.save(model_path, manifest), reused=False)

@@ -90,7 +90,8 @@ class RefitRefusedError(RefitError):
 
     Attributes:
         version: the refit version.
-        outcome: ``"refused"`` (nothing applied) or ``"rolled_back"`` (applied, failed, restored).
+        outcome: ``"refused"`` (nothing applied), ``"rolled_back"`` (applied, failed, restored) or
+            ``"not_serving"`` (applied, failed, not restorable: the engine refuses to generate).
         reason: the receiver's reason, naming the tensor or check.
     """
 

@@ -180,6 +180,8 @@ REFIT_OUTCOMES: Final = MappingProxyType(
         "committed": "the engine serves the version and holds exactly what was sent",
         "refused": "nothing of the version was applied; the engine keeps its last good version",
         "rolled_back": "the version failed after its first write; the engine was restored to its last good version",
+        "not_serving": "the version failed after its first write and could not be restored: the engine refuses to "
+        "generate until a good version commits",
     }
 )
 """What a receiver reports back to the sender for each version (:class:`~megatron_fp8.errors.RefitRefusedError`)."""

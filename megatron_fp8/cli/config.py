@@ -1,9 +1,15 @@
-"""``megatron-fp8 config``: load, validate and print a run config.
+"""``megatron-fp8 config``: load, validate and print a run config, or explain every key.
 
 ``megatron-fp8 config [--config PATH] [dotted.key=value ...] [--json]`` prints
 the resolved config as YAML (or JSON), after the overrides, the model
-dimensions filled in and every validation rule passed. A bad config exits 1 with
-the error naming the dotted key and the fix.
+dimensions filled in and every validation rule passed. The file may be a NeMo-RL
+config as it is (``defaults:`` parents, interpolations, NeMo-RL's resolvers).
+
+``megatron-fp8 config --explain CONFIG [overrides] [--json]`` prints every key
+instead: its value, the file (parent) that set it, and its effect: where the value
+goes, or "no effect" and why. ``--json`` gives the full table.
+
+A bad config exits 1 with the error naming the file or dotted key and the fix.
 """
 
 from __future__ import annotations
@@ -11,19 +17,34 @@ from __future__ import annotations
 import argparse
 import json
 
-from megatron_fp8.config import load_config
+from megatron_fp8.config.explain import explain_rows, render_json, render_text
+from megatron_fp8.config.loader import load_config_report
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    """Register ``--config``, ``--json`` and the positional overrides."""
+    """Register ``--config``, ``--explain``, ``--json`` and the positional overrides."""
     parser.add_argument("--config", default=None, help="YAML file (default: the embedded tiny_cpu.yaml)")
-    parser.add_argument("--json", action="store_true", help="print JSON instead of YAML")
+    parser.add_argument(
+        "--explain",
+        default=None,
+        metavar="CONFIG",
+        help="explain every key of CONFIG: value, source file, effect (or 'no effect' and why)",
+    )
+    parser.add_argument("--json", action="store_true", help="print JSON instead of YAML (with --explain: the table)")
     parser.add_argument("overrides", nargs="*", metavar="KEY=VALUE", help="dotted overrides, e.g. grpo.num_steps=3")
 
 
 def run(args: argparse.Namespace) -> int:
-    """Print the resolved config; :class:`~megatron_fp8.errors.ConfigError` propagates (exit 1 via the CLI)."""
-    cfg = load_config(args.config, args.overrides)
+    """Print the resolved config or its explanation; a ``ConfigError`` propagates (exit 1 via the CLI)."""
+    if args.explain is not None and args.config is not None and args.explain != args.config:
+        parser_error = f"--config {args.config} and --explain {args.explain} name different files; give one"
+        raise SystemExit(f"megatron-fp8 config: {parser_error}")
+    loaded = load_config_report(args.explain or args.config, args.overrides)
+    cfg = loaded.config
+    if args.explain is not None:
+        rows = explain_rows(loaded)
+        print(render_json(loaded, rows) if args.json else render_text(loaded, rows), end="" if not args.json else "\n")
+        return 0
     if args.json:
         print(json.dumps(cfg.to_dict(), indent=2))
     else:

@@ -1,4 +1,9 @@
-"""``megatron-fp8 manifest``: the HF parameters vLLM holds in FP8, asked of vLLM once."""
+"""``megatron-fp8 manifest``: the HF parameters vLLM holds in FP8, asked of vLLM once per setup.
+
+Each setup (quantization config, BF16 layers, ignored-layer keywords, model config, vLLM version)
+is stored in its own file of the cache, so ``--num-first-layers-in-bf16 1`` after a plain run asks
+vLLM once for the new setup and both stay reusable.
+"""
 
 from __future__ import annotations
 
@@ -15,7 +20,8 @@ from megatron_fp8.vocab import FP8_DTYPE_NAME, SCALE_SUFFIX
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    """Register ``--model``, the BF16 layer counts, ``--quantize-router``, ``--refresh``, ``--store``, ``--json``."""
+    """Register ``--model``, the BF16 layer counts, ``--quantize-router``, ``--ignored-layer-kw``, ``--refresh``,
+    ``--store``, ``--json``."""
     parser.add_argument("--model", default="tiny", help="'tiny', 'tiny-moe' or an HF checkpoint folder")
     parser.add_argument("--num-first-layers-in-bf16", type=int, default=0, metavar="N")
     parser.add_argument("--num-last-layers-in-bf16", type=int, default=0, metavar="N")
@@ -23,6 +29,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--quantize-router",
         action="store_true",
         help="do not put the MoE router into ignored_layers (vLLM then holds it in FP8)",
+    )
+    parser.add_argument(
+        "--ignored-layer-kw",
+        action="append",
+        default=[],
+        metavar="KW",
+        help="keep every linear module whose name contains KW in BF16 (vllm_cfg.quantization_ignored_layer_kws)",
     )
     parser.add_argument("--refresh", action="store_true", help="ask vLLM again even if a matching manifest is stored")
     parser.add_argument("--store", default=None, help="folder of stored manifests (default: the cache folder)")
@@ -37,6 +50,7 @@ def run(args: argparse.Namespace) -> int:
         num_first_layers_in_bf16=args.num_first_layers_in_bf16,
         num_last_layers_in_bf16=args.num_last_layers_in_bf16,
         keep_router_bf16=not args.quantize_router,
+        ignored_layer_kws=tuple(args.ignored_layer_kw),
     )
     with stdout_to_stderr(args.json):
         stored = ManifestStore(args.store).get_or_ask(

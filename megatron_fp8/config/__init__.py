@@ -1,7 +1,12 @@
 """The run configuration: one typed schema, loaded from YAML with dotted overrides.
 
 ``load_config(None)`` gives the embedded default (``configs/tiny_cpu.yaml``,
-shipped as package data); NeMo-RL's FP8 key names load unchanged. See
+shipped as package data); NeMo-RL config files load as they are (``defaults:``
+parents, ``_override_``, interpolations and NeMo-RL's resolvers:
+:mod:`megatron_fp8.config.inheritance`), NeMo-RL keys megatron-fp8 does not
+implement are accepted with one "no effect" warning
+(:mod:`megatron_fp8.config.nemo_rl_keys`), and :mod:`megatron_fp8.config.explain`
+says what every key does. See
 :mod:`megatron_fp8.config.schema` for the layout and
 :mod:`megatron_fp8.config.validate` for the cross-field rules.
 """
@@ -10,10 +15,12 @@ from __future__ import annotations
 
 from megatron_fp8.config.loader import (
     DEFAULT_CONFIG_NAME,
+    LoadedConfig,
     build_dataclass,
     config_from_dict,
     default_config_text,
     load_config,
+    load_config_report,
 )
 from megatron_fp8.config.models import KNOWN_MODELS, ModelDims, known_dims, model_key
 from megatron_fp8.config.schema import (
@@ -42,6 +49,7 @@ __all__ = [
     "GRPOConfig",
     "GenerationConfig",
     "KVCacheConfig",
+    "LoadedConfig",
     "LoggingConfig",
     "LossConfig",
     "MegatronConfig",
@@ -59,6 +67,7 @@ __all__ = [
     "default_config_text",
     "known_dims",
     "load_config",
+    "load_config_report",
     "model_key",
     "tp_sizes_that_work",
     "validate_config",

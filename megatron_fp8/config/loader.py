@@ -1,13 +1,15 @@
 """Load a :class:`~megatron_fp8.config.schema.RunConfig` from YAML plus dotted overrides.
 
-The YAML is read with OmegaConf (interpolations resolve), the overrides
-(``policy.generation.vllm_cfg.precision=fp8``) are merged with
-``OmegaConf.from_dotlist``, and the result is converted into the frozen schema by
-a strict converter: unknown keys anywhere are rejected with a did-you-mean that
-names the full dotted path, type errors name the key and the expected type.
-Keys not given keep the schema defaults. Then the model dimensions are filled
-from :mod:`megatron_fp8.config.models` and the cross-field rules of
-:mod:`megatron_fp8.config.validate` run.
+The file is composed as NeMo-RL composes it (``defaults:`` parents, ``_override_``; see
+:mod:`megatron_fp8.config.inheritance`), the overrides
+(``policy.generation.vllm_cfg.precision=fp8``) are merged on top, then interpolations and
+NeMo-RL's resolvers resolve against the whole tree. The keys are then of three kinds:
+those the schema implements (converted strictly: type errors name the key and the
+expected type), NeMo-RL keys megatron-fp8 does not implement (dropped, listed once in a
+warning; :mod:`megatron_fp8.config.nemo_rl_keys`), and unknown keys (rejected with a
+did-you-mean that names the full dotted path). Keys not given keep the schema defaults.
+Then the model dimensions are filled from :mod:`megatron_fp8.config.models` and the
+cross-field rules of :mod:`megatron_fp8.config.validate` run.
 """
 
 from __future__ import annotations
@@ -18,14 +20,17 @@ import logging
 import types
 import typing
 from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 from importlib import resources
 from pathlib import Path
 from typing import Annotated, Literal, TypeVar
 
-from omegaconf import DictConfig, ListConfig, OmegaConf
+from omegaconf import OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
+from megatron_fp8.config.inheritance import ComposedTree, compose_file, compose_text, merge_trees, resolve
 from megatron_fp8.config.models import known_dims
+from megatron_fp8.config.nemo_rl_keys import known_keys
 from megatron_fp8.config.schema import JSONValue, OneOf, RunConfig
 from megatron_fp8.config.validate import validate_config
 from megatron_fp8.errors import ConfigError
@@ -111,6 +116,8 @@ def _convert(tp: object, value: object, path: str) -> object:
         (item,) = typing.get_args(tp)[:1]
         return tuple(_convert(item, v, f"{path}[{i}]") for i, v in enumerate(value))
     if origin is dict:
+        if value is None:  # NeMo-RL writes `env_vars: null` for "none"
+            return {}
         if not isinstance(value, dict):
             raise _type_error(path, tp, value)
         out: dict[str, str] = {}
@@ -162,6 +169,7 @@ def build_dataclass(cls: type[T], data: object, path: str = "") -> T:
     hints = typing.get_type_hints(cls, include_extras=True)
     names = [f.name for f in dataclasses.fields(cls)]
     aliases: dict[str, str] = getattr(cls, "ALIASES", {})
+    value_aliases: dict[str, dict[str, str]] = getattr(cls, "VALUE_ALIASES", {})
     kwargs: dict[str, object] = {}
     for key, value in data.items():
         key = str(key)
@@ -179,6 +187,9 @@ def build_dataclass(cls: type[T], data: object, path: str = "") -> T:
             )
         if name != key:
             logger.debug("config: %s is an alias of %s", full, name)
+        if isinstance(value, str) and value in value_aliases.get(name, {}):
+            logger.debug("config: %s: %r is an alias of %r", full, value, value_aliases[name][value])
+            value = value_aliases[name][value]
         kwargs[name] = _convert(hints[name], value, f"{path}.{name}" if path else name)
     return cls(**kwargs)
 
@@ -186,33 +197,26 @@ def build_dataclass(cls: type[T], data: object, path: str = "") -> T:
 # --------------------------------------------------------------------------- loading
 
 
-def _to_plain(node: DictConfig | ListConfig) -> dict[str, JSONValue]:
-    try:
-        plain = OmegaConf.to_container(node, resolve=True)
-    except OmegaConfBaseException as exc:
-        raise ConfigError(f"config interpolation failed: {exc}") from exc
-    return {str(k): v for k, v in plain.items()} if isinstance(plain, dict) else {}
+@dataclass(frozen=True)
+class LoadedConfig:
+    """A loaded config and how it was put together (what ``megatron-fp8 config --explain`` prints).
+
+    Attributes:
+        config: the frozen, validated run config.
+        no_effect: dotted path -> value of every key given that megatron-fp8 does not implement (the
+            top-most such path: a whole NeMo-RL section is one entry).
+        sources: dotted leaf path -> the file (or ``<override>``) that set it; keys not listed kept the
+            schema default.
+        files: every config file read, parents before children (empty for the embedded default).
+    """
+
+    config: RunConfig
+    no_effect: dict[str, JSONValue]
+    sources: dict[str, str]
+    files: tuple[Path, ...]
 
 
-def _merge(path: str | Path | None, overrides: Sequence[str]) -> dict[str, JSONValue]:
-    try:
-        if path is None:
-            base = OmegaConf.create(default_config_text())
-        else:
-            p = Path(path)
-            if not p.is_file():
-                raise ConfigError(f"config file {str(p)!r} not found; pass an existing YAML file or omit --config")
-            base = OmegaConf.load(p)
-    except OmegaConfBaseException as exc:
-        raise ConfigError(f"cannot parse config {str(path) if path else DEFAULT_CONFIG_NAME!r}: {exc}") from exc
-    except Exception as exc:  # yaml.YAMLError and friends
-        if isinstance(exc, ConfigError):
-            raise
-        raise ConfigError(f"cannot parse config {str(path) if path else DEFAULT_CONFIG_NAME!r}: {exc}") from exc
-    if base is None or not OmegaConf.is_dict(base):
-        if base is not None and not OmegaConf.is_dict(base):
-            raise ConfigError(f"config {str(path)!r} must be a YAML mapping at the top level")
-        base = OmegaConf.create({})
+def _parse_overrides(overrides: Sequence[str]) -> dict[str, JSONValue]:
     cleaned: list[str] = []
     for item in overrides:
         text = item.lstrip("+")
@@ -220,16 +224,26 @@ def _merge(path: str | Path | None, overrides: Sequence[str]) -> dict[str, JSONV
             raise ConfigError(f"override {item!r} is not of the form dotted.key=value (e.g. grpo.num_steps=3)")
         cleaned.append(text)
     try:
-        dotted = OmegaConf.from_dotlist(cleaned)
+        plain = OmegaConf.to_container(OmegaConf.from_dotlist(cleaned), resolve=False)
     except OmegaConfBaseException as exc:
         raise ConfigError(f"cannot parse overrides {list(overrides)}: {exc}") from exc
+    return {str(k): v for k, v in plain.items()} if isinstance(plain, dict) else {}
+
+
+def _compose(path: str | Path | None, overrides: Sequence[str]) -> tuple[dict[str, JSONValue], ComposedTree]:
+    """File (with its parents) + overrides, aliases renamed per source, then every interpolation resolved."""
+    tree = compose_file(path) if path is not None else compose_text(default_config_text(), where=DEFAULT_CONFIG_NAME)
+    renames: list[tuple[str, str]] = []
     # Aliases are renamed per source first, so an override spelled with an alias replaces the file's value.
-    base_plain = _canonicalize(_to_plain(base), RunConfig, "")
-    over_plain = _canonicalize(_to_plain(dotted), RunConfig, "")
-    try:
-        return _to_plain(OmegaConf.merge(OmegaConf.create(base_plain), OmegaConf.create(over_plain)))
-    except OmegaConfBaseException as exc:
-        raise ConfigError(f"cannot apply overrides {list(overrides)}: {exc}") from exc
+    base = _canonicalize(tree.data, RunConfig, "", renames)
+    sources = dict(tree.sources)
+    for old, new in renames:
+        for key in [k for k in sources if k == old or k.startswith(old + ".")]:
+            sources[new + key[len(old) :]] = sources.pop(key)
+    over = _canonicalize(_parse_overrides(overrides), RunConfig, "", [])
+    merged, merged_sources = merge_trees(base, sources, over, {})
+    composed = ComposedTree(data=merged, sources=merged_sources, files=tree.files)
+    return resolve(composed), composed
 
 
 def _section_type(tp: object) -> type | None:
@@ -243,26 +257,80 @@ def _section_type(tp: object) -> type | None:
     return None
 
 
-def _canonicalize(data: JSONValue, cls: type, path: str) -> JSONValue:
-    """Rename alias keys to their canonical names, recursively (unknown keys are left for the converter)."""
+def _canonicalize(data: JSONValue, cls: type, path: str, renames: list[tuple[str, str]]) -> JSONValue:
+    """Rename alias keys to their canonical names, recursively (unknown keys are left for the converter).
+
+    Each rename is appended to ``renames`` as ``(old dotted path, new dotted path)``.
+    """
     if not isinstance(data, dict):
         return data
     aliases: dict[str, str] = getattr(cls, "ALIASES", {})
+    prefix = f"{path}." if path else ""
     out: dict[str, JSONValue] = {}
     for key, value in data.items():
         name = aliases.get(str(key), str(key))
         if name in out:
-            prefix = f"{path}." if path else ""
             raise ConfigError(
                 f"'{prefix}{key}' and '{prefix}{name}' are the same setting (one is an alias); give only one"
             )
+        if name != key:
+            renames.append((prefix + str(key), prefix + name))
         out[name] = value
     hints = typing.get_type_hints(cls)
     for name, value in out.items():
         section = _section_type(hints[name]) if name in hints else None
         if section is not None:
-            out[name] = _canonicalize(value, section, f"{path}.{name}" if path else name)
+            out[name] = _canonicalize(value, section, prefix + name, renames)
     return out
+
+
+def partition_keys(data: Mapping[str, JSONValue], cls: type = RunConfig, path: str = "") -> tuple[dict, dict]:
+    """Split a config tree into the keys the schema implements and the known keys it does not.
+
+    Args:
+        data: a plain config tree (aliases already canonical).
+        cls: the schema dataclass of ``data``.
+        path: dotted path of ``data``.
+
+    Returns:
+        ``(implemented, no_effect)``: ``implemented`` is ``data`` without the known-but-unimplemented
+        keys (unknown keys stay in it, for the converter's did-you-mean); ``no_effect`` maps the dotted
+        path of each removed key to its value.
+    """
+    known = known_keys()
+    hints = typing.get_type_hints(cls)
+    prefix = f"{path}." if path else ""
+    implemented: dict[str, JSONValue] = {}
+    no_effect: dict[str, JSONValue] = {}
+    for key, value in data.items():
+        full = prefix + str(key)
+        if key in hints:
+            section = _section_type(hints[key])
+            if section is not None and isinstance(value, dict):
+                value, below = partition_keys(value, section, full)
+                no_effect.update(below)
+            implemented[key] = value
+        elif known.is_known(full):
+            no_effect[full] = value
+        else:
+            implemented[key] = value
+    return implemented, no_effect
+
+
+def no_effect_message(no_effect: Mapping[str, JSONValue]) -> str:
+    """The one warning listing the keys given that have no effect (grouped by section, 80-column friendly)."""
+    groups: dict[str, list[str]] = {}
+    for key in no_effect:
+        head, _, rest = key.rpartition(".")
+        groups.setdefault(head, []).append(rest)
+    parts = [
+        (f"{head}.{{{', '.join(names)}}}" if len(names) > 1 else f"{head}.{names[0]}") if head else ", ".join(names)
+        for head, names in groups.items()
+    ]
+    return (
+        f"no effect in megatron-fp8 ({len(no_effect)} NeMo-RL key(s) it does not implement; "
+        "`megatron-fp8 config --explain` says why): " + "; ".join(parts)
+    )
 
 
 def _reconcile_model_name(raw: dict[str, JSONValue]) -> None:
@@ -306,32 +374,62 @@ def _fill_model(cfg: RunConfig) -> RunConfig:
     return dataclasses.replace(cfg, model=dataclasses.replace(m, **updates))
 
 
-def config_from_dict(data: Mapping[str, JSONValue]) -> RunConfig:
-    """Build and validate a :class:`RunConfig` from a plain nested dict (e.g. :meth:`RunConfig.to_dict`).
-
-    Raises:
-        ConfigError: unknown keys, type errors, or a failed cross-field rule.
-    """
-    raw = dict(data)
+def _build(implemented: Mapping[str, JSONValue]) -> RunConfig:
+    raw = dict(implemented)
     _reconcile_model_name(raw)
     cfg = _fill_model(build_dataclass(RunConfig, raw))
     validate_config(cfg)
     return cfg
 
 
+def config_from_dict(data: Mapping[str, JSONValue]) -> RunConfig:
+    """Build and validate a :class:`RunConfig` from a plain nested dict (e.g. :meth:`RunConfig.to_dict`).
+
+    Known NeMo-RL keys megatron-fp8 does not implement are dropped with one warning.
+
+    Raises:
+        ConfigError: unknown keys, type errors, or a failed cross-field rule.
+    """
+    implemented, no_effect = partition_keys(_canonicalize(dict(data), RunConfig, "", []))
+    if no_effect:
+        logger.warning("%s", no_effect_message(no_effect))
+    return _build(implemented)
+
+
+def load_config_report(path: str | Path | None = None, overrides: Sequence[str] = ()) -> LoadedConfig:
+    """:func:`load_config`, also returning the no-effect keys and where each value came from.
+
+    Logs one warning listing the keys given that have no effect in megatron-fp8.
+
+    Raises:
+        ConfigError: as :func:`load_config`.
+    """
+    raw, composed = _compose(path, list(overrides))
+    implemented, no_effect = partition_keys(raw)
+    if no_effect:
+        logger.warning("%s", no_effect_message(no_effect))
+    return LoadedConfig(config=_build(implemented), no_effect=no_effect, sources=composed.sources, files=composed.files)
+
+
 def load_config(path: str | Path | None = None, overrides: Sequence[str] = ()) -> RunConfig:
     """Load, override, fill in and validate a run config.
+
+    The file may be a NeMo-RL config as it is: ``defaults:`` parents, ``_override_``, interpolations and
+    NeMo-RL's resolvers (:mod:`megatron_fp8.config.inheritance`). NeMo-RL keys megatron-fp8 does not
+    implement are accepted and listed once in a warning (:mod:`megatron_fp8.config.nemo_rl_keys`).
 
     Args:
         path: a YAML file; ``None`` loads the embedded default (``tiny_cpu.yaml``, package data).
         overrides: dotted ``key=value`` strings applied after the file (``grpo.num_steps=3``); values are
-            parsed as YAML scalars / flow lists (``grpo.arms=[bf16,fp8]``).
+            parsed as YAML scalars / flow lists (``grpo.arms=[bf16,fp8]``); interpolations in the file
+            see the overridden values.
 
     Returns:
         The frozen, validated :class:`RunConfig`.
 
     Raises:
-        ConfigError: missing or unparsable file, malformed override, unknown key (did-you-mean), type error,
-            or a failed cross-field rule; each message names the dotted key and the fix.
+        ConfigError: missing or unparsable file (line/column), missing parent, interpolation or resolver
+            failure, malformed override, unknown key (did-you-mean), type error, or a failed cross-field
+            rule; each message names the file or dotted key and the fix.
     """
-    return config_from_dict(_merge(path, list(overrides)))
+    return load_config_report(path, overrides).config

@@ -5,31 +5,36 @@ Layout (dotted paths)::
     model.{name_or_path, is_moe, num_layers, hidden_size, intermediate_size, num_attention_heads,
            num_key_value_heads, head_dim, moe_intermediate_size, num_experts}
     policy.model_name                                  (NeMo-RL spelling of model.name_or_path)
-    policy.megatron_cfg.{enabled, tensor_model_parallel_size, pipeline_model_parallel_size,
-                         context_parallel_size, expert_model_parallel_size, sequence_parallel}
+    policy.megatron_cfg.{enabled, tensor_model_parallel_size, pipeline_model_parallel_size}
     policy.megatron_cfg.fp8_cfg.{enabled, fp8, fp8_recipe, fp8_param,
                                  num_first_layers_in_bf16, num_last_layers_in_bf16}
-    policy.megatron_cfg.optimizer.{use_precision_aware_optimizer, clip_grad}
-    policy.megatron_cfg.env_vars.{NAME: value}
+    policy.megatron_cfg.optimizer.{clip_grad}
+    policy.megatron_cfg.env_vars.{NAME: value}                     (null = none)
     policy.generation.vllm_cfg.{precision, use_deep_gemm, gpu_memory_utilization,
                                 num_first_layers_in_bf16, num_last_layers_in_bf16,
                                 pow2_weight_scaling_factors, pow2_activation_scaling_factors,
-                                kv_cache_dtype, tensor_parallel_size, quantization_config}
+                                kv_cache_dtype, tensor_parallel_size, max_model_len,
+                                quantization_ignored_layer_kws, is_mx, quantization_config}
     loss_fn.{use_importance_sampling_correction, is_variant, is_cap, is_lower, is_upper,
              ratio_clip_min, ratio_clip_max, log_ratio_clamp}
     grpo.{num_steps, num_prompts_per_step, num_generations_per_prompt, max_new_tokens,
           temperature, learning_rate, seed, arms, task, task_max_digits, updates_per_step, warmup_steps,
           warm_start_steps, warm_start_learning_rate}
     rollout.{engine}
-    refit.{bucket_size_mb, transport, timeout_s, verify}
+    refit.{bucket_size_mb, timeout_s, verify}
     kv_cache.{percentile, margin}
-    logging.{level, log_every}
+    logging.{level}
     out_dir
+
+Every other NeMo-RL key is accepted with no effect (listed in a warning at load; the key set is data:
+``megatron_fp8/config/nemo_rl_keys.yaml``); a key in neither is rejected with a did-you-mean.
 
 Aliases (older or NeMo-RL spellings, accepted on input, never written out) are
 declared per section in ``ALIASES``: ``use_weight_pow2_scale`` ->
 ``pow2_weight_scaling_factors``, ``use_activation_pow2_scale`` ->
-``pow2_activation_scaling_factors``, ``grpo.max_num_steps`` -> ``grpo.num_steps``.
+``pow2_activation_scaling_factors``, ``grpo.max_num_steps`` -> ``grpo.num_steps``. Value aliases
+(NeMo-RL spellings of a value) are declared per section in ``VALUE_ALIASES``: ``vllm_cfg.precision:
+bfloat16`` -> ``bf16``, ``vllm_cfg.kv_cache_dtype: fp8_e4m3`` -> ``fp8``.
 """
 
 from __future__ import annotations
@@ -71,9 +76,6 @@ ISVariant = Annotated[str, OneOf(tuple(vocab.IS_VARIANTS))]
 
 RolloutEngine = Annotated[str, OneOf(tuple(vocab.ROLLOUT_ENGINES))]
 """Rollout engine, a key of :data:`megatron_fp8.vocab.ROLLOUT_ENGINES`."""
-
-Transport = Annotated[str, OneOf(tuple(vocab.TRANSPORTS))]
-"""Refit transport, a key of :data:`megatron_fp8.vocab.TRANSPORTS`."""
 
 
 @dataclass(frozen=True)
@@ -132,11 +134,9 @@ class OptimizerConfig:
     """``policy.megatron_cfg.optimizer``.
 
     Attributes:
-        use_precision_aware_optimizer: Megatron-Core's precision-aware optimizer (NeMo-RL key).
-        clip_grad: gradient-norm clip (L2).
+        clip_grad: gradient-norm clip (L2) of megatron-fp8's CPU Adam.
     """
 
-    use_precision_aware_optimizer: bool = False
     clip_grad: float = 1.0
 
 
@@ -148,20 +148,14 @@ class MegatronConfig:
         enabled: train through Megatron-Core.
         tensor_model_parallel_size: training TP.
         pipeline_model_parallel_size: training PP.
-        context_parallel_size: training CP.
-        expert_model_parallel_size: training EP.
-        sequence_parallel: Megatron sequence parallelism.
         fp8_cfg: FP8 training settings.
         optimizer: optimizer settings.
-        env_vars: environment variables set for the training workers (values as strings).
+        env_vars: environment variables set for the training workers (values as strings; ``null`` = none).
     """
 
     enabled: bool = True
     tensor_model_parallel_size: int = 1
     pipeline_model_parallel_size: int = 1
-    context_parallel_size: int = 1
-    expert_model_parallel_size: int = 1
-    sequence_parallel: bool = False
     fp8_cfg: FP8TrainConfig = field(default_factory=FP8TrainConfig)
     optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)
     env_vars: dict[str, str] = field(default_factory=dict)
@@ -203,6 +197,10 @@ class VllmConfig:
         pow2_activation_scaling_factors: round activation scales up to powers of 2.
         kv_cache_dtype: ``"auto"`` (model dtype) or ``"fp8"`` (needs ``precision: fp8``).
         tensor_parallel_size: rollout TP.
+        max_model_len: the engine's context length (tokens); ``None`` = the engine default.
+        quantization_ignored_layer_kws: substrings; every linear module whose name contains one is kept in
+            BF16 by vLLM (added to the quantization config's ``ignored_layers``, hence to the manifest).
+        is_mx: MXFP8 rollout (NeMo-RL, Blackwell only); refused: megatron-fp8's refit sends 128x128 blockwise.
         quantization_config: explicit vLLM quantization config; ``None`` = blockwise 128x128 dynamic.
     """
 
@@ -215,11 +213,18 @@ class VllmConfig:
     pow2_activation_scaling_factors: bool = False
     kv_cache_dtype: Literal["auto", "fp8"] = "auto"
     tensor_parallel_size: int = 1
+    max_model_len: int | None = None
+    quantization_ignored_layer_kws: tuple[str, ...] = ()
+    is_mx: bool = False
     quantization_config: QuantizationConfig | None = None
 
     ALIASES: ClassVar[dict[str, str]] = {
         "use_weight_pow2_scale": "pow2_weight_scaling_factors",
         "use_activation_pow2_scale": "pow2_activation_scaling_factors",
+    }
+    VALUE_ALIASES: ClassVar[dict[str, dict[str, str]]] = {
+        "precision": {"bfloat16": "bf16"},
+        "kv_cache_dtype": {"fp8_e4m3": "fp8"},
     }
 
 
@@ -340,13 +345,11 @@ class RefitConfig:
 
     Attributes:
         bucket_size_mb: transfer bucket size in MiB.
-        transport: a key of :data:`megatron_fp8.vocab.TRANSPORTS`.
         timeout_s: per-bucket peer timeout in seconds.
         verify: read back and compare after every refit.
     """
 
     bucket_size_mb: int = 512
-    transport: Transport = "inproc"
     timeout_s: float = 120.0
     verify: bool = True
 
@@ -370,11 +373,9 @@ class LoggingConfig:
 
     Attributes:
         level: Python logging level name.
-        log_every: log metrics every this many steps.
     """
 
     level: Literal["DEBUG", "INFO", "WARNING", "ERROR"] = "INFO"
-    log_every: int = 1
 
 
 @dataclass(frozen=True)

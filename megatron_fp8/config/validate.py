@@ -364,14 +364,40 @@ def bf16_layer_rules(cfg: RunConfig) -> list[str]:
 
 
 def training_parallelism_rules(cfg: RunConfig) -> list[str]:
-    """Training TP, PP, CP and EP are >= 1."""
-    keys = (
-        "tensor_model_parallel_size",
-        "pipeline_model_parallel_size",
-        "context_parallel_size",
-        "expert_model_parallel_size",
-    )
-    return _at_least("policy.megatron_cfg", cfg.policy.megatron_cfg, keys, 1)
+    """Training through Megatron-Core (``enabled``); TP and PP are >= 1."""
+    keys = ("tensor_model_parallel_size", "pipeline_model_parallel_size")
+    problems = _at_least("policy.megatron_cfg", cfg.policy.megatron_cfg, keys, 1)
+    if not cfg.policy.megatron_cfg.enabled:
+        problems.append(
+            "policy.megatron_cfg.enabled: false selects NeMo-RL's DTensor trainer, which megatron-fp8 does not have "
+            "(it always trains through Megatron-Core); set policy.megatron_cfg.enabled: true"
+        )
+    return problems
+
+
+def mxfp8_rules(cfg: RunConfig) -> list[str]:
+    """``vllm_cfg.is_mx`` (NeMo-RL's MXFP8 rollout) is refused: it needs Blackwell, and the refit is blockwise."""
+    vllm = cfg.policy.generation.vllm_cfg
+    if not vllm.is_mx:
+        return []
+    return [
+        f"{_VLLM}.is_mx: true asks for an MXFP8 rollout, which needs a Blackwell GPU (compute capability 10.x; "
+        "Hopper has no MXFP8 tensor cores) and is not implemented by megatron-fp8, whose refit sends 128x128 "
+        f"blockwise FP8; set {_VLLM}.is_mx: false (blockwise FP8 rollout, runs on Hopper and Blackwell)"
+    ]
+
+
+def vllm_engine_rules(cfg: RunConfig) -> list[str]:
+    """``vllm_cfg.max_model_len`` >= 1 when given; layer keywords non-empty."""
+    vllm = cfg.policy.generation.vllm_cfg
+    problems: list[str] = []
+    if vllm.max_model_len is not None and vllm.max_model_len < 1:
+        problems.append(
+            f"{_VLLM}.max_model_len must be >= 1 (or null for the engine default), got {vllm.max_model_len}"
+        )
+    if any(not kw for kw in vllm.quantization_ignored_layer_kws):
+        problems.append(f"{_VLLM}.quantization_ignored_layer_kws has an empty keyword (it would match every layer)")
+    return problems
 
 
 def loss_rules(cfg: RunConfig) -> list[str]:
@@ -440,11 +466,6 @@ def refit_rules(cfg: RunConfig) -> list[str]:
     return problems
 
 
-def logging_rules(cfg: RunConfig) -> list[str]:
-    """``logging``: log at least every step."""
-    return _at_least("logging", cfg.logging, ("log_every",), 1)
-
-
 RULES: tuple[Rule, ...] = (
     quantization_config_rules,
     generation_rules,
@@ -453,10 +474,11 @@ RULES: tuple[Rule, ...] = (
     fp8_training_rules,
     bf16_layer_rules,
     training_parallelism_rules,
+    mxfp8_rules,
+    vllm_engine_rules,
     loss_rules,
     grpo_rules,
     refit_rules,
-    logging_rules,
 )
 """Every cross-field rule, run in this order by :func:`validate_config`."""
 

@@ -187,6 +187,7 @@ def build_megatron_model(
     dtype: torch.dtype | str = torch.bfloat16,
     check_capability: bool = True,
     configure: Callable[[GPTModelProvider], None] | None = None,
+    fp8_format: str | None = None,
 ) -> MegatronModel:
     """Build a Megatron-Core model from a Hugging Face checkpoint and load its weights.
 
@@ -203,6 +204,8 @@ def build_megatron_model(
         check_capability: check the recipe against this machine (see :mod:`megatron_fp8.recipes`).
         configure: optional callback run on the provider after every other setting and before
             the model is created (e.g. to change ``moe_aux_loss_coeff``).
+        fp8_format: the FP8 format of an FP8 recipe (``"e4m3"`` or ``"hybrid"``; config key
+            ``policy.megatron_cfg.fp8_cfg.fp8``); ``None`` = the recipe's own.
 
     Returns:
         The :class:`MegatronModel`.
@@ -235,6 +238,7 @@ def build_megatron_model(
         recipe,
         num_first_layers_in_bf16=num_first_layers_in_bf16,
         num_last_layers_in_bf16=num_last_layers_in_bf16,
+        fp8_format=fp8_format,
         check_capability=check_capability,
     )
     if application.math in _RECIPES_BUILT_WITH_FP8_FIELDS:

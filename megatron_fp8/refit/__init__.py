@@ -3,8 +3,10 @@
 ``stream of (hf_name, tensor)`` -> :func:`pack_buckets` (single pass, bounded
 memory, validated) -> :class:`Transport` (``inproc`` / ``gloo`` / ``nccl`` /
 ``cuda_ipc``, every wait with a deadline) -> :class:`RefitReceiver` (stages a
-whole version, then ``begin`` / ``stage`` / ``commit`` on a
-:class:`RefitApplier`, or ``abort`` on any failure).
+whole version, commits only the exact set the version's trailer announces:
+``begin`` / ``stage`` / ``commit`` on a :class:`RefitApplier`, or ``abort`` on
+any failure) -> a :class:`RefitOutcome` back to :meth:`RefitSender.send`, which
+raises :class:`~megatron_fp8.errors.RefitRefusedError` unless every receiver committed.
 
 Modules: :mod:`.wire` (bucket format, dtype names, versions), :mod:`.checksum`,
 :mod:`.finite` (NaN/Inf refusal), :mod:`.buckets` (packer), :mod:`.transport`
@@ -26,7 +28,7 @@ from megatron_fp8.refit.transport import (
     Transport,
     make_transport,
 )
-from megatron_fp8.refit.wire import ALIGN, DTYPES, Bucket, RefitVersion, TensorMeta
+from megatron_fp8.refit.wire import ALIGN, DTYPES, Bucket, RefitOutcome, RefitVersion, TensorMeta, VersionTrailer
 from megatron_fp8.vocab import TRANSPORTS
 
 __all__ = [
@@ -42,6 +44,7 @@ __all__ = [
     "InProcTransport",
     "ReceiveReport",
     "RefitApplier",
+    "RefitOutcome",
     "RefitReceiver",
     "RefitSender",
     "RefitVersion",
@@ -49,6 +52,7 @@ __all__ = [
     "TensorMeta",
     "TorchDistTransport",
     "Transport",
+    "VersionTrailer",
     "check_finite",
     "default_bucket_bytes",
     "make_transport",

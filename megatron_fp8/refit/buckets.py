@@ -71,6 +71,7 @@ __all__ = [
     "payload_checksum",
     "torch_dtype",
     "unpack_bucket",
+    "verify_bucket_checksum",
 ]
 
 MiB = 1 << 20
@@ -237,6 +238,23 @@ def pack_buckets(
     yield current.finish(trailer=trailer)
 
 
+def verify_bucket_checksum(bucket: Bucket) -> None:
+    """Recompute a bucket's checksum (payload, header, metadata, trailer) and compare it with the sender's.
+
+    Raises:
+        RefitError: naming the bucket: the payload, a metadata record or the header was changed in transit.
+    """
+    if not isinstance(bucket.payload, torch.Tensor) or bucket.payload.dtype != torch.uint8 or bucket.payload.dim() != 1:
+        raise RefitError(f"{bucket.describe()}: payload must be a 1-D uint8 tensor")
+    got = checksum_of(bucket)
+    if got != bucket.checksum:
+        raise RefitError(
+            f"{bucket.describe()}: checksum mismatch over the header, {len(bucket.metas)} metadata record(s) and "
+            f"{bucket.nbytes} payload bytes (sender {bucket.checksum}, received {got}); the payload, a tensor's "
+            "name/shape/offset or the header (is_last, index) was corrupted or truncated in transit"
+        )
+
+
 def unpack_bucket(
     bucket: Bucket, *, expected_version: int | None = None, verify_checksum: bool = True
 ) -> list[tuple[str, torch.Tensor]]:
@@ -268,13 +286,7 @@ def unpack_bucket(
         raise RefitError(f"{where}: payload must be a 1-D uint8 tensor")
     size = payload.numel()
     if verify_checksum:
-        got = checksum_of(bucket)
-        if got != bucket.checksum:
-            raise RefitError(
-                f"{where}: checksum mismatch over the header, {len(bucket.metas)} metadata record(s) and {size} "
-                f"payload bytes (sender {bucket.checksum}, received {got}); the payload, a tensor's name/shape/"
-                "offset or the header (is_last, index) was corrupted or truncated in transit"
-            )
+        verify_bucket_checksum(bucket)
     if bucket.is_last != (bucket.trailer is not None):
         raise RefitError(
             f"{where}: is_last={bucket.is_last} but the bucket {'lacks' if bucket.is_last else 'carries'} the "

@@ -1,37 +1,62 @@
-"""Engine side of a refit: stage every bucket of a version, then apply it atomically.
+"""Engine side of a refit: stage every bucket of a version, check it is exactly the announced set, apply it.
 
 :class:`RefitReceiver` collects all buckets of one version into a staging
-area, validating each (version, order, checksum, offsets). Only when the last
-bucket arrived and validated does it drive the two-phase :class:`RefitApplier`:
-``begin`` (validate every name/shape/dtype against the engine), ``stage`` each
-tensor, ``commit``. Any failure calls ``abort`` and raises
+area, validating each (version, stream, order, checksum over payload *and*
+header and metadata, offsets). Only when the last bucket arrived, and the set
+received equals the set its trailer announces (names, shapes, dtypes, byte
+counts and the digest over every ``(bucket index, name, shape, dtype, offset,
+nbytes)``), does it drive the two-phase :class:`RefitApplier`: ``begin``,
+``stage`` each tensor, ``commit``. Any failure calls ``abort`` and raises
 :class:`~megatron_fp8.errors.RefitError`; the engine keeps its last good
-version. Buckets of an abandoned version still in the transport are drained
-and dropped by the next :meth:`RefitReceiver.receive`.
+version.
+
+When a version fails before its last bucket (a corrupt or missing bucket, a
+stale version, another sending interleaved), the receiver keeps reading that
+version's remaining buckets without staging them, up to its last bucket (an
+``is_last`` flag is trusted only on a bucket whose checksum holds), so the wire
+stays in step and the report can name what was missing or extra. Then, after
+every version it saw, it sends a :class:`~megatron_fp8.refit.wire.RefitOutcome`
+back to the sender (``committed`` / ``refused`` / ``rolled_back`` / ``not_serving`` with the
+reason), except when the sender itself aborted the version or is gone.
+
+Calls to :meth:`RefitReceiver.receive` are serialized: a second concurrent call
+waits for the first (within its own first-bucket deadline) or is refused.
 
 Memory: the staging area holds one full version of received payload (the
-price of atomicity); appliers receive zero-copy views of it.
+price of atomicity); appliers receive zero-copy views of it. The announced set
+costs ~100 bytes per tensor of the version.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import logging
+import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
 
 import torch
 
-from megatron_fp8.errors import RefitAbortedError, RefitError, TransportClosedError
+from megatron_fp8.errors import (
+    EngineNotServingError,
+    RefitAbortedError,
+    RefitError,
+    RefitRolledBackError,
+    TransportClosedError,
+    TransportTimeoutError,
+)
 from megatron_fp8.refit.applier import CallableApplier, RefitApplier
-from megatron_fp8.refit.buckets import unpack_bucket
+from megatron_fp8.refit.buckets import unpack_bucket, verify_bucket_checksum
 from megatron_fp8.refit.transport.base import Transport
-from megatron_fp8.refit.wire import RefitVersion, TensorMeta
+from megatron_fp8.refit.wire import Bucket, RefitOutcome, RefitVersion, TensorMeta, VersionDigest, VersionTrailer
 
 logger = logging.getLogger(__name__)
 
+_SHOW = 5
+"""Names shown in a message about missing or extra tensors."""
 
-@dataclass(frozen=True)
+
+@dataclasses.dataclass(frozen=True)
 class ReceiveReport:
     """What one :meth:`RefitReceiver.receive` applied.
 
@@ -42,6 +67,7 @@ class ReceiveReport:
         payload_bytes: tensor bytes received (no padding).
         seconds: wall time from the first bucket's arrival to the end of commit.
         discarded_buckets: stale buckets of earlier abandoned versions dropped first.
+        outcome_delivered: the sender took the ``committed`` outcome (``False``: it is gone or stopped waiting).
     """
 
     version: int
@@ -50,10 +76,141 @@ class ReceiveReport:
     payload_bytes: int
     seconds: float
     discarded_buckets: int = 0
+    outcome_delivered: bool = True
+
+
+def _names(names: list[str]) -> str:
+    return f"{names[:_SHOW]}{' ...' if len(names) > _SHOW else ''}"
+
+
+def trailer_mismatch(
+    version: int, trailer: VersionTrailer, received: dict[str, TensorMeta], digest: str, *, buckets: int
+) -> str | None:
+    """Compare what arrived with what the version's trailer announced; ``None`` when they are the same.
+
+    Args:
+        version: the refit version, for the message.
+        trailer: the announced set.
+        received: name -> metadata of every tensor that arrived in a bucket whose checksum holds.
+        digest: :class:`VersionDigest` of what arrived.
+        buckets: buckets that arrived, for the message.
+
+    Returns:
+        The reason naming the counts and the first missing / extra / differing tensors, or ``None``.
+    """
+    announced = {t.name: t for t in trailer.tensors}
+    missing = [t.name for t in trailer.tensors if t.name not in received]
+    extra = [n for n in received if n not in announced]
+    if missing or extra:
+        return (
+            f"refit version {version} is not the announced set: the sender announced {trailer.num_tensors} "
+            f"tensor(s), {len(received)} arrived in {buckets} bucket(s); {len(missing)} missing {_names(missing)}, "
+            f"{len(extra)} extra {_names(extra)}. Buckets were lost or the stream was cut or mixed with another "
+            "sender's; nothing was applied (check the transport and that one sender feeds this receiver)"
+        )
+    for t in trailer.tensors:
+        got = received[t.name]
+        if (got.shape, got.dtype, got.nbytes) != (t.shape, t.dtype, t.nbytes):
+            return (
+                f"refit version {version}, tensor {t.name!r}: arrived as {got.shape} {got.dtype}, {got.nbytes} bytes, "
+                f"but the version announced {t.describe()}; its metadata was altered in transit"
+            )
+    if digest != trailer.digest:
+        return (
+            f"refit version {version}: the digest over every (bucket index, name, shape, dtype, offset, nbytes) "
+            f"differs from the announced one ({digest} != {trailer.digest}); tensors were reordered or moved "
+            "between buckets in transit; nothing was applied"
+        )
+    return None
+
+
+class _Version:
+    """The version being received: what arrived, staged, and the first failure."""
+
+    def __init__(self, bucket: Bucket, *, verify_checksum: bool):
+        self.version = bucket.version
+        self.stream_id = bucket.stream_id
+        self.verify_checksum = verify_checksum
+        self.start = time.perf_counter()
+        self.expected_index = 0
+        self.num_buckets = 0
+        self.staged: list[tuple[str, torch.Tensor]] = []
+        self.metas: list[TensorMeta] = []
+        self.received: dict[str, TensorMeta] = {}
+        self.digest = VersionDigest()
+        self.payload_bytes = 0
+        self.trailer: VersionTrailer | None = None
+        self.error: BaseException | None = None
+        self.ended = False  # a trusted last bucket arrived
+
+    @property
+    def key(self) -> tuple[int, int]:
+        return self.version, self.stream_id
+
+    def fail(self, error: BaseException) -> None:
+        """Record the first failure; from now on buckets are read (to stay in step) but not staged."""
+        if self.error is None:
+            self.error = error
+            self.staged.clear()
+
+    def take(self, bucket: Bucket) -> None:
+        """Account for one bucket of this version (validate and stage it, or just read it after a failure)."""
+        self.num_buckets += 1
+        trusted = True
+        if bucket.index != self.expected_index:
+            self.fail(
+                RefitError(
+                    f"bucket {bucket.index} of version {self.version} arrived, expected bucket {self.expected_index}; "
+                    "buckets were lost or reordered"
+                )
+            )
+        self.expected_index = bucket.index + 1
+        if self.verify_checksum:
+            try:
+                verify_bucket_checksum(bucket)
+            except RefitError as exc:
+                trusted = False
+                self.fail(exc)
+        if trusted:
+            for meta in bucket.metas:
+                self.digest.add(bucket.index, meta)
+                if meta.name in self.received:
+                    self.fail(
+                        RefitError(
+                            f"bucket {bucket.index} of version {self.version}, tensor {meta.name!r}: sent twice in "
+                            "one version"
+                        )
+                    )
+                self.received[meta.name] = meta
+            if bucket.is_last:
+                self.ended = True
+                self.trailer = bucket.trailer
+        if self.error is None:
+            try:
+                pairs = unpack_bucket(bucket, expected_version=self.version, verify_checksum=False)
+            except RefitError as exc:
+                self.fail(exc)
+            else:
+                self.staged.extend(pairs)
+                self.metas.extend(bucket.metas)
+                self.payload_bytes += bucket.tensor_bytes
+
+    def wire_error(self) -> BaseException | None:
+        """The first failure, with the announced-set comparison added when the trailer arrived; else ``None``."""
+        mismatch = None
+        if self.trailer is not None:
+            mismatch = trailer_mismatch(
+                self.version, self.trailer, self.received, self.digest.hexdigest(), buckets=self.num_buckets
+            )
+        if self.error is None:
+            return RefitError(mismatch) if mismatch else None
+        if mismatch is None or type(self.error) is not RefitError:
+            return self.error
+        return RefitError(f"{self.error}; and: {mismatch}")
 
 
 class RefitReceiver:
-    """Receive whole refit versions and apply each atomically.
+    """Receive whole refit versions, apply each atomically, and tell the sender what became of it.
 
     Args:
         transport: the receiving end.
@@ -61,6 +218,7 @@ class RefitReceiver:
         timeout: deadline for each bucket after the first, seconds (default: the transport's).
         verify_checksum: recompute each bucket's checksum.
         versions: version counter (default: a fresh one from 0); versions must strictly increase.
+        outcome_timeout: deadline for handing the outcome to the sender, seconds (default: the transport's).
     """
 
     def __init__(
@@ -71,28 +229,31 @@ class RefitReceiver:
         timeout: float | None = None,
         verify_checksum: bool = True,
         versions: RefitVersion | None = None,
+        outcome_timeout: float | None = None,
     ):
         self.transport = transport
         self.applier: RefitApplier = apply if isinstance(apply, RefitApplier) else CallableApplier(apply)
         self.timeout = timeout
         self.verify_checksum = verify_checksum
         self.versions = versions if versions is not None else RefitVersion()
-        self._abandoned: set[int] = set()
+        self.outcome_timeout = outcome_timeout
+        self._abandoned: set[tuple[int, int]] = set()  # (version, stream_id) of versions given up
+        self._aborted: set[int] = set()  # versions the sender aborted (an abort carries no stream id)
+        self._pushed_back: Bucket | None = None  # a bucket of another sending read while draining
+        self._lock = threading.Lock()
 
     @property
     def version(self) -> int:
         """The last committed version (the counter's start before any)."""
         return self.versions.last
 
-    def _is_stale(self, version: int) -> bool:
-        return version in self._abandoned or version <= self.versions.last
-
     def receive(self, *, timeout: float | None = None, first_timeout: float | None = None) -> ReceiveReport:
-        """Receive, validate and apply the next complete version.
+        """Receive, validate and apply the next complete version, then report the outcome to the sender.
 
         Args:
             timeout: deadline per bucket after the first, seconds (default: the receiver's).
-            first_timeout: deadline for the first bucket, e.g. the length of a train step (default: ``timeout``).
+            first_timeout: deadline for the first bucket, e.g. the length of a train step (default: ``timeout``);
+                a concurrent ``receive()`` waits for this one within it.
 
         Returns:
             A :class:`ReceiveReport` for the committed version.
@@ -101,95 +262,143 @@ class RefitReceiver:
             TransportTimeoutError: the sender died or stalled; nothing applied.
             RefitAbortedError: the sender abandoned the version; nothing applied.
             TransportClosedError: the sender closed the transport (between versions).
-            RefitError: a corrupt or inconsistent bucket, a stale version, or an applier
-                refusal; nothing applied.
+            RefitRolledBackError: the applier failed after its first write and restored the last good version.
+            RefitError: a corrupt, incomplete or inconsistent version, a stale version, another
+                ``receive()`` still running after ``first_timeout``, or an applier refusal; nothing applied.
         """
         per_bucket = timeout if timeout is not None else self.timeout
         wait = first_timeout if first_timeout is not None else per_bucket
-        version: int | None = None
-        expected_index = 0
-        staged: list[tuple[str, torch.Tensor]] = []
-        metas: list[TensorMeta] = []
-        names: set[str] = set()
-        discarded = 0
-        payload_bytes = 0
-        start = 0.0
+        lock_wait = wait if wait is not None else self.transport.timeout
+        if not self._lock.acquire(timeout=lock_wait):
+            raise RefitError(
+                f"another receive() is in progress on this receiver and did not finish within {lock_wait:.3g}s; "
+                "call receive() from one thread at a time"
+            )
         try:
-            while True:
-                try:
-                    bucket = self.transport.recv(timeout=wait)
-                except RefitAbortedError as exc:
-                    if version is None and exc.version is not None and self._is_stale(exc.version):
-                        logger.info("dropping the abort of already abandoned refit version %d", exc.version)
-                        continue
-                    if version is None and exc.version is not None:
-                        version = exc.version  # abandoned before its first bucket
-                    raise
-                if version is None:
-                    if self._is_stale(bucket.version):
-                        if bucket.version not in self._abandoned:
-                            self._abandoned.add(bucket.version)
-                            raise RefitError(
-                                f"bucket {bucket.index} of version {bucket.version}: version is not newer than the "
-                                f"applied version {self.versions.last}; versions must strictly increase"
-                            )
-                        discarded += 1
-                        logger.info("dropping stale %s of an abandoned refit", bucket.describe())
-                        continue
-                    version = bucket.version
-                    start = time.perf_counter()
-                if bucket.version != version:
-                    raise RefitError(
-                        f"bucket {bucket.index} of version {bucket.version} arrived while version {version} was "
-                        f"incomplete (next expected: bucket {expected_index}); the stream mixes versions"
-                    )
-                if bucket.index != expected_index:
-                    raise RefitError(
-                        f"bucket {bucket.index} of version {version} arrived, expected bucket {expected_index}; "
-                        "buckets were lost or reordered"
-                    )
-                pairs = unpack_bucket(bucket, expected_version=version, verify_checksum=self.verify_checksum)
-                for name, _ in pairs:
-                    if name in names:
-                        raise RefitError(
-                            f"bucket {bucket.index} of version {version}, tensor {name!r}: sent twice in one version"
-                        )
-                    names.add(name)
-                staged.extend(pairs)
-                metas.extend(bucket.metas)
-                payload_bytes += bucket.tensor_bytes
-                expected_index += 1
-                wait = per_bucket
-                if bucket.is_last:
-                    break
-            self.applier.begin(version, metas)
-            for name, tensor in staged:
-                self.applier.stage(name, tensor)
-            self.applier.commit(version)
-        except TransportClosedError:
-            if version is not None:
-                self._fail(version, "the sender closed the transport mid-version")
-            raise
-        except Exception as exc:
-            if version is not None:
-                self._fail(version, f"{type(exc).__name__}: {exc}")
-            if isinstance(exc, RefitError):
-                raise
-            raise RefitError(f"refit version {version} failed: {type(exc).__name__}: {exc}") from exc
-        self.versions.observe(version, what="refit receiver")
-        report = ReceiveReport(
-            version=version,
-            num_tensors=len(staged),
-            num_buckets=expected_index,
-            payload_bytes=payload_bytes,
-            seconds=time.perf_counter() - start,
-            discarded_buckets=discarded,
+            return self._receive(per_bucket, wait)
+        finally:
+            self._lock.release()
+
+    def _is_stale(self, version: int) -> bool:
+        return (
+            version <= self.versions.last or version in self._aborted or any(v == version for v, _ in self._abandoned)
         )
-        logger.debug("refit v%d applied: %d tensors from %d buckets", version, report.num_tensors, report.num_buckets)
+
+    def _next_bucket(self, wait: float | None) -> Bucket:
+        if self._pushed_back is not None:
+            bucket, self._pushed_back = self._pushed_back, None
+            return bucket
+        return self.transport.recv(timeout=wait)
+
+    def _receive(self, per_bucket: float | None, wait: float | None) -> ReceiveReport:
+        cur: _Version | None = None
+        discarded = 0
+        while cur is None or not cur.ended:
+            try:
+                bucket = self._next_bucket(wait)
+            except RefitAbortedError as exc:
+                version = exc.version
+                if cur is None or (version is not None and version != cur.version):
+                    if version is not None and self._is_stale(version):
+                        logger.info("dropping the abort of already abandoned refit version %d", version)
+                        continue
+                    if cur is not None:
+                        logger.warning(
+                            "ignoring the abort of refit version %d while receiving %d", version, cur.version
+                        )
+                        continue
+                    if version is not None:  # abandoned before its first bucket
+                        self._aborted.add(version)
+                        self._fail(version, None, str(exc))
+                    raise
+                self._aborted.add(cur.version)
+                self._fail(cur.version, cur.stream_id, str(exc))
+                raise
+            except (TransportTimeoutError, TransportClosedError, RefitError) as exc:
+                if cur is None:
+                    raise
+                if cur.error is not None and isinstance(exc, TransportTimeoutError):
+                    break  # the rest of an already refused version never came: refuse it now
+                self._fail(cur.version, cur.stream_id, f"{type(exc).__name__}: {exc}")
+                raise
+            key = (bucket.version, bucket.stream_id)
+            if key in self._abandoned:
+                discarded += 1
+                logger.info("dropping stale %s of an abandoned refit", bucket.describe())
+                continue
+            if cur is None:
+                cur = _Version(bucket, verify_checksum=self.verify_checksum)
+                if bucket.version <= self.versions.last:
+                    cur.fail(
+                        RefitError(
+                            f"bucket {bucket.index} of version {bucket.version}: version is not newer than the "
+                            f"applied version {self.versions.last}; versions must strictly increase (a replayed or "
+                            "stale version, or a second sender on this receiver)"
+                        )
+                    )
+            elif key != cur.key:
+                cur.fail(
+                    RefitError(
+                        f"bucket {bucket.index} of version {bucket.version} (another sending) arrived while version "
+                        f"{cur.version} was incomplete (next expected: bucket {cur.expected_index}); the stream mixes "
+                        "versions: two senders on one transport, or a stale bucket"
+                    )
+                )
+                self._pushed_back = bucket  # it starts the next receive()
+                break
+            cur.take(bucket)
+            wait = per_bucket
+        assert cur is not None
+        return self._finish(cur, discarded)
+
+    def _finish(self, cur: _Version, discarded: int) -> ReceiveReport:
+        error = cur.wire_error()
+        status = "refused"
+        if error is None:
+            try:
+                self.applier.begin(cur.version, cur.metas)
+                for name, tensor in cur.staged:
+                    self.applier.stage(name, tensor)
+                self.applier.commit(cur.version)
+            except RefitRolledBackError as exc:
+                error, status = exc, "rolled_back"
+            except EngineNotServingError as exc:
+                error, status = exc, "not_serving"
+            except Exception as exc:
+                error = exc
+        if error is not None:
+            reason = f"{type(error).__name__}: {error}"
+            self._fail(cur.version, cur.stream_id, reason)
+            self._report(RefitOutcome(cur.version, status, reason, stream_id=cur.stream_id))
+            if isinstance(error, RefitError):
+                raise error
+            raise RefitError(f"refit version {cur.version} failed: {reason}") from error
+        self.versions.observe(cur.version, what="refit receiver")
+        delivered = self._report(RefitOutcome(cur.version, "committed", stream_id=cur.stream_id))
+        report = ReceiveReport(
+            version=cur.version,
+            num_tensors=len(cur.staged),
+            num_buckets=cur.num_buckets,
+            payload_bytes=cur.payload_bytes,
+            seconds=time.perf_counter() - cur.start,
+            discarded_buckets=discarded,
+            outcome_delivered=delivered,
+        )
+        logger.debug("refit v%d applied: %d tensors from %d buckets", cur.version, report.num_tensors, cur.num_buckets)
         return report
 
-    def _fail(self, version: int, reason: str) -> None:
-        self._abandoned.add(version)
+    def _report(self, outcome: RefitOutcome) -> bool:
+        """Send ``outcome`` to the sender; ``False`` (logged) when it could not be delivered."""
+        try:
+            self.transport.send_outcome(outcome, timeout=self.outcome_timeout)
+        except RefitError as exc:
+            logger.warning("refit v%d: the sender was not told %r (%s)", outcome.version, outcome.status, exc)
+            return False
+        return True
+
+    def _fail(self, version: int, stream_id: int | None, reason: str) -> None:
+        if stream_id is not None:
+            self._abandoned.add((version, stream_id))
         logger.warning("refit version %d abandoned, engine keeps version %d: %s", version, self.versions.last, reason)
         try:
             self.applier.abort(version, reason)

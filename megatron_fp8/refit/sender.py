@@ -1,8 +1,16 @@
-"""Trainer side of a refit: pack a weight stream into buckets and push them through a transport."""
+"""Trainer side of a refit: pack a weight stream into buckets, push them through a transport, and learn the outcome.
+
+:meth:`RefitSender.send` returns only when every receiver reported that it
+committed the version; it raises :class:`~megatron_fp8.errors.RefitRefusedError`
+when one refused it or rolled back, and
+:class:`~megatron_fp8.errors.TransportTimeoutError` when one sent no outcome
+within the deadline (it died or stalled before applying).
+"""
 
 from __future__ import annotations
 
 import logging
+import secrets
 import time
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
@@ -10,10 +18,10 @@ from types import MappingProxyType
 
 import torch
 
-from megatron_fp8.errors import RefitError, TransportClosedError, TransportTimeoutError
+from megatron_fp8.errors import RefitError, RefitRefusedError, TransportClosedError, TransportTimeoutError
 from megatron_fp8.refit.buckets import default_bucket_bytes, pack_buckets
 from megatron_fp8.refit.transport.base import Transport
-from megatron_fp8.refit.wire import DTYPES, RefitVersion, TensorMeta
+from megatron_fp8.refit.wire import DTYPES, RefitOutcome, RefitVersion, TensorMeta
 
 logger = logging.getLogger(__name__)
 
@@ -50,8 +58,9 @@ class SendReport:
         num_buckets: buckets sent.
         payload_bytes: tensor bytes by class (:data:`PAYLOAD_CLASSES`), no padding.
         wire_bytes: payload bytes including alignment padding.
-        seconds: wall time from the first stream item to the last delivery
-            (includes producing the stream, e.g. quantization), seconds.
+        seconds: wall time from the first stream item to the receivers' outcomes
+            (includes producing the stream, e.g. quantization, and the receivers' commit), seconds.
+        outcomes: one ``committed`` :class:`RefitOutcome` per receiver.
     """
 
     version: int
@@ -60,6 +69,7 @@ class SendReport:
     payload_bytes: Mapping[str, int] = field(default_factory=dict)
     wire_bytes: int = 0
     seconds: float = 0.0
+    outcomes: tuple[RefitOutcome, ...] = ()
 
     @property
     def total_bytes(self) -> int:
@@ -85,6 +95,24 @@ class SendReport:
         }
 
 
+def _raise_unless_committed(version: int, outcomes: tuple[RefitOutcome, ...]) -> None:
+    """Raise :class:`RefitRefusedError` unless every outcome is ``committed``."""
+    failed = [o for o in outcomes if not o.committed]
+    if not failed:
+        return
+    status = "rolled_back" if any(o.status == "rolled_back" for o in failed) else "refused"
+    reason = "; ".join(f"{o.receiver}: {o.reason}" for o in failed)
+    committed = [o.receiver for o in outcomes if o.committed]
+    also = f" ({', '.join(committed)} committed it: the engines now differ)" if committed else ""
+    raise RefitRefusedError(
+        f"refit version {version} was {status.replace('_', ' ')} by {len(failed)} of {len(outcomes)} receiver(s)"
+        f"{also}: {reason}",
+        version=version,
+        outcome=status,
+        reason=reason,
+    )
+
+
 class RefitSender:
     """Send whole refit versions through a :class:`Transport`.
 
@@ -92,7 +120,8 @@ class RefitSender:
     error, an exception from the stream itself), the sender tells the
     receivers to abandon the version (when the wire still works) and re-raises;
     receivers stage buckets and apply nothing of an unfinished version. A
-    NaN in the first bucket is caught before any bucket is sent.
+    NaN in the first bucket is caught before any bucket is sent. Each sending
+    gets a random stream id, which every bucket carries and every outcome echoes.
 
     Args:
         transport: the sending end.
@@ -100,6 +129,8 @@ class RefitSender:
         device: where bucket buffers live (default: the device of each bucket's first tensor).
         timeout: per-wait deadline in seconds (default: the transport's).
         versions: version counter to enforce strictly increasing versions (default: a fresh one from 0).
+        outcome_timeout: how long :meth:`send` waits, after the last bucket was delivered, for every receiver
+            to validate, commit and report, seconds (default: ``timeout``, else the transport's).
     """
 
     def __init__(
@@ -110,34 +141,46 @@ class RefitSender:
         device: torch.device | str | None = None,
         timeout: float | None = None,
         versions: RefitVersion | None = None,
+        outcome_timeout: float | None = None,
     ):
         self.transport = transport
         self.device = device
         self.bucket_bytes = bucket_bytes if bucket_bytes is not None else default_bucket_bytes(device)
         self.timeout = timeout
         self.versions = versions if versions is not None else RefitVersion()
+        self.outcome_timeout = outcome_timeout if outcome_timeout is not None else timeout
 
-    def send(self, stream: Iterable[tuple[str, torch.Tensor]], *, version: int) -> SendReport:
-        """Pack and send one version.
+    def send(
+        self, stream: Iterable[tuple[str, torch.Tensor]], *, version: int, outcome_timeout: float | None = None
+    ) -> SendReport:
+        """Pack and send one version, then wait until every receiver reports that it committed it.
 
         Args:
             stream: ``(hf_name, tensor)`` pairs (FP8 weights, float32 ``*_scale_inv``,
                 BF16 tensors, KV scales); consumed once.
             version: refit version, greater than every version sent before.
+            outcome_timeout: deadline for the receivers' outcomes after the last bucket, seconds
+                (default: the sender's).
 
         Returns:
-            A :class:`SendReport`.
+            A :class:`SendReport` (with every receiver's ``committed`` outcome).
 
         Raises:
+            RefitRefusedError: a receiver refused the version or rolled its engine back; ``reason`` is its reason.
+            TransportTimeoutError: a receiver took no bucket, or sent no outcome within the deadline (it died or
+                stalled); the message names the receiver(s) and the version.
             RefitError: version not increasing, bad stream item, transport failure.
             NonFiniteError: a tensor holds NaN/Inf.
         """
         self.versions.observe(version, what="refit sender")
         start = time.perf_counter()
+        stream_id = secrets.randbits(62)
         by_class = dict.fromkeys(PAYLOAD_CLASSES, 0)
         num_tensors = num_buckets = wire = 0
         try:
-            for bucket in pack_buckets(stream, version=version, bucket_bytes=self.bucket_bytes, device=self.device):
+            for bucket in pack_buckets(
+                stream, version=version, bucket_bytes=self.bucket_bytes, device=self.device, stream_id=stream_id
+            ):
                 self.transport.send(bucket, timeout=self.timeout)
                 num_buckets += 1
                 num_tensors += len(bucket.metas)
@@ -148,6 +191,9 @@ class RefitSender:
         except Exception as exc:
             self._abort(version, num_buckets, exc)
             raise
+        wait = outcome_timeout if outcome_timeout is not None else self.outcome_timeout
+        outcomes = self.transport.recv_outcomes(version, stream_id, timeout=wait)
+        _raise_unless_committed(version, outcomes)
         seconds = time.perf_counter() - start
         report = SendReport(
             version=version,
@@ -156,6 +202,7 @@ class RefitSender:
             payload_bytes=MappingProxyType(by_class),
             wire_bytes=wire,
             seconds=seconds,
+            outcomes=outcomes,
         )
         logger.debug(
             "refit v%d sent: %d tensors in %d buckets, %.1f MB in %.3fs (%.2f GB/s)",

@@ -254,7 +254,7 @@ class RefitOutcome:
 
     Attributes:
         version: the refit version.
-        status: a :data:`megatron_fp8.vocab.REFIT_OUTCOMES` key (``committed``, ``refused``, ``rolled_back``).
+        status: a :data:`megatron_fp8.vocab.REFIT_OUTCOMES` key (``committed``, ``refused``, ``rolled_back``, ``not_serving``).
         reason: why it was not committed (``""`` when committed), naming the tensor or check.
         stream_id: the :attr:`Bucket.stream_id` of the sending it answers.
         receiver: who answered, e.g. ``"rank 1"``, for messages.

@@ -43,18 +43,24 @@ def rollout_quantization_config(config: RunConfig, model_path: Path) -> dict:
             "128x128 blockwise FP8; set weight_block_size: [128, 128] (or drop quantization_config)"
         )
     qc = vllm_cfg.quantization_config
+    kws = vllm_cfg.quantization_ignored_layer_kws
     if qc is not None:
+        ignored = list(qc.ignored_layers)
+        if kws:  # NeMo-RL's quantization_ignored_layer_kws apply on top of an explicit config too
+            matched = build_quantization_config(model_path, keep_router_bf16=False, ignored_layer_kws=kws)
+            ignored += [m for m in matched["ignored_layers"] if m not in ignored]
         return {
             "quant_method": qc.quant_method or "fp8",
             "fmt": qc.fmt or "e4m3",
             "activation_scheme": qc.activation_scheme or "dynamic",
             "weight_block_size": list(qc.weight_block_size or (128, 128)),
-            "ignored_layers": list(qc.ignored_layers),
+            "ignored_layers": ignored,
         }
     return build_quantization_config(
         model_path,
         num_first_layers_in_bf16=vllm_cfg.num_first_layers_in_bf16,
         num_last_layers_in_bf16=vllm_cfg.num_last_layers_in_bf16,
+        ignored_layer_kws=kws,
     )
 
 

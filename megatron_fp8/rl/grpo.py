@@ -56,6 +56,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TaskID, TextC
 from bridge_mappings.manifest import Manifest
 from bridge_mappings.quantized_export import ExportSettings
 from megatron_fp8.config.schema import RunConfig
+from megatron_fp8.config.wiring import vllm_engine_args, vllm_env
 from megatron_fp8.errors import ConfigError
 from megatron_fp8.megatron import build_megatron_model, make_optimizer, megatron_parallel
 from megatron_fp8.models import resolve_model
@@ -264,8 +265,10 @@ def _run_arm(
     config = ctx.config
     mcfg = config.policy.megatron_cfg
     t_arm = time.perf_counter()
-    # The engine is built before the trainer's process group: an in-process vLLM sets up its own.
-    engine = _build_engine(spec, config, model_path=model_path, manifest=manifest, qcfg=qcfg)
+    # The engine is built before the trainer's process group: an in-process vLLM sets up its own;
+    # vLLM reads its switches (DeepGEMM, ...) from the environment while it builds.
+    with _environment(vllm_env(config, rollout_precision=spec.rollout_precision)):
+        engine = _build_engine(spec, config, model_path=model_path, manifest=manifest, qcfg=qcfg)
     bf16_first = mcfg.fp8_cfg.num_first_layers_in_bf16 if spec.fp8_training_recipe else 0
     bf16_last = mcfg.fp8_cfg.num_last_layers_in_bf16 if spec.fp8_training_recipe else 0
     try:
@@ -280,6 +283,7 @@ def _run_arm(
                 recipe=config.training_recipe if spec.fp8_training_recipe else "bf16",
                 num_first_layers_in_bf16=bf16_first,
                 num_last_layers_in_bf16=bf16_last,
+                fp8_format=mcfg.fp8_cfg.fp8 if spec.fp8_training_recipe else None,
             )
             fp8_kv = spec.rollout_precision == "fp8" and config.policy.generation.vllm_cfg.kv_cache_dtype == "fp8"
             state = ArmState(
@@ -329,14 +333,19 @@ def _build_engine(
     vllm_cfg = config.policy.generation.vllm_cfg
     engine_name = resolve_engine_name(config.rollout.engine, precision=spec.rollout_precision)
     fp8 = spec.rollout_precision == "fp8"
+    args = vllm_engine_args(config, rollout_precision=spec.rollout_precision)
     engine_kwargs: dict[str, object] = {
         "quantization_config": qcfg if fp8 else None,
         "fp8_names": list(manifest.fp8_params) if fp8 and manifest is not None else None,
-        "kv_cache_dtype": vllm_cfg.kv_cache_dtype if fp8 else "auto",
+        "kv_cache_dtype": args["kv_cache_dtype"],
         "verify": config.refit.verify,
     }
     if engine_name == "reference":
         engine_kwargs["activation_scale_format"] = "ue8m0" if vllm_cfg.pow2_activation_scaling_factors else "fp32"
+    else:  # the rest of what the config sets for vLLM, unchanged (megatron_fp8.config.wiring)
+        if "max_model_len" in args:
+            engine_kwargs["max_model_len"] = args["max_model_len"]
+        engine_kwargs["engine_kwargs"] = {k: v for k, v in args.items() if k not in ("kv_cache_dtype", "max_model_len")}
     return build_rollout_engine(engine_name, model_path, **engine_kwargs)
 
 

@@ -13,6 +13,11 @@ weights through. Implementations (:data:`ENGINES`):
 
 Log-probabilities are those of the sampling distribution ``log_softmax(logits / T)``
 (the reference engine reports them so; vLLM is asked for ``processed_logprobs``).
+
+Never serving a failed version: every engine's applier reports ``serving`` (a
+:class:`VerifyingApplier`); ``generate`` raises
+:class:`~megatron_fp8.errors.EngineNotServingError` while it is ``False`` (a refit
+failed after its first write and could not be rolled back), until a good version commits.
 """
 
 from __future__ import annotations
@@ -25,7 +30,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 
-from megatron_fp8.errors import ConfigError
+from megatron_fp8.errors import ConfigError, EngineNotServingError
 from megatron_fp8.refit.applier import RefitApplier
 from megatron_fp8.refit.verify import VerifyReport
 from megatron_fp8.rollout.reference.applier import ReferenceEngineApplier
@@ -58,13 +63,41 @@ class Rollout:
 
 
 class VerifyingApplier(RefitApplier, Protocol):
-    """A :class:`~megatron_fp8.refit.applier.RefitApplier` that reports its post-commit read-back.
+    """A :class:`~megatron_fp8.refit.applier.RefitApplier` that reports its post-commit read-back and serving state.
 
     Met by :class:`~megatron_fp8.rollout.vllm.applier.VllmApplier` and
     :class:`~megatron_fp8.rollout.reference.applier.ReferenceEngineApplier`.
+
+    Attributes:
+        last_verify: the last post-commit verification, or ``None``.
+        serving: ``True`` while the engine holds a good version (the last committed and verified one, or
+            the one a failed refit was rolled back to); ``False`` from a failure that could not be rolled
+            back until a version commits. An applier may also offer ``not_serving_reason: str | None``.
     """
 
     last_verify: VerifyReport | None
+
+    @property
+    def serving(self) -> bool:
+        """Whether the engine holds a good version and may generate."""
+        ...
+
+
+def require_serving(engine_name: str, applier: VerifyingApplier) -> None:
+    """Refuse to generate on an engine whose applier does not hold a good version.
+
+    Raises:
+        EngineNotServingError: ``applier.serving`` is ``False``; the message says why (when the applier
+            says) and what to do.
+    """
+    if applier.serving:
+        return
+    reason = getattr(applier, "not_serving_reason", None)  # optional attribute of the protocol
+    raise EngineNotServingError(
+        f"{engine_name} refuses to generate: it holds no good weights version"
+        + (f" ({reason})" if reason else " (a refit failed after its first write and was not rolled back)")
+        + "; commit a good version (a clean refit) before generating"
+    )
 
 
 class RolloutEngine(Protocol):
@@ -101,6 +134,9 @@ class ReferenceRolloutEngine:
         kv_cache_dtype: ``"auto"`` or ``"fp8"``.
         verify: read back and compare after every refit.
         activation_scale_format: ``"fp32"`` (Hopper) or ``"ue8m0"`` (pow2) activation scales.
+
+    The applier rolls a failed refit back (it keeps copies of the tensors a commit overwrites:
+    one extra copy of the version's held bytes during the commit, freed after it).
     """
 
     def __init__(
@@ -133,7 +169,12 @@ class ReferenceRolloutEngine:
         seed: int,
         eos_token_id: int,
     ) -> Rollout:
-        """Sample with the reference engine (batched, KV cache, per-sequence generators)."""
+        """Sample with the reference engine (batched, KV cache, per-sequence generators).
+
+        Raises:
+            EngineNotServingError: the applier holds no good version (see :func:`require_serving`).
+        """
+        require_serving(self.name, self.applier)
         out = self.engine.generate(
             [list(p) for p in prompts],
             max_new_tokens=max_new_tokens,
@@ -214,9 +255,15 @@ class VllmRolloutEngine:
         seed: int,
         eos_token_id: int,
     ) -> Rollout:
-        """Sample with vLLM; asks for the sampled token's log-probability (``logprobs=0``)."""
+        """Sample with vLLM; asks for the sampled token's log-probability (``logprobs=0``).
+
+        Raises:
+            ConfigError: the engine was closed.
+            EngineNotServingError: the applier holds no good version (see :func:`require_serving`).
+        """
         if self.llm is None:
             raise ConfigError(f"{self.name} was closed; build a new engine")
+        require_serving(self.name, self.applier)
         samples = vllm_adapter.sample(
             self.llm,
             prompts,

@@ -212,13 +212,19 @@ def test_rerun_refused_overwrite_allowed_and_sigint_keeps_completed_steps(tmp_pa
     first = _cli("grpo", "--steps", "1", "--arms", "bf16", "--out", str(out), *small, "grpo.warm_start_steps=0")
     assert first.returncode == 0, first.stderr[-3000:]
     before = _snapshot(out)
-    again = _cli("grpo", "--steps", "1", "--arms", "bf16", "--out", str(out), *small)
+    again = _cli("grpo", "--steps", "1", "--arms", "bf16", "--out", str(out), *small, "grpo.warm_start_steps=0")
     assert again.returncode == 2 and "--overwrite" in again.stderr
     assert _snapshot(out) == before  # nothing truncated or replaced
 
+    overwritten = _cli(
+        "grpo", "--steps", "1", "--arms", "bf16", "--out", str(out), "--overwrite", *small, "grpo.warm_start_steps=0"
+    )
+    assert overwritten.returncode == 0, overwritten.stderr[-3000:]
+
     # Ctrl-C after the first completed step: one line, exit 130, summary rebuilt from that step.
+    out = tmp_path / "interrupted"
     env = dict(os.environ, PYTHONUNBUFFERED="1")
-    cmd = [*CLI, "grpo", "--steps", "50", "--arms", "bf16", "--out", str(out), "--overwrite", *small]
+    cmd = [*CLI, "grpo", "--steps", "50", "--arms", "bf16", "--out", str(out), *small, "grpo.warm_start_steps=0"]
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
     metrics = out / METRICS_FILE
     deadline = time.monotonic() + 400

@@ -38,3 +38,37 @@ def test_config_bad_key_exits_1():
     proc = _run("grpo.num_step=3")
     assert proc.returncode == 1
     assert "grpo.num_step" in proc.stderr and "did you mean 'grpo.num_steps'" in proc.stderr
+
+
+NEMO_RL = ROOT / "tests" / "config" / "data" / "nemo_rl" / "examples" / "configs"
+
+
+def test_explain_nemo_rl_config_in_80_columns():
+    proc = _run("--explain", str(NEMO_RL / "grpo_math_8B_megatron_fp8.yaml"))
+    assert proc.returncode == 0, proc.stderr
+    out = proc.stdout
+    assert "config: grpo_math_8B_megatron_fp8.yaml (+3 parent files)" in out
+    assert "policy.generation.vllm_cfg.use_deep_gemm = true" in out and "VLLM_USE_DEEP_GEMM" in out
+    assert "[grpo_math_8B_megatron.yaml] vLLM engine argument max_model_len" in out
+    assert "policy.megatron_cfg.sequence_parallel = false" in out
+    assert "no effect: megatron-fp8 trains with tensor and" in out
+    long_lines = [line for line in out.splitlines() if len(line) > 80]
+    assert all(" " not in line for line in long_lines), long_lines  # only a single over-long key may overflow
+    assert "no effect in megatron-fp8" in proc.stderr  # the one load warning
+
+
+def test_explain_json_full_table():
+    proc = _run("--explain", str(NEMO_RL / "grpo_math_8B_megatron_fp8.yaml"), "grpo.num_steps=7", "--json")
+    assert proc.returncode == 0, proc.stderr
+    data = json.loads(proc.stdout)
+    rows = {r["key"]: r for r in data["keys"]}
+    assert len(data["files"]) == 4
+    assert rows["grpo.num_steps"]["value"] == 7 and rows["grpo.num_steps"]["source"] == "<override>"
+    assert rows["policy.generation.vllm_cfg.gpu_memory_utilization"]["implemented"] is True
+    assert rows["data.shuffle"]["implemented"] is False and rows["data.shuffle"]["effect"].startswith("no effect")
+    assert rows["policy.generation.vllm_cfg.precision"]["source"].endswith("grpo_math_8B_megatron_fp8.yaml")
+
+
+def test_explain_mxfp8_config_exits_1_naming_blackwell():
+    proc = _run("--explain", str(NEMO_RL / "recipes/llm/performance/grpo-qwen3-32b-4n4g-mxfp8-rollout.yaml"))
+    assert proc.returncode == 1 and "Blackwell" in proc.stderr

@@ -34,7 +34,7 @@ def test_nemorl_keys_load_unchanged():
     assert (vllm.num_first_layers_in_bf16, vllm.num_last_layers_in_bf16) == (0, 0)
     fp8 = cfg.policy.megatron_cfg.fp8_cfg
     assert (fp8.enabled, fp8.fp8, fp8.fp8_recipe, fp8.fp8_param) == (True, "e4m3", "blockwise", False)
-    assert cfg.policy.megatron_cfg.optimizer.use_precision_aware_optimizer is False
+    assert cfg.policy.megatron_cfg.optimizer.clip_grad == 1.0
     assert cfg.policy.megatron_cfg.env_vars == {"NVTE_FP8_BLOCK_SCALING_FP32_SCALES": "1"}
     assert cfg.loss_fn.use_importance_sampling_correction is True and cfg.loss_fn.correction_enabled
     assert cfg.model.name_or_path == "meta-llama/Llama-3.1-8B-Instruct"
@@ -55,13 +55,13 @@ def test_dotted_overrides():
             "grpo.num_steps=3",
             "grpo.arms=[bf16,fp8_tis]",
             "policy.generation.vllm_cfg.gpu_memory_utilization=0.3",
-            "+refit.transport=gloo",
+            "+refit.bucket_size_mb=64",
             "policy.megatron_cfg.env_vars.MY_FLAG=7",
         ],
     )
     assert cfg.grpo.num_steps == 3 and cfg.grpo.arms == ("bf16", "fp8_tis")
     assert cfg.policy.generation.vllm_cfg.gpu_memory_utilization == 0.3
-    assert cfg.refit.transport == "gloo"
+    assert cfg.refit.bucket_size_mb == 64
     assert cfg.policy.megatron_cfg.env_vars["MY_FLAG"] == "7"
 
 
@@ -94,7 +94,7 @@ def test_unknown_key_did_you_mean_full_path():
     [
         ("grpo.num_steps=abc", "grpo.num_steps", "int"),
         ("policy.megatron_cfg.fp8_cfg.enabled=3", "policy.megatron_cfg.fp8_cfg.enabled", "bool"),
-        ("refit.transport=smoke", "refit.transport", "'inproc'"),
+        ("rollout.engine=smoke", "rollout.engine", "'auto'"),
         ("grpo.arms=fp8", "grpo.arms", "list of str"),
         ("loss_fn.is_variant=tis", "loss_fn.is_variant", "'token_tis'"),
     ],

@@ -11,7 +11,7 @@ from megatron_fp8.refit import CudaIpcTransport, DictApplier, RefitReceiver
 def receiver_main(data_queue, ack_queue, result_queue, shapes: dict) -> None:
     torch.cuda.set_device(0)
     targets = {n: torch.zeros(shape, dtype=getattr(torch, dt), device="cuda") for n, (shape, dt) in shapes.items()}
-    applier = DictApplier(targets, require_all=True)
+    applier = DictApplier(targets)
     transport = CudaIpcTransport(data_queue, ack_queue, role="receiver", timeout=60.0)
     receiver = RefitReceiver(transport, apply=applier)
     report = receiver.receive()

@@ -20,7 +20,14 @@ from megatron_fp8.refit import (
     payload_checksum,
     unpack_bucket,
 )
-from megatron_fp8.refit.wire import decode_metas, encode_metas
+from megatron_fp8.refit.wire import (
+    RefitOutcome,
+    VersionDigest,
+    decode_bucket_meta,
+    decode_metas,
+    encode_bucket_meta,
+    encode_metas,
+)
 
 
 def _random_bytes_tensor(dtype: torch.dtype, shape: tuple[int, ...], seed: int) -> torch.Tensor:
@@ -241,3 +248,45 @@ def test_cuda_pack_unpack_and_bucket_size():
         assert _same(a, b)
     # the checksum does not depend on the device
     assert all(payload_checksum(b.payload) == payload_checksum(b.payload.cpu()) for b in buckets)
+
+
+def test_last_bucket_carries_the_announced_set():
+    items = [(f"t{i}", torch.full((40,), float(i))) for i in range(5)]
+    buckets = list(pack_buckets(items, version=2, bucket_bytes=256, stream_id=77))
+    assert len(buckets) > 2 and all(b.trailer is None for b in buckets[:-1]) and all(b.stream_id == 77 for b in buckets)
+    trailer = buckets[-1].trailer
+    assert trailer.num_tensors == 5 and [t.name for t in trailer.tensors] == [n for n, _ in items]
+    assert all(t.shape == (40,) and t.dtype == "float32" and t.nbytes == 160 for t in trailer.tensors)
+    digest = VersionDigest()
+    for b in buckets:
+        for m in b.metas:
+            digest.add(b.index, m)
+    assert trailer.digest == digest.hexdigest()
+    for b in buckets:  # metadata and trailer survive the wire encoding
+        assert decode_bucket_meta(encode_bucket_meta(b.metas, b.trailer)) == (b.metas, b.trailer)
+
+
+@pytest.mark.parametrize(
+    "change",
+    [
+        lambda b: dataclasses.replace(b, is_last=not b.is_last),
+        lambda b: dataclasses.replace(b, index=b.index + 1),
+        lambda b: dataclasses.replace(b, version=b.version + 1),
+        lambda b: dataclasses.replace(b, stream_id=b.stream_id + 1),
+        lambda b: dataclasses.replace(b, metas=(dataclasses.replace(b.metas[0], name="b"), b.metas[1])),
+        lambda b: dataclasses.replace(b, metas=(b.metas[0], dataclasses.replace(b.metas[1], shape=(5, 3)))),
+        lambda b: dataclasses.replace(b, trailer=dataclasses.replace(b.trailer, digest="0" * 32)),
+    ],
+    ids=["is_last", "index", "version", "stream_id", "name", "shape", "trailer"],
+)
+def test_checksum_covers_header_metadata_and_trailer(change):
+    bucket = _one_bucket()
+    unpack_bucket(bucket)
+    with pytest.raises(RefitError, match="checksum mismatch over the header"):
+        unpack_bucket(change(bucket))
+
+
+def test_refit_outcome_status_is_from_the_vocabulary():
+    assert RefitOutcome(3, "committed").committed and not RefitOutcome(3, "rolled_back", "x").committed
+    with pytest.raises(RefitError, match="valid outcomes"):
+        RefitOutcome(3, "applied")

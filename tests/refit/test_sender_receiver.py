@@ -1,4 +1,4 @@
-"""End-to-end refits over the in-process transport: atomicity, faults, versions, memory."""
+"""End-to-end refits over the in-process transport: atomicity, faults, versions, memory, the sender told."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ import psutil
 import pytest
 import torch
 
-from megatron_fp8.errors import NonFiniteError, RefitAbortedError, RefitError
+from megatron_fp8.errors import NonFiniteError, RefitAbortedError, RefitError, RefitRefusedError
 from megatron_fp8.refit import (
     DictApplier,
     InProcTransport,
@@ -42,33 +42,48 @@ def _holds(applier: DictApplier, items) -> bool:
     return all(_bytes_equal(applier.tensors[n], t) for n, t in items)
 
 
-@pytest.fixture
-def engine():
-    """A transport, a receiver over a DictApplier holding version 1, and version 1's tensors."""
-    transport = InProcTransport(maxsize=64, timeout=2.0)
-    v1 = _model(1)
-    targets = {n: torch.zeros_like(t) for n, t in v1}
-    applier = DictApplier(targets, require_all=True)
-    receiver = RefitReceiver(transport, apply=applier)
-    sender = RefitSender(transport, bucket_bytes=BUCKET)
-    sender.send(v1, version=1)
-    receiver.receive()
-    assert _holds(applier, v1) and applier.version == 1
-    return transport, sender, receiver, applier, v1
-
-
-def _send_in_thread(sender, items, version):
+def _send_in_thread(sender, items, version, reports=None):
     errors: list[BaseException] = []
 
     def run():
         try:
-            sender.send(items, version=version)
+            report = sender.send(items, version=version)
+            if reports is not None:
+                reports.append(report)
         except BaseException as exc:  # reported to the test
             errors.append(exc)
 
     th = threading.Thread(target=run)
     th.start()
     return th, errors
+
+
+def _refit(sender, receiver, items, version):
+    """Send on a thread (send() waits for the receiver's outcome), receive here; both reports."""
+    reports: list = []
+    th, errors = _send_in_thread(sender, items, version, reports)
+    try:
+        received = receiver.receive()
+    finally:
+        th.join()
+    if errors:
+        raise errors[0]
+    return reports[0], received
+
+
+@pytest.fixture
+def engine():
+    """A transport, a receiver over a DictApplier holding version 1, and version 1's tensors."""
+    transport = InProcTransport(maxsize=64, timeout=2.0)
+    v1 = _model(1)
+    targets = {n: torch.zeros_like(t) for n, t in v1}
+    applier = DictApplier(targets)
+    receiver = RefitReceiver(transport, apply=applier)
+    sender = RefitSender(transport, bucket_bytes=BUCKET)
+    sent, _ = _refit(sender, receiver, v1, 1)
+    assert _holds(applier, v1) and applier.version == 1
+    assert [o.status for o in sent.outcomes] == ["committed"]
+    return transport, sender, receiver, applier, v1
 
 
 def test_refit_applies_in_place_and_reports(engine):
@@ -86,7 +101,8 @@ def test_refit_applies_in_place_and_reports(engine):
 def test_send_report_classes():
     transport = InProcTransport(maxsize=64, timeout=1.0)
     items = _model(3)
-    report = RefitSender(transport, bucket_bytes=BUCKET).send(items, version=1)
+    receiver = RefitReceiver(transport, apply=DictApplier({n: torch.zeros_like(t) for n, t in items}))
+    report, _ = _refit(RefitSender(transport, bucket_bytes=BUCKET), receiver, items, 1)
     fp8 = sum(t.nbytes for n, t in items if t.dtype == torch.float8_e4m3fn)
     scales = sum(t.nbytes for n, t in items if n.endswith(("_scale_inv", "_scale")))
     bf16 = sum(t.nbytes for n, t in items if t.dtype == torch.bfloat16)
@@ -154,12 +170,13 @@ def test_corrupted_bucket_applies_nothing_then_next_version_works(engine, corrup
         receiver.receive()
     assert not isinstance(info.value, RefitAbortedError)
     assert _holds(applier, v1) and applier.version == 1 and applier.last_abort[0] == 2
-    # the rest of version 2 is still queued: the next receive drops it and applies version 3
+    # the rest of version 2 was read (not applied) by the failing receive, which then told the sender
+    assert transport.buckets_received == transport.buckets_sent
+    (outcome,) = transport.recv_outcomes(2, buckets[0].stream_id, timeout=1.0)
+    assert outcome.status == "refused" and "bucket 1 of version 2" in outcome.reason
     v3 = _model(3)
-    th, errors = _send_in_thread(sender, v3, 3)
-    report = receiver.receive()
-    th.join()
-    assert not errors and _holds(applier, v3) and report.discarded_buckets == len(buckets) - 2
+    _, report = _refit(sender, receiver, v3, 3)
+    assert _holds(applier, v3) and report.discarded_buckets == 0
 
 
 def test_unknown_name_refused_before_commit(engine):
@@ -169,17 +186,21 @@ def test_unknown_name_refused_before_commit(engine):
     with pytest.raises(RefitError, match="'model.layers.0.mlp.gate_up_proj.weight' is not a parameter"):
         receiver.receive()
     th.join()
-    assert not errors and _holds(applier, v1) and applier.version == 1
+    assert _holds(applier, v1) and applier.version == 1
+    (told,) = errors  # the sender was told, with the receiver's reason
+    assert isinstance(told, RefitRefusedError) and told.version == 2 and told.outcome == "refused"
+    assert "gate_up_proj.weight' is not a parameter" in told.reason
 
 
 def test_dtype_mismatch_refused(engine):
     transport, sender, receiver, applier, v1 = engine
     bf16 = [(n, t.float().to(torch.bfloat16)) if t.dtype == torch.float8_e4m3fn else (n, t) for n, t in _model(2)]
-    th, _ = _send_in_thread(sender, bf16, 2)
+    th, errors = _send_in_thread(sender, bf16, 2)
     with pytest.raises(RefitError, match="disagree on this parameter's layout or precision"):
         receiver.receive()
     th.join()
     assert _holds(applier, v1)
+    assert [type(e) for e in errors] == [RefitRefusedError]
 
 
 def test_versions_must_increase(engine):
@@ -189,11 +210,13 @@ def test_versions_must_increase(engine):
     assert transport.buckets_sent == transport.buckets_received  # nothing sent
     # a second sender (e.g. restarted without its counter) replays version 1: the receiver refuses it
     replay = RefitSender(transport, bucket_bytes=BUCKET)
-    th, _ = _send_in_thread(replay, _model(2), 1)
+    th, errors = _send_in_thread(replay, _model(2), 1)
     with pytest.raises(RefitError, match="not newer than the applied version 1"):
         receiver.receive()
     th.join()
     assert _holds(applier, v1)
+    (told,) = errors  # the replaying sender does not report success
+    assert isinstance(told, RefitRefusedError) and "not newer than the applied version 1" in told.reason
 
 
 def test_killed_sender_inproc_timeout_keeps_version(engine):
@@ -210,8 +233,7 @@ def test_callable_applier():
     seen = []
     receiver = RefitReceiver(transport, apply=lambda v, pairs: seen.append((v, [n for n, _ in pairs])))
     items = _model(1)
-    RefitSender(transport, bucket_bytes=BUCKET).send(items, version=5)
-    receiver.receive()
+    _refit(RefitSender(transport, bucket_bytes=BUCKET), receiver, items, 5)
     assert seen == [(5, [n for n, _ in items])]
 
 
@@ -220,14 +242,13 @@ def test_200_refits_flat_rss():
     weights = synthetic_weights(SPEC, seed=0)
     items = list(fp8_stream(weights, linear_shapes(SPEC)))
     targets = {n: torch.zeros_like(t) for n, t in items}
-    applier = DictApplier(targets, require_all=True)
+    applier = DictApplier(targets)
     receiver = RefitReceiver(transport, apply=applier)
     sender = RefitSender(transport, bucket_bytes=BUCKET)
     proc = psutil.Process()
     rss = {}
     for version in range(1, 201):
-        sender.send(items, version=version)
-        receiver.receive()
+        _refit(sender, receiver, items, version)
         if version in (20, 200):
             gc.collect()
             rss[version] = proc.memory_info().rss

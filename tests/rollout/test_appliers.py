@@ -1,4 +1,5 @@
-"""Post-refit verification catches what a 'successful' refit left wrong (planted faults)."""
+"""Post-refit verification catches what a 'successful' refit left wrong (planted faults); the rollout path
+refuses to generate while its applier serves no good version."""
 
 from __future__ import annotations
 
@@ -8,9 +9,10 @@ from safetensors.torch import load_file
 
 from bridge_mappings.manifest import Fingerprint, Manifest
 from bridge_mappings.quantized_export import quantized_stream
-from megatron_fp8.errors import RefitError
+from megatron_fp8.errors import EngineNotServingError, RefitError
 from megatron_fp8.models import tiny_model_path
 from megatron_fp8.refit.pipeline import ColocatedRefit
+from megatron_fp8.rollout.engines import ReferenceRolloutEngine
 from megatron_fp8.rollout.reference.applier import ReferenceEngineApplier
 from megatron_fp8.rollout.reference.engine import ReferenceFP8Engine
 
@@ -89,3 +91,43 @@ def test_zero_scale_in_the_stream_is_refused_before_anything_changes(setup):
         assert same, n
     assert engine.generate(PROMPT, max_new_tokens=6).token_ids == before
     assert applier.serving_version == 1
+
+
+def test_rollout_path_refuses_to_generate_while_not_serving_until_a_clean_version_commits():
+    """A refit fails after its first write and its rollback fails too (an injected device error in the
+    restore): the reference applier reports not serving and the rollout path refuses to generate."""
+    path = tiny_model_path("tiny")
+    rollout = ReferenceRolloutEngine(path, quantization_config=QCFG, fp8_names=None)
+    engine, applier = rollout.engine, rollout.applier
+    weights = load_file(str(path / "model.safetensors"))
+    fp8 = tuple(sorted(engine.fp8_names))
+    manifest = Manifest(
+        "test", Fingerprint("x", "0", "{}", 0, 0), fp8, tuple(sorted(set(weights) - set(fp8))), (), QCFG
+    )
+    refit = ColocatedRefit(applier, timeout=30)
+    args = dict(max_new_tokens=5, temperature=0.0, seed=0, eos_token_id=-1)
+    before = rollout.generate(PROMPT, **args)
+    real_commit, real_restore = engine.commit, engine.restore
+
+    def commit_then_fail(staged):
+        real_commit(staged)
+        raise RuntimeError("device error after the first write")
+
+    def restore_failing_halfway(snap):
+        first = next(iter(snap.tensors))
+        engine._tensors[first].copy_(snap.tensors[first])
+        raise RuntimeError("device error during restore")
+
+    engine.commit, engine.restore = commit_then_fail, restore_failing_halfway
+    with pytest.raises(EngineNotServingError, match="restoring version 0 failed too.*device error during restore"):
+        refit.refit(quantized_stream(_perturbed(weights, 1).items(), manifest))
+    assert not applier.serving and applier.serving_version == 0
+    with pytest.raises(EngineNotServingError, match=r"reference-fp8 refuses to generate.*device error after the first"):
+        rollout.generate(PROMPT, **args)
+    engine.commit, engine.restore = real_commit, real_restore
+    refit.refit(quantized_stream(weights.items(), manifest))  # a clean version: the checkpoint's weights again
+    assert applier.serving and applier.serving_version == 2
+    after = rollout.generate(PROMPT, **args)
+    assert after.token_ids == before.token_ids
+    assert all(torch.equal(a, b) for a, b in zip(after.logprobs, before.logprobs, strict=True))
+    refit.close()

@@ -7,6 +7,11 @@ message; the receiver's :meth:`Transport.recv` then raises
 :class:`~megatron_fp8.errors.RefitAbortedError`. An orderly :meth:`Transport.close`
 on the sender makes the receiver's next ``recv`` raise
 :class:`~megatron_fp8.errors.TransportClosedError`.
+
+The wire also runs backwards: after each version every receiver sends one
+:class:`~megatron_fp8.refit.wire.RefitOutcome` (:meth:`Transport.send_outcome`)
+and the sender collects one per receiver (:meth:`Transport.recv_outcomes`), with
+a deadline, so ``RefitSender.send`` knows whether its version was committed.
 """
 
 from __future__ import annotations
@@ -15,7 +20,7 @@ import abc
 import time
 
 from megatron_fp8.errors import ConfigError, TransportClosedError
-from megatron_fp8.refit.wire import Bucket
+from megatron_fp8.refit.wire import Bucket, RefitOutcome
 
 DEFAULT_TIMEOUT_S = 120.0
 """Default per-wait deadline of every transport, seconds."""
@@ -78,6 +83,28 @@ class Transport(abc.ABC):
             TransportTimeoutError: nothing arrived within ``timeout`` seconds, or the sender died.
             RefitAbortedError: the sender abandoned the version being received.
             TransportClosedError: the sender closed the transport.
+        """
+
+    @abc.abstractmethod
+    def send_outcome(self, outcome: RefitOutcome, *, timeout: float | None = None) -> None:
+        """Receiver side: tell the sender what became of ``outcome.version``.
+
+        Raises:
+            TransportTimeoutError: the sender did not take it within ``timeout`` seconds (it died).
+        """
+
+    @abc.abstractmethod
+    def recv_outcomes(self, version: int, stream_id: int, *, timeout: float | None = None) -> tuple[RefitOutcome, ...]:
+        """Sender side: wait for the outcome of ``(version, stream_id)`` from every receiver.
+
+        Outcomes of other versions or sendings (late answers to an earlier call) are skipped.
+
+        Returns:
+            One :class:`RefitOutcome` per receiver.
+
+        Raises:
+            TransportTimeoutError: some receiver sent none within ``timeout`` seconds; the message names the
+                receiver(s) and the version (the receiver died, stalled, or nothing is receiving).
         """
 
     def flush(self, timeout: float | None = None) -> None:  # noqa: B027 - optional hook, no-op by default

@@ -19,7 +19,7 @@ from megatron_fp8.errors import (
     TransportTimeoutError,
 )
 from megatron_fp8.refit.transport.base import DEFAULT_TIMEOUT_S, KIND_ABORT, KIND_BUCKET, KIND_CLOSE, Transport
-from megatron_fp8.refit.wire import Bucket, decode_metas, encode_metas
+from megatron_fp8.refit.wire import Bucket, RefitOutcome, decode_bucket_meta, encode_bucket_meta
 
 logger = logging.getLogger(__name__)
 
@@ -27,8 +27,10 @@ logger = logging.getLogger(__name__)
 class IpcQueue(Protocol):
     """A process-safe queue, e.g. ``torch.multiprocessing.get_context("spawn").Queue()``.
 
-    Data messages are 9-tuples ``(kind, seq, version, index, is_last, meta_bytes,
-    checksum, rebuild, rebuild_args)``; acknowledgements are ``(seq, error or None)``.
+    Data messages are 10-tuples ``(kind, seq, version, index, is_last, meta_bytes,
+    checksum, stream_id, rebuild, rebuild_args)``; the back queue carries
+    acknowledgements ``("ack", seq, error or None)`` and outcomes
+    ``("outcome", version, stream_id, status, reason)``.
     """
 
     def put(self, obj: tuple, block: bool = True, timeout: float | None = None) -> None:
@@ -49,7 +51,8 @@ class CudaIpcTransport(Transport):
     buckets are unacknowledged (2: double buffering). Both queues come from
     :meth:`make_queues` (``spawn`` context) and are passed to the engine
     process at start. Sender and receiver must be different processes on the
-    same GPU node.
+    same GPU node. After each version the receiver puts its outcome on
+    ``ack_queue``; the sender skips stale ones (another version or sending).
 
     Args:
         data_queue: sender -> receiver messages.
@@ -88,6 +91,7 @@ class CudaIpcTransport(Transport):
         # sequence number -> (payload kept alive until acknowledged, bucket description)
         self._unacked: collections.OrderedDict[int, tuple[torch.Tensor, str]] = collections.OrderedDict()
         self._seq = 0
+        self._outcomes: list[RefitOutcome] = []  # outcomes read while waiting for acknowledgements
 
     @staticmethod
     def make_queues() -> tuple[IpcQueue, IpcQueue]:
@@ -106,16 +110,25 @@ class CudaIpcTransport(Transport):
         except queue.Full:
             raise TransportTimeoutError(f"cuda_ipc: the receiver did not take {what} within {wait:.3g}s") from None
 
+    def _next_back(self, deadline: float, what: str) -> tuple:
+        """The next acknowledgement from the back queue; outcomes met on the way are kept."""
+        while True:
+            try:
+                got = self._ack.get(timeout=max(deadline - time.monotonic(), 1e-3))
+            except queue.Empty:
+                raise TransportTimeoutError(
+                    f"cuda_ipc: the receiver process sent no {what} within {self.timeout:.3g}s; "
+                    "it died or stalled (the engine keeps its last good version)"
+                ) from None
+            if got[0] != "outcome":
+                return got
+            _, version, stream_id, status, reason = got
+            self._outcomes.append(RefitOutcome(version, status, reason, stream_id=stream_id, receiver="engine process"))
+            del self._outcomes[:-64]
+
     def _wait_ack(self, deadline: float) -> None:
         seq, (_, what) = next(iter(self._unacked.items()))
-        try:
-            got = self._ack.get(timeout=max(deadline - time.monotonic(), 1e-3))
-        except queue.Empty:
-            raise TransportTimeoutError(
-                f"cuda_ipc: the receiver process did not acknowledge {what} within {self.timeout:.3g}s; "
-                "it died or stalled (the engine keeps its last good version)"
-            ) from None
-        ack_seq, error = got
+        _, ack_seq, error = self._next_back(deadline, f"acknowledgement of {what}")
         if error:
             raise RefitError(f"cuda_ipc: the receiver failed to open {what}: {error}")
         if ack_seq != seq:
@@ -141,8 +154,9 @@ class CudaIpcTransport(Transport):
             bucket.version,
             bucket.index,
             bucket.is_last,
-            encode_metas(bucket.metas),
+            encode_bucket_meta(bucket.metas, bucket.trailer),
             bucket.checksum,
+            bucket.stream_id,
             rebuild,
             args,
         )
@@ -155,7 +169,7 @@ class CudaIpcTransport(Transport):
         self._require("sender", "send an abort")
         self._check_open()
         self._put(
-            (KIND_ABORT, 0, version, index, False, reason.encode("utf-8"), 0, None, None),
+            (KIND_ABORT, 0, version, index, False, reason.encode("utf-8"), 0, 0, None, None),
             timeout,
             f"the abort of version {version}",
         )
@@ -168,12 +182,44 @@ class CudaIpcTransport(Transport):
         while self._unacked:
             self._wait_ack(deadline)
 
+    def send_outcome(self, outcome: RefitOutcome, *, timeout: float | None = None) -> None:
+        self._require("receiver", "send an outcome")
+        msg = ("outcome", outcome.version, outcome.stream_id, outcome.status, outcome.reason)
+        try:
+            self._ack.put(msg, timeout=self.timeout if timeout is None else timeout)
+        except queue.Full:
+            raise TransportTimeoutError(
+                f"cuda_ipc: the sender did not take the outcome of refit version {outcome.version}"
+            ) from None
+
+    def recv_outcomes(self, version: int, stream_id: int, *, timeout: float | None = None) -> tuple[RefitOutcome, ...]:
+        self._require("sender", "collect outcomes")
+        deadline = self._deadline(timeout)
+        while True:
+            for outcome in self._outcomes:
+                if outcome.version == version and outcome.stream_id == stream_id:
+                    self._outcomes.remove(outcome)
+                    return (outcome,)
+            try:
+                got = self._ack.get(timeout=max(deadline - time.monotonic(), 1e-3))
+            except queue.Empty:
+                raise TransportTimeoutError(
+                    f"cuda_ipc: the engine process sent no outcome for refit version {version} within "
+                    f"{self.timeout if timeout is None else timeout:.3g}s; it died or stalled before applying"
+                ) from None
+            if got[0] == "outcome":
+                _, v, sid, status, reason = got
+                self._outcomes.append(RefitOutcome(v, status, reason, stream_id=sid, receiver="engine process"))
+                del self._outcomes[:-64]
+            else:
+                logger.warning("cuda_ipc: dropping an acknowledgement that arrived after flush: %s", got)
+
     def recv(self, timeout: float | None = None) -> Bucket:
         self._require("receiver", "recv")
         self._check_open()
         wait = self.timeout if timeout is None else timeout
         try:
-            kind, seq, version, index, is_last, meta, checksum, rebuild, args = self._data.get(timeout=wait)
+            kind, seq, version, index, is_last, meta, checksum, stream_id, rebuild, args = self._data.get(timeout=wait)
         except queue.Empty:
             raise TransportTimeoutError(
                 f"cuda_ipc: no bucket arrived from the sender process within {wait:.3g}s"
@@ -194,17 +240,24 @@ class CudaIpcTransport(Transport):
             torch.cuda.current_stream(self.device).synchronize()
             del shared
         except Exception as exc:  # report to the sender, then fail here too
-            self._ack.put((seq, f"{type(exc).__name__}: {exc}"))
+            self._ack.put(("ack", seq, f"{type(exc).__name__}: {exc}"))
             raise RefitError(f"cuda_ipc: could not open bucket {index} of version {version}: {exc}") from exc
-        self._ack.put((seq, None))
+        self._ack.put(("ack", seq, None))
         self.buckets_received += 1
+        try:
+            metas, trailer = decode_bucket_meta(meta)
+        except RefitError as exc:  # the bucket's checksum (which covers its metadata) refuses it
+            logger.warning("cuda_ipc: bucket %d of version %d: %s", index, version, exc)
+            metas, trailer = (), None
         return Bucket(
             version=version,
             index=index,
             is_last=bool(is_last),
-            metas=decode_metas(meta),
+            metas=metas,
             payload=payload,
             checksum=checksum,
+            stream_id=stream_id,
+            trailer=trailer,
         )
 
     def close(self) -> None:
@@ -213,7 +266,7 @@ class CudaIpcTransport(Transport):
         if self.role == "sender":
             try:
                 self.flush(timeout=min(self.timeout, 10.0))
-                self._data.put((KIND_CLOSE, 0, 0, 0, False, b"", 0, None, None), timeout=min(self.timeout, 10.0))
+                self._data.put((KIND_CLOSE, 0, 0, 0, False, b"", 0, 0, None, None), timeout=min(self.timeout, 10.0))
             except (RefitError, queue.Full) as exc:
                 logger.warning("closing the cuda_ipc transport: the receiver was not told (%s)", exc)
         self._closed = True

@@ -2,13 +2,16 @@
 
 from __future__ import annotations
 
+import collections
 import logging
 import queue
+import threading
+import time
 from dataclasses import dataclass
 
 from megatron_fp8.errors import ConfigError, RefitAbortedError, TransportClosedError, TransportTimeoutError
 from megatron_fp8.refit.transport.base import DEFAULT_TIMEOUT_S, Transport
-from megatron_fp8.refit.wire import Bucket
+from megatron_fp8.refit.wire import Bucket, RefitOutcome
 
 logger = logging.getLogger(__name__)
 
@@ -25,12 +28,16 @@ class _Abort:
 _Message = Bucket | _Abort | None
 """What travels through the queue; ``None`` means the sender closed the transport."""
 
+_MAX_UNCLAIMED_OUTCOMES = 64
+"""Outcomes no sender waits for (e.g. for buckets pushed in by hand) are kept up to this many, oldest dropped."""
+
 
 class InProcTransport(Transport):
     """A bounded queue between a sender thread and a receiver thread of one process.
 
     The bucket object itself is passed (no copy): :func:`~megatron_fp8.refit.buckets.pack_buckets`
-    gives every bucket a fresh buffer, so nothing is overwritten while queued.
+    gives every bucket a fresh buffer, so nothing is overwritten while queued. Outcomes travel back
+    through a mailbox keyed by ``(version, stream_id)``, so several senders may share one transport.
 
     Args:
         maxsize: buckets the queue holds before :meth:`send` blocks (>= 1).
@@ -45,6 +52,8 @@ class InProcTransport(Transport):
             raise ConfigError(f"InProcTransport maxsize must be >= 1, got {maxsize}")
         self._queue: queue.Queue[_Message] = queue.Queue(maxsize=maxsize)
         self._peer_closed = False
+        self._outcomes: collections.deque[RefitOutcome] = collections.deque(maxlen=_MAX_UNCLAIMED_OUTCOMES)
+        self._outcome_cv = threading.Condition()
 
     def _put(self, item: _Message, timeout: float | None, what: str) -> None:
         self._check_open()
@@ -86,6 +95,28 @@ class InProcTransport(Transport):
             )
         self.buckets_received += 1
         return item
+
+    def send_outcome(self, outcome: RefitOutcome, *, timeout: float | None = None) -> None:
+        with self._outcome_cv:
+            self._outcomes.append(outcome)
+            self._outcome_cv.notify_all()
+
+    def recv_outcomes(self, version: int, stream_id: int, *, timeout: float | None = None) -> tuple[RefitOutcome, ...]:
+        deadline = self._deadline(timeout)
+        with self._outcome_cv:
+            while True:
+                for outcome in self._outcomes:
+                    if outcome.version == version and outcome.stream_id == stream_id:
+                        self._outcomes.remove(outcome)
+                        return (outcome,)
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    raise TransportTimeoutError(
+                        f"inproc transport: the receiver sent no outcome for refit version {version} within "
+                        f"{self.timeout if timeout is None else timeout:.3g}s; it died or stalled before applying, "
+                        "or no RefitReceiver reads this transport"
+                    )
+                self._outcome_cv.wait(left)
 
     def close(self) -> None:
         if self._closed:

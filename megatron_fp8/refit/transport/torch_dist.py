@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import collections
+import dataclasses
 import logging
 import time
 from dataclasses import dataclass
@@ -20,7 +21,8 @@ from megatron_fp8.errors import (
     TransportTimeoutError,
 )
 from megatron_fp8.refit.transport.base import DEFAULT_TIMEOUT_S, KIND_ABORT, KIND_BUCKET, KIND_CLOSE, Transport
-from megatron_fp8.refit.wire import Bucket, decode_metas, encode_metas
+from megatron_fp8.refit.wire import Bucket, RefitOutcome, decode_bucket_meta, encode_bucket_meta
+from megatron_fp8.vocab import REFIT_OUTCOMES
 
 if TYPE_CHECKING:
     # not imported at run time: torch builds without distributed support lack these names
@@ -29,7 +31,34 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 _MAGIC = 0x46503852  # "FP8R"
-_HEADER_LEN = 8  # magic, kind, version, index, is_last, meta_len, payload_len, checksum
+_HEADER_LEN = 9  # magic, kind, version, index, is_last, meta_len, payload_len, checksum, stream_id
+_OUTCOME_MAGIC = 0x46503855  # "FP8U"
+_OUTCOME_TAG = 0x4F55  # point-to-point tag of outcome records (receiver -> sender)
+_OUTCOME_BYTES = 4096  # fixed record: 5 int64 [magic, version, stream_id, status, reason_len] + UTF-8 reason
+_OUTCOME_HEAD = 5 * 8
+_STATUSES = tuple(REFIT_OUTCOMES)
+
+
+def _encode_outcome(outcome: RefitOutcome) -> torch.Tensor:
+    reason = outcome.reason.encode("utf-8")[: _OUTCOME_BYTES - _OUTCOME_HEAD]
+    head = torch.tensor(
+        [_OUTCOME_MAGIC, outcome.version, outcome.stream_id, _STATUSES.index(outcome.status), len(reason)],
+        dtype=torch.int64,
+    )
+    record = torch.zeros(_OUTCOME_BYTES, dtype=torch.uint8)
+    record[:_OUTCOME_HEAD] = head.view(torch.uint8)
+    if reason:
+        record[_OUTCOME_HEAD : _OUTCOME_HEAD + len(reason)] = torch.frombuffer(bytearray(reason), dtype=torch.uint8)
+    return record
+
+
+def _decode_outcome(record: torch.Tensor, receiver: str) -> RefitOutcome | None:
+    data = record.cpu()
+    magic, version, stream_id, status, reason_len = data[:_OUTCOME_HEAD].view(torch.int64).tolist()
+    if magic != _OUTCOME_MAGIC or not 0 <= status < len(_STATUSES) or not 0 <= reason_len <= _OUTCOME_BYTES:
+        return None
+    reason = data[_OUTCOME_HEAD : _OUTCOME_HEAD + reason_len].numpy().tobytes().decode("utf-8", errors="replace")
+    return RefitOutcome(version, _STATUSES[status], reason, stream_id=stream_id, receiver=receiver)
 
 
 @dataclass
@@ -46,8 +75,9 @@ class TorchDistTransport(Transport):
     """Broadcast buckets from rank ``src`` to the other ranks of a process group.
 
     Wire format per message: an int64 header ``[magic, kind, version, index,
-    is_last, meta_len, payload_len, checksum]``, then the metadata as JSON bytes
-    (``uint8``), then the payload (``uint8``); empty parts are skipped. The
+    is_last, meta_len, payload_len, checksum, stream_id]``, then the metadata
+    (and, on the last bucket, the version trailer) as JSON bytes (``uint8``),
+    then the payload (``uint8``); empty parts are skipped. The
     sender issues all three broadcasts with ``async_op=True`` and keeps at most
     ``max_in_flight`` buckets outstanding (2: double buffering, so packing the
     next bucket overlaps the transfer of this one). The receiver posts the next
@@ -60,6 +90,12 @@ class TorchDistTransport(Transport):
     (its ``wait`` only orders streams). After a timeout the process group has a
     collective stuck in flight: the transport is marked broken and refuses
     further use; re-create the process group to refit again.
+
+    Outcomes: each receiver sends one fixed-size record (4 KiB: version,
+    stream id, status, reason) point-to-point to ``src`` (tag ``0x4F55``), so an
+    outcome never interleaves with the broadcast stream, even when a receiver
+    refused mid-version. The sender keeps one receive posted per receiver; a
+    record of another version (a late answer) is skipped.
 
     Args:
         src: global rank of the trainer (the sender).
@@ -110,6 +146,9 @@ class TorchDistTransport(Transport):
         self._in_flight: collections.deque[_InFlight] = collections.deque()
         self._prefetch: tuple[Work, torch.Tensor, float] | None = None
         self._broken: str | None = None
+        self._outcome_recvs: dict[int, tuple[Work, torch.Tensor]] = {}  # sender: peer -> posted receive
+        self._outcome_inbox: list[RefitOutcome] = []  # sender: records not claimed yet
+        self._outcome_sends: list[tuple[Work, torch.Tensor]] = []  # receiver: sends kept alive until done
 
     # -- helpers
 
@@ -151,9 +190,17 @@ class TorchDistTransport(Transport):
         return dist.broadcast(tensor, src=self.src, group=self.group, async_op=True)
 
     def _header(
-        self, kind: int, version: int, index: int, is_last: bool, meta_len: int, payload_len: int, checksum: int
+        self,
+        kind: int,
+        version: int,
+        index: int,
+        is_last: bool,
+        meta_len: int,
+        payload_len: int,
+        checksum: int,
+        stream_id: int = 0,
     ) -> torch.Tensor:
-        values = [_MAGIC, kind, version, index, int(is_last), meta_len, payload_len, checksum]
+        values = [_MAGIC, kind, version, index, int(is_last), meta_len, payload_len, checksum, stream_id]
         return torch.tensor(values, dtype=torch.int64, device=self.device)
 
     def _bytes_tensor(self, data: bytes) -> torch.Tensor:
@@ -180,14 +227,23 @@ class TorchDistTransport(Transport):
     def send(self, bucket: Bucket, *, timeout: float | None = None) -> None:
         self._require_sender("send")
         self._check_usable()
-        meta = encode_metas(bucket.metas)
+        meta = encode_bucket_meta(bucket.metas, bucket.trailer)
         payload = bucket.payload if bucket.payload.device == self.device else bucket.payload.to(self.device)
         header = self._header(
-            KIND_BUCKET, bucket.version, bucket.index, bucket.is_last, len(meta), payload.numel(), bucket.checksum
+            KIND_BUCKET,
+            bucket.version,
+            bucket.index,
+            bucket.is_last,
+            len(meta),
+            payload.numel(),
+            bucket.checksum,
+            bucket.stream_id,
         )
         self._issue([header, self._bytes_tensor(meta), payload], f"sending {bucket.describe()}", timeout)
         self.buckets_sent += 1
         self.bytes_sent += bucket.nbytes
+        if bucket.is_last:
+            self._pump_outcomes()  # receivers answer after the last bucket: have a receive posted for each
 
     def send_abort(self, version: int, index: int, reason: str, *, timeout: float | None = None) -> None:
         self._require_sender("send an abort")
@@ -205,7 +261,94 @@ class TorchDistTransport(Transport):
             for work in item.works:
                 self._wait(work, deadline, item.what)
 
+    def _post_outcome_recv(self, peer: int) -> None:
+        record = torch.empty(_OUTCOME_BYTES, dtype=torch.uint8, device=self.device)
+        work = dist.irecv(record, src=peer, group=self.group, tag=_OUTCOME_TAG)
+        self._outcome_recvs[peer] = (work, record)
+
+    def _take_outcome(self, peer: int) -> None:
+        """The posted receive from ``peer`` completed: keep its record (the next one is posted when needed)."""
+        _work, record = self._outcome_recvs.pop(peer)
+        outcome = _decode_outcome(record, f"rank {peer}")
+        if outcome is None:
+            logger.warning("%s transport: dropped a malformed outcome record from rank %d", self.name, peer)
+        else:
+            self._outcome_inbox.append(outcome)
+            del self._outcome_inbox[:-64]  # unclaimed answers of earlier versions are dropped, oldest first
+
+    def _pump_outcomes(self) -> None:
+        """Keep one outcome receive posted per receiver; collect those that completed. Never raises."""
+        for peer in self.peers:
+            try:
+                if peer in self._outcome_recvs and self._outcome_recvs[peer][0].is_completed():
+                    self._outcome_recvs[peer][0].wait()
+                    self._take_outcome(peer)
+                if peer not in self._outcome_recvs:
+                    self._post_outcome_recv(peer)
+            except RuntimeError as exc:  # a dead receiver: recv_outcomes reports it
+                logger.debug("%s transport: outcome receive from rank %d: %s", self.name, peer, exc)
+
+    def _claim(self, peer: int, version: int, stream_id: int) -> RefitOutcome | None:
+        for outcome in self._outcome_inbox:
+            if outcome.receiver == f"rank {peer}" and outcome.version == version and outcome.stream_id == stream_id:
+                self._outcome_inbox.remove(outcome)
+                return outcome
+        return None
+
+    def _wait_p2p(self, work: Work, deadline: float) -> None:
+        """Wait for a point-to-point operation; raise RuntimeError/TimeoutError like :meth:`_wait` sees them."""
+        if self._poll:
+            while not work.is_completed():
+                if time.monotonic() > deadline:
+                    raise TimeoutError("deadline passed")
+                time.sleep(1e-3)
+            work.wait()
+        else:
+            work.wait(timeout=timedelta(seconds=max(deadline - time.monotonic(), 1e-3)))
+
+    def recv_outcomes(self, version: int, stream_id: int, *, timeout: float | None = None) -> tuple[RefitOutcome, ...]:
+        self._require_sender("collect outcomes")
+        self._check_usable()
+        deadline = self._deadline(timeout)
+        self._pump_outcomes()
+        got: dict[int, RefitOutcome] = {}
+        for peer in self.peers:
+            while (outcome := self._claim(peer, version, stream_id)) is None:
+                try:
+                    if peer not in self._outcome_recvs:
+                        self._post_outcome_recv(peer)
+                    self._wait_p2p(self._outcome_recvs[peer][0], deadline)
+                except (RuntimeError, TimeoutError) as exc:
+                    missing = [p for p in self.peers if p not in got]
+                    first = str(exc).splitlines()[0][:200]
+                    self._broken = f"waiting for the outcome of refit version {version}: {first}"
+                    raise TransportTimeoutError(
+                        f"{self.name} transport: receiver rank(s) {missing} sent no outcome for refit version "
+                        f"{version} within the {self.timeout if timeout is None else timeout:.3g}s deadline ({first}); "
+                        "the receiver died or stalled before (or while) applying it. Check the rollout process; "
+                        "re-create the process group to refit again."
+                    ) from exc
+                self._take_outcome(peer)
+            got[peer] = outcome
+        return tuple(got[p] for p in self.peers)
+
     # -- receiver side
+
+    def send_outcome(self, outcome: RefitOutcome, *, timeout: float | None = None) -> None:
+        if self.is_sender:
+            raise RefitError(f"rank {self.rank} is the sender of this transport; it cannot send an outcome")
+        self._outcome_sends = [(w, t) for w, t in self._outcome_sends if not w.is_completed()]
+        record = _encode_outcome(dataclasses.replace(outcome, receiver=f"rank {self.rank}")).to(self.device)
+        work = dist.isend(record, dst=self.src, group=self.group, tag=_OUTCOME_TAG)
+        self._outcome_sends.append((work, record))
+        try:
+            self._wait_p2p(work, self._deadline(timeout))
+        except (RuntimeError, TimeoutError) as exc:
+            raise TransportTimeoutError(
+                f"{self.name} transport (rank {self.rank}): sender rank {self.src} did not take the outcome of "
+                f"refit version {outcome.version} ({outcome.status}) within the deadline; it died or stopped "
+                f"waiting ({str(exc).splitlines()[0][:200]})"
+            ) from exc
 
     def _post_header(self) -> tuple[Work, torch.Tensor]:
         header = torch.empty(_HEADER_LEN, dtype=torch.int64, device=self.device)
@@ -222,7 +365,7 @@ class TorchDistTransport(Transport):
         else:
             work, header = self._post_header()
         self._wait(work, deadline, "receiving the next bucket header")
-        magic, kind, version, index, is_last, meta_len, payload_len, checksum = header.tolist()
+        magic, kind, version, index, is_last, meta_len, payload_len, checksum, stream_id = header.tolist()
         if magic != _MAGIC or kind not in (KIND_BUCKET, KIND_ABORT, KIND_CLOSE) or meta_len < 0 or payload_len < 0:
             self._broken = "corrupt header"
             raise RefitError(
@@ -248,13 +391,20 @@ class TorchDistTransport(Transport):
             work_next, header_next = self._post_header()
             self._prefetch = (work_next, header_next, time.monotonic())
         self.buckets_received += 1
+        try:
+            metas, trailer = decode_bucket_meta(meta_bytes)
+        except RefitError as exc:  # the bucket's checksum (which covers its metadata) refuses it
+            logger.warning("%s transport: bucket %d of version %d: %s", self.name, index, version, exc)
+            metas, trailer = (), None
         return Bucket(
             version=version,
             index=index,
             is_last=bool(is_last),
-            metas=decode_metas(meta_bytes),
+            metas=metas,
             payload=payload,
             checksum=checksum,
+            stream_id=stream_id,
+            trailer=trailer,
         )
 
     def close(self) -> None:

@@ -231,6 +231,14 @@ class ReferenceEngineApplier:
                 raise self._layout_error(version, name, f"{slot.shape} {allowed}", got, "check the export's dtypes")
             if shape != slot.shape:
                 raise self._layout_error(version, name, f"{slot.shape} {allowed}", got, mapping)
+            if fp8 and dtype == FP8_DTYPE and canon + SCALE_SUFFIX not in dtypes:  # a partial version
+                raise self._layout_error(
+                    version,
+                    name + SCALE_SUFFIX,
+                    f"float32 {self._slots[canon + SCALE_SUFFIX].shape} block scales with the FP8 weight",
+                    "none",
+                    "an FP8 weight and its scales travel in the same version",
+                )
             if fp8 and dtype != FP8_DTYPE and canon + SCALE_SUFFIX in dtypes:
                 raise self._layout_error(
                     version,

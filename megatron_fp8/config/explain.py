@@ -1,0 +1,213 @@
+"""``megatron-fp8 config --explain``: every key of a loaded config, its value, where it came from, what it does.
+
+:data:`EFFECTS` declares, for every key the schema implements, where its value goes (the longest
+matching dotted prefix wins); a test checks that every schema key has one. Keys megatron-fp8 does not
+implement are explained by :mod:`megatron_fp8.config.nemo_rl_keys` ("no effect: <reason>").
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import textwrap
+from collections.abc import Mapping
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+from megatron_fp8.config.inheritance import OVERRIDE_SOURCE, leaf_paths
+from megatron_fp8.config.loader import LoadedConfig
+from megatron_fp8.config.nemo_rl_keys import known_keys
+from megatron_fp8.config.schema import JSONValue
+
+_DIMS = "model dimension, for validation only (TP divisibility, BF16 layers)"
+_VLLM_ARG = "vLLM engine argument {} (config.wiring.vllm_engine_args)"
+
+EFFECTS: Mapping[str, str] = {
+    "model.name_or_path": "the checkpoint trained and served (models.resolve_model)",
+    "model.is_moe": "MoE checks: FP8 rollout must be blockwise (config.validate)",
+    "model.num_layers": _DIMS,
+    "model.hidden_size": _DIMS,
+    "model.intermediate_size": _DIMS,
+    "model.num_attention_heads": _DIMS,
+    "model.num_key_value_heads": _DIMS,
+    "model.head_dim": _DIMS,
+    "model.moe_intermediate_size": _DIMS,
+    "model.num_experts": _DIMS,
+    "policy.model_name": "NeMo-RL spelling of model.name_or_path (the checkpoint)",
+    "policy.megatron_cfg.enabled": "must be true: megatron-fp8 always trains through Megatron-Core",
+    "policy.megatron_cfg.tensor_model_parallel_size": "Megatron tensor parallel size (config.wiring.megatron_parallel_args)",
+    "policy.megatron_cfg.pipeline_model_parallel_size": "Megatron pipeline parallel size (megatron_parallel_args)",
+    "policy.megatron_cfg.fp8_cfg.enabled": "FP8 training on/off: selects the training recipe (RunConfig.training_recipe)",
+    "policy.megatron_cfg.fp8_cfg.fp8": "Megatron-Core FP8 format of the training recipe",
+    "policy.megatron_cfg.fp8_cfg.fp8_recipe": "the FP8 training recipe (recipes.registry) written into Megatron-Core",
+    "policy.megatron_cfg.fp8_cfg.fp8_param": "FP8 primary weights: with blockwise, the 'fp8_param' recipe",
+    "policy.megatron_cfg.fp8_cfg.num_first_layers_in_bf16": "first training layers kept BF16 (build_megatron_model)",
+    "policy.megatron_cfg.fp8_cfg.num_last_layers_in_bf16": "last training layers kept BF16 (build_megatron_model)",
+    "policy.megatron_cfg.optimizer.clip_grad": "gradient-norm clip of the CPU Adam (megatron.optim)",
+    "policy.megatron_cfg.env_vars": "environment of the run (set for its duration by rl.grpo)",
+    "policy.generation.backend": "must be 'vllm' (the engine itself is rollout.engine)",
+    "policy.generation.vllm_cfg.precision": "FP8 rollout on/off for the FP8 arms; quantization config and manifest",
+    "policy.generation.vllm_cfg.use_deep_gemm": "env VLLM_USE_DEEP_GEMM of the vLLM engine (config.wiring.vllm_env)",
+    "policy.generation.vllm_cfg.gpu_memory_utilization": _VLLM_ARG.format("gpu_memory_utilization"),
+    "policy.generation.vllm_cfg.num_first_layers_in_bf16": "first layers in ignored_layers -> manifest (rl.fp8_rollout)",
+    "policy.generation.vllm_cfg.num_last_layers_in_bf16": "last layers in ignored_layers -> manifest (rl.fp8_rollout)",
+    "policy.generation.vllm_cfg.pow2_weight_scaling_factors": "UE8M0 weight scales in the refit export",
+    "policy.generation.vllm_cfg.pow2_activation_scaling_factors": "UE8M0 activation scales (reference engine)",
+    "policy.generation.vllm_cfg.kv_cache_dtype": _VLLM_ARG.format("kv_cache_dtype") + "; FP8 KV scales",
+    "policy.generation.vllm_cfg.tensor_parallel_size": _VLLM_ARG.format("tensor_parallel_size") + "; export TP",
+    "policy.generation.vllm_cfg.max_model_len": _VLLM_ARG.format("max_model_len"),
+    "policy.generation.vllm_cfg.quantization_ignored_layer_kws": "modules named so -> ignored_layers -> manifest",
+    "policy.generation.vllm_cfg.is_mx": "MXFP8 rollout: refused (needs Blackwell; the refit is blockwise)",
+    "policy.generation.vllm_cfg.quantization_config": "the explicit vLLM quantization_config (hf_overrides)",
+    "loss_fn.use_importance_sampling_correction": "IS correction of the rollout mismatch on/off (rl.phases)",
+    "loss_fn.is_variant": "IS correction rule (rl.correction.RULES)",
+    "loss_fn.is_cap": "truncation cap of the IS weight (rl.correction)",
+    "loss_fn.is_lower": "lower IS ratio bound of the masking variants (rl.phases)",
+    "loss_fn.is_upper": "upper IS ratio bound of the masking variants (rl.phases)",
+    "loss_fn.ratio_clip_min": "PPO clip epsilon below 1 (rl.phases)",
+    "loss_fn.ratio_clip_max": "PPO clip epsilon above 1 (rl.phases)",
+    "loss_fn.log_ratio_clamp": "clamp of |log ratio| before exp (rl.phases)",
+    "grpo.num_steps": "training steps per arm (rl.grpo)",
+    "grpo.num_prompts_per_step": "prompts per step (rl.phases)",
+    "grpo.num_generations_per_prompt": "samples per prompt, the GRPO group (rl.phases)",
+    "grpo.max_new_tokens": "generation length limit (rollout engine)",
+    "grpo.temperature": "sampling temperature (rollout engine)",
+    "grpo.learning_rate": "learning rate of the CPU Adam (rl.grpo)",
+    "grpo.seed": "seed of prompts, sampling and init (rl.grpo)",
+    "grpo.arms": "the arms run, in order (rl.grpo)",
+    "grpo.task": "the verifiable toy task (rl.task)",
+    "grpo.task_max_digits": "operand length of the task (rl.task)",
+    "grpo.updates_per_step": "PPO updates per step (rl.phases)",
+    "grpo.warmup_steps": "learning-rate warm-up steps (rl.phases)",
+    "grpo.warm_start_steps": "supervised warm-start steps before the arms (rl.warm_start)",
+    "grpo.warm_start_learning_rate": "learning rate of the warm start (rl.warm_start)",
+    "rollout.engine": "the rollout engine (rollout.engines.ENGINES)",
+    "refit.bucket_size_mb": "refit bucket size (refit.pipeline.ColocatedRefit)",
+    "refit.timeout_s": "per-wait refit timeout (refit.pipeline.ColocatedRefit)",
+    "refit.verify": "read back and compare after each refit (engine applier)",
+    "kv_cache.percentile": "FP8 KV-cache scale calibration percentile (rl.kv_calibration)",
+    "kv_cache.margin": "FP8 KV-cache scale margin (rl.kv_calibration)",
+    "logging.level": "log level of `megatron-fp8 grpo` (cli.grpo)",
+    "out_dir": "output folder of `megatron-fp8 grpo` without --out (cli.grpo)",
+}
+"""Dotted key (or prefix) the schema implements -> where its value goes."""
+
+DEFAULT_SOURCE = "(default)"
+"""Source shown for a key the config does not give (the schema default)."""
+
+FILLED_SOURCE = "(known model)"
+"""Source shown for a model dimension filled in from the known-model table."""
+
+
+@dataclass(frozen=True)
+class ExplainRow:
+    """One key of a loaded config.
+
+    Attributes:
+        key: dotted path.
+        value: the resolved value.
+        source: the file that set it, ``<override>``, ``(default)`` or ``(known model)``.
+        implemented: whether megatron-fp8 implements the key.
+        effect: where the value goes, or ``"no effect: <reason>"``.
+    """
+
+    key: str
+    value: JSONValue
+    source: str
+    implemented: bool
+    effect: str
+
+
+def effect_of(key: str) -> str | None:
+    """The :data:`EFFECTS` entry of ``key`` (longest matching dotted prefix), ``None`` if there is none."""
+    parts = key.split(".")
+    for i in range(len(parts), 0, -1):
+        effect = EFFECTS.get(".".join(parts[:i]))
+        if effect is not None:
+            return effect
+    return None
+
+
+def _value_at(data: Mapping[str, JSONValue], dotted: str) -> JSONValue:
+    node: JSONValue = dict(data)
+    for part in dotted.split("."):
+        node = node.get(part) if isinstance(node, dict) else None
+    return node
+
+
+def _source(key: str, sources: Mapping[str, str], *, default: str) -> str:
+    if key in sources:
+        return sources[key]
+    # a value below a leaf the file gave as a whole (e.g. env_vars: {...} given, or an alias renamed)
+    below = [s for k, s in sources.items() if k.startswith(key + ".")]
+    return below[-1] if below else default
+
+
+def explain_rows(loaded: LoadedConfig) -> list[ExplainRow]:
+    """Every key of ``loaded``: the implemented ones (schema order), then the ones with no effect."""
+    data = loaded.config.to_dict()
+    rows: list[ExplainRow] = []
+    for key in leaf_paths(data):
+        default = FILLED_SOURCE if key.startswith("model.") and key != "model.name_or_path" else DEFAULT_SOURCE
+        source = _source(key, loaded.sources, default=default)
+        if key == "model.name_or_path" and source == DEFAULT_SOURCE:
+            source = _source("policy.model_name", loaded.sources, default=DEFAULT_SOURCE)
+        rows.append(ExplainRow(key, _value_at(data, key), source, True, effect_of(key) or "(undeclared)"))
+    known = known_keys()
+    for top, value in loaded.no_effect.items():
+        leaves = [top] if not (isinstance(value, dict) and value) else [f"{top}.{k}" for k in leaf_paths(value)]
+        for key in leaves:
+            rows.append(
+                ExplainRow(
+                    key,
+                    value if key == top else _value_at(value, key[len(top) + 1 :]),  # type: ignore[arg-type]
+                    _source(key, loaded.sources, default=DEFAULT_SOURCE),
+                    False,
+                    "no effect: " + known.reason(key),
+                )
+            )
+    return rows
+
+
+def _short_source(source: str, base: Path | None) -> str:
+    if source.startswith("(") or source == OVERRIDE_SOURCE or base is None:
+        return source
+    try:
+        return os.path.relpath(source, base)
+    except ValueError:
+        return source
+
+
+def _short_value(value: JSONValue, width: int) -> str:
+    text = json.dumps(value, separators=(",", ":"))
+    return text if len(text) <= width else text[: width - 3] + "..."
+
+
+def render_text(loaded: LoadedConfig, rows: list[ExplainRow], *, width: int = 80) -> str:
+    """The table as text that reads in ``width`` columns: ``key = value`` then ``  [source] effect``."""
+    base = loaded.files[-1].parent if loaded.files else None
+    implemented = [r for r in rows if r.implemented]
+    ignored = [r for r in rows if not r.implemented]
+    lines = [
+        f"config: {loaded.files[-1].name if loaded.files else 'embedded default'}"
+        + (f" (+{len(loaded.files) - 1} parent files)" if len(loaded.files) > 1 else ""),
+        f"{len(implemented)} keys implemented, {len(ignored)} with no effect in megatron-fp8",
+    ]
+    for title, group in (("implemented", implemented), ("no effect in megatron-fp8", ignored)):
+        if not group:
+            continue
+        lines += ["", f"== {title} =="]
+        for row in group:
+            head = f"{row.key} = "
+            if len(head) > width - 16:  # a long key: the value goes on its own line
+                lines += [row.key, "  = " + _short_value(row.value, width - 4)]
+            else:
+                lines.append(head + _short_value(row.value, width - len(head)))
+            detail = f"[{_short_source(row.source, base)}] {row.effect}"
+            lines += textwrap.wrap(detail, width=width, initial_indent="    ", subsequent_indent="      ")
+    return "\n".join(lines) + "\n"
+
+
+def render_json(loaded: LoadedConfig, rows: list[ExplainRow]) -> str:
+    """The full table as JSON: ``{"files": [...], "keys": [{key, value, source, implemented, effect}, ...]}``."""
+    return json.dumps({"files": [str(f) for f in loaded.files], "keys": [asdict(r) for r in rows]}, indent=1)
