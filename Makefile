@@ -50,6 +50,7 @@ demo: install
 bench: install
 	$(BIN)/python bench/quant.py --out bench/results/quant.json
 	$(BIN)/python bench/refit.py --out bench/results/refit.json
+	$(BIN)/python bench/verify.py --out bench/results/verify.json
 
 lint: install
 	$(BIN)/ruff check .

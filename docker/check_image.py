@@ -8,7 +8,9 @@ Checks (each failure is one line naming the package / variable and the remedy):
 * ``torch.version.cuda`` is at least ``--min-cuda`` (TE's blockwise FP8 GEMM needs CUDA >= 12.9);
 * the environment variables FP8 needs are set (``NVTE_FP8_BLOCK_SCALING_FP32_SCALES=1``, ``TORCH_CUDA_ARCH_LIST``);
 * vLLM's compiled extension loads against this torch (a missing driver, ``libcuda``, is only a warning: build
-  machines often have no GPU).
+  machines often have no GPU);
+* the modules that need the NVIDIA driver to import (:data:`RUNTIME_MODULES`, e.g. ``deep_gemm``, which loads
+  ``libcuda.so.1``) are installed; they are imported at run time by ``megatron-fp8 doctor --imports`` on a GPU node.
 
 Prints one line per package with its version; exit status 1 when anything failed.
 """
@@ -28,7 +30,6 @@ DEFAULT_MODULES = (
     "triton",
     "transformer_engine.pytorch",
     "vllm",
-    "deep_gemm",
     "megatron.core",
     "megatron.bridge",
     "modelopt.torch.quantization",
@@ -37,6 +38,8 @@ DEFAULT_MODULES = (
     "megatron_fp8.quant",
     "megatron_fp8.cli",
 )
+RUNTIME_MODULES = ("deep_gemm",)
+"""Need ``libcuda.so.1`` (a driver) to import: only checked to be installed here (build machines have no driver)."""
 REQUIRED_ENV: dict[str, str] = {"NVTE_FP8_BLOCK_SCALING_FP32_SCALES": "1", "TORCH_CUDA_ARCH_LIST": "9.0"}
 
 
@@ -63,6 +66,17 @@ def check_imports(modules: tuple[str, ...]) -> tuple[list[str], list[str]]:
             continue
         report.append(f"{name} {_version(name, module)}")
     return report, problems
+
+
+def check_installed(modules: tuple[str, ...]) -> list[str]:
+    """Each module can be found (``importlib.util.find_spec``) without importing it."""
+    import importlib.util
+
+    return [
+        f"{name} is not installed (it is imported at run time by `megatron-fp8 doctor --imports`)"
+        for name in modules
+        if importlib.util.find_spec(name) is None
+    ]
 
 
 def check_single_torch() -> list[str]:
@@ -145,10 +159,16 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--min-cuda", default="12.9", help="minimum CUDA version of torch; 'none' skips the check")
     parser.add_argument("--no-env-check", action="store_true", help="skip the required environment variables")
     parser.add_argument("--no-vllm-extension", action="store_true", help="skip loading vllm._C")
+    parser.add_argument(
+        "--runtime-modules",
+        default=",".join(RUNTIME_MODULES),
+        help="comma-separated modules that need a driver to import: checked to be installed, not imported",
+    )
     args = parser.parse_args(argv)
 
     modules = tuple(m.strip() for m in args.modules.split(",") if m.strip())
     report, problems = check_imports(modules)
+    problems += check_installed(tuple(m.strip() for m in args.runtime_modules.split(",") if m.strip()))
     warnings: list[str] = []
     if "torch" in modules:
         problems += check_single_torch()

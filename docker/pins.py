@@ -15,6 +15,9 @@ Usage::
 
     python docker/pins.py check                  # exit 1 and list every disagreement
     python docker/pins.py freeze-base --out F    # write NAME==VERSION for the installed from-base packages
+    python docker/pins.py check-base             # the base has torch >= 2.8, TE >= 2.3, CUDA >= 12.9
+    python docker/pins.py runtime-deps D...      # dependencies of installed D... minus EXCLUDED
+    python docker/pins.py pip-check              # pip check, waiving only the EXCLUDED names
 """
 
 from __future__ import annotations
@@ -22,6 +25,7 @@ from __future__ import annotations
 import argparse
 import importlib.metadata
 import re
+import subprocess
 import sys
 from dataclasses import dataclass
 from pathlib import Path
@@ -176,6 +180,79 @@ def freeze_base(from_base: tuple[str, ...]) -> list[str]:
     return sorted(lines)
 
 
+#: Names the build never installs from an index, each with its reason: the base image owns them, or they are
+#: GPU-only / cu13 dependencies of a package installed with ``--no-deps``. ``runtime-deps`` leaves them out of the
+#: one resolution, ``pip-check`` waives exactly these (and nothing else), tests/docker/test_resolution.py uses both.
+EXCLUDED: dict[str, str] = {
+    "torch": "the base image's (NGC builds a pre-release, 2.8.0a0+..., that 'torch>=2.8' rejects)",
+    "torchvision": "not used; a PyPI build would pin a second torch",
+    "torchaudio": "not used; a PyPI build would pin a second torch",
+    "xformers": "vLLM uses FlashAttention on Hopper; the PyPI wheel pins a PyPI torch",
+    "triton": "the base image's",
+    "transformer-engine": "the base image's (megatron-bridge asks for a cu13 build)",
+    "mamba-ssm": "megatron-bridge GPU-only extra, not used (CI leaves it out too)",
+    "causal-conv1d": "megatron-bridge GPU-only extra, not used (CI leaves it out too)",
+    "flash-linear-attention": "megatron-bridge GPU-only extra, not used (CI leaves it out too)",
+    "nvidia-resiliency-ext": "megatron-bridge training extra, not used (CI leaves it out too)",
+    "timm": "megatron-bridge vision-model dependency, not used",
+    "open-clip-torch": "megatron-bridge vision-model dependency, not used",
+    "qwen-vl-utils": "megatron-bridge vision-model dependency, not used",
+    "mlflow": "megatron-bridge logger, not used",
+    "wandb": "megatron-bridge logger, not used",
+}
+
+#: Installed with ``--no-deps``; their dependencies minus :data:`EXCLUDED` are resolved together with
+#: docker/requirements-container.txt in one pip call.
+NO_DEPS_DISTS = ("vllm", "deep-gemm", "megatron-core", "nvidia-modelopt", "megatron-bridge")
+
+
+def _req_name(spec: str) -> str:
+    return normalize(re.split(r"[\s\[<>=!~;(@]", spec.strip(), maxsplit=1)[0])
+
+
+def requirement_set(
+    requires: dict[str, list[str]],
+    *,
+    exclude: set[str],
+    environment: dict[str, str] | None = None,
+) -> list[str]:
+    """The dependencies of several distributions as one requirement list, minus extras and ``exclude``.
+
+    Args:
+        requires: distribution name -> its ``Requires-Dist`` strings (installed metadata or a pip report).
+        exclude: normalized names to leave out (:data:`EXCLUDED`); the distributions themselves are left out too.
+        environment: marker environment overrides (e.g. ``python_version`` 3.12 when resolving for the image
+            from another Python); ``None`` evaluates markers for this interpreter.
+
+    Returns:
+        Requirement strings without their markers, in first-seen order, duplicates removed.
+    """
+    try:
+        from packaging.requirements import Requirement
+    except ImportError:  # pragma: no cover - pip's environment always has packaging on NGC images
+        Requirement = None
+    own = {normalize(d) for d in requires}
+    out: list[str] = []
+    for reqs in requires.values():
+        for req in reqs:
+            spec, _, marker = req.partition(";")
+            if "extra ==" in marker or "extra==" in marker:
+                continue
+            if Requirement is not None:
+                parsed = Requirement(req)
+                if parsed.marker is not None and not parsed.marker.evaluate({**(environment or {}), "extra": ""}):
+                    continue
+                name = normalize(parsed.name)
+                spec = str(Requirement(req.split(";")[0]))
+            else:
+                name = _req_name(spec)
+            if name in exclude or name in own:
+                continue
+            if spec.strip() not in out:
+                out.append(spec.strip())
+    return out
+
+
 def runtime_deps(dists: list[str], *, exclude: set[str]) -> list[str]:
     """Requirement strings of installed ``dists`` that apply here, minus extras and the ``exclude`` names.
 
@@ -186,28 +263,85 @@ def runtime_deps(dists: list[str], *, exclude: set[str]) -> list[str]:
     Raises:
         importlib.metadata.PackageNotFoundError: a name in ``dists`` is not installed.
     """
+    return requirement_set({d: importlib.metadata.requires(d) or [] for d in dists}, exclude=exclude)
+
+
+_PIP_CHECK_LINE = re.compile(
+    r"^(?P<dist>\S+) \S+ (?:requires (?P<missing>[^,]+), which is not installed"
+    r"|has requirement (?P<req>.+?), but you have (?P<have>\S+) \S+)\.?$"
+)
+
+
+def waive_pip_check(output: str, *, excluded: set[str]) -> tuple[list[str], list[str]]:
+    """Split ``pip check`` output into (waived lines, problems).
+
+    A line is waived only when the package it names as missing or mismatched is in ``excluded`` (the base
+    image's own packages and the documented ``--no-deps`` exclusions); every other line is a problem.
+    """
+    waived, problems = [], []
+    for line in output.splitlines():
+        line = line.strip()
+        if not line or line.startswith("No broken requirements"):
+            continue
+        m = _PIP_CHECK_LINE.match(line)
+        name = None
+        if m is not None:
+            name = _req_name(m.group("missing") or m.group("req") or "")
+        (waived if name is not None and name in excluded else problems).append(line)
+    return waived, problems
+
+
+def _version_tuple(text: str) -> tuple[int, ...]:
+    return tuple(int(x) for x in re.findall(r"\d+", re.split(r"[a-z+]", text, maxsplit=1)[0])[:3])
+
+
+def _torch_cuda() -> str | None:
+    """``torch.version.cuda`` read from ``torch/version.py`` as text (torch is not imported)."""
     try:
-        from packaging.requirements import Requirement
-    except ImportError:  # pragma: no cover - pip's environment always has packaging on NGC images
-        Requirement = None
-    out: list[str] = []
-    for dist in dists:
-        for req in importlib.metadata.requires(dist) or []:
-            spec, _, marker = req.partition(";")
-            if "extra ==" in marker or "extra==" in marker:
+        files = importlib.metadata.files("torch") or []
+    except importlib.metadata.PackageNotFoundError:
+        return None
+    for f in files:
+        if str(f).replace("\\", "/") == "torch/version.py":
+            m = re.search(r"^cuda\s*(?::\s*\S+)?\s*=\s*['\"]([^'\"]+)['\"]", f.read_text(), re.M)
+            return m.group(1) if m else None
+    return None
+
+
+#: What the base image must provide (checked first thing in the build, ``pins.py check-base``): TE's blockwise
+#: FP8 GEMM needs CUDA >= 12.9, vLLM 0.11.0 is built for torch 2.8, Megatron-Core builds Float8BlockScaling only
+#: from TE 2.3. NGC PyTorch 25.05 and 25.06 meet all three (25.04 has torch 2.7 and TE 2.2, 25.08+ CUDA 13).
+BASE_MINIMUMS: dict[str, tuple[int, ...]] = {"torch": (2, 8), "transformer-engine": (2, 3), "cuda": (12, 9)}
+
+
+def check_base(minimums: dict[str, tuple[int, ...]] = BASE_MINIMUMS) -> list[str]:
+    """Problems with the base image's torch, TransformerEngine and torch CUDA build (empty = fine)."""
+    problems = []
+    found: dict[str, str | None] = {"cuda": _torch_cuda()}
+    for name in ("torch", "transformer-engine"):
+        found[name] = None
+        for candidate in (name, f"{name}-cu12", "transformer_engine"):
+            try:
+                found[name] = importlib.metadata.version(candidate)
+                break
+            except importlib.metadata.PackageNotFoundError:
                 continue
-            if Requirement is not None:
-                parsed = Requirement(req)
-                if parsed.marker is not None and not parsed.marker.evaluate({"extra": ""}):
-                    continue
-                name = normalize(parsed.name)
-            else:
-                name = normalize(re.split(r"[\s\[<>=!~;(]", spec.strip(), maxsplit=1)[0])
-            if name in exclude or name in {normalize(d) for d in dists}:
-                continue
-            if spec.strip() not in out:
-                out.append(spec.strip())
-    return out
+    for name, minimum in minimums.items():
+        have = found.get(name)
+        want = ".".join(map(str, minimum))
+        if have is None:
+            problems.append(f"base image has no {name}; use NGC PyTorch 25.05 or 25.06 as BASE_IMAGE")
+        elif _version_tuple(have) < minimum:
+            problems.append(
+                f"base image has {name} {have}, needs >= {want}; use NGC PyTorch 25.05 or 25.06 as BASE_IMAGE "
+                "(25.04 has torch 2.7 and TE 2.2; 25.08 and newer are CUDA 13)"
+            )
+    return problems
+
+
+def _waived_name(line: str) -> str:
+    m = _PIP_CHECK_LINE.match(line.strip())
+    return _req_name((m.group("missing") or m.group("req")) if m else "")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -219,12 +353,30 @@ def main(argv: list[str] | None = None) -> int:
     fz.add_argument("--pins", type=Path, default=CONTAINER_CONSTRAINTS)
     rd = sub.add_parser("runtime-deps", help="print the dependencies of installed packages, minus --exclude")
     rd.add_argument("dists", nargs="+")
-    rd.add_argument("--exclude", default="torch", help="comma-separated names to leave out (default: torch)")
+    rd.add_argument("--exclude", default=None, help="comma-separated names to leave out (default: EXCLUDED)")
+    sub.add_parser("pip-check", help="pip check; fail on anything but the documented EXCLUDED packages")
+    sub.add_parser("check-base", help="the base image has torch >= 2.8, TE >= 2.3, CUDA >= 12.9")
     args = parser.parse_args(argv)
     if args.cmd == "runtime-deps":
-        exclude = {normalize(x) for x in args.exclude.split(",") if x.strip()}
+        names = EXCLUDED if args.exclude is None else args.exclude.split(",")
+        exclude = {normalize(x) for x in names if x.strip()}
         print("\n".join(runtime_deps(args.dists, exclude=exclude)))
         return 0
+    if args.cmd == "pip-check":
+        proc = subprocess.run([sys.executable, "-m", "pip", "check"], capture_output=True, text=True, check=False)
+        waived, problems = waive_pip_check(proc.stdout + proc.stderr, excluded=set(EXCLUDED))
+        for line in waived:
+            print(f"pins: pip check waived (excluded on purpose: {EXCLUDED[_waived_name(line)]}): {line}")
+        for line in problems:
+            print(f"pins: pip check FAILED: {line}", file=sys.stderr)
+        print(f"pins: pip check {'FAILED' if problems else 'ok'} ({len(waived)} waived)")
+        return 1 if problems else 0
+    if args.cmd == "check-base":
+        problems = check_base()
+        for p in problems:
+            print(f"pins: {p}", file=sys.stderr)
+        print(f"pins: base image {'FAILED' if problems else 'ok'} (torch >= 2.8, TE >= 2.3, CUDA >= 12.9)")
+        return 1 if problems else 0
     if args.cmd == "check":
         container = parse_container_pins()
         problems = check_mapping(parse_constraints(MAIN_CONSTRAINTS), container)

@@ -5,9 +5,9 @@
 #   IMAGE_BUILD_ARGS=...  extra build arguments, e.g. --build-arg MAX_JOBS=32 --no-cache
 #   SQSH=path.sqsh        enroot squashfs for pyxis (default: <name>+<tag>.sqsh in the checkout)
 IMAGE_DOCKERFILE ?= docker/Dockerfile.ngc_pytorch
-IMAGE_VERSION := $(shell sed -n 's/^version *= *"\(.*\)"/\1/p' pyproject.toml | head -n 1)
+IMAGE_VERSION := $(shell sed -n '/^version *= *"/{s/^version *= *"\(.*\)"/\1/p;q;}' pyproject.toml)
 IMAGE ?= megatron-fp8:$(IMAGE_VERSION)
-BASE_IMAGE ?= $(shell sed -n 's/^ARG BASE_IMAGE=//p' $(IMAGE_DOCKERFILE) | head -n 1)
+BASE_IMAGE ?= $(shell sed -n '/^ARG BASE_IMAGE=/{s/^ARG BASE_IMAGE=//p;q;}' $(IMAGE_DOCKERFILE))
 CONTAINER_ENGINE ?= $(or $(notdir $(shell command -v docker 2>/dev/null)),$(notdir $(shell command -v podman 2>/dev/null)),docker)
 IMAGE_BUILD_ARGS ?=
 SQSH ?= $(subst :,+,$(subst /,+,$(IMAGE))).sqsh

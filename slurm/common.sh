@@ -22,13 +22,19 @@
 #   CONTAINER_IMAGE     pyxis image: a .sqsh file (`make image-sqsh`) or a registry image (nvcr.io#org/img:tag);
 #                       empty = host environment
 #   CONTAINER_MOUNTS    extra mounts, comma separated SRC:DST[:FLAGS]; every SRC must exist on every node
-#   MOUNT_REPO          1 (default): mount the checkout into the container at the same path and run from it;
+#   MOUNT_REPO          1 (default): mount the checkout into the container at the same path and run from it
+#                       (PYTHONPATH=<checkout> in every task, so its megatron_fp8 shadows the image's copy);
 #                       0: run the copy installed in the image (/opt/megatron-fp8)
 #   RESULTS_DIR         where results land (default results/<job name>-<job id> under the checkout)
 #   REQUIRE_GPU         1: fail unless every node has an NVIDIA GPU. Default: 1 when the job asked for GPUs
 #                       or runs in a container (the cluster path), else 0 (a CPU run)
-#   REQUIRE_HOPPER      1: fail unless every GPU has compute capability >= 9.0 (blockwise FP8); default 0
-#   MASTER_ADDR         default: first host of SLURM_JOB_NODELIST;  MASTER_PORT  default: 20000 + job id % 20000
+#   REQUIRE_HOPPER      1: fail unless every GPU is Hopper, compute capability 9.x (blockwise FP8); default 0
+#   GPU_BIND            task (default): multi-task steps of a GPU job run with srun --gpus-per-task=1 (one GPU
+#                       per rank); none: every task sees the node's GPUs and selects cuda:LOCAL_RANK. Either way
+#                       megatron_fp8.rl.devices checks that no two ranks of a node use the same GPU
+#   MODEL_PATH          model folder checked on every node (grpo.sbatch derives it from model.name_or_path)
+#   MASTER_ADDR         default: first host of SLURM_JOB_NODELIST;  MASTER_PORT  default: 10000 + job id % 10000
+#                       (below Linux's ephemeral range 32768-60999, so no outgoing connection holds it)
 #   ROLLOUT_TASKS       tasks (the last ones) that only generate; 0 (default) = colocated, every task trains
 #                       and generates. Each task sees MFP8_ROLE=trainer|rollout|colocated.
 
@@ -106,6 +112,11 @@ mfp8_check_node() {
         fi
     done
 
+    if [[ -n ${MODEL_PATH:-} ]] && [[ ! -d $MODEL_PATH || ! -f $MODEL_PATH/config.json ]]; then
+        mfp8_die "model folder '$MODEL_PATH' is missing on node $host (or has no config.json): stage the" \
+            "weights on the shared file system every node mounts (docs/cluster.md, 'Stage the model weights')"
+    fi
+
     if [[ ${REQUIRE_GPU:-0} == 1 ]]; then
         if ! command -v nvidia-smi >/dev/null 2>&1; then
             mfp8_die "no GPUs on node $host: nvidia-smi not found (no NVIDIA driver). Submit to a GPU" \
@@ -141,13 +152,15 @@ mfp8_check_node() {
                     "nodes, or use the tensorwise recipe and set REQUIRE_HOPPER=0"
             fi
             if ((major > 9)); then
-                mfp8_warn "node $host: GPU $idx ($name) has compute capability $cap: blockwise FP8 is" \
-                    "validated on Hopper (9.x) only"
+                mfp8_die "node $host: GPU $idx ($name, compute capability $cap) is not Hopper: blockwise FP8" \
+                    "here (TE Float8BlockScaling + vLLM/DeepGEMM block FP8) is built and validated for" \
+                    "compute capability 9.x only. Run on H100/H200 nodes, or use the tensorwise recipe and set" \
+                    "REQUIRE_HOPPER=0"
             fi
         done < <(nvidia-smi --query-gpu=index,name,compute_cap --format=csv,noheader 2>/dev/null || true)
         ((seen > 0)) || mfp8_die "node $host: nvidia-smi reports no GPU compute capability (no GPU visible);" \
             "ask Slurm for GPUs or set REQUIRE_HOPPER=0"
-        mfp8_info "node $host: $seen GPU(s) with compute capability >= 9.0"
+        mfp8_info "node $host: $seen GPU(s) with compute capability 9.x (Hopper)"
     fi
     return 0
 }
@@ -157,7 +170,10 @@ mfp8_check_node() {
 mfp8_rendezvous() {
     if [[ -z ${MASTER_ADDR:-} ]]; then
         if [[ -n ${SLURM_JOB_NODELIST:-} ]] && command -v scontrol >/dev/null 2>&1; then
-            MASTER_ADDR=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1)
+            # whole output first, then its first line: an early-exiting reader would SIGPIPE scontrol under pipefail
+            local hosts
+            hosts=$(scontrol show hostnames "$SLURM_JOB_NODELIST") || hosts=
+            MASTER_ADDR=${hosts%%$'\n'*}
         else
             MASTER_ADDR=127.0.0.1
         fi
@@ -165,7 +181,7 @@ mfp8_rendezvous() {
     [[ -n $MASTER_ADDR ]] || mfp8_die "cannot derive MASTER_ADDR from SLURM_JOB_NODELIST='${SLURM_JOB_NODELIST:-}';" \
         "set MASTER_ADDR to the first node's hostname"
     local job=${SLURM_JOB_ID:-0}
-    MASTER_PORT=${MASTER_PORT:-$((20000 + job % 20000))}
+    MASTER_PORT=${MASTER_PORT:-$((10000 + job % 10000))}
     if ! [[ $MASTER_PORT =~ ^[0-9]+$ ]] || ((MASTER_PORT < 1024 || MASTER_PORT > 65535)); then
         mfp8_die "MASTER_PORT='$MASTER_PORT' is not a port in 1024..65535"
     fi
@@ -191,6 +207,14 @@ mfp8_task_env() {
         MFP8_ROLE=trainer
     fi
     export RANK LOCAL_RANK NODE_RANK WORLD_SIZE LOCAL_WORLD_SIZE MFP8_ROLE
+    if [[ ${MFP8_IN_CONTAINER:-0} == 1 ]]; then
+        # the image's packages only: no ~/.local site-packages shadowing them
+        export PYTHONNOUSERSITE=1
+        if [[ ${MOUNT_REPO:-1} == 1 ]]; then
+            # the mounted checkout, not the copy installed in the image
+            export PYTHONPATH=$MFP8_WORKDIR${PYTHONPATH:+:$PYTHONPATH}
+        fi
+    fi
 }
 
 # -------------------------------------------------------------------------------------------- setup
@@ -208,7 +232,9 @@ mfp8_init() {
     REQUIRE_HOPPER=${REQUIRE_HOPPER:-0}
     [[ $REQUIRE_HOPPER == 0 || $REQUIRE_HOPPER == 1 ]] || mfp8_die "REQUIRE_HOPPER='$REQUIRE_HOPPER': use 0 or 1"
     if [[ $REQUIRE_HOPPER == 1 ]]; then REQUIRE_GPU=1; fi
-    export REQUIRE_GPU REQUIRE_HOPPER
+    GPU_BIND=${GPU_BIND:-task}
+    [[ $GPU_BIND == task || $GPU_BIND == none ]] || mfp8_die "GPU_BIND='$GPU_BIND': use task or none"
+    export REQUIRE_GPU REQUIRE_HOPPER GPU_BIND
 
     if [[ -n ${CONTAINER_IMAGE:-} ]]; then
         if mfp8_image_is_file; then
@@ -216,7 +242,10 @@ mfp8_init() {
             [[ -f $CONTAINER_IMAGE ]] || mfp8_die "container image file '$CONTAINER_IMAGE' not found: run" \
                 "'make image-sqsh' or set CONTAINER_IMAGE to a registry image; unset it for the host environment"
         fi
-        if ! srun --help 2>&1 | grep -q -- '--container-image'; then
+        local srun_help
+        # captured whole: piping into an early-exiting grep would SIGPIPE srun under pipefail
+        srun_help=$(srun --help 2>&1) || true
+        if [[ $srun_help != *--container-image* ]]; then
             mfp8_die "CONTAINER_IMAGE is set but srun has no --container-image: the pyxis plugin is not" \
                 "installed on this cluster. Unset CONTAINER_IMAGE to run in the host environment"
         fi
@@ -233,7 +262,8 @@ mfp8_init() {
         fi
         MFP8_CONTAINER_MOUNTS=$mount_list${CONTAINER_MOUNTS:+,$CONTAINER_MOUNTS}
         MFP8_PYTHON=python
-        export CONTAINER_IMAGE MFP8_CONTAINER_MOUNTS
+        MFP8_IN_CONTAINER=1
+        export CONTAINER_IMAGE MFP8_CONTAINER_MOUNTS MFP8_IN_CONTAINER MOUNT_REPO=${MOUNT_REPO:-1}
         mfp8_info "environment: container $CONTAINER_IMAGE (workdir $MFP8_WORKDIR, mounts $MFP8_CONTAINER_MOUNTS)"
     else
         MFP8_WORKDIR=$MFP8_REPO_ROOT
@@ -259,7 +289,7 @@ mfp8_init() {
         local var
         for var in SLURM_JOB_ID SLURM_JOB_NAME SLURM_JOB_NODELIST SLURM_NTASKS NNODES MASTER_ADDR MASTER_PORT \
             WORLD_SIZE CONTAINER_IMAGE MFP8_CONTAINER_MOUNTS MFP8_WORKDIR MFP8_PYTHON REQUIRE_GPU REQUIRE_HOPPER \
-            ROLLOUT_TASKS RESULTS_DIR; do
+            GPU_BIND MODEL_PATH ROLLOUT_TASKS RESULTS_DIR; do
             printf '%s=%q\n' "$var" "${!var:-}"
         done
     } >"$RESULTS_DIR/job.env"
@@ -278,6 +308,18 @@ mfp8_preflight() {
     mfp8_info "preflight ok on $nodes node(s)"
 }
 
+# mfp8_rank_binding NAME: the srun options giving each rank of a multi-task step its own GPU, into array NAME:
+# --gpus-per-task=1 when the job asked Slurm for GPUs and GPU_BIND=task (default), else none (then every task sees
+# the node's GPUs and megatron_fp8.rl.devices selects cuda:LOCAL_RANK). Either way the ranks check at start-up
+# that no two of them on a node use the same GPU.
+mfp8_rank_binding() {
+    local -n _mfp8_bind=$1
+    _mfp8_bind=()
+    if [[ ${GPU_BIND:-task} == task ]] && mfp8_job_requested_gpus; then
+        _mfp8_bind=(--gpus-per-task=1)
+    fi
+}
+
 # mfp8_srun [SRUN OPTIONS...] -- CMD ARGS...: run CMD in every task of a job step.
 mfp8_srun() {
     local -a srun_args=() container_args=()
@@ -290,7 +332,7 @@ mfp8_srun() {
     (($#)) || mfp8_die "mfp8_srun: no command after '--'"
     if [[ -n ${CONTAINER_IMAGE:-} ]]; then
         container_args=(--container-image="$CONTAINER_IMAGE" --container-mounts="$MFP8_CONTAINER_MOUNTS"
-            --container-workdir="$MFP8_WORKDIR")
+            --container-workdir="$MFP8_WORKDIR" --no-container-mount-home)
     else
         srun_args+=(--chdir="$MFP8_WORKDIR")
     fi

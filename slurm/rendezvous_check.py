@@ -6,11 +6,15 @@ Run by ``slurm/grpo.sbatch`` in every task (``srun``) before the expensive job, 
 
 * all ``WORLD_SIZE`` ranks meet at ``MASTER_ADDR:MASTER_PORT`` within ``--timeout-s``;
 * a sum all-reduce of ``rank + 1`` (int64) gives ``WORLD_SIZE * (WORLD_SIZE + 1) / 2``;
-* an all-gather of (rank, host) returns every rank exactly once.
+* an all-gather of (rank, host) returns every rank exactly once;
+* every rank has its own GPU: the device each rank would use (``megatron_fp8.rl.devices``: the one GPU Slurm bound
+  to the task, else ``cuda:LOCAL_RANK``; identified by UUID, or by its ``CUDA_VISIBLE_DEVICES`` entry without CUDA)
+  differs from every other rank's on the same host.
 
 Rank 0 writes the result as JSON to ``--out`` and every rank logs one line
 ``rendezvous ok: rank R/W ...``. Exit status 0 on success, 1 on a wrong result,
-2 on a malformed environment, 3 when the rendezvous itself fails (timeout, refused).
+2 on a malformed environment, 3 when the rendezvous itself fails (timeout, refused),
+4 when two ranks of a node would share a GPU.
 """
 
 from __future__ import annotations
@@ -52,6 +56,9 @@ def run_check(*, timeout_s: float, out: Path | None) -> dict[str, object]:
     import torch
     import torch.distributed as dist
 
+    from megatron_fp8.errors import ConfigError
+    from megatron_fp8.rl.devices import check_distinct, local_assignment
+
     rank, world = _env_int("RANK"), _env_int("WORLD_SIZE")
     if not 0 <= rank < world:
         raise SystemExit(f"rendezvous_check: RANK={rank} outside [0, WORLD_SIZE={world})")
@@ -68,6 +75,9 @@ def run_check(*, timeout_s: float, out: Path | None) -> dict[str, object]:
         dist.all_reduce(total, op=dist.ReduceOp.SUM)
         gathered: list[object] = [None] * world
         dist.all_gather_object(gathered, (rank, socket.gethostname()))
+        mine = local_assignment()
+        devices: list[object] = [None] * world
+        dist.all_gather_object(devices, mine)
         dist.barrier()
     finally:
         dist.destroy_process_group()
@@ -83,7 +93,14 @@ def run_check(*, timeout_s: float, out: Path | None) -> dict[str, object]:
         "hosts": [h for _, h in sorted(gathered)],  # type: ignore[misc]
         "seconds": round(seconds, 3),
         "ok": int(total.item()) == expected and ranks_seen == list(range(world)),
+        "devices": [d.to_dict() for d in sorted(devices, key=lambda d: d.rank)],  # type: ignore[union-attr]
     }
+    try:
+        check_distinct(devices)  # type: ignore[arg-type]
+        summary["devices_ok"] = True
+    except ConfigError as exc:
+        summary["devices_ok"] = False
+        summary["devices_error"] = str(exc)
     if rank == 0 and out is not None:
         out.parent.mkdir(parents=True, exist_ok=True)
         out.write_text(json.dumps(summary, indent=2) + "\n")
@@ -108,6 +125,9 @@ def main(argv: list[str] | None = None) -> int:
     except SystemExit as exc:
         log.error("%s", exc)
         return 2
+    except ValueError as exc:  # megatron_fp8.errors.ConfigError: this rank cannot pick a GPU of its own
+        log.error("%s", exc)
+        return 4
     except (RuntimeError, OSError) as exc:  # gloo/TCPStore failures: timeout, refused, unresolvable host
         log.error(
             "rendezvous failed at %s:%s (world size %s): %s; check that MASTER_ADDR resolves on every node and "
@@ -118,6 +138,9 @@ def main(argv: list[str] | None = None) -> int:
             exc,
         )
         return 3
+    if not summary["devices_ok"]:
+        log.error("%s", summary["devices_error"])
+        return 4
     if not summary["ok"]:
         log.error(
             "rendezvous wrong result: all-reduce sum %s, expected %s; hosts %s",
@@ -126,8 +149,9 @@ def main(argv: list[str] | None = None) -> int:
             summary["hosts"],
         )
         return 1
+    mine = summary["devices"][int(rank)]  # type: ignore[index]
     log.info(
-        "rendezvous ok: rank %s/%s sum=%s hosts=%s master=%s:%s in %.2fs",
+        "rendezvous ok: rank %s/%s sum=%s hosts=%s master=%s:%s in %.2fs; device cuda:%s (%s)",
         rank,
         summary["world_size"],
         summary["sum"],
@@ -135,6 +159,8 @@ def main(argv: list[str] | None = None) -> int:
         summary["master_addr"],
         summary["master_port"],
         summary["seconds"],
+        mine["index"],
+        mine["device_id"],
     )
     return 0
 

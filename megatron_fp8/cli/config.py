@@ -9,6 +9,12 @@ config as it is (``defaults:`` parents, interpolations, NeMo-RL's resolvers).
 instead: its value, the file (parent) that set it, and its effect: where the value
 goes, or "no effect" and why. ``--json`` gives the full table.
 
+Without ``--explain`` the config then goes through every check ``megatron-fp8 grpo`` makes before it
+touches a model (:func:`megatron_fp8.rl.preflight.preflight`: arms vs rollout precision, processes,
+the model resolved and its dimensions against the TP sizes, its tokenizer), so a config approved here
+starts; a Hugging Face model not in the local cache is checked against its known dimensions (nothing
+is downloaded) and the output says so. A file that sets no key is refused.
+
 A bad config exits 1 with the error naming the file or dotted key and the fix.
 """
 
@@ -16,7 +22,10 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
+import sys
 
+from megatron_fp8.cli._noise import quiet_third_party
 from megatron_fp8.config.explain import explain_rows, render_json, render_text
 from megatron_fp8.config.loader import load_config_report
 
@@ -39,18 +48,29 @@ def run(args: argparse.Namespace) -> int:
     if args.explain is not None and args.config is not None and args.explain != args.config:
         parser_error = f"--config {args.config} and --explain {args.explain} name different files; give one"
         raise SystemExit(f"megatron-fp8 config: {parser_error}")
+    quiet_third_party(verbose=getattr(args, "verbose", False))
+    # lazy: the preflight imports torch and the model stack; `config --explain` and `--help` need neither
+    from megatron_fp8.rl.preflight import preflight, refuse_empty_config
+
+    refuse_empty_config(args.explain or args.config)
     loaded = load_config_report(args.explain or args.config, args.overrides)
     cfg = loaded.config
     if args.explain is not None:
         rows = explain_rows(loaded)
         print(render_json(loaded, rows) if args.json else render_text(loaded, rows), end="" if not args.json else "\n")
         return 0
+    report = preflight(
+        cfg, download=False, launch_checks="WORLD_SIZE" in os.environ
+    )  # every check `grpo` makes before it touches a model
+    for note in report.notes:
+        print(f"# preflight: {note}", file=sys.stderr if args.json else sys.stdout)
     if args.json:
         print(json.dumps(cfg.to_dict(), indent=2))
     else:
         print(
             f"# training recipe: {cfg.training_recipe}; rollout: {cfg.policy.generation.vllm_cfg.precision}"
-            f"{' blockwise' if cfg.rollout_blockwise else ''}"
+            f"{' blockwise' if cfg.rollout_blockwise else ''}; arms: {', '.join(report.arms)}; "
+            "approved: every check `megatron-fp8 grpo` makes before it starts passed"
         )
         print(cfg.dump_yaml(), end="")
     return 0

@@ -2,12 +2,15 @@
 
 Three arms (BF16 rollout, FP8 rollout, FP8 rollout + token TIS C=2) on the tiny model and the
 ``addition`` toy task; on CPU the rollout engine is the reference FP8 engine (an emulator of
-vLLM's FP8 numerics). Prints where the summary table and the plot are.
+vLLM's FP8 numerics). Prints where the summary table and the plot are, and the wall-clock and CPU
+time the demo took (the CPU time counts this process and its children, e.g. the one-time vLLM ask).
 """
 
 from __future__ import annotations
 
 import argparse
+import os
+import time
 
 from megatron_fp8.cli.grpo import run_job
 
@@ -33,6 +36,20 @@ def run(args: argparse.Namespace) -> int:
         overwrite=args.overwrite,
         verbose=getattr(args, "verbose", False),
     )
-    metrics, summary, plot = run_job(job)
-    print(f"demo finished.\n  table:   {summary}\n  plot:    {plot}\n  metrics: {metrics}")
+    t0, cpu0 = time.perf_counter(), _cpu_seconds()
+    paths = run_job(job)
+    if paths is None:  # a rank other than 0 of a multi-process launch: rank 0 reports
+        return 0
+    metrics, summary, plot = paths
+    wall, cpu = time.perf_counter() - t0, _cpu_seconds() - cpu0
+    print(
+        f"demo finished in {wall:.0f} s wall, {cpu:.0f} s CPU on {os.cpu_count()} core(s).\n"
+        f"  table:   {summary}\n  plot:    {plot}\n  metrics: {metrics}"
+    )
     return 0
+
+
+def _cpu_seconds() -> float:
+    """User + system CPU seconds of this process and its finished children."""
+    t = os.times()
+    return t.user + t.system + t.children_user + t.children_system

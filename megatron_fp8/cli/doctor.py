@@ -6,7 +6,12 @@ machine. ``--json`` prints exactly::
 
     {"environment": {...}, "recipes": [{"name": str, "supported": bool, "reasons": [str, ...]}, ...]}
 
-It never imports torch, vLLM, Megatron or TransformerEngine (see
+plus ``"imports": [{"module": str, "status": "ok"|"absent"|"failed", "detail": str}, ...]`` with ``--imports``:
+each module that needs the NVIDIA driver to import (DeepGEMM, vLLM's compiled ops, TransformerEngine; the image
+build cannot import them without a driver) is imported in a fresh interpreter. Exit status 1 when one that is
+installed fails to import (run it on a GPU node: ``slurm/test.sbatch`` does).
+
+Without ``--imports`` it never imports torch, vLLM, Megatron or TransformerEngine (see
 :func:`megatron_fp8.recipes.capability.probe_environment`), so it answers in
 well under two seconds.
 """
@@ -15,12 +20,14 @@ from __future__ import annotations
 
 import argparse
 import json
+from pathlib import Path
 
 from rich.console import Console
 from rich.panel import Panel
 from rich.table import Table
 
 from megatron_fp8.recipes import CPU_EMULATION_NOTE, RECIPES, check_all, probe_environment
+from megatron_fp8.recipes.capability import check_runtime_imports
 
 _ENV_ROWS: tuple[tuple[str, str], ...] = (
     ("GPU", "gpu_name"),
@@ -43,18 +50,31 @@ _ENV_ROWS: tuple[tuple[str, str], ...] = (
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    """Register ``--json``."""
+    """Register ``--json``, ``--imports`` and ``--out``."""
     parser.add_argument("--json", action="store_true", help="print one JSON object instead of tables")
+    parser.add_argument(
+        "--imports",
+        action="store_true",
+        help="also import the libraries that need the NVIDIA driver (DeepGEMM, vllm._C, TE); exit 1 if one fails",
+    )
+    parser.add_argument("--out", type=Path, default=None, help="also write the JSON report to this file")
 
 
 def run(args: argparse.Namespace) -> int:
-    """Print the report; always exits 0 (an unsupported recipe is information, not a failure)."""
+    """Print the report; exit 0 (an unsupported recipe is information), 1 when ``--imports`` found a broken one."""
     env = probe_environment()
     verdicts = check_all(env)
+    imports = check_runtime_imports() if getattr(args, "imports", False) else ()
+    status = 1 if any(c.status == "failed" for c in imports) else 0
+    payload: dict[str, object] = {"environment": env.to_dict(), "recipes": [v.to_dict() for v in verdicts]}
+    if imports:
+        payload["imports"] = [c.to_dict() for c in imports]
+    if getattr(args, "out", None) is not None:
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        args.out.write_text(json.dumps(payload, indent=2) + "\n")
     if args.json:
-        payload = {"environment": env.to_dict(), "recipes": [v.to_dict() for v in verdicts]}
         print(json.dumps(payload, indent=2))
-        return 0
+        return status
 
     console = Console()
     env_dict = env.to_dict()
@@ -82,4 +102,7 @@ def run(args: argparse.Namespace) -> int:
     console.print(table)
     if not env.has_gpu:
         console.print(f"[yellow]No CUDA GPU: {CPU_EMULATION_NOTE} (fields validated and recorded).[/yellow]")
-    return 0
+    for c in imports:
+        colour = {"ok": "green", "absent": "yellow", "failed": "red"}[c.status]
+        console.print(f"import {c.module}: [{colour}]{c.status}[/{colour}] {c.detail}")
+    return status

@@ -14,6 +14,7 @@ import argparse
 import logging
 from pathlib import Path
 
+from megatron_fp8.cli._noise import quiet_third_party
 from megatron_fp8.config import load_config
 from megatron_fp8.errors import UsageError
 from megatron_fp8.vocab import ARMS
@@ -34,11 +35,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run_job(args: argparse.Namespace) -> tuple[Path, Path, Path] | None:
     """Load the config, run GRPO and print the summary; returns ``(metrics, summary, plot)`` paths."""
+    verbose = getattr(args, "verbose", False)
+    quiet_third_party(verbose=verbose)  # before the Megatron / vLLM stacks are imported
     # lazy: the RL stack (engines, trainer) loads only when a run starts, not for `grpo --help`
     from megatron_fp8.rl.grpo import run_grpo
+    from megatron_fp8.rl.preflight import refuse_empty_config
 
+    refuse_empty_config(args.config)
     config = load_config(args.config, list(getattr(args, "overrides", []) or []))
-    logging.getLogger().setLevel(config.logging.level if not getattr(args, "verbose", False) else "DEBUG")
+    logging.getLogger().setLevel(config.logging.level if not verbose else "DEBUG")
     arms = None
     if getattr(args, "arms", None):
         arms = [a.strip() for a in args.arms.split(",") if a.strip()]

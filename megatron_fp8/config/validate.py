@@ -306,6 +306,57 @@ def tp_divisibility_rules(cfg: RunConfig) -> list[str]:
     return []
 
 
+BLOCKWISE_TRAINING_RECIPES = ("blockwise", "fp8_param")
+"""Training recipes with 128x128 weight block scales: each trainer TP partition must hold whole blocks."""
+
+
+def trainer_tp_rules(cfg: RunConfig) -> list[str]:
+    """Trainer TP (``policy.megatron_cfg.tensor_model_parallel_size``) splits the heads, KV heads and MLP evenly;
+    with a blockwise FP8 training recipe every partition holds whole 128x128 blocks (module docstring)."""
+    dims = _dims_of(cfg)
+    tp = cfg.policy.megatron_cfg.tensor_model_parallel_size
+    if dims is None or tp <= 1:
+        return []
+    key = "policy.megatron_cfg.tensor_model_parallel_size"
+    split = {
+        "attention heads": dims.num_attention_heads,
+        "KV heads (query groups)": dims.num_key_value_heads,
+        "intermediate_size": dims.intermediate_size,
+    }
+    if dims.moe_intermediate_size:
+        split["moe_intermediate_size"] = dims.moe_intermediate_size
+    uneven = [f"{n} {what}" for what, n in split.items() if n % tp]
+    working = [
+        t
+        for t in (1, 2, 4, 8, 16, 32, 64)
+        if not any(n % t for n in split.values())
+        and (cfg.training_recipe not in BLOCKWISE_TRAINING_RECIPES or _block_ok(dims, t))
+    ]
+    hint = f"; sizes that work for this model: {', '.join(map(str, working))}"
+    if uneven:
+        return [f"{key}={tp} does not split the model's {', '.join(uneven)} evenly (Megatron-Core needs it){hint}"]
+    if cfg.training_recipe in BLOCKWISE_TRAINING_RECIPES and not _block_ok(dims, tp):
+        return [
+            f"{key}={tp} leaves trainer partitions that are not whole {vocab.DEFAULT_BLOCK}x{vocab.DEFAULT_BLOCK} "
+            f"blocks under the {cfg.training_recipe!r} FP8 recipe{hint}"
+        ]
+    return []
+
+
+def _block_ok(dims: ModelDims, tp: int) -> bool:
+    """Every TP partition of the projections is a whole number of 128-blocks."""
+    return not _tp_problems(
+        hidden_size=dims.hidden_size,
+        intermediate_size=dims.intermediate_size,
+        num_heads=dims.num_attention_heads,
+        num_kv_heads=dims.num_key_value_heads,
+        head_dim=dims.head_dim,
+        tp=tp,
+        moe_intermediate_size=dims.moe_intermediate_size,
+        block=vocab.DEFAULT_BLOCK,
+    )
+
+
 def fp8_training_rules(cfg: RunConfig) -> list[str]:
     """``fp8_cfg``: a known FP8 recipe, ``fp8_param`` only with blockwise, no BF16 layers with delayed
     scaling, and float32 block scales in the environment of the blockwise recipes."""
@@ -471,6 +522,7 @@ RULES: tuple[Rule, ...] = (
     generation_rules,
     kv_cache_rules,
     tp_divisibility_rules,
+    trainer_tp_rules,
     fp8_training_rules,
     bf16_layer_rules,
     training_parallelism_rules,

@@ -28,6 +28,7 @@ import hashlib
 import json
 import logging
 import os
+import re
 import shutil
 import tempfile
 import threading
@@ -314,19 +315,89 @@ def tiny_model_path(kind: str = "dense", *, cache_dir: Path | None = None) -> Pa
     return final
 
 
-def resolve_model(name_or_path: str | Path, *, cache_dir: Path | None = None) -> Path:
+HF_ID_PATTERN = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]*/[A-Za-z0-9][A-Za-z0-9_.-]*$")
+"""A Hugging Face repository id (``owner/name``), as opposed to a local path."""
+
+
+def _stage_hint(repo_id: str) -> str:
+    """How to stage a Hugging Face model by hand (for machines without network access)."""
+    return (
+        f"stage the weights where the network is reachable: `huggingface-cli download {repo_id} --local-dir DIR` "
+        "(copy DIR here if needed), then pass DIR (`model.name_or_path=DIR`, or `--model DIR`)"
+    )
+
+
+def _download(repo_id: str, *, local_files_only: bool) -> Path:
+    """``repo_id`` through ``huggingface_hub.snapshot_download`` into the standard Hugging Face cache.
+
+    Raises:
+        ConfigError: ``huggingface_hub`` missing, no network (or ``HF_HUB_OFFLINE=1``) and no cached copy,
+            an unknown or gated repository; each message says how to stage the weights.
+    """
+    try:
+        # lazy: huggingface_hub is optional (it comes with transformers); only Hugging Face ids need it
+        from huggingface_hub import snapshot_download
+        from huggingface_hub.errors import GatedRepoError, LocalEntryNotFoundError, RepositoryNotFoundError
+    except ImportError:
+        raise ConfigError(
+            f"model {repo_id!r} looks like a Hugging Face id, but huggingface_hub is not installed; "
+            + _stage_hint(repo_id)
+        ) from None
+    patterns = ["*.json", "*.safetensors", "*.model", "*.txt", "*.tiktoken", "*.py"]
+    try:
+        if not local_files_only:
+            logger.info("resolving Hugging Face model %s (downloads into the Hugging Face cache once)", repo_id)
+        folder = snapshot_download(repo_id, allow_patterns=patterns, local_files_only=local_files_only)
+    except GatedRepoError:
+        raise ConfigError(
+            f"Hugging Face model {repo_id!r} is gated: accept its license on huggingface.co and log in "
+            f"(`huggingface-cli login`), or {_stage_hint(repo_id)}"
+        ) from None
+    except RepositoryNotFoundError:
+        raise ConfigError(
+            f"Hugging Face model {repo_id!r} was not found on the Hub (check the spelling, or log in for a "
+            f"private repository), and it is not a local folder; {_stage_hint(repo_id)}"
+        ) from None
+    except LocalEntryNotFoundError:
+        where = "offline mode (HF_HUB_OFFLINE=1)" if _hub_offline() else "the Hugging Face Hub is unreachable"
+        raise ConfigError(
+            f"model {repo_id!r} is neither a tiny model name ({_valid_names()}) nor a local folder with "
+            f"config.json, and it is not in the Hugging Face cache ({where}); {_stage_hint(repo_id)}"
+        ) from None
+    except OSError as exc:  # network errors that the hub client does not wrap
+        raise ConfigError(
+            f"downloading Hugging Face model {repo_id!r} failed ({type(exc).__name__}: {exc}); {_stage_hint(repo_id)}"
+        ) from None
+    path = Path(folder)
+    if not (path / "config.json").is_file():
+        raise ConfigError(f"Hugging Face model {repo_id!r} ({path}) has no config.json; is it a model repository?")
+    _check_checkpoint_folder(path)
+    return path.resolve()
+
+
+def _hub_offline() -> bool:
+    """Whether ``HF_HUB_OFFLINE`` asks the Hugging Face client not to touch the network."""
+    return os.environ.get("HF_HUB_OFFLINE", "").strip().lower() in ("1", "true", "yes", "on")
+
+
+def resolve_model(name_or_path: str | Path, *, cache_dir: Path | None = None, download: bool = True) -> Path:
     """Turn a model argument into a checkpoint folder.
 
     Args:
-        name_or_path: a tiny model name (``"tiny"``, ``"tiny-moe"``, or the aliases
-            ``"dense"`` / ``"moe"``) or an existing Hugging Face folder with a ``config.json``.
+        name_or_path: a tiny model name (``"tiny"``, ``"tiny-moe"``, or the aliases ``"dense"`` / ``"moe"``),
+            an existing Hugging Face folder with a ``config.json``, or a Hugging Face id (``Qwen/Qwen3-8B``),
+            resolved through ``huggingface_hub.snapshot_download`` into the standard Hugging Face cache.
         cache_dir: passed to :func:`tiny_model_path` for tiny names.
+        download: for a Hugging Face id, whether the network may be used; ``False`` takes only a copy
+            already in the Hugging Face cache.
 
     Returns:
         Absolute path of the checkpoint folder.
 
     Raises:
-        ConfigError: neither a known name nor a folder with ``config.json``.
+        ConfigError: neither a known name, nor a folder with ``config.json``, nor a Hugging Face id that can be
+            fetched (offline: the message says how to stage the weights: ``huggingface-cli download ...
+            --local-dir DIR``, then ``model.name_or_path=DIR``).
     """
     key = str(name_or_path)
     if key in TINY_MODELS or key in MODEL_ALIASES:
@@ -337,10 +408,11 @@ def resolve_model(name_or_path: str | Path, *, cache_dir: Path | None = None) ->
         return path.resolve()
     if path.is_dir():
         raise ConfigError(f"model folder {path} has no config.json; point at a Hugging Face checkpoint folder")
+    if HF_ID_PATTERN.match(key) and not key.startswith((".", "~")):
+        return _download(key, local_files_only=not download or _hub_offline())
     raise ConfigError(
-        f"model {key!r} is neither a tiny model name ({_valid_names()}) nor an existing Hugging Face folder "
-        "containing config.json. To use a Hugging Face model, stage it first: "
-        f"`huggingface-cli download {key} --local-dir DIR`, then pass DIR"
+        f"model {key!r} is neither a tiny model name ({_valid_names()}), nor an existing Hugging Face folder "
+        f"containing config.json, nor a Hugging Face id (owner/name); {_stage_hint(key)}"
     )
 
 

@@ -457,3 +457,55 @@ def check_all(env: Environment | None = None) -> tuple[Verdict, ...]:
     """:func:`check` for every registered recipe, in registry order (probes once when ``env`` is ``None``)."""
     env = probe_environment() if env is None else env
     return tuple(check(name, env) for name in list_recipes())
+
+
+# --------------------------------------------------------------------------- run-time imports
+
+RUNTIME_IMPORTS: tuple[str, ...] = ("deep_gemm", "vllm._C", "transformer_engine.pytorch")
+"""Modules that need the NVIDIA driver (``libcuda.so.1``) to import, so the image build only checks that they are
+installed (``docker/check_image.py``); ``megatron-fp8 doctor --imports`` imports them on a GPU node."""
+
+
+@dataclass(frozen=True)
+class ImportCheck:
+    """Whether one module imports here.
+
+    Attributes:
+        module: dotted module name.
+        status: ``"ok"``, ``"absent"`` (its package is not installed) or ``"failed"``.
+        detail: the error's last line when ``failed``, else ``""``.
+    """
+
+    module: str
+    status: str
+    detail: str = ""
+
+    def to_dict(self) -> dict[str, str]:
+        """``{"module": str, "status": str, "detail": str}``."""
+        return asdict(self)
+
+
+def check_runtime_imports(
+    modules: tuple[str, ...] = RUNTIME_IMPORTS, *, timeout_s: float = 300.0
+) -> tuple[ImportCheck, ...]:
+    """Import each module in a fresh interpreter (a crash or a missing driver cannot take this process down).
+
+    Returns:
+        One :class:`ImportCheck` per module, in order.
+    """
+    out = []
+    for name in modules:
+        if importlib.util.find_spec(name.split(".")[0]) is None:
+            out.append(ImportCheck(name, "absent"))
+            continue
+        try:
+            proc = subprocess.run(
+                [sys.executable, "-c", f"import {name}"], capture_output=True, text=True, timeout=timeout_s, check=False
+            )
+        except subprocess.TimeoutExpired:
+            out.append(ImportCheck(name, "failed", f"import took longer than {timeout_s:.0f} s"))
+            continue
+        lines = [ln for ln in proc.stderr.strip().splitlines() if ln.strip()]
+        detail = lines[-1] if lines else f"exit status {proc.returncode}"
+        out.append(ImportCheck(name, "ok") if proc.returncode == 0 else ImportCheck(name, "failed", detail))
+    return tuple(out)

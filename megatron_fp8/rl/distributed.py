@@ -4,7 +4,9 @@ Under Slurm (``slurm/grpo.sbatch``) every task runs ``megatron-fp8 grpo`` with `
 ``WORLD_SIZE``, ``MASTER_ADDR`` and ``MASTER_PORT`` set. Each rank rolls out its share of the
 step's prompts on its own colocated engine (whole groups, so advantages stay group-local),
 Megatron-Core's DDP averages the gradients over ranks, every rank refits its own engine, and
-rank 0 (the writer) averages the step metrics over ranks and writes the outputs.
+rank 0 (the writer) averages the step metrics over ranks and writes the outputs. Every rank takes its own GPU
+first (:mod:`megatron_fp8.rl.devices`: ``cuda:LOCAL_RANK``, or the one GPU Slurm bound to the task, checked
+against the other ranks of its node).
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ from typing import TypeVar
 import torch.distributed as dist
 
 from megatron_fp8.errors import ConfigError
+from megatron_fp8.rl.devices import bind_device, gather_with_process_group
 from megatron_fp8.rl.results import StepMetrics
 
 logger = logging.getLogger(__name__)
@@ -54,8 +57,12 @@ class DataParallel:
 def data_parallel_from_env(*, timeout_s: float = 1800.0) -> Iterator[DataParallel]:
     """Join the ``WORLD_SIZE`` processes of this run (gloo) for its whole length; one process: no group.
 
+    Each rank selects its GPU (``torch.cuda.set_device``) before anything touches CUDA, and fails when another
+    rank of its node already holds it (:func:`megatron_fp8.rl.devices.bind_device`).
+
     Raises:
-        ConfigError: ``MFP8_ROLE`` other than ``colocated``, or ``WORLD_SIZE > 1`` without a rendezvous.
+        ConfigError: ``MFP8_ROLE`` other than ``colocated``, ``WORLD_SIZE > 1`` without a rendezvous, or two
+            ranks of a node on one GPU.
     """
     world = int(os.environ.get("WORLD_SIZE", "1") or 1)
     rank = int(os.environ.get("RANK", "0") or 0)
@@ -67,6 +74,7 @@ def data_parallel_from_env(*, timeout_s: float = 1800.0) -> Iterator[DataParalle
             "implemented yet. Unset ROLLOUT_TASKS."
         )
     if world <= 1:
+        bind_device()
         yield DataParallel()
         return
     missing = [v for v in ("MASTER_ADDR", "MASTER_PORT") if not os.environ.get(v)]
@@ -80,6 +88,7 @@ def data_parallel_from_env(*, timeout_s: float = 1800.0) -> Iterator[DataParalle
     )
     logger.info("GRPO data parallel: rank %d of %d", rank, world)
     try:
+        bind_device(gather_with_process_group)
         yield DataParallel(rank=rank, world_size=world)
     finally:
         dist.destroy_process_group()

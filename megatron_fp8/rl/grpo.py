@@ -44,6 +44,7 @@ import contextlib
 import json
 import logging
 import os
+import sys
 import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from pathlib import Path
@@ -59,7 +60,6 @@ from megatron_fp8.config.schema import RunConfig
 from megatron_fp8.config.wiring import vllm_engine_args, vllm_env
 from megatron_fp8.errors import ConfigError
 from megatron_fp8.megatron import build_megatron_model, make_optimizer, megatron_parallel
-from megatron_fp8.models import resolve_model
 from megatron_fp8.refit.pipeline import ColocatedRefit
 from megatron_fp8.rl import report
 from megatron_fp8.rl.batch import Tokenizer, eos_and_pad
@@ -67,7 +67,15 @@ from megatron_fp8.rl.distributed import DataParallel, average_over_ranks, data_p
 from megatron_fp8.rl.fp8_rollout import fp8_manifest, rollout_quantization_config
 from megatron_fp8.rl.kv_calibration import KVAmaxRecorder, attach_kv_amax_hooks
 from megatron_fp8.rl.outputs import claim_out_dir, rebuild_outputs
-from megatron_fp8.rl.phases import ArmState, GRPOContext, run_step
+from megatron_fp8.rl.phases import (
+    ArmState,
+    GRPOContext,
+    quiet_stdout,
+    run_step,
+    trainer_dtype,
+    training_math_label,
+)
+from megatron_fp8.rl.preflight import preflight
 from megatron_fp8.rl.results import (
     CONFIG_FILE,
     METRICS_FILE,
@@ -111,14 +119,17 @@ def run_grpo(
         The :class:`GRPOResult`.
 
     Raises:
-        ConfigError: unknown arm or task, bad step count, a non-blockwise FP8 rollout, an unusable ``out_dir``.
+        ConfigError: any pre-flight problem (:func:`megatron_fp8.rl.preflight.preflight`: arms, steps, task, FP8
+            rollout settings, processes, the model, its dimensions vs TP, its tokenizer, a NaN/Inf weight named),
+            found before ``out_dir`` is touched; an unusable ``out_dir``.
         KeyboardInterrupt: after the summary and plot were rebuilt from the completed steps.
         ManifestError: vLLM could not be asked for the FP8 manifest.
     """
     t_run = time.perf_counter()
-    n_steps = config.grpo.num_steps if steps is None else int(steps)
-    arm_names = tuple(config.grpo.arms if arms is None else arms)
-    _check_arguments(config, n_steps=n_steps, arm_names=arm_names)
+    # every check before any model is built or --out is touched (the same checks as `megatron-fp8 config`)
+    logger.info("preflight: checking the config, the model %r and its tokenizer", config.model.name_or_path)
+    checked = preflight(config, arms=arms, steps=steps, scan_weights=True)
+    config, n_steps, arm_names = checked.config, checked.steps, checked.arms
     task = get_task(config.grpo.task, max_digits=config.grpo.task_max_digits)
     out = Path(out_dir)
     if int(os.environ.get("RANK", "0")) == 0:  # the writer claims the folder before any model is built
@@ -131,7 +142,14 @@ def run_grpo(
             )
         try:
             results, manifest_source = _run_arms(
-                config, dp=dp, task=task, n_steps=n_steps, arm_names=arm_names, out=out, progress=progress
+                config,
+                dp=dp,
+                task=task,
+                n_steps=n_steps,
+                arm_names=arm_names,
+                out=out,
+                progress=progress,
+                model_path=checked.model_path,
             )
         except KeyboardInterrupt:
             if dp.is_writer and (out / METRICS_FILE).is_file() and (out / METRICS_FILE).stat().st_size:
@@ -141,7 +159,7 @@ def run_grpo(
     summary_path = plot_path = None
     if dp.is_writer:
         summary_path = report.write_summary(results, out / SUMMARY_FILE, config=config, manifest_source=manifest_source)
-        plot_path = report.plot_metrics(results, out / PLOT_FILE)
+        plot_path = report.plot_metrics(results, out / PLOT_FILE, is_cap=config.loss_fn.is_cap)
     return GRPOResult(
         arms=tuple(results),
         out_dir=out,
@@ -153,19 +171,6 @@ def run_grpo(
     )
 
 
-def _check_arguments(config: RunConfig, *, n_steps: int, arm_names: tuple[str, ...]) -> None:
-    """Reject a bad step count, unknown / repeated arms and a TIS arm without an IS variant."""
-    if n_steps < 1:
-        raise ConfigError(f"steps must be >= 1, got {n_steps}")
-    unknown = [a for a in arm_names if a not in ARMS]
-    if unknown or not arm_names:
-        raise ConfigError(f"unknown or no arm(s) {unknown or list(arm_names)}; valid arms: {', '.join(ARMS)}")
-    if len(set(arm_names)) != len(arm_names):
-        raise ConfigError(f"an arm is listed twice: {list(arm_names)}")
-    if "fp8_tis" in arm_names and config.loss_fn.is_variant == "none":
-        raise ConfigError("arm fp8_tis corrects with loss_fn.is_variant, which is 'none'; set is_variant: token_tis")
-
-
 def _run_arms(
     config: RunConfig,
     *,
@@ -175,6 +180,7 @@ def _run_arms(
     arm_names: tuple[str, ...],
     out: Path,
     progress: bool,
+    model_path: Path,
 ) -> tuple[list[ArmResult], str]:
     """Every arm in turn, on this rank; rank 0 writes ``config.yaml`` and ``metrics.jsonl``.
 
@@ -185,44 +191,76 @@ def _run_arms(
 
     if dp.is_writer:
         report.write_atomically(out / CONFIG_FILE, config.dump_yaml())
-    model_path = Path(resolve_model(config.model.name_or_path))
     tokenizer: Tokenizer = AutoTokenizer.from_pretrained(str(model_path))
     eos_id, pad_id = eos_and_pad(tokenizer, where=model_path)
     ctx = GRPOContext(config=config, task=task, tokenizer=tokenizer, eos_id=eos_id, pad_id=pad_id)
 
-    manifest, qcfg = None, None
-    if any(ARMS[a].rollout_precision == "fp8" for a in arm_names):
-        qcfg = rollout_quantization_config(config, model_path)
-        # asked of vLLM once, on rank 0, and shared
-        manifest = share_from_writer(fp8_manifest(config, model_path, qcfg) if dp.is_writer else None, dp)
-        logger.info("FP8 manifest: %d weights in FP8 (%s)", len(manifest.fp8_params), manifest.source)
-    if config.grpo.warm_start_steps > 0:
-        # Same architecture and names as the base checkpoint: the manifest above applies unchanged.
-        model_path, _ = warm_start(config, model_path, task=task, tokenizer=tokenizer, out_dir=out)
-
     results: list[ArmResult] = []
+    manifest, qcfg = None, None
     sink_cm = (out / METRICS_FILE).open("w") if dp.is_writer else contextlib.nullcontext(None)
     with (
         _environment(config.policy.megatron_cfg.env_vars),
         sink_cm as sink,
         _progress(progress and dp.is_writer) as bar,
     ):
+        if any(ARMS[a].rollout_precision == "fp8" for a in arm_names):
+            with _phase("FP8 manifest (asked of vLLM once per setup, then reused)"):
+                qcfg = rollout_quantization_config(config, model_path)
+                # asked of vLLM once, on rank 0, and shared
+                manifest = share_from_writer(fp8_manifest(config, model_path, qcfg) if dp.is_writer else None, dp)
+            logger.info("FP8 manifest: %d weights in FP8 (%s)", len(manifest.fp8_params), manifest.source)
+        if config.grpo.warm_start_steps > 0:
+            # Same architecture and names as the base checkpoint: the manifest above applies unchanged.
+            with _phase(f"warm start ({config.grpo.warm_start_steps} supervised steps, shared by the arms)"):
+                model_path, _ = warm_start(
+                    config, model_path, task=task, tokenizer=tokenizer, out_dir=out, on_step=_bar_callback(bar)
+                )
         on_step = _step_recorder(dp, sink=sink, bar=bar, total_steps=n_steps * len(arm_names), n_steps=n_steps)
         for name in arm_names:
             logger.info("GRPO arm %s: %s", name, ARMS[name].description)
-            results.append(
-                _run_arm(
-                    ARMS[name],
-                    ctx,
-                    steps=n_steps,
-                    model_path=model_path,
-                    manifest=manifest,
-                    qcfg=qcfg,
-                    on_step=on_step,
-                    dp=dp,
-                )
+            result = _run_arm(
+                ARMS[name],
+                ctx,
+                steps=n_steps,
+                model_path=model_path,
+                manifest=manifest,
+                qcfg=qcfg,
+                on_step=on_step,
+                dp=dp,
+            )
+            results.append(result)
+            logger.info(
+                "GRPO arm %s done in %.0f s: reward %.3f -> %.3f, mean gen_kl %.2e",
+                name,
+                result.seconds,
+                result.first_reward,
+                result.last_reward,
+                result.mean_gen_kl,
             )
     return results, manifest.source if manifest is not None else ""
+
+
+def _bar_callback(bar: Progress | None) -> Callable[[int, int, float], None] | None:
+    """A warm-start progress task on ``bar`` (``None`` without a bar: the warm start logs its own lines)."""
+    if bar is None:
+        return None
+    task_id: list[TaskID] = []
+
+    def on_step(step: int, total: int, loss: float) -> None:
+        if not task_id:
+            task_id.append(bar.add_task("warm start", total=total, info=""))
+        bar.update(task_id[0], completed=step + 1, info=f"step {step + 1}/{total} NLL {loss:.3f}")
+
+    return on_step
+
+
+@contextlib.contextmanager
+def _phase(what: str) -> Iterator[None]:
+    """One INFO line when a phase starts and one with its time when it ends."""
+    logger.info("%s ...", what)
+    t0 = time.perf_counter()
+    yield
+    logger.info("%s: done in %.1f s", what.split(" (")[0], time.perf_counter() - t0)
 
 
 def _step_recorder(
@@ -237,7 +275,8 @@ def _step_recorder(
             record = m.to_json_dict() | {"training_recipe": training[0], "training_math": training[1]}
             sink.write(json.dumps(record, sort_keys=False) + "\n")
             sink.flush()
-        logger.debug("arm %s step %d: reward %.3f gen_kl %.2e", m.arm, m.step, m.reward_mean, m.gen_kl)
+        log = logger.debug if bar is not None else logger.info  # without a bar: one line per step
+        log("GRPO arm %s step %d/%d: reward %.3f gen_kl %.2e", m.arm, m.step + 1, n_steps, m.reward_mean, m.gen_kl)
         if bar is not None and bar_task is not None:
             bar.update(
                 bar_task,
@@ -267,7 +306,11 @@ def _run_arm(
     t_arm = time.perf_counter()
     # The engine is built before the trainer's process group: an in-process vLLM sets up its own;
     # vLLM reads its switches (DeepGEMM, ...) from the environment while it builds.
-    with _environment(vllm_env(config, rollout_precision=spec.rollout_precision)):
+    with (
+        _phase(f"arm {spec.name}: building its {spec.rollout_precision.upper()} rollout engine"),
+        _environment(vllm_env(config, rollout_precision=spec.rollout_precision)),
+        quiet_stdout(),
+    ):
         engine = _build_engine(spec, config, model_path=model_path, manifest=manifest, qcfg=qcfg)
     bf16_first = mcfg.fp8_cfg.num_first_layers_in_bf16 if spec.fp8_training_recipe else 0
     bf16_last = mcfg.fp8_cfg.num_last_layers_in_bf16 if spec.fp8_training_recipe else 0
@@ -278,13 +321,16 @@ def _run_arm(
             pipeline_parallel_size=mcfg.pipeline_model_parallel_size,
             seed=config.grpo.seed,
         ):
-            model = build_megatron_model(
-                model_path,
-                recipe=config.training_recipe if spec.fp8_training_recipe else "bf16",
-                num_first_layers_in_bf16=bf16_first,
-                num_last_layers_in_bf16=bf16_last,
-                fp8_format=mcfg.fp8_cfg.fp8 if spec.fp8_training_recipe else None,
-            )
+            dtype = trainer_dtype()
+            with _phase(f"arm {spec.name}: building its Megatron-Core trainer ({dtype})"), quiet_stdout():
+                model = build_megatron_model(
+                    model_path,
+                    recipe=config.training_recipe if spec.fp8_training_recipe else "bf16",
+                    num_first_layers_in_bf16=bf16_first,
+                    num_last_layers_in_bf16=bf16_last,
+                    fp8_format=mcfg.fp8_cfg.fp8 if spec.fp8_training_recipe else None,
+                    dtype=dtype,
+                )
             fp8_kv = spec.rollout_precision == "fp8" and config.policy.generation.vllm_cfg.kv_cache_dtype == "fp8"
             state = ArmState(
                 spec=spec,
@@ -307,20 +353,21 @@ def _run_arm(
                 else None
             )
             try:
-                training = (model.recipe_application.recipe, model.recipe_application.math)
+                math = training_math_label(model.recipe_application.math, dtype)
+                training = (model.recipe_application.recipe, math)
                 results = tuple(on_step(run_step(state, ctx, step=step), training=training) for step in range(steps))
             finally:
                 state.refit.close()
                 if kv_hooks is not None:
                     kv_hooks.remove()
-            application = model.recipe_application
+            recipe = model.recipe_application.recipe
     finally:
         engine.close()
     return ArmResult(
         arm=spec.name,
         engine=engine.name,
-        training_recipe=str(application.recipe),
-        training_math=str(application.math),
+        training_recipe=str(recipe),
+        training_math=math,
         steps=results,
         seconds=time.perf_counter() - t_arm,
     )
@@ -373,11 +420,13 @@ def _environment(env: Mapping[str, str]) -> Iterator[None]:
                 os.environ[k] = v
 
 
-def _progress(enabled: bool) -> contextlib.AbstractContextManager[Progress | None]:
-    """A rich progress bar on stderr, or ``None`` when disabled."""
+@contextlib.contextmanager
+def _progress(enabled: bool) -> Iterator[Progress | None]:
+    """A rich progress bar on stderr (``None`` when disabled); log lines print above it meanwhile."""
     if not enabled:
-        return contextlib.nullcontext(None)
-    return Progress(
+        yield None
+        return
+    bar = Progress(
         TextColumn("[bold]{task.description}"),
         BarColumn(),
         MofNCompleteColumn(),
@@ -385,3 +434,17 @@ def _progress(enabled: bool) -> contextlib.AbstractContextManager[Progress | Non
         TextColumn("{task.fields[info]}"),
         console=Console(stderr=True),
     )
+    with bar:
+        # on a terminal the bar redirects sys.stderr: log handlers writing to the real stderr follow it
+        handlers = [
+            h
+            for h in logging.getLogger().handlers
+            if type(h) is logging.StreamHandler and h.stream in (sys.__stderr__, sys.stderr)
+        ]
+        saved = [h.setStream(sys.stderr) for h in handlers]
+        try:
+            yield bar
+        finally:
+            for h, stream in zip(handlers, saved, strict=True):
+                if stream is not None:
+                    h.setStream(stream)

@@ -13,16 +13,19 @@
 
 from __future__ import annotations
 
+import contextlib
+import io
 import itertools
+import logging
 import time
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass
 from typing import Protocol
 
 import torch
 
 from bridge_mappings.manifest import Manifest
-from bridge_mappings.quantized_export import ExportSettings, refit_stream
+from bridge_mappings.quantized_export import ExportSettings, checked_stream, quantized_stream, refit_stream
 from megatron_fp8.config.schema import KVCacheConfig, RunConfig
 from megatron_fp8.errors import ManifestError
 from megatron_fp8.megatron import MegatronModel, StepOptimizer, export_hf_weights, token_logprobs, train_step
@@ -93,6 +96,45 @@ class ArmState:
     dp: DataParallel
     kv_recorder: KVAmaxRecorder | None = None
     kv_settings: KVCacheConfig = KVCacheConfig()
+
+
+# ----------------------------------------------------------------------------- trainer precision
+
+
+def trainer_dtype() -> torch.dtype:
+    """The trainer's parameter / compute dtype: BF16 on a GPU, float32 on a CPU machine.
+
+    CPUs without AVX512-BF16 / AMX have no fast BF16 GEMM in torch (on the 2-core CI machine a BF16
+    ``[640, 256] x [256, 512]`` matmul takes ~50x the float32 time), and the trainer's GEMMs are most of a
+    GRPO step; so on CPU the trainer keeps float32 weights and the refit sends them as the rollout holds
+    them: BF16, or FP8 quantized from the BF16 values (:func:`rollout_dtype_stream`), exactly as on a GPU.
+    """
+    return torch.bfloat16 if torch.cuda.is_available() else torch.float32
+
+
+@contextlib.contextmanager
+def quiet_stdout() -> Iterator[None]:
+    """Hide what the Megatron stack prints on stdout while it builds a model (its loading bar, parameter counts);
+    shown when the root logger is at DEBUG (``-v``)."""
+    if logging.getLogger().isEnabledFor(logging.DEBUG):
+        yield
+        return
+    with contextlib.redirect_stdout(io.StringIO()):
+        yield
+
+
+def training_math_label(math: str, dtype: torch.dtype) -> str:
+    """What the trainer's math really was: the recipe's ``math`` (``bf16``, ``bf16-emulated``, ``fp8``) or, with a
+    float32 trainer (:func:`trainer_dtype`), ``fp32`` / ``fp32-emulated`` (FP8 recipe validated and recorded)."""
+    if dtype != torch.float32:
+        return math
+    return "fp32" if math == "bf16" else "fp32-emulated" if math == "bf16-emulated" else f"{math} (fp32 weights)"
+
+
+def rollout_dtype_stream(stream: Iterable[tuple[str, torch.Tensor]]) -> Iterator[tuple[str, torch.Tensor]]:
+    """HF weights as the rollout holds them: float32 weights (a CPU trainer) cast to BF16; others as they are."""
+    for name, tensor in stream:
+        yield name, tensor.to(torch.bfloat16) if tensor.dtype == torch.float32 else tensor
 
 
 # ----------------------------------------------------------------------------- rollout
@@ -288,12 +330,17 @@ class RefitOutcome:
 
 def _refit_tensors(state: ArmState) -> Iterable[tuple[str, torch.Tensor]]:
     """The HF-named stream: BF16 export, or FP8 per the manifest (+ KV-cache scales when recorded)."""
+    fp32_trainer = next(state.model.model[0].parameters()).dtype == torch.float32
     if state.spec.rollout_precision != "fp8":
-        return export_hf_weights(state.model)
+        return rollout_dtype_stream(export_hf_weights(state.model)) if fp32_trainer else export_hf_weights(state.model)
     if state.manifest is None:
         raise ManifestError(f"arm {state.spec.name} rolls out in FP8 but was given no FP8 manifest")
-    # the bridge adapter uses Megatron-Bridge's quantized-export hook where the installed version has one
-    stream: Iterable[tuple[str, torch.Tensor]] = refit_stream(state.model, state.manifest, state.export_settings)
+    stream: Iterable[tuple[str, torch.Tensor]]
+    if fp32_trainer:  # quantize the BF16 values, as a BF16 trainer on a GPU would send them
+        bf16 = rollout_dtype_stream(export_hf_weights(state.model))
+        stream = checked_stream(quantized_stream(bf16, state.manifest, state.export_settings), state.manifest)
+    else:  # the bridge adapter uses Megatron-Bridge's quantized-export hook where the installed version has one
+        stream = refit_stream(state.model, state.manifest, state.export_settings)
     if state.kv_recorder is not None and state.kv_recorder.layers():
         kv = compute_kv_scales(
             state.kv_recorder, percentile=state.kv_settings.percentile, margin=state.kv_settings.margin

@@ -7,8 +7,8 @@
   ``gen_kl`` (KL(pi_rollout || pi_train) per token, k3 estimator), the mean
   ``token_mult_prob_error``, the refit payload per step (FP8 / scales / BF16, MiB) and the mean
   refit time.
-* ``metrics.png`` (:func:`plot_metrics`): reward and ``gen_kl`` per step, one line per arm
-  (matplotlib, Agg backend: no display needed).
+* ``metrics.png`` (:func:`plot_metrics`): reward, ``gen_kl``, IS-weight spread and the fraction of
+  tokens token-TIS truncates, per step, one line per arm (matplotlib, Agg backend: no display needed).
 """
 
 from __future__ import annotations
@@ -141,6 +141,11 @@ SMOOTH_WINDOW = 5
 per-step curves share the prompts' difficulty; the trailing mean shows the trend)."""
 
 
+def _floor(value: float) -> float:
+    """A value for a log axis: at least 1e-12 (NaN stays NaN: a gap in the line)."""
+    return value if math.isnan(value) else max(value, 1e-12)
+
+
 def rolling_mean(values: Sequence[float], window: int) -> list[float]:
     """Trailing mean over up to ``window`` values (shorter at the start)."""
     out, acc = [], 0.0
@@ -152,8 +157,15 @@ def rolling_mean(values: Sequence[float], window: int) -> list[float]:
     return out
 
 
-def plot_metrics(arms: Sequence[ArmResult], path: str | Path) -> Path:
-    """Write ``metrics.png``: mean reward (left) and gen_kl (right, log scale) per step, one line per arm.
+def plot_metrics(arms: Sequence[ArmResult], path: str | Path, *, is_cap: float = 2.0) -> Path:
+    """Write ``metrics.png``, four panels per step, one line per arm.
+
+    * mean reward (faint) and its trailing mean;
+    * ``gen_kl`` (log scale): how far the rollout's token distribution is from the trainer's;
+    * the spread of the token IS weights ``w = pi_train / pi_rollout``: mean ``|log w|`` per token (log scale);
+    * the largest ``|log w|`` of the step against ``log C`` of the TIS cap (``loss_fn.is_cap``, default 2), with
+      the fraction of tokens token TIS truncates (``w > C``) in the legend: it enters the loss only in the
+      ``fp8_tis`` arm; the other arms show what it would clip.
 
     Returns:
         ``path`` as a :class:`~pathlib.Path`.
@@ -164,7 +176,8 @@ def plot_metrics(arms: Sequence[ArmResult], path: str | Path) -> Path:
     import matplotlib.pyplot as plt  # lazy: after choosing the Agg backend above
 
     p = Path(path)
-    fig, (ax_r, ax_k) = plt.subplots(1, 2, figsize=(11, 4), dpi=100)
+    fig, axes = plt.subplots(2, 2, figsize=(12, 7.5), dpi=100)
+    (ax_r, ax_k), (ax_w, ax_t) = axes
     try:
         for a in arms:
             steps = [s.step for s in a.steps]
@@ -180,16 +193,26 @@ def plot_metrics(arms: Sequence[ArmResult], path: str | Path) -> Path:
             )
             kl = [s.gen_kl for s in a.steps]
             ax_k.plot(steps, [max(v, 1e-12) for v in kl], marker="o", ms=3, label=a.arm, color=color)
+            spread = [s.mismatch.get("logp_abs_diff_mean", math.nan) for s in a.steps]
+            ax_w.plot(steps, [_floor(v) for v in spread], marker="o", ms=3, label=a.arm, color=color)
+            worst = [s.mismatch.get("logp_abs_diff_max", math.nan) for s in a.steps]
+            truncated = 100.0 * sum(s.is_truncated_fraction for s in a.steps) / max(len(a.steps), 1)
+            applied = "in the loss" if a.steps and a.steps[0].is_applied else "not applied"
+            label = f"{a.arm}: {truncated:.2f}% of tokens w > C ({applied})"
+            ax_t.plot(steps, [_floor(v) for v in worst], marker="o", ms=3, label=label, color=color)
         ax_r.set_title("mean reward per step (faint) and its trailing mean")
-        ax_r.set_xlabel("step")
         ax_r.set_ylabel("reward")
-        ax_r.grid(alpha=0.3)
-        ax_r.legend()
         ax_k.set_title("gen_kl = KL(rollout || train) per token")
-        ax_k.set_xlabel("step")
         ax_k.set_yscale("log")
-        ax_k.grid(alpha=0.3)
-        ax_k.legend()
+        ax_w.set_title("IS-weight spread: mean |log w| per token, w = p_train / p_rollout")
+        ax_w.set_yscale("log")
+        ax_t.axhline(math.log(is_cap), color="black", ls=":", lw=1.2, label=f"log C (TIS cap C={is_cap:g})")
+        ax_t.set_title("largest |log w| of the step vs the TIS cap")
+        ax_t.set_yscale("log")
+        for ax in (ax_r, ax_k, ax_w, ax_t):
+            ax.set_xlabel("step")
+            ax.grid(alpha=0.3)
+            ax.legend(fontsize=8)
         fig.tight_layout()
         buffer = io.BytesIO()
         fig.savefig(buffer, format="png")

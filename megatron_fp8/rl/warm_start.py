@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import logging
 import shutil
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from pathlib import Path
 
 import torch
@@ -16,8 +16,17 @@ import torch.distributed as dist
 from safetensors.torch import save_file
 
 from megatron_fp8.config.schema import RunConfig
-from megatron_fp8.megatron import build_megatron_model, export_hf_weights, make_optimizer, megatron_parallel, train_step
+from megatron_fp8.errors import ConfigError
+from megatron_fp8.megatron import (
+    MegatronModel,
+    build_megatron_model,
+    export_hf_weights,
+    make_optimizer,
+    megatron_parallel,
+    train_step,
+)
 from megatron_fp8.rl.batch import Tokenizer, eos_and_pad, make_batch
+from megatron_fp8.rl.phases import quiet_stdout, rollout_dtype_stream, trainer_dtype
 from megatron_fp8.rl.results import WARM_START_DIR
 from megatron_fp8.rl.task import ToyTask, sample_problems
 from megatron_fp8.rollout.engines import Rollout
@@ -50,20 +59,36 @@ def save_hf_checkpoint(tensors: Mapping[str, torch.Tensor], source: Path, dest: 
 
 
 def warm_start(
-    config: RunConfig, model_path: Path, *, task: ToyTask, tokenizer: Tokenizer, out_dir: Path
+    config: RunConfig,
+    model_path: Path,
+    *,
+    task: ToyTask,
+    tokenizer: Tokenizer,
+    out_dir: Path,
+    on_step: Callable[[int, int, float], None] | None = None,
 ) -> tuple[Path, list[float]]:
     """Supervised warm start on task answers, shared by every arm; saved as an HF checkpoint folder.
 
     ``grpo.warm_start_steps`` AdamW steps (lr ``grpo.warm_start_learning_rate``) of the mean
     negative log-likelihood of ``answer + EOS`` given the prompt, on fresh problems each step
     (seeded apart from the GRPO problems), ``num_prompts_per_step x num_generations_per_prompt``
-    examples per step, BF16 recipe. Every model-parallel rank trains and exports; rank 0 writes.
+    examples per step, BF16 recipe, the trainer's dtype (:func:`~megatron_fp8.rl.phases.trainer_dtype`;
+    the checkpoint is written in BF16, as the base). Every model-parallel rank trains and exports; rank 0 writes.
+
+    Args:
+        config: the run configuration.
+        model_path: the base checkpoint folder.
+        task: the toy task.
+        tokenizer: the model's tokenizer.
+        out_dir: the run's output folder.
+        on_step: called after each step with ``(step, total steps, loss)`` (a progress bar); ``None``: one
+            INFO line every few steps.
 
     Returns:
         ``(checkpoint folder, per-step loss)``; the folder is ``out_dir/warm_start``.
 
     Raises:
-        ConfigError: the tokenizer has no EOS.
+        ConfigError: the tokenizer has no EOS; a non-finite loss (naming the first non-finite weight, if any).
     """
     g = config.grpo
     eos, pad = eos_and_pad(tokenizer, where=model_path)
@@ -72,7 +97,8 @@ def warm_start(
     path = out_dir / WARM_START_DIR
     torch.manual_seed(g.seed)
     with megatron_parallel(seed=g.seed):
-        model = build_megatron_model(model_path, recipe="bf16")
+        with quiet_stdout():
+            model = build_megatron_model(model_path, recipe="bf16", dtype=trainer_dtype())
         optimizer = make_optimizer(model, lr=g.warm_start_learning_rate)
         for step in range(g.warm_start_steps):
             problems = sample_problems(task, seed=g.seed + WARM_START_SEED_OFFSET, step=step, count=batch_size)
@@ -91,11 +117,20 @@ def warm_start(
                 """Mean negative log-likelihood of the answer tokens."""
                 return -(logp * mask).sum() / mask.sum()
 
-            result = train_step(
-                model, optimizer, nll, {"input_ids": batch.input_ids, "attention_mask": batch.attention_mask}
-            )
+            try:
+                result = train_step(
+                    model, optimizer, nll, {"input_ids": batch.input_ids, "attention_mask": batch.attention_mask}
+                )
+            except ConfigError as exc:
+                raise ConfigError(f"warm start step {step + 1}: {exc}{_nonfinite_weight_hint(model)}") from exc
             losses.append(result.loss)
-        tensors = dict(export_hf_weights(model))  # collective over model-parallel ranks: every rank exports
+            if on_step is not None:
+                on_step(step, g.warm_start_steps, result.loss)
+            elif (step + 1) % max(1, g.warm_start_steps // 4) == 0 or step + 1 == g.warm_start_steps:
+                logger.info("warm start step %d/%d: NLL %.3f", step + 1, g.warm_start_steps, result.loss)
+        tensors = dict(
+            rollout_dtype_stream(export_hf_weights(model))
+        )  # BF16, as the base checkpoint  # collective over model-parallel ranks: every rank exports
         if not dist.is_initialized() or dist.get_rank() == 0:
             save_hf_checkpoint(tensors, model_path, path)
         if dist.is_initialized():
@@ -108,3 +143,11 @@ def warm_start(
         path,
     )
     return path, losses
+
+
+def _nonfinite_weight_hint(model: MegatronModel) -> str:
+    """``"; weight X holds NaN/Inf"`` for the first non-finite trainer weight, ``""`` when all are finite."""
+    for name, tensor in export_hf_weights(model):
+        if tensor.is_floating_point() and not bool(torch.isfinite(tensor).all()):
+            return f"; weight {name} holds NaN/Inf: fix or re-download the checkpoint"
+    return ""

@@ -59,3 +59,28 @@ def test_doctor_table():
     proc = _run()
     assert proc.returncode == 0, proc.stderr
     assert "blockwise" in proc.stdout and "Float8BlockScaling" in proc.stdout
+
+
+def test_runtime_imports_are_checked_in_a_fresh_interpreter(tmp_path):
+    from megatron_fp8.recipes.capability import RUNTIME_IMPORTS, check_runtime_imports
+
+    assert "deep_gemm" in RUNTIME_IMPORTS  # needs libcuda.so.1: imported at run time, not at image build
+    got = check_runtime_imports(("json", "no_such_module_xyz", "megatron_fp8.no_such_submodule"))
+    assert [c.status for c in got] == ["ok", "absent", "failed"]
+    assert "No module named" in got[2].detail
+
+
+def test_doctor_imports_exit_status_and_out_file(tmp_path, monkeypatch, capsys):
+    import argparse
+    import json
+
+    from megatron_fp8.cli import doctor
+    from megatron_fp8.recipes.capability import ImportCheck
+
+    monkeypatch.setattr(doctor, "check_runtime_imports", lambda: (ImportCheck("deep_gemm", "failed", "libcuda"),))
+    out = tmp_path / "d.json"
+    assert doctor.run(argparse.Namespace(json=True, imports=True, out=out)) == 1
+    assert json.loads(out.read_text())["imports"] == [{"module": "deep_gemm", "status": "failed", "detail": "libcuda"}]
+    monkeypatch.setattr(doctor, "check_runtime_imports", lambda: (ImportCheck("deep_gemm", "ok"),))
+    assert doctor.run(argparse.Namespace(json=True, imports=True, out=None)) == 0
+    capsys.readouterr()

@@ -113,3 +113,15 @@ def test_validate_tp_divisibility_function():
     assert tp_sizes_that_work(*args, moe_intermediate_size=768) == (1, 2)
     with pytest.raises(ConfigError, match="integer >= 1"):
         validate_tp_divisibility(*args, 0)
+
+
+def test_trainer_tp_must_split_heads_and_hold_whole_blocks():
+    """Trainer TP is checked at load (on the known dimensions) as well as the rollout TP."""
+    with pytest.raises(ConfigError, match=r"tensor_model_parallel_size=3 does not split .* sizes that work for this"):
+        load_config(None, ["policy.megatron_cfg.tensor_model_parallel_size=3"])
+    with pytest.raises(ConfigError, match=r"not whole 128x128 blocks under the 'blockwise' FP8 recipe"):
+        load_config(None, ["policy.megatron_cfg.tensor_model_parallel_size=2"])
+    cfg = load_config(
+        None, ["policy.megatron_cfg.tensor_model_parallel_size=2", "policy.megatron_cfg.fp8_cfg.enabled=false"]
+    )
+    assert cfg.policy.megatron_cfg.tensor_model_parallel_size == 2  # BF16 training: heads split evenly, no blocks

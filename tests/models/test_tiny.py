@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import shutil
 from pathlib import Path
 
 import pytest
@@ -167,3 +168,42 @@ def test_parallel_first_use_keeps_the_winner(tmp_path, monkeypatch, dense):
     assert (path / "winner.txt").read_text() == "first"
     assert (path / "model.safetensors").read_bytes() == (dense / "model.safetensors").read_bytes()
     assert sorted(p.name for p in tmp_path.iterdir()) == [path.name]
+
+
+def test_hub_id_offline_says_how_to_stage(monkeypatch):
+    """A Hugging Face id goes through huggingface_hub; offline it fails saying how to stage the weights."""
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    with pytest.raises(ConfigError) as info:
+        resolve_model("Qwen/Qwen3-8B-not-staged")
+    text = str(info.value)
+    assert "offline mode (HF_HUB_OFFLINE=1)" in text
+    assert "huggingface-cli download Qwen/Qwen3-8B-not-staged --local-dir DIR" in text
+    assert "model.name_or_path=DIR" in text
+
+
+def test_hub_id_in_the_cache_resolves_without_network(monkeypatch, tmp_path):
+    """A snapshot already in the Hugging Face cache is used offline (snapshot_download, local files only)."""
+    src = tiny_model_path("tiny")
+    calls = []
+
+    def fake_snapshot_download(repo_id, **kwargs):
+        calls.append((repo_id, kwargs["local_files_only"]))
+        dest = tmp_path / "snapshot"
+        if not dest.exists():
+            shutil.copytree(src, dest)
+        return str(dest)
+
+    monkeypatch.setattr("huggingface_hub.snapshot_download", fake_snapshot_download)
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    assert resolve_model("someone/tiny-copy") == (tmp_path / "snapshot").resolve()
+    monkeypatch.delenv("HF_HUB_OFFLINE")
+    resolve_model("someone/tiny-copy", download=False)
+    resolve_model("someone/tiny-copy")
+    assert calls == [("someone/tiny-copy", True), ("someone/tiny-copy", True), ("someone/tiny-copy", False)]
+
+
+def test_missing_relative_path_is_not_sent_to_the_hub(tmp_path):
+    with pytest.raises(ConfigError, match="nor a Hugging Face id"):
+        resolve_model(str(tmp_path / "no" / "such" / "dir"))
+    with pytest.raises(ConfigError, match="nor a Hugging Face id"):
+        resolve_model("./not-here/model")

@@ -143,3 +143,10 @@ def test_probe_on_gpu_matches_torch():
     smi = probe_environment(use_torch=False)
     if smi.gpu_probe == "nvidia-smi":
         assert smi.compute_capability == env.compute_capability
+
+
+@pytest.mark.parametrize("cc", [(10, 0), (10, 3), (12, 0)])
+def test_blockwise_is_refused_not_warned_from_compute_capability_10(cc):
+    env = Environment(**{**H100_CUDA129.__dict__, "compute_capability": cc, "gpu_name": "NVIDIA B200"})
+    v = check("blockwise", env)
+    assert not v.supported and any("Hopper (compute capability 9.x)" in r for r in v.reasons)

