@@ -96,7 +96,8 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(skip_gpu)
         marker = item.get_closest_marker("vllm_version")
         spec = marker.args[0] if marker is not None else None
-        if spec is None and "vllm" in item.keywords:
+        # the marker, not item.keywords: keywords also hold folder names (tests/rollout/vllm/)
+        if spec is None and item.get_closest_marker("vllm") is not None:
             default_spec = default_spec or ci_vllm_spec()
             spec = default_spec
         if spec is not None:

@@ -15,6 +15,7 @@ import sys
 from types import ModuleType
 
 from megatron_fp8 import __version__
+from megatron_fp8.cli._noise import quiet_third_party
 from megatron_fp8.errors import MegatronFP8Error, UsageError
 
 COMMANDS: dict[str, tuple[str, str]] = {  # name -> (module, one-line help)
@@ -73,6 +74,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.command is None:
         parser.print_help()
         return EXIT_USAGE
+    quiet_third_party(verbose=args.verbose)  # before any command imports the Megatron / vLLM stacks
     prefix = f"megatron-fp8 {args.command}"
     try:
         return int(_load(args.command).run(args) or 0)

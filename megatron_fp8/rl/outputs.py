@@ -94,5 +94,6 @@ def rebuild_outputs(out: str | Path, *, arm_order: Sequence[str] | None = None) 
     arms = arms_from_records(records, arm_order=arm_order, where=str(path / METRICS_FILE))
     config = load_config(path / CONFIG_FILE) if (path / CONFIG_FILE).is_file() else None
     summary = report.write_summary(arms, path / SUMMARY_FILE, config=config)
-    plot = report.plot_metrics(arms, path / PLOT_FILE)
+    is_cap = config.loss_fn.is_cap if config is not None else 2.0
+    plot = report.plot_metrics(arms, path / PLOT_FILE, is_cap=is_cap)
     return summary, plot, arms
