@@ -167,7 +167,10 @@ def bind_device(
 
         if torch.cuda.is_available():
             torch.cuda.set_device(mine.index)
-    logger.info("rank %d on %s: cuda:%s (%s)", mine.rank, mine.host, mine.index, mine.device_id)
+    if mine.index is None:
+        logger.debug("rank %d on %s: CPU (no CUDA device)", mine.rank, mine.host)
+    else:
+        logger.info("rank %d on %s: cuda:%s (%s)", mine.rank, mine.host, mine.index, mine.device_id)
     return mine
 
 
