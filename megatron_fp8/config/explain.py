@@ -51,7 +51,9 @@ EFFECTS: Mapping[str, str] = {
     "policy.generation.vllm_cfg.gpu_memory_utilization": _VLLM_ARG.format("gpu_memory_utilization"),
     "policy.generation.vllm_cfg.num_first_layers_in_bf16": "first layers in ignored_layers -> manifest (rl.fp8_rollout)",
     "policy.generation.vllm_cfg.num_last_layers_in_bf16": "last layers in ignored_layers -> manifest (rl.fp8_rollout)",
-    "policy.generation.vllm_cfg.pow2_weight_scaling_factors": "UE8M0 weight scales in the refit export",
+    "policy.generation.vllm_cfg.pow2_weight_scaling_factors": (
+        "UE8M0 weight scales in the refit export (null: the engine's own format)"
+    ),
     "policy.generation.vllm_cfg.pow2_activation_scaling_factors": "UE8M0 activation scales (reference engine)",
     "policy.generation.vllm_cfg.kv_cache_dtype": _VLLM_ARG.format("kv_cache_dtype") + "; FP8 KV scales",
     "policy.generation.vllm_cfg.tensor_parallel_size": _VLLM_ARG.format("tensor_parallel_size") + "; export TP",

@@ -193,7 +193,9 @@ class VllmConfig:
         gpu_memory_utilization: fraction of GPU memory vLLM may take, in (0, 1].
         num_first_layers_in_bf16: decoder layers at the start vLLM keeps in BF16.
         num_last_layers_in_bf16: decoder layers at the end vLLM keeps in BF16.
-        pow2_weight_scaling_factors: round weight scales up to powers of 2 (UE8M0).
+        pow2_weight_scaling_factors: round weight scales up to powers of 2 (UE8M0); ``None`` (default) = what
+            the rollout engine holds: on when its FP8 kernel path requantizes scales to UE8M0 (vLLM's DeepGEMM
+            E8M0), so nothing is requantized, else off.
         pow2_activation_scaling_factors: round activation scales up to powers of 2.
         kv_cache_dtype: ``"auto"`` (model dtype) or ``"fp8"`` (needs ``precision: fp8``).
         tensor_parallel_size: rollout TP.
@@ -209,7 +211,7 @@ class VllmConfig:
     gpu_memory_utilization: float = 0.5
     num_first_layers_in_bf16: int = 0
     num_last_layers_in_bf16: int = 0
-    pow2_weight_scaling_factors: bool = False
+    pow2_weight_scaling_factors: bool | None = None
     pow2_activation_scaling_factors: bool = False
     kv_cache_dtype: Literal["auto", "fp8"] = "auto"
     tensor_parallel_size: int = 1

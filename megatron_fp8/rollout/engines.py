@@ -119,6 +119,14 @@ class RolloutEngine(Protocol):
         """Sample one response per prompt (prompt ``j`` seeded with ``seed + j``)."""
         ...
 
+    def weight_scale_format(self) -> str:
+        """The FP8 weight-scale format the engine holds (``"ue8m0"`` where it requantizes to UE8M0, else ``"fp32"``).
+
+        The refit sends this format when ``pow2_weight_scaling_factors`` is left to the engine, so the
+        engine never requantizes (lossless).
+        """
+        ...
+
     def close(self) -> None:
         """Release the engine."""
         ...
@@ -188,6 +196,10 @@ class ReferenceRolloutEngine:
             finished=tuple(r == "stop" for r in out.finish_reasons),
             engine=self.name,
         )
+
+    def weight_scale_format(self) -> str:
+        """``"fp32"``: the reference engine holds the scales it is sent, as vLLM's CUTLASS / Triton paths do."""
+        return "fp32"
 
     def close(self) -> None:
         """Nothing to release."""
@@ -278,6 +290,13 @@ class VllmRolloutEngine:
             finished=tuple(x.finished for x in samples),
             engine=self.name,
         )
+
+    def weight_scale_format(self) -> str:
+        """What vLLM's live FP8 layers hold, read from the model (:func:`megatron_fp8.rollout.vllm.layouts.engine_scale_format`)."""
+        if self.llm is None:
+            raise ConfigError("this vLLM engine was closed; build a new one")
+        formats = set(self.llm.collective_rpc("mfp8_scale_format"))
+        return "ue8m0" if "ue8m0" in formats else "fp32"
 
     def close(self) -> None:
         """Shut the engine down and release vLLM's process-global state."""

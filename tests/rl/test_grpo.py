@@ -224,3 +224,19 @@ def test_fp8_kv_cache_scales_travel_with_each_refit(tmp_path):
     kv_scales = 4 * 3 * 4  # 4 layers x q/k/v, float32
     for step in result.arm("fp8").steps:
         assert step.refit_bytes["scales"] == weight_scales + kv_scales
+
+
+def test_weight_scale_format_follows_the_engine_unless_the_config_forces_it():
+    """``pow2_weight_scaling_factors: null`` sends what the engine holds; true / false force ue8m0 / fp32."""
+    from megatron_fp8.config import load_config
+    from megatron_fp8.models import tiny_model_path
+    from megatron_fp8.rl.grpo import _export_settings
+    from megatron_fp8.rollout.engines import ReferenceRolloutEngine
+
+    engine = ReferenceRolloutEngine(tiny_model_path("tiny"), quantization_config=None, fp8_names=None)
+    assert engine.weight_scale_format() == "fp32"
+    key = "policy.generation.vllm_cfg.pow2_weight_scaling_factors"
+    assert load_config(None).policy.generation.vllm_cfg.pow2_weight_scaling_factors is None
+    assert _export_settings(load_config(None), engine).scale_format == "fp32"
+    assert _export_settings(load_config(None, [f"{key}=true"]), engine).scale_format == "ue8m0"
+    assert _export_settings(load_config(None, [f"{key}=false"]), engine).scale_format == "fp32"
