@@ -28,7 +28,6 @@ import json
 import logging
 import os
 import re
-import tempfile
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -38,6 +37,7 @@ import torch.distributed as dist
 from safetensors import safe_open
 
 from megatron_fp8.errors import ManifestError
+from megatron_fp8.files import write_atomically
 from megatron_fp8.rollout.vllm import adapter as vllm_adapter
 
 if TYPE_CHECKING:  # vLLM's engine, for annotations only (named by the vLLM adapter, vLLM's one room)
@@ -403,16 +403,7 @@ class ManifestStore:
         path.parent.mkdir(parents=True, exist_ok=True)
         data = manifest.to_json()
         data["content_sha256"] = content_digest(data)
-        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-        try:
-            with os.fdopen(fd, "w") as handle:
-                handle.write(json.dumps(data, indent=1))
-                handle.flush()
-                os.fsync(handle.fileno())
-            os.replace(tmp, path)
-        except BaseException:
-            Path(tmp).unlink(missing_ok=True)
-            raise
+        write_atomically(path, json.dumps(data, indent=1))
         return path
 
     def get_or_ask(

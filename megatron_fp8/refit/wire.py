@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import logging
 import math
 import threading
 from collections.abc import Iterable
@@ -33,6 +34,8 @@ import torch
 from megatron_fp8.errors import RefitError
 from megatron_fp8.quant.formats import WIRE_DTYPES
 from megatron_fp8.vocab import REFIT_OUTCOMES
+
+logger = logging.getLogger(__name__)
 
 ALIGN = 16
 """Byte alignment of every tensor offset inside a bucket payload (and of the payload length)."""
@@ -246,6 +249,42 @@ def decode_bucket_meta(data: bytes) -> tuple[tuple[TensorMeta, ...], VersionTrai
     metas = tuple(TensorMeta.from_json(i) for i in obj["m"])
     trailer = VersionTrailer.from_json(obj["t"]) if obj.get("t") is not None else None
     return metas, trailer
+
+
+def bucket_from_wire(
+    *,
+    version: int,
+    index: int,
+    is_last: bool,
+    meta: bytes,
+    payload: torch.Tensor,
+    checksum: int,
+    stream_id: int,
+    where: str,
+) -> Bucket:
+    """The :class:`Bucket` a transport received, decoded from its header fields and metadata bytes.
+
+    Undecodable metadata is logged and left empty: the bucket's checksum, which covers its metadata,
+    then refuses it in the receiver, which names the bucket (one refusal path for every transport).
+
+    Args:
+        where: the transport, for the log line (e.g. ``"gloo transport"``).
+    """
+    try:
+        metas, trailer = decode_bucket_meta(meta)
+    except RefitError as exc:
+        logger.warning("%s: bucket %d of version %d: %s", where, index, version, exc)
+        metas, trailer = (), None
+    return Bucket(
+        version=version,
+        index=index,
+        is_last=bool(is_last),
+        metas=metas,
+        payload=payload,
+        checksum=checksum,
+        stream_id=stream_id,
+        trailer=trailer,
+    )
 
 
 @dataclass(frozen=True)

@@ -59,6 +59,7 @@ from bridge_mappings.quantized_export import ExportSettings
 from megatron_fp8.config.schema import RunConfig
 from megatron_fp8.config.wiring import vllm_engine_args, vllm_env
 from megatron_fp8.errors import ConfigError
+from megatron_fp8.files import write_atomically
 from megatron_fp8.megatron import build_megatron_model, make_optimizer, megatron_parallel
 from megatron_fp8.refit.pipeline import ColocatedRefit
 from megatron_fp8.rl import report
@@ -190,7 +191,7 @@ def _run_arms(
     from transformers import AutoTokenizer  # lazy: transformers is optional (not a core dependency)
 
     if dp.is_writer:
-        report.write_atomically(out / CONFIG_FILE, config.dump_yaml())
+        write_atomically(out / CONFIG_FILE, config.dump_yaml())
     tokenizer: Tokenizer = AutoTokenizer.from_pretrained(str(model_path))
     eos_id, pad_id = eos_and_pad(tokenizer, where=model_path)
     ctx = GRPOContext(config=config, task=task, tokenizer=tokenizer, eos_id=eos_id, pad_id=pad_id)

@@ -17,13 +17,12 @@ import io
 import json
 import logging
 import math
-import os
-import tempfile
 from collections.abc import Sequence
 from pathlib import Path
 
 from megatron_fp8.config.schema import RunConfig
 from megatron_fp8.errors import ConfigError
+from megatron_fp8.files import write_atomically
 from megatron_fp8.rl.results import ArmResult, JSONRecord
 
 logger = logging.getLogger(__name__)
@@ -32,20 +31,6 @@ MIB = float(1 << 20)
 
 ARM_COLORS: dict[str, str] = {"bf16": "tab:blue", "fp8": "tab:red", "fp8_tis": "tab:green"}
 """Plot colour per arm (other names get matplotlib's cycle)."""
-
-
-def write_atomically(path: str | Path, data: str | bytes) -> Path:
-    """Write ``data`` to ``path`` through a temporary file in the same folder and a rename (never half a file)."""
-    p = Path(path)
-    fd, tmp = tempfile.mkstemp(dir=p.parent, prefix=f".{p.name}.")
-    try:
-        with os.fdopen(fd, "wb") as f:
-            f.write(data.encode() if isinstance(data, str) else data)
-        os.replace(tmp, p)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
-    return p
 
 
 def read_metrics(path: str | Path) -> list[JSONRecord]:

@@ -19,7 +19,7 @@ from megatron_fp8.errors import (
     TransportTimeoutError,
 )
 from megatron_fp8.refit.transport.base import DEFAULT_TIMEOUT_S, KIND_ABORT, KIND_BUCKET, KIND_CLOSE, Transport
-from megatron_fp8.refit.wire import Bucket, RefitOutcome, decode_bucket_meta, encode_bucket_meta
+from megatron_fp8.refit.wire import Bucket, RefitOutcome, bucket_from_wire, encode_bucket_meta
 
 logger = logging.getLogger(__name__)
 
@@ -244,20 +244,15 @@ class CudaIpcTransport(Transport):
             raise RefitError(f"cuda_ipc: could not open bucket {index} of version {version}: {exc}") from exc
         self._ack.put(("ack", seq, None))
         self.buckets_received += 1
-        try:
-            metas, trailer = decode_bucket_meta(meta)
-        except RefitError as exc:  # the bucket's checksum (which covers its metadata) refuses it
-            logger.warning("cuda_ipc: bucket %d of version %d: %s", index, version, exc)
-            metas, trailer = (), None
-        return Bucket(
+        return bucket_from_wire(
             version=version,
             index=index,
             is_last=bool(is_last),
-            metas=metas,
+            meta=meta,
             payload=payload,
             checksum=checksum,
             stream_id=stream_id,
-            trailer=trailer,
+            where="cuda_ipc",
         )
 
     def close(self) -> None:

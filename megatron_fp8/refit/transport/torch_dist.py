@@ -21,7 +21,7 @@ from megatron_fp8.errors import (
     TransportTimeoutError,
 )
 from megatron_fp8.refit.transport.base import DEFAULT_TIMEOUT_S, KIND_ABORT, KIND_BUCKET, KIND_CLOSE, Transport
-from megatron_fp8.refit.wire import Bucket, RefitOutcome, decode_bucket_meta, encode_bucket_meta
+from megatron_fp8.refit.wire import Bucket, RefitOutcome, bucket_from_wire, encode_bucket_meta
 from megatron_fp8.vocab import REFIT_OUTCOMES
 
 if TYPE_CHECKING:
@@ -391,20 +391,15 @@ class TorchDistTransport(Transport):
             work_next, header_next = self._post_header()
             self._prefetch = (work_next, header_next, time.monotonic())
         self.buckets_received += 1
-        try:
-            metas, trailer = decode_bucket_meta(meta_bytes)
-        except RefitError as exc:  # the bucket's checksum (which covers its metadata) refuses it
-            logger.warning("%s transport: bucket %d of version %d: %s", self.name, index, version, exc)
-            metas, trailer = (), None
-        return Bucket(
+        return bucket_from_wire(
             version=version,
             index=index,
             is_last=bool(is_last),
-            metas=metas,
+            meta=meta_bytes,
             payload=payload,
             checksum=checksum,
             stream_id=stream_id,
-            trailer=trailer,
+            where=f"{self.name} transport",
         )
 
     def close(self) -> None:

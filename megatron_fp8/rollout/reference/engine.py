@@ -185,16 +185,7 @@ class ReferenceFP8Engine:
         return self.weights.stage(items)
 
     def commit(self, staged: StagedUpdate) -> frozenset[str]:
-        """Apply a staged update in place (``copy_`` into the stored tensors).
-
-        Returns:
-            the weight names (not scales) that were updated.
-
-        Raises:
-            RefitError: the update belongs to another engine, was already
-                committed or aborted, or another update was committed after it
-                was staged (stage again).
-        """
+        """Apply a staged update in place; see :meth:`WeightStore.commit <megatron_fp8.rollout.reference.weights.WeightStore.commit>`."""
         return self.weights.commit(staged)
 
     def abort(self, staged: StagedUpdate) -> None:
@@ -329,20 +320,7 @@ class ReferenceFP8Engine:
         seed: int = 0,
         eos_token_id: int | Iterable[int] | None = None,
     ) -> GenerationResult:
-        """Generate continuations with a batched KV cache.
-
-        Args:
-            prompt_token_ids: per sequence the prompt token ids (lengths may differ).
-            max_new_tokens: tokens to generate per sequence at most (>= 1).
-            temperature: 0.0 for greedy decoding, > 0 to sample from ``softmax(logits / T)``.
-            top_p: nucleus sampling mass in (0, 1] (sampling only).
-            seed: sequence ``j`` samples from ``torch.Generator().manual_seed(seed + j)``,
-                so a result does not depend on the rest of the batch.
-            eos_token_id: token id(s) that finish a sequence (kept in the output).
-
-        Returns:
-            :class:`GenerationResult`.
-        """
+        """Generate continuations with a batched KV cache; see :func:`megatron_fp8.rollout.reference.sampler.generate`."""
         return sampler.generate(
             self.model,
             prompt_token_ids,

@@ -1,0 +1,29 @@
+"""One home for writing files safely: :func:`write_atomically` (no torch)."""
+
+from __future__ import annotations
+
+import os
+import tempfile
+from pathlib import Path
+
+
+def write_atomically(path: str | Path, data: str | bytes) -> Path:
+    """Write ``data`` to ``path`` through a temporary file in the same folder, fsync and a rename.
+
+    A reader sees the old file or the new one, never half a file; a crash leaves no partial file under ``path``.
+
+    Returns:
+        ``path`` as a :class:`~pathlib.Path`.
+    """
+    p = Path(path)
+    fd, tmp = tempfile.mkstemp(dir=p.parent, prefix=f".{p.name}.", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.write(data.encode() if isinstance(data, str) else data)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, p)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+    return p
