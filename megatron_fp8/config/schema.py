@@ -17,11 +17,17 @@ Layout (dotted paths)::
                                 quantization_ignored_layer_kws, is_mx, quantization_config}
     loss_fn.{use_importance_sampling_correction, is_variant, is_cap, is_lower, is_upper,
              ratio_clip_min, ratio_clip_max, log_ratio_clamp}
+    policy.generation.colocated.{enabled, resources.{gpus_per_node, num_nodes}}
     grpo.{num_steps, num_prompts_per_step, num_generations_per_prompt, max_new_tokens,
           temperature, learning_rate, seed, arms, task, task_max_digits, updates_per_step, warmup_steps,
-          warm_start_steps, warm_start_learning_rate}
+          warm_start_steps, warm_start_learning_rate, val_period, val_at_start, max_val_samples}
+    data.{max_input_seq_length, shuffle, train.{data_path, input_key, output_key, max_samples},
+          validation.{...as train}, default.{prompt_file, system_prompt_file, env_name}}
+    checkpointing.{enabled, checkpoint_dir, save_period, keep_top_k, metric_name, higher_is_better,
+                   save_consolidated}
+    logger.{log_dir, tensorboard_enabled, wandb_enabled, wandb.{project, name}}
     rollout.{engine}
-    refit.{bucket_size_mb, timeout_s, verify}
+    refit.{bucket_size_mb, timeout_s, verify, transport}
     kv_cache.{percentile, margin}
     logging.{level}
     out_dir
@@ -73,6 +79,9 @@ RolloutPrecision = Annotated[str, OneOf(vocab.ROLLOUT_PRECISIONS)]
 
 ISVariant = Annotated[str, OneOf(tuple(vocab.IS_VARIANTS))]
 """Importance-sampling variant, a key of :data:`megatron_fp8.vocab.IS_VARIANTS`."""
+
+RefitTransport = Annotated[str, OneOf(("auto", *vocab.TRANSPORTS))]
+"""Refit transport between separate ranks: ``"auto"`` or a key of :data:`megatron_fp8.vocab.TRANSPORTS`."""
 
 RolloutEngine = Annotated[str, OneOf(tuple(vocab.ROLLOUT_ENGINES))]
 """Rollout engine, a key of :data:`megatron_fp8.vocab.ROLLOUT_ENGINES`."""
@@ -231,16 +240,46 @@ class VllmConfig:
 
 
 @dataclass(frozen=True)
+class ColocatedResources:
+    """``policy.generation.colocated.resources``: the rollout ranks when generation is not colocated.
+
+    Attributes:
+        gpus_per_node: rollout ranks per node (one GPU each; processes on CPU).
+        num_nodes: nodes of rollout ranks.
+    """
+
+    gpus_per_node: int | None = None
+    num_nodes: int | None = None
+
+
+@dataclass(frozen=True)
+class ColocatedConfig:
+    """``policy.generation.colocated`` (NeMo-RL names): trainer and engine on the same ranks, or apart.
+
+    Attributes:
+        enabled: ``True`` (default): every rank trains and rolls out on its own engine, refit in process.
+            ``False``: the last ``num_nodes * gpus_per_node`` ranks only generate; trainer rank 0 sends each
+            refit through ``refit.transport`` (what ``ROLLOUT_TASKS=N`` of ``slurm/grpo.sbatch`` sets up).
+        resources: the rollout ranks when not colocated.
+    """
+
+    enabled: bool = True
+    resources: ColocatedResources = field(default_factory=ColocatedResources)
+
+
+@dataclass(frozen=True)
 class GenerationConfig:
     """``policy.generation``.
 
     Attributes:
         backend: the rollout engine (only ``"vllm"``).
         vllm_cfg: vLLM settings.
+        colocated: trainer and rollout on the same ranks (default) or on separate ones.
     """
 
     backend: Literal["vllm"] = "vllm"
     vllm_cfg: VllmConfig = field(default_factory=VllmConfig)
+    colocated: ColocatedConfig = field(default_factory=ColocatedConfig)
 
 
 @dataclass(frozen=True)
@@ -310,6 +349,10 @@ class GRPOConfig:
             a randomly initialised model gets a policy that RL can improve, as RL normally starts from a
             pretrained model.
         warm_start_learning_rate: learning rate of the warm-start steps.
+        val_period: validate (accuracy on ``data.validation``, or held-out task problems) every this many
+            steps; 0 = never.
+        val_at_start: also validate before the first step.
+        max_val_samples: validation problems used (``None`` = all).
     """
 
     num_steps: int = 20
@@ -326,8 +369,121 @@ class GRPOConfig:
     warmup_steps: int = 0
     warm_start_steps: int = 0
     warm_start_learning_rate: float = 1.0e-3
+    val_period: int = 0
+    val_at_start: bool = False
+    max_val_samples: int | None = None
 
     ALIASES: ClassVar[dict[str, str]] = {"max_num_steps": "num_steps"}
+
+
+@dataclass(frozen=True)
+class DatasetConfig:
+    """``data.train`` / ``data.validation``: a local JSONL or Parquet file of problems.
+
+    Attributes:
+        data_path: the file (``.jsonl``, ``.json`` or ``.parquet``); ``None`` = no dataset (the built-in
+            ``grpo.task``).
+        input_key: column holding the problem text.
+        output_key: column holding the expected answer.
+        max_samples: rows used (``None`` = all), taken before shuffling.
+    """
+
+    data_path: str | None = None
+    input_key: str = "input"
+    output_key: str = "output"
+    max_samples: int | None = None
+
+
+@dataclass(frozen=True)
+class DataDefaultsConfig:
+    """``data.default``: how every dataset's rows become prompts and rewards.
+
+    Attributes:
+        prompt_file: a text file with ``{}`` where the problem goes (``None`` = the problem as is); the result
+            goes through the tokenizer's chat template when it has one.
+        system_prompt_file: a text file, the system message of the chat template (``None`` = none).
+        env_name: the reward: ``"math"`` (the final answer, boxed or plain, checked with ``math-verify``) or a
+            Python entry point ``"module:function"`` called as ``function(prompt, response, answer) -> float``.
+    """
+
+    prompt_file: str | None = None
+    system_prompt_file: str | None = None
+    env_name: str = "math"
+
+
+@dataclass(frozen=True)
+class DataConfig:
+    """``data`` (NeMo-RL names): the training and validation problems.
+
+    Attributes:
+        train: the training set; without ``data_path`` GRPO trains on ``grpo.task``.
+        validation: the validation set (``None`` or no ``data_path`` = held-out problems of the training source).
+        default: prompt template and reward.
+        max_input_seq_length: longest prompt (tokens, after the template); longer rows are skipped and counted
+            (refused when none is left). ``None`` = no limit.
+        shuffle: shuffle the training rows with ``grpo.seed`` (a new order each epoch).
+    """
+
+    train: DatasetConfig = field(default_factory=DatasetConfig)
+    validation: DatasetConfig | None = None
+    default: DataDefaultsConfig = field(default_factory=DataDefaultsConfig)
+    max_input_seq_length: int | None = None
+    shuffle: bool = True
+
+
+@dataclass(frozen=True)
+class CheckpointingConfig:
+    """``checkpointing`` (NeMo-RL names).
+
+    Attributes:
+        enabled: write checkpoints, and resume from the latest complete one in ``checkpoint_dir``.
+        checkpoint_dir: the folder (one subfolder per arm, ``step_N`` in each).
+        save_period: save every this many steps (and after the last).
+        keep_top_k: checkpoints kept per arm (``None`` = all): the best by ``metric_name``, else the latest;
+            the latest is always kept.
+        metric_name: a key of the step's metrics (``reward_mean``, ``val_accuracy``, ...) ranking checkpoints
+            for ``keep_top_k``; ``None`` = keep the latest.
+        higher_is_better: direction of ``metric_name``.
+        save_consolidated: also write the policy as a Hugging Face checkpoint (``hf/``, via Megatron-Bridge).
+    """
+
+    enabled: bool = False
+    checkpoint_dir: str = "checkpoints"
+    save_period: int = 10
+    keep_top_k: int | None = None
+    metric_name: str | None = None
+    higher_is_better: bool = True
+    save_consolidated: bool = False
+
+
+@dataclass(frozen=True)
+class WandbConfig:
+    """``logger.wandb``.
+
+    Attributes:
+        project: W&B project.
+        name: run name (``None`` = W&B's own).
+    """
+
+    project: str = "megatron-fp8"
+    name: str | None = None
+
+
+@dataclass(frozen=True)
+class LoggerConfig:
+    """``logger`` (NeMo-RL names): where the step metrics go besides ``metrics.jsonl``.
+
+    Attributes:
+        log_dir: folder of the TensorBoard / W&B files (``None`` = ``<out_dir>/logs``).
+        tensorboard_enabled: write TensorBoard event files.
+        wandb_enabled: write a W&B run in offline mode (``wandb sync`` uploads it later).
+        wandb: W&B project and run name.
+    """
+
+    log_dir: str | None = None
+    tensorboard_enabled: bool = False
+    wandb_enabled: bool = False
+    wandb: WandbConfig = field(default_factory=WandbConfig)
 
 
 @dataclass(frozen=True)
@@ -349,11 +505,14 @@ class RefitConfig:
         bucket_size_mb: transfer bucket size in MiB.
         timeout_s: per-bucket peer timeout in seconds.
         verify: read back and compare after every refit.
+        transport: how a refit reaches separate rollout ranks (``policy.generation.colocated.enabled: false``):
+            ``"auto"`` = NCCL on GPUs, gloo on CPU; colocated refits stay in process.
     """
 
     bucket_size_mb: int = 512
     timeout_s: float = 120.0
     verify: bool = True
+    transport: RefitTransport = "auto"
 
 
 @dataclass(frozen=True)
@@ -392,6 +551,9 @@ class RunConfig:
     refit: RefitConfig = field(default_factory=RefitConfig)
     kv_cache: KVCacheConfig = field(default_factory=KVCacheConfig)
     logging: LoggingConfig = field(default_factory=LoggingConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    checkpointing: CheckpointingConfig = field(default_factory=CheckpointingConfig)
+    logger: LoggerConfig = field(default_factory=LoggerConfig)
     out_dir: str = "out"
 
     @property

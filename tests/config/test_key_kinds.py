@@ -31,14 +31,14 @@ def test_known_key_is_accepted_with_one_warning(caplog):
             None,
             [
                 "policy.generation.top_p=0.9",
-                "checkpointing.enabled=false",
+                "checkpointing.checkpoint_must_save_by=null",
                 "policy.megatron_cfg.sequence_parallel=true",
             ],
         )
     assert loaded.no_effect == {
         "policy.megatron_cfg.sequence_parallel": True,
         "policy.generation.top_p": 0.9,
-        "checkpointing": {"enabled": False},
+        "checkpointing.checkpoint_must_save_by": None,
     }
     msgs = [r.getMessage() for r in caplog.records if "no effect in megatron-fp8" in r.getMessage()]
     assert len(msgs) == 1 and "policy.generation.top_p" in msgs[0] and "checkpointing" in msgs[0]
@@ -60,7 +60,6 @@ def test_unknown_key_is_rejected_with_did_you_mean():
 def test_retired_and_open_keys():
     kk = known_keys()
     assert kk.is_known("logging.log_every") and "metrics.jsonl" in kk.reason("logging.log_every")
-    assert kk.is_known("refit.transport") and "inproc" in kk.reason("refit.transport")
     assert kk.is_known("policy.generation.vllm_kwargs.anything_at_all")
     assert not kk.is_known("policy.generation.vllm_cfg.no_such_key")
     assert "tensor and pipeline" in kk.reason("policy.megatron_cfg.context_parallel_size")
