@@ -32,6 +32,23 @@ _RECORD_EXTRAS = frozenset({"training_recipe", "training_math"})
 """Per-arm facts the driver adds to each record (not :class:`StepMetrics` fields)."""
 
 
+@dataclass(frozen=True)
+class RefitDone:
+    """One refit of an arm's engine after the updates, as the trainer sees it (colocated or remote).
+
+    Attributes:
+        payload_bytes: bytes sent per class (``fp8``, ``scales``, ``bf16``, ``other``).
+        seconds: export + quantization + transfer + verified commit, seconds.
+        version: the engine's weight version after the refit.
+        max_rel_error: worst relative weight error of the post-refit verification (``nan``: not verified).
+    """
+
+    payload_bytes: dict[str, int]
+    seconds: float
+    version: int
+    max_rel_error: float
+
+
 def finite_mean(values: Sequence[float]) -> float:
     """Mean of the finite values; ``nan`` when there are none."""
     finite = [v for v in values if math.isfinite(v)]
