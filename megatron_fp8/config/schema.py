@@ -417,7 +417,9 @@ class DataConfig:
 
     Attributes:
         train: the training set; without ``data_path`` GRPO trains on ``grpo.task``.
-        validation: the validation set (``None`` or no ``data_path`` = held-out problems of the training source).
+        validation: the validation set; needed by a dataset run that validates (``grpo.val_period`` or
+            ``val_at_start``): training rows are not held out. Built-in task runs validate on task problems drawn
+            with another seed.
         default: prompt template and reward.
         max_input_seq_length: longest prompt (tokens, after the template); longer rows are skipped and counted
             (refused when none is left). ``None`` = no limit.

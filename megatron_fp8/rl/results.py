@@ -22,6 +22,10 @@ PLOT_FILE = "metrics.png"
 """Reward and gen_kl per step (:func:`megatron_fp8.rl.report.plot_metrics`)."""
 CONFIG_FILE = "config.yaml"
 """The run configuration as resolved."""
+VALIDATION_FILE = "validation.jsonl"
+"""One JSON line per validation (:meth:`megatron_fp8.rl.validation.ValidationResult.to_json_dict`)."""
+LOGS_DIR = "logs"
+"""Default folder of the TensorBoard / W&B files (``logger.log_dir``)."""
 WARM_START_DIR = "warm_start"
 """Sub-folder of the output folder holding the warm-start HF checkpoint."""
 
@@ -91,6 +95,7 @@ class StepMetrics:
         train_seconds: trainer scoring + optimizer updates, seconds.
         step_seconds: whole step, seconds.
         sample: one prompt and response of the step, for reading.
+        reward_errors: responses whose reward function raised (scored 0, reported in the log).
     """
 
     arm: str
@@ -121,6 +126,7 @@ class StepMetrics:
     train_seconds: float
     step_seconds: float
     sample: str = ""
+    reward_errors: int = 0
 
     @property
     def gen_kl(self) -> float:

@@ -46,7 +46,8 @@ class Problem:
     """One task instance.
 
     Attributes:
-        prompt: the text the model continues (no chat template).
+        prompt: the text the model continues (toy tasks: no chat template; dataset rows: after the prompt file
+            and the tokenizer's chat template, :mod:`megatron_fp8.rl.data`).
         answer: the exact expected response (without EOS).
     """
 
