@@ -511,7 +511,7 @@ class CheckpointManager:
                 info.path,
                 place.rank,
             )
-        logger.info(
+        logger.debug(
             "arm %s: resumed from %s (step %d done, continuing at step %d)",
             self.arm,
             info.path,

@@ -24,6 +24,7 @@ from megatron_fp8.rl.results import (
     METRICS_FILE,
     PLOT_FILE,
     SUMMARY_FILE,
+    VALIDATION_FILE,
     WARM_START_DIR,
     ArmResult,
     arms_from_records,
@@ -31,16 +32,17 @@ from megatron_fp8.rl.results import (
 
 logger = logging.getLogger(__name__)
 
-RUN_OUTPUTS: tuple[str, ...] = (METRICS_FILE, SUMMARY_FILE, PLOT_FILE, CONFIG_FILE, WARM_START_DIR)
+RUN_OUTPUTS: tuple[str, ...] = (METRICS_FILE, VALIDATION_FILE, SUMMARY_FILE, PLOT_FILE, CONFIG_FILE, WARM_START_DIR)
 """What a run writes into its folder."""
 
 
-def claim_out_dir(out: str | Path, *, overwrite: bool = False) -> Path:
+def claim_out_dir(out: str | Path, *, overwrite: bool = False, resume: bool = False) -> Path:
     """Make ``out`` ready for a new run before anything else happens.
 
     Args:
         out: the output folder (created with its parents when missing).
         overwrite: replace another run's outputs found there (they are deleted first).
+        resume: this run continues the one whose outputs are there (from its checkpoints): they are kept.
 
     Returns:
         ``out`` as a :class:`~pathlib.Path`.
@@ -54,11 +56,12 @@ def claim_out_dir(out: str | Path, *, overwrite: bool = False) -> Path:
         if parent.exists() and not parent.is_dir():
             what = "is a file" if parent == path else f"lies under {parent}, which is a file"
             raise UsageError(f"--out {path} {what}; choose a folder, e.g. --out {path.with_suffix('')}_run")
-    found = [name for name in RUN_OUTPUTS if (path / name).exists()]
+    found = [] if resume else [name for name in RUN_OUTPUTS if (path / name).exists()]
     if found and not overwrite:
         raise UsageError(
             f"--out {path} already holds another run's outputs ({', '.join(found)}); nothing was changed. "
-            "Choose another --out, or pass --overwrite to replace them"
+            "Choose another --out, or pass --overwrite to replace them (a run with checkpointing.enabled resumes "
+            "from its checkpoints instead)"
         )
     try:
         path.mkdir(parents=True, exist_ok=True)

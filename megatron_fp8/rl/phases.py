@@ -32,13 +32,53 @@ from megatron_fp8.megatron import MegatronModel, StepOptimizer, export_hf_weight
 from megatron_fp8.refit.pipeline import ColocatedRefit
 from megatron_fp8.rl.batch import Tokenizer, decode_response, group_advantages, make_batch
 from megatron_fp8.rl.correction import ISConfig, PPOStats, compute_is_weights, ppo_loss
+from megatron_fp8.rl.data import ProblemSource
 from megatron_fp8.rl.distributed import DataParallel
 from megatron_fp8.rl.kv_calibration import KVAmaxRecorder, compute_kv_scales
 from megatron_fp8.rl.metrics import METRIC_KEYS, mismatch_metrics
-from megatron_fp8.rl.results import StepMetrics, finite_mean
-from megatron_fp8.rl.task import Problem, RewardBreakdown, ToyTask, sample_problems
+from megatron_fp8.rl.results import RefitDone, StepMetrics, finite_mean
+from megatron_fp8.rl.rewards import RewardFn, RewardResult, safe_reward
+from megatron_fp8.rl.task import Problem
 from megatron_fp8.rollout.engines import Rollout, RolloutEngine
 from megatron_fp8.vocab import ArmSpec
+
+
+class RefitTarget(Protocol):
+    """Where an arm's refits go: its colocated engine (:class:`ColocatedTarget`) or separate rollout ranks
+    (:class:`megatron_fp8.rl.remote.RemoteRollout`)."""
+
+    def refit(self, stream: Iterable[tuple[str, torch.Tensor]]) -> RefitDone:
+        """Send one version; return when every engine committed it (raises when one refused)."""
+        ...
+
+    def close(self) -> None:
+        """Release the transport."""
+        ...
+
+
+class ColocatedTarget:
+    """The colocated refit: in process, into ``engine``'s applier, verified two-phase commit.
+
+    Args:
+        engine: the arm's engine (its ``applier`` receives; its ``last_verify`` gives the error).
+        bucket_bytes: bucket size, bytes.
+        timeout: per-wait timeout, seconds.
+    """
+
+    def __init__(self, engine: RolloutEngine, *, bucket_bytes: int, timeout: float):
+        self._engine = engine
+        self._refit = ColocatedRefit(engine.applier, bucket_bytes=bucket_bytes, timeout=timeout)
+
+    def refit(self, stream: Iterable[tuple[str, torch.Tensor]]) -> RefitDone:
+        """One verified refit of the engine (see :class:`~megatron_fp8.refit.pipeline.ColocatedRefit`)."""
+        result = self._refit.refit(stream)
+        verify = self._engine.applier.last_verify
+        err = float(verify.max_rel_error) if verify is not None else float("nan")
+        return RefitDone(dict(result.send.payload_bytes), float(result.seconds), int(result.version), err)
+
+    def close(self) -> None:
+        """Close the in-process transport."""
+        self._refit.close()
 
 
 class Optimizer(StepOptimizer, Protocol):
@@ -56,14 +96,16 @@ class GRPOContext:
 
     Attributes:
         config: the run configuration.
-        task: the toy task.
+        problems: the training problems (a dataset or the built-in task), a pure function of the step.
+        reward: the reward of a response (math-verify, a user's function, or the task's partial credit).
         tokenizer: the model's tokenizer.
         eos_id: end-of-sequence id (stops responses).
         pad_id: padding id of the trainer's batches.
     """
 
     config: RunConfig
-    task: ToyTask
+    problems: ProblemSource
+    reward: RewardFn
     tokenizer: Tokenizer
     eos_id: int
     pad_id: int
@@ -77,8 +119,8 @@ class ArmState:
         spec: the arm.
         model: the Megatron-Core policy.
         optimizer: its optimizer.
-        engine: the arm's rollout engine.
-        refit: the colocated refit session into ``engine``.
+        engine: the arm's rollout engine (or the proxy of separate rollout ranks).
+        refit: where the refits go (:class:`ColocatedTarget` or the remote rollout ranks).
         manifest: vLLM's FP8 manifest (``None`` for BF16 arms).
         export_settings: how FP8 weights and scales are produced.
         dp: this process's data-parallel place.
@@ -90,7 +132,7 @@ class ArmState:
     model: MegatronModel
     optimizer: Optimizer
     engine: RolloutEngine
-    refit: ColocatedRefit
+    refit: RefitTarget
     manifest: Manifest | None
     export_settings: ExportSettings
     dp: DataParallel
@@ -160,7 +202,7 @@ class RolloutOutcome:
 def rollout_phase(state: ArmState, ctx: GRPOContext, *, step: int) -> RolloutOutcome:
     """Sample this rank's problems of ``step`` (the same for every arm) and roll out every group."""
     g = ctx.config.grpo
-    problems = state.dp.shard(sample_problems(ctx.task, seed=g.seed, step=step, count=g.num_prompts_per_step))
+    problems = state.dp.shard(ctx.problems.step_problems(step=step, count=g.num_prompts_per_step))
     prompt_ids = [ctx.tokenizer.encode(p.prompt, add_special_tokens=False) for p in problems]
     flat_prompts = tuple(ids for ids in prompt_ids for _ in range(g.num_generations_per_prompt))
     flat_problems = tuple(p for p in problems for _ in range(g.num_generations_per_prompt))
@@ -184,25 +226,29 @@ class Scores:
 
     Attributes:
         texts: per response, the decoded text (EOS dropped).
-        breakdowns: per response, the task's score.
+        breakdowns: per response, the reward's result (``error`` set where the reward function raised).
         rewards: float32 ``[num_responses]``.
         advantages: float32 ``[num_responses]``, normalised within each prompt's group.
     """
 
     texts: tuple[str, ...]
-    breakdowns: tuple[RewardBreakdown, ...]
+    breakdowns: tuple[RewardResult, ...]
     rewards: torch.Tensor
     advantages: torch.Tensor
 
 
 def score_phase(out: RolloutOutcome, ctx: GRPOContext) -> Scores:
-    """Decode and score every response, then the GRPO advantages within each group."""
+    """Decode and score every response, then the GRPO advantages within each group.
+
+    A reward function that raises scores 0 for that response and is reported with the sample
+    (:func:`~megatron_fp8.rl.rewards.safe_reward`); the step counts such responses (``reward_errors``).
+    """
     texts, breakdowns = [], []
     for problem, ids, finished in zip(out.problems, out.rollout.token_ids, out.rollout.finished, strict=True):
         body = ids[:-1] if finished and ids and ids[-1] == ctx.eos_id else ids
         text = decode_response(ctx.tokenizer, body)
         texts.append(text)
-        breakdowns.append(ctx.task.reward(problem, text, finished=finished))
+        breakdowns.append(safe_reward(ctx.reward, problem, text, finished=finished))
     rewards = torch.tensor([s.reward for s in breakdowns], dtype=torch.float32)
     advantages = group_advantages(rewards.view(-1, ctx.config.grpo.num_generations_per_prompt))
     return Scores(tuple(texts), tuple(breakdowns), rewards, advantages)
@@ -311,23 +357,6 @@ def train_phase(state: ArmState, ctx: GRPOContext, out: RolloutOutcome, scores: 
 # ----------------------------------------------------------------------------- refit
 
 
-@dataclass(frozen=True)
-class RefitOutcome:
-    """One refit of the engine after the updates.
-
-    Attributes:
-        payload_bytes: bytes sent per class (``fp8``, ``scales``, ``bf16``, ``other``).
-        seconds: export + quantization + transfer + verified commit, seconds.
-        version: the engine's weight version after the refit.
-        max_rel_error: worst relative weight error of the post-refit verification (``nan``: not verified).
-    """
-
-    payload_bytes: dict[str, int]
-    seconds: float
-    version: int
-    max_rel_error: float
-
-
 def _refit_tensors(state: ArmState) -> Iterable[tuple[str, torch.Tensor]]:
     """The HF-named stream: BF16 export, or FP8 per the manifest (+ KV-cache scales when recorded)."""
     fp32_trainer = next(state.model.model[0].parameters()).dtype == torch.float32
@@ -350,12 +379,9 @@ def _refit_tensors(state: ArmState) -> Iterable[tuple[str, torch.Tensor]]:
     return stream
 
 
-def refit_phase(state: ArmState) -> RefitOutcome:
-    """Send the trainer's weights to the arm's engine through the verified refit session."""
-    result = state.refit.refit(_refit_tensors(state))
-    verify = state.engine.applier.last_verify
-    err = float(verify.max_rel_error) if verify is not None else float("nan")
-    return RefitOutcome(dict(result.send.payload_bytes), float(result.seconds), int(result.version), err)
+def refit_phase(state: ArmState) -> RefitDone:
+    """Send the trainer's weights to the arm's engine(s) through the verified refit."""
+    return state.refit.refit(_refit_tensors(state))
 
 
 # ----------------------------------------------------------------------------- the step
@@ -399,4 +425,5 @@ def run_step(state: ArmState, ctx: GRPOContext, *, step: int) -> StepMetrics:
         train_seconds=train.seconds,
         step_seconds=time.perf_counter() - t_step,
         sample=f"{out.problems[best].prompt}{scores.texts[best]!r} (answer {out.problems[best].answer})",
+        reward_errors=sum(1 for s in scores.breakdowns if s.error is not None),
     )

@@ -11,6 +11,8 @@
   cross-field rules of :mod:`megatron_fp8.config.validate` run again on the real dimensions), the
   MoE blockwise rule, BF16 first/last layers, the rollout ``quantization_config``; its tokenizer
   (loads, has EOS, encodes the task's prompts and answers);
+* the data: ``data.train`` / ``data.validation`` load into prompts (files, keys, prompt file, chat template,
+  ``max_input_seq_length``), and ``data.default.env_name`` names a usable reward;
 * with ``scan_weights`` (``grpo`` only: it reads every weight), that no weight is NaN/Inf, naming the
   tensor (a NaN would otherwise surface as a non-finite warm-start loss).
 
@@ -39,7 +41,9 @@ from megatron_fp8.errors import ConfigError
 from megatron_fp8.models import resolve_model
 from megatron_fp8.models.tiny import HF_ID_PATTERN
 from megatron_fp8.rl.batch import eos_and_pad
+from megatron_fp8.rl.data import problem_source
 from megatron_fp8.rl.fp8_rollout import rollout_quantization_config
+from megatron_fp8.rl.rewards import reward_function
 from megatron_fp8.rl.task import get_task, sample_problems
 from megatron_fp8.rollout.vllm.adapter import vllm_version
 from megatron_fp8.vocab import ARMS
@@ -269,7 +273,22 @@ def _model_problems(config: RunConfig, model_path: Path, *, fp8_arms: list[str])
         except Exception as exc:  # the quantization config reads the checkpoint: name what failed
             problems.append(f"{_VLLM}: the FP8 quantization config for {model_path} failed ({exc})")
     problems += _tokenizer_problems(config, model_path, warm_start=config.grpo.warm_start_steps > 0)
+    if not problems:
+        problems += _data_problems(config, model_path)
     return problems
+
+
+def _data_problems(config: RunConfig, model_path: Path) -> list[str]:
+    """The dataset loads into prompts with the model's tokenizer, and the reward is usable (``data``)."""
+    from transformers import AutoTokenizer  # lazy: transformers is optional (not a core dependency)
+
+    tokenizer = AutoTokenizer.from_pretrained(str(model_path))
+    try:
+        problem_source(config, tokenizer)
+        reward_function(config, None)
+    except ConfigError as exc:
+        return [str(exc)]
+    return []
 
 
 def _tokenizer_problems(config: RunConfig, model_path: Path, *, warm_start: bool) -> list[str]:

@@ -56,6 +56,14 @@ def read_metrics(path: str | Path) -> list[JSONRecord]:
     return rows
 
 
+def _problems_line(config: RunConfig) -> str:
+    """What the run trained on: the dataset and its reward, or the built-in task."""
+    data = config.data
+    if data.train.data_path:
+        return f"data: `{data.train.data_path}` ({data.train.input_key} -> {data.train.output_key}), reward `{data.default.env_name}`"
+    return f"task: `{config.grpo.task}` (max {config.grpo.task_max_digits} digit(s))"
+
+
 def _fmt(value: float, spec: str) -> str:
     return "n/a" if value is None or not math.isfinite(value) else format(value, spec)
 
@@ -100,7 +108,7 @@ def write_summary(
         g = config.grpo
         steps = max((len(a.steps) for a in arms), default=0)
         lines += [
-            f"- model: `{config.model.name_or_path}`; task: `{g.task}` (max {g.task_max_digits} digit(s))",
+            f"- model: `{config.model.name_or_path}`; {_problems_line(config)}",
             f"- {steps} steps x {g.num_prompts_per_step} prompts x {g.num_generations_per_prompt} generations, "
             f"max {g.max_new_tokens} new tokens, temperature {g.temperature}, lr {g.learning_rate:g}, seed {g.seed}",
             f"- correction of arm fp8_tis: `{config.loss_fn.is_variant}` with cap C={config.loss_fn.is_cap:g}",

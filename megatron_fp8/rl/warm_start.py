@@ -26,15 +26,16 @@ from megatron_fp8.megatron import (
     train_step,
 )
 from megatron_fp8.rl.batch import Tokenizer, eos_and_pad, make_batch
+from megatron_fp8.rl.data import ProblemSource
 from megatron_fp8.rl.phases import quiet_stdout, rollout_dtype_stream, trainer_dtype
 from megatron_fp8.rl.results import WARM_START_DIR
-from megatron_fp8.rl.task import ToyTask, sample_problems
 from megatron_fp8.rollout.engines import Rollout
 
 logger = logging.getLogger(__name__)
 
-WARM_START_SEED_OFFSET = 7919
-"""Added to ``grpo.seed`` for the warm-start problems, so they differ from the GRPO problems."""
+WARM_START_STEP_OFFSET = 1_000_000
+"""Warm-start step ``i`` takes the problems of the source's step ``WARM_START_STEP_OFFSET + i``: for the built-in
+task they differ from the GRPO problems; a dataset's rows are the same rows in another order."""
 
 
 def save_hf_checkpoint(tensors: Mapping[str, torch.Tensor], source: Path, dest: Path) -> Path:
@@ -62,12 +63,12 @@ def warm_start(
     config: RunConfig,
     model_path: Path,
     *,
-    task: ToyTask,
+    problems: ProblemSource,
     tokenizer: Tokenizer,
     out_dir: Path,
     on_step: Callable[[int, int, float], None] | None = None,
 ) -> tuple[Path, list[float]]:
-    """Supervised warm start on task answers, shared by every arm; saved as an HF checkpoint folder.
+    """Supervised warm start on the problems' answers, shared by every arm; saved as an HF checkpoint folder.
 
     ``grpo.warm_start_steps`` AdamW steps (lr ``grpo.warm_start_learning_rate``) of the mean
     negative log-likelihood of ``answer + EOS`` given the prompt, on fresh problems each step
@@ -78,7 +79,8 @@ def warm_start(
     Args:
         config: the run configuration.
         model_path: the base checkpoint folder.
-        task: the toy task.
+        problems: the run's problems (warm-start steps draw the source's steps from
+            :data:`WARM_START_STEP_OFFSET` on, apart from the GRPO steps of a short run).
         tokenizer: the model's tokenizer.
         out_dir: the run's output folder.
         on_step: called after each step with ``(step, total steps, loss)`` (a progress bar); ``None``: one
@@ -101,9 +103,9 @@ def warm_start(
             model = build_megatron_model(model_path, recipe="bf16", dtype=trainer_dtype())
         optimizer = make_optimizer(model, lr=g.warm_start_learning_rate)
         for step in range(g.warm_start_steps):
-            problems = sample_problems(task, seed=g.seed + WARM_START_SEED_OFFSET, step=step, count=batch_size)
-            prompts = [tokenizer.encode(p.prompt, add_special_tokens=False) for p in problems]
-            answers = [(*tokenizer.encode(p.answer, add_special_tokens=False), eos) for p in problems]
+            drawn = problems.step_problems(step=WARM_START_STEP_OFFSET + step, count=batch_size)
+            prompts = [tokenizer.encode(p.prompt, add_special_tokens=False) for p in drawn]
+            answers = [(*tokenizer.encode(p.answer, add_special_tokens=False), eos) for p in drawn]
             teacher = Rollout(
                 token_ids=tuple(answers),
                 logprobs=tuple(torch.zeros(len(a)) for a in answers),
