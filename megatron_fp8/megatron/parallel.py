@@ -97,8 +97,9 @@ def megatron_parallel(
         tensor_parallel_size: Megatron TP size (must divide ``world_size``).
         pipeline_parallel_size: Megatron PP size.
         expert_parallel_size: Megatron EP size (MoE).
-        rank: global rank; defaults to ``$RANK`` or 0.
-        world_size: number of processes; defaults to ``$WORLD_SIZE`` or 1.
+        rank: global rank; defaults to the initialized default group's rank, else ``$RANK`` or 0.
+        world_size: number of processes; defaults to the initialized default group's size, else ``$WORLD_SIZE``
+            or 1 (with separate rollout ranks the trainers' world, not every process of the run).
         master_addr: rendezvous host; defaults to ``$MASTER_ADDR`` or 127.0.0.1.
         master_port: rendezvous port; defaults to ``$MASTER_PORT``, else a free port
             (only valid for a single process: several processes must agree on it).
@@ -115,6 +116,9 @@ def megatron_parallel(
     """
     from megatron.core import parallel_state, tensor_parallel  # lazy: Megatron-Core is optional
 
+    if dist.is_initialized():  # an existing default group (e.g. the trainers' world of a split run) decides
+        rank = rank if rank is not None else dist.get_rank()
+        world_size = world_size if world_size is not None else dist.get_world_size()
     rank = rank if rank is not None else (_env_int("RANK") or 0)
     world_size = world_size if world_size is not None else (_env_int("WORLD_SIZE") or 1)
     model_parallel = tensor_parallel_size * pipeline_parallel_size

@@ -1,5 +1,9 @@
 """Data-parallel GRPO ranks: the process group from the environment and the rank-0 helpers.
 
+Colocated (the default) or, with separate rollout ranks (:mod:`megatron_fp8.rl.roles`), over the trainer ranks
+only: there the trainers' world is the default process group of a trainer rank, so every collective here (and
+Megatron-Core's) spans the trainers and never a rollout rank (:func:`trainer_data_parallel`).
+
 Under Slurm (``slurm/grpo.sbatch``) every task runs ``megatron-fp8 grpo`` with ``RANK``,
 ``WORLD_SIZE``, ``MASTER_ADDR`` and ``MASTER_PORT`` set. Each rank rolls out its share of the
 step's prompts on its own colocated engine (whole groups, so advantages stay group-local),
@@ -25,6 +29,7 @@ import torch.distributed as dist
 from megatron_fp8.errors import ConfigError
 from megatron_fp8.rl.devices import bind_device, gather_with_process_group
 from megatron_fp8.rl.results import StepMetrics
+from megatron_fp8.rl.roles import Placement
 
 logger = logging.getLogger(__name__)
 
@@ -60,18 +65,21 @@ def data_parallel_from_env(*, timeout_s: float = 1800.0) -> Iterator[DataParalle
     Each rank selects its GPU (``torch.cuda.set_device``) before anything touches CUDA, and fails when another
     rank of its node already holds it (:func:`megatron_fp8.rl.devices.bind_device`).
 
+    Separate trainer and rollout ranks (:func:`megatron_fp8.rl.roles.placement_from`) join with
+    :func:`megatron_fp8.rl.roles.join_groups` instead; a trainer rank's place is :func:`trainer_data_parallel`.
+
     Raises:
-        ConfigError: ``MFP8_ROLE`` other than ``colocated``, ``WORLD_SIZE > 1`` without a rendezvous, or two
-            ranks of a node on one GPU.
+        ConfigError: ``MFP8_ROLE`` other than ``colocated`` (a separate placement), ``WORLD_SIZE > 1`` without a
+            rendezvous, or two ranks of a node on one GPU.
     """
     world = int(os.environ.get("WORLD_SIZE", "1") or 1)
     rank = int(os.environ.get("RANK", "0") or 0)
     role = os.environ.get("MFP8_ROLE", "colocated") or "colocated"
     if role != "colocated":
         raise ConfigError(
-            f"MFP8_ROLE={role!r} (slurm/grpo.sbatch with ROLLOUT_TASKS set): megatron-fp8 grpo runs colocated "
-            "data-parallel ranks, each training and rolling out; separate trainer/rollout placement is not "
-            "implemented yet. Unset ROLLOUT_TASKS."
+            f"rank {rank}: MFP8_ROLE={role!r} (slurm/grpo.sbatch with ROLLOUT_TASKS set) is a separate trainer / "
+            "rollout placement, which joins its groups with megatron_fp8.rl.roles.join_groups (placement_from "
+            "decides); data_parallel_from_env joins colocated ranks only. Unset ROLLOUT_TASKS to run colocated"
         )
     if world <= 1:
         bind_device()
@@ -92,6 +100,21 @@ def data_parallel_from_env(*, timeout_s: float = 1800.0) -> Iterator[DataParalle
         yield DataParallel(rank=rank, world_size=world)
     finally:
         dist.destroy_process_group()
+
+
+def trainer_data_parallel(placement: Placement) -> DataParallel:
+    """A trainer rank's data-parallel place among the trainer ranks only (separate or colocated placement).
+
+    With separate rollout ranks the trainers' world is the default process group on a trainer rank
+    (:func:`megatron_fp8.rl.roles.join_groups`), so :func:`share_from_writer`, :func:`average_over_ranks` and
+    Megatron-Core work over the trainers unchanged.
+
+    Raises:
+        ConfigError: ``placement`` is a rollout rank's.
+    """
+    if placement.trainer_rank is None:
+        raise ConfigError(f"rank {placement.rank} is a rollout rank: it has no place among the trainers")
+    return DataParallel(rank=placement.trainer_rank, world_size=len(placement.trainer_ranks))
 
 
 def share_from_writer(value: T | None, dp: DataParallel) -> T:

@@ -68,7 +68,13 @@ from megatron_fp8.rl.arm import ArmHooks, build_engine, run_arm
 from megatron_fp8.rl.batch import Tokenizer, eos_and_pad
 from megatron_fp8.rl.checkpoint import CheckpointManager, config_fingerprint
 from megatron_fp8.rl.data import ProblemSource, problem_source
-from megatron_fp8.rl.distributed import DataParallel, average_over_ranks, data_parallel_from_env, share_from_writer
+from megatron_fp8.rl.distributed import (
+    DataParallel,
+    average_over_ranks,
+    data_parallel_from_env,
+    share_from_writer,
+    trainer_data_parallel,
+)
 from megatron_fp8.rl.fp8_rollout import fp8_manifest, rollout_quantization_config
 from megatron_fp8.rl.loggers import MetricsLogger, build_loggers, step_scalars
 from megatron_fp8.rl.outputs import claim_out_dir, rebuild_outputs
@@ -281,7 +287,7 @@ def _trainer_ranks(placement: Placement, config: RunConfig) -> Iterator[tuple[Da
             yield dp, None
         return
     with join_groups(placement, timeout_s=_link_timeout(config), transport=config.refit.transport) as groups:
-        yield DataParallel(rank=placement.trainer_rank, world_size=len(placement.trainer_ranks)), groups
+        yield trainer_data_parallel(placement), groups
 
 
 def _run_arms(

@@ -92,7 +92,8 @@ def validate(
     right = errors = 0
     reward_sum = 0.0
     sample = ""
-    if mine:
+    # a remote engine's generate is collective over the trainer ranks: call it even with nothing to ask
+    if mine or getattr(engine, "collective_generate", False):
         prompt_ids = tuple(tokenizer.encode(p.prompt, add_special_tokens=False) for p in mine)
         rollout = engine.generate(
             prompt_ids,

@@ -230,7 +230,7 @@ def test_weight_scale_format_follows_the_engine_unless_the_config_forces_it():
     """``pow2_weight_scaling_factors: null`` sends what the engine holds; true / false force ue8m0 / fp32."""
     from megatron_fp8.config import load_config
     from megatron_fp8.models import tiny_model_path
-    from megatron_fp8.rl.grpo import _export_settings
+    from megatron_fp8.rl.arm import export_settings as _export_settings
     from megatron_fp8.rollout.engines import ReferenceRolloutEngine
 
     engine = ReferenceRolloutEngine(tiny_model_path("tiny"), quantization_config=None, fp8_names=None)

@@ -98,7 +98,7 @@ class TorchDistTransport(Transport):
     record of another version (a late answer) is skipped.
 
     Args:
-        src: global rank of the trainer (the sender).
+        src: global rank of the trainer (the sender), as ``group``'s rank map names it.
         group: process group holding ``src`` and the rollout ranks (default WORLD).
         timeout: default deadline of every wait, seconds. Keep it below the
             process group's own timeout so the transport reports first.
@@ -130,7 +130,9 @@ class TorchDistTransport(Transport):
         self.backend = str(dist.get_backend(group)).lower()
         self.name = self.backend
         self.src = int(src)
-        self.rank = dist.get_rank()
+        # with a group: this process's rank as the group's rank map names it (a group built over processes that
+        # share no default group, megatron_fp8.rl.roles.identity_group, names its members by their group ranks)
+        self.rank = dist.get_global_rank(group, group.rank()) if group is not None else dist.get_rank()
         ranks = dist.get_process_group_ranks(group if group is not None else dist.group.WORLD)
         if self.src not in ranks:
             raise ConfigError(f"sender rank {self.src} is not in the refit process group (ranks {ranks})")
