@@ -17,11 +17,11 @@ pytest.importorskip("megatron.core")
 pytest.importorskip("datasets")
 pytest.importorskip("math_verify")
 
-from megatron_fp8.config import load_config  # noqa: E402
-from megatron_fp8.errors import ConfigError  # noqa: E402
-from megatron_fp8.rl import arm as arm_module  # noqa: E402
-from megatron_fp8.rl.grpo import run_grpo  # noqa: E402
-from megatron_fp8.rl.results import METRICS_FILE, VALIDATION_FILE  # noqa: E402
+from megatron_fp8.config import load_config
+from megatron_fp8.errors import ConfigError
+from megatron_fp8.rl import arm as arm_module
+from megatron_fp8.rl.grpo import run_grpo
+from megatron_fp8.rl.results import METRICS_FILE, VALIDATION_FILE
 
 pytestmark = [pytest.mark.slow, pytest.mark.megatron]
 
@@ -61,7 +61,7 @@ _COMPARED = ("reward_mean", "loss", "grad_norm", "gen_kl", "refit_fp8_bytes", "s
 
 def test_train_on_jsonl_checkpoint_resume_equals_an_uninterrupted_run(tmp_path, caplog):
     """2 steps + resume to 3 gives exactly the metrics of 3 uninterrupted steps; `resumed from step 2` is logged."""
-    straight = run_grpo(_config(tmp_path / "a"), out_dir=tmp_path / "a" / "out", steps=3, arms=["fp8"], progress=False)
+    run_grpo(_config(tmp_path / "a"), out_dir=tmp_path / "a" / "out", steps=3, arms=["fp8"], progress=False)
     out = tmp_path / "b" / "out"
     first = run_grpo(_config(tmp_path / "b"), out_dir=out, steps=2, arms=["fp8"], progress=False)
     assert [s.step for s in first.arm("fp8").steps] == [0, 1]
