@@ -408,7 +408,31 @@ def load_config_report(path: str | Path | None = None, overrides: Sequence[str] 
     implemented, no_effect = partition_keys(raw)
     if no_effect:
         logger.warning("%s", no_effect_message(no_effect))
-    return LoadedConfig(config=_build(implemented), no_effect=no_effect, sources=composed.sources, files=composed.files)
+    config = _build(implemented)
+    _warn_dataset_names(config, no_effect)
+    return LoadedConfig(config=config, no_effect=no_effect, sources=composed.sources, files=composed.files)
+
+
+def _warn_dataset_names(config: RunConfig, no_effect: Mapping[str, JSONValue]) -> None:
+    """Warn when a NeMo-RL ``dataset_name`` (a Hugging Face dataset) stands where megatron-fp8 reads a local file."""
+    for split in ("train", "validation"):
+        name = no_effect.get(f"data.{split}.dataset_name")
+        dataset = getattr(config.data, split)
+        if name is not None and (dataset is None or dataset.data_path is None):
+            fallback = (
+                f"trains on the built-in task grpo.task={config.grpo.task}"
+                if split == "train"
+                else "does not validate on it"
+            )
+            logger.warning(
+                "data.%s.dataset_name=%r names a Hugging Face dataset; megatron-fp8 reads local files only, so this run "
+                "%s. Download it (e.g. `huggingface-cli download --repo-type dataset NAME --local-dir DIR`) and set "
+                "data.%s.data_path to its JSONL/Parquet file",
+                split,
+                name,
+                fallback,
+                split,
+            )
 
 
 def load_config(path: str | Path | None = None, overrides: Sequence[str] = ()) -> RunConfig:

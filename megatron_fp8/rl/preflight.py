@@ -43,6 +43,8 @@ from megatron_fp8.models.tiny import HF_ID_PATTERN
 from megatron_fp8.rl.batch import eos_and_pad
 from megatron_fp8.rl.data import problem_source
 from megatron_fp8.rl.fp8_rollout import rollout_quantization_config
+from megatron_fp8.rl.metrics import METRIC_KEYS
+from megatron_fp8.rl.results import StepMetrics
 from megatron_fp8.rl.rewards import reward_function
 from megatron_fp8.rl.task import get_task, sample_problems
 from megatron_fp8.rollout.vllm.adapter import vllm_version
@@ -114,6 +116,8 @@ def preflight(
         needed = mcfg.tensor_model_parallel_size * mcfg.pipeline_model_parallel_size
         if needed > 1:
             notes.append(f"trainer TP x PP = {needed}: launch a multiple of {needed} processes (WORLD_SIZE)")
+    config, metric_problems = _checkpoint_metric(config)
+    problems += metric_problems
     fp8_arms = [a for a in arm_names if a in ARMS and ARMS[a].rollout_precision == "fp8"]
     if fp8_arms:
         problems += _fp8_rollout_problems(config, fp8_arms)
@@ -143,6 +147,35 @@ def preflight(
     if problems:
         raise ConfigError("this run cannot start:\n  - " + "\n  - ".join(dict.fromkeys(problems)))
     return PreflightReport(config=config, arms=arm_names, steps=n_steps, model_path=model_path, notes=tuple(notes))
+
+
+_NEMO_RL_METRICS = {"val_reward": "val_reward_mean", "val:reward": "val_reward_mean"}
+"""NeMo-RL ``checkpointing.metric_name`` spellings that are not ``val:X`` -> ``val_X`` or ``train:X`` -> ``X``."""
+
+
+def checkpoint_metric_names() -> frozenset[str]:
+    """The metrics a checkpoint carries: every number of a ``metrics.jsonl`` record, and the last validation's."""
+    fields = {f.name for f in dataclasses.fields(StepMetrics)} - {"mismatch", "refit_bytes", "arm", "engine", "sample"}
+    refit = {f"refit_{c}_bytes" for c in ("fp8", "scales", "bf16", "other", "total")}
+    return frozenset(fields | set(METRIC_KEYS) | refit | {"gen_kl", "val_accuracy", "val_reward_mean"})
+
+
+def _checkpoint_metric(config: RunConfig) -> tuple[RunConfig, list[str]]:
+    """``checkpointing.metric_name`` in megatron-fp8's spelling (NeMo-RL's ``val:accuracy`` accepted), or a problem."""
+    ck = config.checkpointing
+    name = ck.metric_name
+    if name is None or not ck.enabled:
+        return config, []
+    canonical = _NEMO_RL_METRICS.get(name) or (
+        f"val_{name[4:]}" if name.startswith("val:") else name.removeprefix("train:")
+    )
+    known = checkpoint_metric_names()
+    if canonical not in known:
+        return config, [
+            f"checkpointing.metric_name={name!r} is not a metric of a step; use one of val_accuracy, "
+            f"val_reward_mean, reward_mean, exact_match, gen_kl, ... ({len(known)} names: see metrics.jsonl) or null"
+        ]
+    return dataclasses.replace(config, checkpointing=dataclasses.replace(ck, metric_name=canonical)), []
 
 
 def _is_hub_id(name: str) -> bool:
