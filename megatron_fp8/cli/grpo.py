@@ -2,10 +2,11 @@
 
 ``megatron-fp8 grpo [--config PATH] [--steps N] [--out DIR] [--arms a,b,c] [dotted.key=value ...]``
 runs :func:`megatron_fp8.rl.grpo.run_grpo` (embedded default: the tiny model on the
-``addition`` toy task) and writes ``metrics.jsonl``, ``summary.md``, ``metrics.png`` and
-``config.yaml`` (and ``warm_start/``) into ``--out`` (default: the config's ``out_dir``); a folder
-holding another run's outputs is refused unless ``--overwrite``. A progress bar runs on
-stderr; the summary table is printed at the end.
+``addition`` toy task; ``data.train.data_path=F.jsonl`` trains on a file) and writes ``metrics.jsonl``,
+``summary.md``, ``metrics.png`` and ``config.yaml`` (and ``warm_start/``, ``validation.jsonl``, ``logs/``)
+into ``--out`` (default: the config's ``out_dir``); a folder holding another run's outputs is refused
+unless ``--overwrite``, or unless the run resumes from ``checkpointing.checkpoint_dir``. A progress bar
+runs on stderr; the summary table is printed at the end.
 """
 
 from __future__ import annotations

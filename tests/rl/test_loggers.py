@@ -384,6 +384,7 @@ def wandb_env(tmp_path, monkeypatch):
 
 def test_wandb_offline_runs_per_arm(wandb_env, capfd):
     out = wandb_env / "run-42"
+    earlier = {p.pid for p in psutil.Process().children(recursive=True)}  # other tests' children are not W&B's
     cfg = LoggerConfig(wandb_enabled=True, wandb=WandbConfig(project="mfp8-test"))
     multi = build_loggers(cfg, out_dir=out, run_config={"grpo": {"num_steps": 2}}, is_writer=True)
     records = {arm: [_record(_metrics(s, arm=arm)) for s in range(2)] for arm in ("bf16", "fp8_tis")}
@@ -392,7 +393,7 @@ def test_wandb_offline_runs_per_arm(wandb_env, capfd):
             multi.log(step_scalars(rec), step=int(rec["step"]), arm=arm)
     multi.log_validation(0.25, step=1, arm="fp8_tis")
     assert isinstance(multi, MultiLogger) and isinstance(multi.loggers[0], WandbLogger)
-    service = {p.pid for p in psutil.Process().children(recursive=True)}
+    service = {p.pid for p in psutil.Process().children(recursive=True)} - earlier
     multi.close()
 
     printed = capfd.readouterr()
