@@ -90,6 +90,7 @@ _GROUP_KEYS: dict[str, tuple[str, ...]] = {
         "refit_bf16_bytes",
         "refit_other_bytes",
         "refit_total_bytes",
+        "refit_payload_ratio",
         "refit_bytes",  # the nested StepMetrics field, when a record holds it unflattened
     ),
     "mismatch": _MISMATCH_KEYS,

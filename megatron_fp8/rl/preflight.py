@@ -157,7 +157,7 @@ def checkpoint_metric_names() -> frozenset[str]:
     """The metrics a checkpoint carries: every number of a ``metrics.jsonl`` record, and the last validation's."""
     fields = {f.name for f in dataclasses.fields(StepMetrics)} - {"mismatch", "refit_bytes", "arm", "engine", "sample"}
     refit = {f"refit_{c}_bytes" for c in ("fp8", "scales", "bf16", "other", "total")}
-    return frozenset(fields | set(METRIC_KEYS) | refit | {"gen_kl", "val_accuracy", "val_reward_mean"})
+    return frozenset(fields | set(METRIC_KEYS) | refit | {"gen_kl", "refit_payload_ratio", "val_accuracy", "val_reward_mean"})
 
 
 def _checkpoint_metric(config: RunConfig) -> tuple[RunConfig, list[str]]:

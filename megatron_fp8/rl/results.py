@@ -133,9 +133,17 @@ class StepMetrics:
         """KL(pi_rollout || pi_train) per token, k3 estimator (>= 0): the mismatch headline number."""
         return float(self.mismatch["gen_kl_k3"])
 
+    @property
+    def refit_payload_ratio(self) -> float:
+        """Refit bytes sent over the bytes the same weights take in BF16 (1 byte per FP8 element -> 2; scales count
+        as overhead): 1.0 for a BF16 refit, ~0.54 for the tiny model's FP8 refit; ``nan`` when nothing was sent."""
+        b = self.refit_bytes
+        bf16_equivalent = 2 * int(b.get("fp8", 0)) + int(b.get("bf16", 0)) + int(b.get("other", 0))
+        return sum(b.values()) / bf16_equivalent if bf16_equivalent else float("nan")
+
     def to_json_dict(self) -> JSONRecord:
         """One flat JSON-able record: mismatch keys at the top level, ``gen_kl`` = ``gen_kl_k3``,
-        ``refit_{fp8,scales,bf16,other,total}_bytes``; non-finite floats become ``None``."""
+        ``refit_{fp8,scales,bf16,other,total}_bytes``, ``refit_payload_ratio``; non-finite floats become ``None``."""
         out: JSONRecord = {}
         for f in dataclasses.fields(self):
             if f.name in ("mismatch", "refit_bytes"):
@@ -146,6 +154,7 @@ class StepMetrics:
         for cls in ("fp8", "scales", "bf16", "other"):
             out[f"refit_{cls}_bytes"] = int(self.refit_bytes.get(cls, 0))
         out["refit_total_bytes"] = int(sum(self.refit_bytes.values()))
+        out["refit_payload_ratio"] = self.refit_payload_ratio
         return {k: (None if isinstance(v, float) and not math.isfinite(v) else v) for k, v in out.items()}
 
     @classmethod
@@ -159,7 +168,11 @@ class StepMetrics:
         values: dict[str, object] = {}
         for name, f in fields.items():
             if name == "mismatch":  # every key that is neither a field nor derived by to_json_dict
-                derived = {"gen_kl", *(f"refit_{c}_bytes" for c in ("fp8", "scales", "bf16", "other", "total"))}
+                derived = {
+                    "gen_kl",
+                    "refit_payload_ratio",
+                    *(f"refit_{c}_bytes" for c in ("fp8", "scales", "bf16", "other", "total")),
+                }
                 values[name] = {
                     k: float("nan") if v is None else float(v)  # type: ignore[arg-type]
                     for k, v in record.items()

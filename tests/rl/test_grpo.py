@@ -112,7 +112,10 @@ def test_step_metrics_json_record():
     assert rec["gen_kl"] == rec["gen_kl_k3"] == 2e-3
     assert rec["refit_fp8_bytes"] == 1 << 20 and rec["refit_scales_bytes"] == 64 and rec["refit_bf16_bytes"] == 1 << 19
     assert rec["refit_total_bytes"] == (1 << 20) + 64 + (1 << 19)
+    # FP8 elements take 1 byte where BF16 takes 2: (1 MiB + 64 + 0.5 MiB) / (2 MiB + 0.5 MiB)
+    assert rec["refit_payload_ratio"] == ((1 << 20) + 64 + (1 << 19)) / ((2 << 20) + (1 << 19))
     assert set(METRIC_KEYS) <= set(rec)
+    assert StepMetrics.from_json_dict(rec).to_json_dict() == rec  # derived keys are not read back as mismatch keys
 
 
 def test_arm_result_aggregates():

@@ -68,5 +68,6 @@ def test_grpo_sbatch_one_trainer_one_rollout_task_fp8(slurm_cluster, tmp_path):
         # every refit crossed to the rollout task as FP8 weights + block scales (+ the BF16 rest)
         assert r["refit_fp8_bytes"] > 0 and r["refit_scales_bytes"] > 0, r
         assert 0.5 < r["refit_fp8_bytes"] / r["refit_total_bytes"] < 1.0, r
+        assert 0.5 < r["refit_payload_ratio"] < 0.6, r  # FP8 + scales + BF16 rest over the same weights in BF16
     versions = [r["refit_version"] for r in rows]
     assert versions[0] >= 1 and versions[1] == versions[0] + 1, versions  # committed on the rollout task, in order
