@@ -104,6 +104,38 @@ CASES = [
         "model",
     ),
     (
+        "missing data file",
+        lambda t: ["config", *_data_args(t / "nope.jsonl")],
+        1,
+        lambda t: f"data.train.data_path: no such file {t / 'nope.jsonl'}",
+        None,
+    ),
+    (
+        "JSONL line that is not JSON",
+        lambda t: [
+            "grpo",
+            "--steps",
+            "1",
+            "--out",
+            str(t / "run"),
+            *_data_args(_write(t / "d.jsonl", _ROW + "oops\n")),
+        ],
+        1,
+        lambda t: f"{t / 'd.jsonl'} line 2 is not JSON",
+        None,
+    ),
+    (
+        "data row without the input key",
+        lambda t: [
+            "config",
+            *_data_args(_write(t / "d.jsonl", _ROW + '{"question": "2+2", "expected_answer": "4"}\n')),
+        ],
+        1,
+        lambda t: "line 2 has no 'problem' (its columns: 'question', 'expected_answer'); set data.train.input_key",
+        None,
+    ),
+    ("empty dataset", lambda t: ["config", *_data_args(_write(t / "d.jsonl", ""))], 1, lambda t: "holds no rows", None),
+    (
         "unknown model name offline",
         lambda t: ["manifest", "--model", "Qwen/Qwen3-8B-not-staged"],
         1,
@@ -111,6 +143,19 @@ CASES = [
         None,
     ),
 ]
+
+
+_ROW = '{"problem": "1+1", "expected_answer": "2"}\n'
+
+
+def _write(path: Path, text: str) -> Path:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(text)
+    return path
+
+
+def _data_args(path: Path) -> list[str]:
+    return [f"data.train.data_path={path}", "data.train.input_key=problem", "data.train.output_key=expected_answer"]
 
 
 def _touch(path: Path) -> Path:
