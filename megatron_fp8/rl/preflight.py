@@ -41,7 +41,7 @@ from megatron_fp8.errors import ConfigError
 from megatron_fp8.models import resolve_model
 from megatron_fp8.models.tiny import HF_ID_PATTERN
 from megatron_fp8.rl.batch import eos_and_pad
-from megatron_fp8.rl.data import problem_source
+from megatron_fp8.rl.data import load_rows, problem_source, read_prompt_template
 from megatron_fp8.rl.fp8_rollout import rollout_quantization_config
 from megatron_fp8.rl.metrics import METRIC_KEYS
 from megatron_fp8.rl.results import StepMetrics
@@ -132,6 +132,10 @@ def preflight(
             "checked against its known dimensions" if config.model.hidden_size is not None else "no known dimensions"
         )
         notes.append(f"model not checked: {exc} ({known}; TP / 128-block and tokenizer checks run when it is staged)")
+        data_problems, data_note = _data_files_problems(config)
+        problems += data_problems
+        if data_note:
+            notes.append(data_note)
     if model_path is not None:
         config = _with_model_dims(config, model_path)
         try:
@@ -157,7 +161,9 @@ def checkpoint_metric_names() -> frozenset[str]:
     """The metrics a checkpoint carries: every number of a ``metrics.jsonl`` record, and the last validation's."""
     fields = {f.name for f in dataclasses.fields(StepMetrics)} - {"mismatch", "refit_bytes", "arm", "engine", "sample"}
     refit = {f"refit_{c}_bytes" for c in ("fp8", "scales", "bf16", "other", "total")}
-    return frozenset(fields | set(METRIC_KEYS) | refit | {"gen_kl", "refit_payload_ratio", "val_accuracy", "val_reward_mean"})
+    return frozenset(
+        fields | set(METRIC_KEYS) | refit | {"gen_kl", "refit_payload_ratio", "val_accuracy", "val_reward_mean"}
+    )
 
 
 def _checkpoint_metric(config: RunConfig) -> tuple[RunConfig, list[str]]:
@@ -309,6 +315,35 @@ def _model_problems(config: RunConfig, model_path: Path, *, fp8_arms: list[str])
     if not problems:
         problems += _data_problems(config, model_path)
     return problems
+
+
+def _data_files_problems(config: RunConfig) -> tuple[list[str], str]:
+    """Without the model's tokenizer: the data files, their keys, the prompt files and the reward, and a note."""
+    data = config.data
+    if data.train.data_path is None:
+        return [], ""
+    problems: list[str] = []
+    rows = 0
+    splits = [("data.train", data.train)]
+    if data.validation is not None and data.validation.data_path is not None:
+        splits.append(("data.validation", data.validation))
+    try:
+        for what, split in splits:
+            rows += len(load_rows(split, what=what))
+        if data.default.prompt_file is not None:
+            read_prompt_template(data.default.prompt_file)
+        system = data.default.system_prompt_file
+        if system is not None and not Path(system).expanduser().is_file():
+            problems.append(f"data.default.system_prompt_file: no such file {system}")
+        reward_function(config, None)
+    except ConfigError as exc:
+        problems.append(str(exc))
+    if problems:
+        return problems, ""
+    return (
+        [],
+        f"data: {rows} rows read and checked; prompts tokenized (chat template, max_input_seq_length) when the model is staged",
+    )
 
 
 def _data_problems(config: RunConfig, model_path: Path) -> list[str]:

@@ -126,3 +126,24 @@ def test_grpo_cli_names_the_nan_tensor_before_touching_out(tmp_path):
     assert "tensor model.layers.1.mlp.down_proj.weight has 1 non-finite value" in proc.stderr
     assert "loss_fn returned a non-finite loss" not in proc.stderr and "Traceback" not in proc.stderr
     assert not out.exists()  # refused before --out was claimed
+
+
+def test_data_is_checked_before_the_model_is_staged(tmp_path, monkeypatch):
+    """`config` on a cluster config whose model is not here still reads the data files, keys, prompt file, reward."""
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.setenv("DATA_DIR", str(tmp_path))
+    root = Path(__file__).resolve().parents[2]
+    monkeypatch.chdir(root)  # the config's prompt file is relative to the checkout
+    with pytest.raises(ConfigError, match=r"data\.train\.data_path: no such file .*openmathinstruct2/train\.jsonl"):
+        preflight(load_config(root / "configs" / "qwen3_8b_fp8.yaml"), download=False, launch_checks=False)
+    (tmp_path / "openmathinstruct2").mkdir()
+    for split in ("train", "validation"):
+        shutil.copy(root / "data" / "math_tiny" / f"{split}.jsonl", tmp_path / "openmathinstruct2" / f"{split}.jsonl")
+    report = preflight(load_config(root / "configs" / "qwen3_8b_fp8.yaml"), download=False, launch_checks=False)
+    assert report.model_path is None and any("data: 250 rows read and checked" in n for n in report.notes)
+    with pytest.raises(ConfigError, match="data.default.prompt_file"):
+        preflight(
+            load_config(root / "configs" / "qwen3_8b_fp8.yaml", [f"data.default.prompt_file={tmp_path / 'none.txt'}"]),
+            download=False,
+            launch_checks=False,
+        )
