@@ -57,10 +57,13 @@ class ArmHooks:
         on_step: called with each step's local metrics and the training labels; returns the metrics averaged
             over data-parallel ranks (the writer appends them to ``metrics.jsonl`` and the loggers).
         on_validation: called with each validation result (the writer records it).
+        on_resume: called with ``(arm, first step to run)`` once the arm knows where it resumes (the writer drops
+            recorded steps that are redone).
     """
 
     on_step: Callable[..., StepMetrics]
     on_validation: Callable[[ValidationResult], None]
+    on_resume: Callable[[str, int], None]
 
 
 def build_engine(setup: ArmSetup, config: RunConfig) -> RolloutEngine:
@@ -202,6 +205,7 @@ def run_arm(
                 math = training_math_label(model.recipe_application.math, dtype)
                 training = (model.recipe_application.recipe, math)
                 first = _resume(state, checkpoints, steps=steps)
+                hooks.on_resume(spec.name, first)
                 done = tuple(m for m in resumed_steps if m.step < first)
                 results = list(done)
                 val_metrics: dict[str, float] = {}

@@ -322,7 +322,7 @@ def _run_arms(
     results: list[ArmResult] = []
     manifest, qcfg = None, None
     mode = "a" if resuming else "w"
-    sink_cm = (out / METRICS_FILE).open(mode) if dp.is_writer else contextlib.nullcontext(None)
+    sink_cm = _MetricsSink(out / METRICS_FILE, mode=mode) if dp.is_writer else contextlib.nullcontext(None)
     val_cm = (out / VALIDATION_FILE).open(mode) if dp.is_writer else contextlib.nullcontext(None)
     with (
         environment(config.policy.megatron_cfg.env_vars),
@@ -356,6 +356,7 @@ def _run_arms(
         hooks = ArmHooks(
             on_step=_step_recorder(dp, sink=sink, bar=bar, total_steps=total, n_steps=n_steps, loggers=loggers),
             on_validation=_validation_recorder(dp, sink=val_sink, loggers=loggers),
+            on_resume=sink.drop_from if sink is not None else _ignore_resume,
         )
         for name in arm_names:
             logger.info("GRPO arm %s: %s", name, ARMS[name].description)
@@ -384,10 +385,47 @@ def _run_arms(
     return results, manifest.source if manifest is not None else ""
 
 
+class _MetricsSink:
+    """``metrics.jsonl`` of the writer: one line appended and flushed per step; a resumed arm's lines from the step
+    it really resumes at are dropped (a damaged newest checkpoint makes it resume earlier than planned)."""
+
+    def __init__(self, path: Path, *, mode: str):
+        self.path = path
+        self._file: IO[str] = path.open(mode)
+
+    def __enter__(self) -> _MetricsSink:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._file.close()
+
+    def append(self, record: dict[str, object]) -> None:
+        """Append one step record (flushed: a crash keeps every completed step)."""
+        self._file.write(json.dumps(record, sort_keys=False) + "\n")
+        self._file.flush()
+
+    def drop_from(self, arm: str, first: int) -> None:
+        """Remove ``arm``'s records of steps ``>= first`` (they are about to be redone), if any."""
+        records = report.read_metrics(self.path)
+        kept = [r for r in records if r.get("arm") != arm or not isinstance(r.get("step"), int) or r["step"] < first]
+        if len(kept) == len(records):
+            return
+        self._file.close()
+        write_atomically(self.path, "".join(json.dumps(r, sort_keys=False) + "\n" for r in kept))
+        self._file = self.path.open("a")
+        logger.info(
+            "arm %s: %d metrics record(s) from step %d on dropped (redone)", arm, len(records) - len(kept), first + 1
+        )
+
+
+def _ignore_resume(arm: str, first: int) -> None:
+    """Ranks that write no metrics have nothing to drop."""
+
+
 def _step_recorder(
     dp: DataParallel,
     *,
-    sink: IO[str] | None,
+    sink: _MetricsSink | None,
     bar: Progress | None,
     total_steps: int,
     n_steps: int,
@@ -400,8 +438,7 @@ def _step_recorder(
         m = average_over_ranks(local, dp)
         if sink is not None:  # appended and flushed per step: a crash keeps every completed step
             record = m.to_json_dict() | {"training_recipe": training[0], "training_math": training[1]}
-            sink.write(json.dumps(record, sort_keys=False) + "\n")
-            sink.flush()
+            sink.append(record)
             loggers.log(step_scalars(record), step=m.step, arm=m.arm)
         if m.reward_errors:
             logger.warning("GRPO arm %s step %d: %d reward(s) raised (scored 0)", m.arm, m.step + 1, m.reward_errors)

@@ -149,3 +149,18 @@ def test_validation_tensorboard_and_a_raising_user_reward(tmp_path, monkeypatch,
     records = _records(out)
     assert sum(r["reward_errors"] for r in records) > 0  # odd answers raise: scored 0, reported, run goes on
     assert "my reward broke" in caplog.text and len(records) == 2
+
+
+def test_a_damaged_newest_checkpoint_is_skipped_with_a_warning(tmp_path, caplog):
+    """A byte flipped in step_1's model file: the rerun warns, resumes after step 0 and redoes steps 1-2."""
+    out = tmp_path / "out"
+    run_grpo(_config(tmp_path), out_dir=out, steps=2, arms=["fp8"], progress=False)
+    model_file = next((tmp_path / "ckpt" / "fp8" / "step_1").glob("model_*.pt"))
+    data = bytearray(model_file.read_bytes())
+    data[len(data) // 2] ^= 0xFF  # same size: only the digest can tell
+    model_file.write_bytes(bytes(data))
+    with caplog.at_level(logging.INFO):
+        result = run_grpo(_config(tmp_path), out_dir=out, steps=3, arms=["fp8"], progress=False)
+    assert "step_1" in caplog.text and "arm fp8: resumed from step 1" in caplog.text
+    assert [r["step"] for r in _records(out)] == [0, 1, 2]
+    assert [s.step for s in result.arm("fp8").steps] == [0, 1, 2]
