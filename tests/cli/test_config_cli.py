@@ -66,7 +66,9 @@ def test_explain_json_full_table():
     assert rows["grpo.num_steps"]["value"] == 7 and rows["grpo.num_steps"]["source"] == "<override>"
     assert rows["policy.generation.vllm_cfg.gpu_memory_utilization"]["implemented"] is True
     assert rows["data.shuffle"]["implemented"] is True and "rl.data" in rows["data.shuffle"]["effect"]
-    assert rows["data.num_workers"]["implemented"] is False and rows["data.num_workers"]["effect"].startswith("no effect")
+    assert rows["data.num_workers"]["implemented"] is False and rows["data.num_workers"]["effect"].startswith(
+        "no effect"
+    )
     assert rows["policy.generation.vllm_cfg.precision"]["source"].endswith("grpo_math_8B_megatron_fp8.yaml")
 
 
