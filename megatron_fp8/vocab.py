@@ -172,6 +172,30 @@ ROLLOUT_ENGINES: Final = MappingProxyType(
 )
 """``rollout.engine`` values -> description (``auto`` resolves to one of the others)."""
 
+PAYLOAD_CLASSES: Final = ("fp8", "scales", "bf16", "other")
+"""Byte classes of a refit payload (``SendReport.payload_bytes``, ``refit_<class>_bytes`` in ``metrics.jsonl``)."""
+
+MISMATCH_METRICS: Final = (
+    "token_mult_prob_error",
+    "gen_kl_k1",
+    "gen_kl_k3",
+    "policy_kl_k1",
+    "policy_kl_k3",
+    "js_divergence",
+    "chi2_token",
+    "chi2_seq",
+    "ess_token",
+    "ess_seq",
+    "ppl_train",
+    "ppl_rollout",
+    "ppl_ratio",
+    "logp_abs_diff_mean",
+    "logp_abs_diff_max",
+    "tokens",
+    "sequences",
+)
+"""Keys always present in ``rl.metrics.mismatch_metrics``' result (``is_*`` keys are added with an ISResult)."""
+
 FINISH_REASONS: Final = ("stop", "length")
 """``"stop"``: an EOS token was produced (and is included); ``"length"``: ``max_new_tokens`` reached."""
 

@@ -22,11 +22,10 @@ from megatron_fp8.errors import RefitError, RefitRefusedError, TransportClosedEr
 from megatron_fp8.refit.buckets import default_bucket_bytes, pack_buckets
 from megatron_fp8.refit.transport.base import Transport
 from megatron_fp8.refit.wire import DTYPES, RefitOutcome, RefitVersion, TensorMeta
+from megatron_fp8.vocab import PAYLOAD_CLASSES
 
 logger = logging.getLogger(__name__)
 
-PAYLOAD_CLASSES = ("fp8", "scales", "bf16", "other")
-"""Byte classes reported by :class:`SendReport`."""
 
 _FP8_DTYPES = frozenset(n for n in DTYPES if n.startswith("float8_") and n != "float8_e8m0fnu")
 _SCALE_SUFFIXES = ("_scale_inv", "_scale")

@@ -38,6 +38,7 @@ from typing import TYPE_CHECKING, Protocol
 from megatron_fp8.config.schema import LoggerConfig
 from megatron_fp8.errors import ConfigError
 from megatron_fp8.rl.results import LOGS_DIR
+from megatron_fp8.vocab import MISMATCH_METRICS, PAYLOAD_CLASSES
 
 if TYPE_CHECKING:
     from torch.utils.tensorboard import SummaryWriter
@@ -52,27 +53,10 @@ OTHER_GROUP = "other"
 VALIDATION_GROUP = "validation"
 """Group of the scalars :meth:`MetricsLogger.log_validation` writes."""
 
-# rl.metrics.METRIC_KEYS and its is_* keys, written out (rl.metrics imports torch);
-# tests/rl/test_loggers.py checks every StepMetrics field and mismatch key is grouped.
+# the mismatch metrics (megatron_fp8.vocab) and the IS statistics StepMetrics carries beside them
 _MISMATCH_KEYS = (
     "gen_kl",
-    "token_mult_prob_error",
-    "gen_kl_k1",
-    "gen_kl_k3",
-    "policy_kl_k1",
-    "policy_kl_k3",
-    "js_divergence",
-    "chi2_token",
-    "chi2_seq",
-    "ess_token",
-    "ess_seq",
-    "ppl_train",
-    "ppl_rollout",
-    "ppl_ratio",
-    "logp_abs_diff_mean",
-    "logp_abs_diff_max",
-    "tokens",
-    "sequences",
+    *MISMATCH_METRICS,
     "is_applied",
     "is_weight_mean",
     "is_truncated_fraction",
@@ -85,11 +69,7 @@ _GROUP_KEYS: dict[str, tuple[str, ...]] = {
     "refit": (
         "refit_version",
         "refit_max_rel_error",
-        "refit_fp8_bytes",
-        "refit_scales_bytes",
-        "refit_bf16_bytes",
-        "refit_other_bytes",
-        "refit_total_bytes",
+        *(f"refit_{c}_bytes" for c in (*PAYLOAD_CLASSES, "total")),
         "refit_payload_ratio",
         "refit_bytes",  # the nested StepMetrics field, when a record holds it unflattened
     ),

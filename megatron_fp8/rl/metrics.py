@@ -48,27 +48,10 @@ import torch
 
 from megatron_fp8.errors import ConfigError
 from megatron_fp8.rl.correction import DEFAULT_LOG_RATIO_CLAMP, ISResult
+from megatron_fp8.vocab import MISMATCH_METRICS
 
-METRIC_KEYS: tuple[str, ...] = (
-    "token_mult_prob_error",
-    "gen_kl_k1",
-    "gen_kl_k3",
-    "policy_kl_k1",
-    "policy_kl_k3",
-    "js_divergence",
-    "chi2_token",
-    "chi2_seq",
-    "ess_token",
-    "ess_seq",
-    "ppl_train",
-    "ppl_rollout",
-    "ppl_ratio",
-    "logp_abs_diff_mean",
-    "logp_abs_diff_max",
-    "tokens",
-    "sequences",
-)
-"""Keys always present in :func:`mismatch_metrics`' result (``is_*`` keys are added with an ISResult)."""
+METRIC_KEYS: tuple[str, ...] = MISMATCH_METRICS
+"""Keys always present in :func:`mismatch_metrics`' result (declared in :data:`megatron_fp8.vocab.MISMATCH_METRICS`)."""
 
 
 def _ess(w: torch.Tensor) -> float:

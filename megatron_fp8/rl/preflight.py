@@ -41,14 +41,14 @@ from megatron_fp8.errors import ConfigError
 from megatron_fp8.models import resolve_model
 from megatron_fp8.models.tiny import HF_ID_PATTERN
 from megatron_fp8.rl.batch import eos_and_pad
-from megatron_fp8.rl.data import load_rows, problem_source, read_prompt_template
+from megatron_fp8.rl.data import PromptTokenizer, load_rows, problem_source, read_prompt_template
 from megatron_fp8.rl.fp8_rollout import rollout_quantization_config
 from megatron_fp8.rl.metrics import METRIC_KEYS
 from megatron_fp8.rl.results import StepMetrics
 from megatron_fp8.rl.rewards import reward_function
 from megatron_fp8.rl.task import get_task, sample_problems
 from megatron_fp8.rollout.vllm.adapter import vllm_version
-from megatron_fp8.vocab import ARMS
+from megatron_fp8.vocab import ARMS, PAYLOAD_CLASSES
 
 __all__ = ["PreflightReport", "check_weights_finite", "preflight", "refuse_empty_config"]
 
@@ -160,7 +160,7 @@ _NEMO_RL_METRICS = {"val_reward": "val_reward_mean", "val:reward": "val_reward_m
 def checkpoint_metric_names() -> frozenset[str]:
     """The metrics a checkpoint carries: every number of a ``metrics.jsonl`` record, and the last validation's."""
     fields = {f.name for f in dataclasses.fields(StepMetrics)} - {"mismatch", "refit_bytes", "arm", "engine", "sample"}
-    refit = {f"refit_{c}_bytes" for c in ("fp8", "scales", "bf16", "other", "total")}
+    refit = {f"refit_{c}_bytes" for c in (*PAYLOAD_CLASSES, "total")}
     return frozenset(
         fields | set(METRIC_KEYS) | refit | {"gen_kl", "refit_payload_ratio", "val_accuracy", "val_reward_mean"}
     )
@@ -312,8 +312,6 @@ def _model_problems(config: RunConfig, model_path: Path, *, fp8_arms: list[str])
         except Exception as exc:  # the quantization config reads the checkpoint: name what failed
             problems.append(f"{_VLLM}: the FP8 quantization config for {model_path} failed ({exc})")
     problems += _tokenizer_problems(config, model_path, warm_start=config.grpo.warm_start_steps > 0)
-    if not problems:
-        problems += _data_problems(config, model_path)
     return problems
 
 
@@ -346,11 +344,8 @@ def _data_files_problems(config: RunConfig) -> tuple[list[str], str]:
     )
 
 
-def _data_problems(config: RunConfig, model_path: Path) -> list[str]:
+def _data_problems(config: RunConfig, tokenizer: PromptTokenizer) -> list[str]:
     """The dataset loads into prompts with the model's tokenizer, and the reward is usable (``data``)."""
-    from transformers import AutoTokenizer  # lazy: transformers is optional (not a core dependency)
-
-    tokenizer = AutoTokenizer.from_pretrained(str(model_path))
     try:
         problem_source(config, tokenizer)
         reward_function(config, None)
@@ -360,7 +355,8 @@ def _data_problems(config: RunConfig, model_path: Path) -> list[str]:
 
 
 def _tokenizer_problems(config: RunConfig, model_path: Path, *, warm_start: bool) -> list[str]:
-    """The tokenizer loads, has EOS, and turns the task's prompts (and, for the warm start, answers) into tokens."""
+    """The tokenizer loads, has EOS, turns the task's prompts (and, for the warm start, answers) into tokens, and
+    turns the dataset's rows into prompts (:func:`_data_problems`, with the same tokenizer)."""
     from transformers import AutoTokenizer  # lazy: transformers is optional (not a core dependency)
 
     try:
@@ -377,7 +373,7 @@ def _tokenizer_problems(config: RunConfig, model_path: Path, *, warm_start: bool
     for text in texts:
         if not tokenizer.encode(text, add_special_tokens=False):
             return [f"the tokenizer of {model_path} encodes the task text {text!r} to no tokens"]
-    return []
+    return _data_problems(config, tokenizer)
 
 
 def check_weights_finite(model_path: Path) -> None:

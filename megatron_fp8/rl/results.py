@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from megatron_fp8.errors import ConfigError
+from megatron_fp8.vocab import PAYLOAD_CLASSES
 
 METRICS_FILE = "metrics.jsonl"
 """One JSON line per step and arm (:meth:`StepMetrics.to_json_dict`)."""
@@ -151,7 +152,7 @@ class StepMetrics:
             out[f.name] = getattr(self, f.name)
         out["gen_kl"] = self.gen_kl
         out.update({k: float(v) for k, v in self.mismatch.items()})
-        for cls in ("fp8", "scales", "bf16", "other"):
+        for cls in PAYLOAD_CLASSES:
             out[f"refit_{cls}_bytes"] = int(self.refit_bytes.get(cls, 0))
         out["refit_total_bytes"] = int(sum(self.refit_bytes.values()))
         out["refit_payload_ratio"] = self.refit_payload_ratio
@@ -171,7 +172,7 @@ class StepMetrics:
                 derived = {
                     "gen_kl",
                     "refit_payload_ratio",
-                    *(f"refit_{c}_bytes" for c in ("fp8", "scales", "bf16", "other", "total")),
+                    *(f"refit_{c}_bytes" for c in (*PAYLOAD_CLASSES, "total")),
                 }
                 values[name] = {
                     k: float("nan") if v is None else float(v)  # type: ignore[arg-type]
@@ -179,7 +180,7 @@ class StepMetrics:
                     if k not in fields and k not in derived and k not in _RECORD_EXTRAS
                 }
             elif name == "refit_bytes":
-                values[name] = {c: int(record.get(f"refit_{c}_bytes") or 0) for c in ("fp8", "scales", "bf16", "other")}
+                values[name] = {c: int(record.get(f"refit_{c}_bytes") or 0) for c in PAYLOAD_CLASSES}
             elif name in record:
                 v = record[name]
                 values[name] = float("nan") if v is None and f.type in ("float", float) else v
