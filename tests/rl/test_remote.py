@@ -270,8 +270,7 @@ def test_private_torch_api_guard():
     for name in ("group_size", "group_rank", "global_ranks_in_group", "backend", "store", "group_name", "timeout"):
         assert name in params, f"torch {torch.__version__} changed _new_process_group_helper (checked {TORCH_CHECKED})"
     assert "pg_tag" in params and isinstance(c10d._world.pg_group_ranks, dict)
-    if dist.is_initialized():
-        pytest.skip("a default process group is already initialised in this process")
+    assert not dist.is_initialized(), "an earlier test left a default process group initialised (a leak)"
     import datetime
 
     store = dist.HashStore()
