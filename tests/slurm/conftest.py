@@ -58,6 +58,39 @@ class SlurmCluster:
             **kwargs,
         )
 
+    def submit(
+        self,
+        logs: Path,
+        script: str,
+        *args: str,
+        env: dict[str, str],
+        sbatch_opts: tuple[str, ...] = (),
+        time_limit_min: int = 5,
+        timeout: float = 150,
+    ) -> tuple[int, str]:
+        """``sbatch --wait SCRIPT ARGS`` from the repository root; (exit status, the job's log written under ``logs``).
+
+        Fails the test (with the daemon logs) when sbatch refuses the job.
+        """
+        logs.mkdir(parents=True, exist_ok=True)
+        res = self.run(
+            "sbatch",
+            "--wait",
+            f"--output={logs}/%x-%j.out",
+            f"--time={time_limit_min}",
+            *sbatch_opts,
+            script,
+            *args,
+            cwd=REPO_ROOT,
+            env={**self.env, **env},
+            timeout=timeout,
+            check=False,
+        )
+        log = "\n".join(p.read_text(errors="replace") for p in sorted(logs.glob("*.out")))
+        if "Submitted batch job" not in res.stdout:
+            pytest.fail(f"sbatch refused the job: {res.stderr}\n{self.daemon_logs()}")
+        return res.returncode, log
+
     def daemon_logs(self) -> str:
         """Tail of both daemon logs, for failure messages."""
         parts = []

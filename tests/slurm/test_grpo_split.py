@@ -19,25 +19,15 @@ REPO = Path(__file__).resolve().parents[2]
 
 def _submit(cluster, tmp_path: Path, *args: str, env: dict[str, str], timeout: float) -> tuple[int, str]:
     """``sbatch --wait --ntasks=2 slurm/grpo.sbatch ARGS`` from the repository root; (exit status, the job's log)."""
-    logs = tmp_path / "logs"
-    logs.mkdir(exist_ok=True)
-    res = cluster.run(
-        "sbatch",
-        "--wait",
-        f"--output={logs}/%x-%j.out",
-        "--time=15",
-        "--ntasks=2",
+    return cluster.submit(
+        tmp_path / "logs",
         "slurm/grpo.sbatch",
         *args,
-        cwd=REPO,
-        env={**cluster.env, **env},
+        env=env,
+        sbatch_opts=("--ntasks=2",),
+        time_limit_min=15,
         timeout=timeout,
-        check=False,
     )
-    log = "\n".join(p.read_text(errors="replace") for p in sorted(logs.glob("*.out")))
-    if "Submitted batch job" not in res.stdout:
-        pytest.fail(f"sbatch refused the job: {res.stderr}\n{cluster.daemon_logs()}")
-    return res.returncode, log
 
 
 def test_grpo_sbatch_one_trainer_one_rollout_task_fp8(slurm_cluster, tmp_path):

@@ -31,25 +31,7 @@ def _submit(
     timeout: float = 150,
 ) -> tuple[int, str]:
     """``sbatch --wait`` from the repository root; return (exit status, the job's log)."""
-    logs = tmp_path / "logs"
-    logs.mkdir(exist_ok=True)
-    res = cluster.run(
-        "sbatch",
-        "--wait",
-        f"--output={logs}/%x-%j.out",
-        "--time=5",
-        *sbatch_opts,
-        script,
-        *args,
-        cwd=REPO,
-        env={**cluster.env, **env},
-        timeout=timeout,
-        check=False,
-    )
-    log = "\n".join(p.read_text(errors="replace") for p in sorted(logs.glob("*.out")))
-    if "Submitted batch job" not in res.stdout:
-        pytest.fail(f"sbatch refused the job: {res.stderr}\n{cluster.daemon_logs()}")
-    return res.returncode, log
+    return cluster.submit(tmp_path / "logs", script, *args, env=env, sbatch_opts=sbatch_opts, timeout=timeout)
 
 
 def test_test_sbatch_runs_pytest_and_writes_junit(slurm_cluster, tmp_path):
