@@ -55,6 +55,7 @@ import json
 import logging
 import time
 from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import IO
 
@@ -225,21 +226,25 @@ def _link_timeout(config: RunConfig) -> float:
     return max(1800.0, 10 * config.refit.timeout_s)
 
 
+@dataclass(frozen=True, kw_only=True)
 class _RunParts:
-    """What the arms of one run share besides the config (plain holder, built once by :func:`run_grpo`)."""
+    """What the arms of one run share besides the config (built once by :func:`run_grpo`).
 
-    def __init__(
-        self,
-        *,
-        tokenizer: Tokenizer,
-        problems: ProblemSource,
-        reward: RewardFn,
-        checkpoints: dict[str, CheckpointManager],
-        kept: dict[str, tuple[StepMetrics, ...]],
-        groups: Groups | None,
-    ):
-        self.tokenizer, self.problems, self.reward = tokenizer, problems, reward
-        self.checkpoints, self.kept, self.groups = checkpoints, kept, groups
+    Attributes:
+        tokenizer: the model's tokenizer.
+        problems: the run's problem source.
+        reward: the reward function.
+        checkpoints: arm -> its checkpoint manager (empty: checkpointing off).
+        kept: arm -> the metrics of the steps a resumed run does not redo.
+        groups: the separate rollout ranks' groups (``None``: colocated).
+    """
+
+    tokenizer: Tokenizer
+    problems: ProblemSource
+    reward: RewardFn
+    checkpoints: dict[str, CheckpointManager]
+    kept: dict[str, tuple[StepMetrics, ...]]
+    groups: Groups | None
 
 
 def _tokenizer(model_path: Path) -> Tokenizer:
