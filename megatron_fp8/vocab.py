@@ -209,3 +209,16 @@ REFIT_OUTCOMES: Final = MappingProxyType(
     }
 )
 """What a receiver reports back to the sender for each version (:class:`~megatron_fp8.errors.RefitRefusedError`)."""
+
+PREFIX_CACHE_RESETS: Final = MappingProxyType(
+    {
+        "reset": "the engine's prefix cache was emptied after the commit, and a probe prompt cached under the old "
+        "weights was then served with 0 cached tokens",
+        "reset_unprobed": "the engine's prefix cache was emptied after the commit (not probed: verification off, or "
+        "the probe prompt does not fit max_model_len)",
+        "no_cache": "the engine keeps no KV blocks across requests (the reference engine; vLLM with "
+        "enable_prefix_caching off): nothing to retire",
+    }
+)
+"""How a committed refit retired the KV blocks computed with older weights (``refit_prefix_cache`` in
+``metrics.jsonl``); a refit whose engine could not retire them is not served."""

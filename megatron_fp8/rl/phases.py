@@ -36,7 +36,7 @@ from megatron_fp8.rl.data import ProblemSource
 from megatron_fp8.rl.distributed import DataParallel
 from megatron_fp8.rl.kv_calibration import KVAmaxRecorder, compute_kv_scales
 from megatron_fp8.rl.metrics import METRIC_KEYS, mismatch_metrics
-from megatron_fp8.rl.results import RefitDone, StepMetrics, finite_mean
+from megatron_fp8.rl.results import RefitDone, StepMetrics, finite_mean, least_checked_prefix_cache
 from megatron_fp8.rl.rewards import RewardFn, RewardResult, safe_reward
 from megatron_fp8.rl.task import Problem
 from megatron_fp8.rollout.engines import Rollout, RolloutEngine
@@ -74,7 +74,13 @@ class ColocatedTarget:
         result = self._refit.refit(stream)
         verify = self._engine.applier.last_verify
         err = float(verify.max_rel_error) if verify is not None else float("nan")
-        return RefitDone(dict(result.send.payload_bytes), float(result.seconds), int(result.version), err)
+        return RefitDone(
+            dict(result.send.payload_bytes),
+            float(result.seconds),
+            int(result.version),
+            err,
+            prefix_cache=least_checked_prefix_cache([self._engine.applier.last_prefix_cache]),
+        )
 
     def close(self) -> None:
         """Close the in-process transport."""
@@ -421,6 +427,7 @@ def run_step(state: ArmState, ctx: GRPOContext, *, step: int) -> StepMetrics:
         refit_seconds=refit.seconds,
         refit_version=refit.version,
         refit_max_rel_error=refit.max_rel_error,
+        refit_prefix_cache=refit.prefix_cache,
         rollout_seconds=out.seconds,
         train_seconds=train.seconds,
         step_seconds=time.perf_counter() - t_step,

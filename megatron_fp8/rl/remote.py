@@ -55,7 +55,7 @@ from megatron_fp8.errors import ConfigError, MegatronFP8Error, RefitError, Refit
 from megatron_fp8.refit.receiver import RefitReceiver
 from megatron_fp8.refit.sender import RefitSender
 from megatron_fp8.refit.wire import RefitVersion
-from megatron_fp8.rl.results import RefitDone
+from megatron_fp8.rl.results import RefitDone, least_checked_prefix_cache
 from megatron_fp8.rl.roles import (
     Groups,
     Placement,
@@ -463,8 +463,9 @@ class RemoteRollout:
                 logger.debug("refit v%d: the rollout ranks answered: %s", version, answered)
             raise
         answers = self._collect(seq, ranks, what=f"committing refit version {version}")
-        errs = [e for _, e in answers if math.isfinite(e)]  # type: ignore[misc]
-        return RefitDone(dict(report.payload_bytes), time.perf_counter() - t0, version, max(errs, default=math.nan))
+        err = max((e for _, e, _ in answers if math.isfinite(e)), default=math.nan)  # type: ignore[misc]
+        caches = least_checked_prefix_cache([c for _, _, c in answers])  # type: ignore[misc]
+        return RefitDone(dict(report.payload_bytes), time.perf_counter() - t0, version, err, prefix_cache=caches)
 
     def close(self) -> None:
         """Close the arm's engine on every rollout rank (idempotent; failures are logged, not raised)."""
@@ -526,7 +527,7 @@ class _RolloutServer:
             for r in requests
         )
 
-    def on_refit(self, version: int) -> tuple[int, float]:
+    def on_refit(self, version: int) -> tuple[int, float, str | None]:
         engine, receiver, wait = self._engine(), self.receiver, self.config.refit.timeout_s
         assert receiver is not None
         report = receiver.receive(timeout=wait, first_timeout=wait)
@@ -535,7 +536,7 @@ class _RolloutServer:
         logger.debug(
             "%s: arm %s refit v%d of v%d committed (error %.3g)", self.who, self.arm, report.version, version, err
         )
-        return report.version, err
+        return report.version, err, engine.applier.last_prefix_cache
 
     def on_scale_format(self, _body: None) -> str:
         return self._engine().weight_scale_format()

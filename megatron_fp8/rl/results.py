@@ -46,12 +46,24 @@ class RefitDone:
         seconds: export + quantization + transfer + verified commit, seconds.
         version: the engine's weight version after the refit.
         max_rel_error: worst relative weight error of the post-refit verification (``nan``: not verified).
+        prefix_cache: how the engines retired their prefix caches (a key of
+            :data:`megatron_fp8.vocab.PREFIX_CACHE_RESETS`; with several engines, the least checked one).
     """
 
     payload_bytes: dict[str, int]
     seconds: float
     version: int
     max_rel_error: float
+    prefix_cache: str = "no_cache"
+
+
+def least_checked_prefix_cache(states: Sequence[str | None]) -> str:
+    """The least checked of several engines' prefix-cache retirements (keys of
+    :data:`megatron_fp8.vocab.PREFIX_CACHE_RESETS`): ``reset_unprobed``, then ``reset``, then ``no_cache``."""
+    for state in ("reset_unprobed", "reset"):
+        if state in states:
+            return state
+    return "no_cache"
 
 
 def finite_mean(values: Sequence[float]) -> float:
@@ -92,6 +104,8 @@ class StepMetrics:
         refit_version: engine weight version after the refit.
         refit_max_rel_error: worst relative weight error the post-refit verification found
             (FP8 rounding for quantized weights; ``nan`` when verification is off).
+        refit_prefix_cache: how the refit retired the engine's prefix cache (a key of
+            :data:`megatron_fp8.vocab.PREFIX_CACHE_RESETS`; ``""`` in records written before it existed).
         rollout_seconds: generation time, seconds.
         train_seconds: trainer scoring + optimizer updates, seconds.
         step_seconds: whole step, seconds.
@@ -128,6 +142,7 @@ class StepMetrics:
     step_seconds: float
     sample: str = ""
     reward_errors: int = 0
+    refit_prefix_cache: str = ""
 
     @property
     def gen_kl(self) -> float:

@@ -73,9 +73,12 @@ class VerifyingApplier(RefitApplier, Protocol):
         serving: ``True`` while the engine holds a good version (the last committed and verified one, or
             the one a failed refit was rolled back to); ``False`` from a failure that could not be rolled
             back until a version commits. An applier may also offer ``not_serving_reason: str | None``.
+        last_prefix_cache: how the last commit retired the KV blocks the engine computed with older
+            weights (a key of :data:`megatron_fp8.vocab.PREFIX_CACHE_RESETS`; ``None`` before the first).
     """
 
     last_verify: VerifyReport | None
+    last_prefix_cache: str | None
 
     @property
     def serving(self) -> bool:

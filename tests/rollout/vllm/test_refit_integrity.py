@@ -274,9 +274,14 @@ def _exact_checks_on_worker(self) -> dict[str, str]:
     module = dict(model.named_modules())["model.layers.0.self_attn.o_proj"]
     weight = module.weight.data
     keep = weight.clone()
-    weight[:128, :128] = (weight[:128, :128].float() * 1.01).to(weight.dtype)  # a 1% error on one block's scale
     gemm = module.cpu_linear
-    module.cpu_linear = lambda x, w, b: torch.nn.functional.linear(x, weight, b)
+    if weight.numel():  # readable weight (torch fallback GEMM): a 1% error on one block, in place
+        weight[:128, :128] = (weight[:128, :128].float() * 1.01).to(weight.dtype)
+        module.cpu_linear = lambda x, w, b: torch.nn.functional.linear(x, weight, b)
+    else:  # repacked for oneDNN / sgl (empty 1-D weight): the same 1% block error added to the layer's GEMM
+        delta = torch.zeros(sent["model.layers.0.self_attn.o_proj.weight"].shape)
+        delta[:128, :128] = sent["model.layers.0.self_attn.o_proj.weight"][:128, :128].float() * 0.01
+        module.cpu_linear = lambda x, w, b: gemm(x, w, b) + torch.nn.functional.linear(x, delta.to(x.dtype))
     for mode in (True, False):
         try:
             verify_exact(model, sent, expected, version=0, read_weights=mode)
