@@ -156,18 +156,42 @@ def test_megatron_bridge_has_one_boundary():
 
 def test_vllm_is_imported_only_by_its_adapter_room():
     assert {n for n in _importers_of("vllm") if not n.startswith("megatron_fp8.rollout.vllm")} == set()
+    assert _importers_of("megatron_fp8.rollout.vllm._patches") == {"megatron_fp8.rollout.vllm.adapter"}
+
+
+def _foreign_aliases(tree: ast.AST) -> set[str]:
+    """Local names bound to a torch / megatron / vLLM module or object by an import in ``tree``."""
+    out = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            out |= {(a.asname or a.name).split(".")[0] for a in node.names if a.name.startswith(_FOREIGN)}
+        elif isinstance(node, ast.ImportFrom) and (node.module or "").startswith(_FOREIGN):
+            out |= {a.asname or a.name for a in node.names}
+    return out
+
+
+_FOREIGN = ("torch", "megatron", "vllm")
 
 
 def test_monkey_patches_live_in_the_adapters_private_module():
-    """``setattr`` on another package's module or class, or assigning to ``torch.*``/``megatron.*`` attributes."""
+    """Assigning to an attribute of torch / megatron / vLLM (spelled out or through an imported alias, tuple
+    targets included) happens only in the adapters' private patch modules."""
     offenders = []
     for name, path in MODULES.items():
-        if name == "bridge_mappings._patches":
+        if name in ("bridge_mappings._patches", "megatron_fp8.rollout.vllm._patches"):
             continue
-        for node in ast.walk(ast.parse(path.read_text())):
+        tree = ast.parse(path.read_text())
+        aliases = _foreign_aliases(tree)
+        for node in ast.walk(tree):
             targets = node.targets if isinstance(node, ast.Assign) else []
-            for t in targets:
-                if isinstance(t, ast.Attribute) and ast.unparse(t).startswith(("torch.", "megatron.", "vllm.")):
+            flat = [e for t in targets for e in (t.elts if isinstance(t, ast.Tuple) else [t])]
+            for t in flat:
+                if not isinstance(t, ast.Attribute):
+                    continue
+                base = t
+                while isinstance(base, ast.Attribute):
+                    base = base.value
+                if isinstance(base, ast.Name) and (base.id in aliases or base.id in _FOREIGN):
                     offenders.append(f"{name}: {ast.unparse(t)}")
     assert offenders == []
 

