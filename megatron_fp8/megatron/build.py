@@ -269,6 +269,7 @@ def build_megatron_model(
             use_cpu_initialization=on_cpu,
             pre_wrap_hook=[],
         )
+        _mark_tensor_parallel_weights(model)
         model = _wrap_ddp(model, ddp_config)
         bridge.load_hf_weights(model)
     for chunk in model:
@@ -294,6 +295,32 @@ def build_megatron_model(
         vocab_size=int(hf_config.vocab_size),
         ddp_config=ddp_config,
     )
+
+
+def _mark_tensor_parallel_weights(chunks: list[torch.nn.Module]) -> None:
+    """Give the weights of Megatron-Core's tensor-parallel layers their ``tensor_model_parallel`` attributes.
+
+    Megatron-Core sets them while it initialises a weight (``tensor_parallel/layers.py``:
+    ``_initialize_affine_weight_cpu`` / ``_gpu``), which a model whose weights are loaded from a checkpoint skips
+    (``perform_initialization=False``). Without them the gradient norm (Megatron's
+    ``param_is_not_tensor_parallel_duplicate``, :mod:`megatron_fp8.megatron.optim`) counts TP rank 0's shard only.
+    Column-parallel layers and the vocab-parallel embedding split dim 0, row-parallel layers dim 1.
+    """
+    from megatron.core import tensor_parallel  # lazy: Megatron-Core is optional
+
+    split_dims = (
+        (tensor_parallel.ColumnParallelLinear, 0),
+        (tensor_parallel.VocabParallelEmbedding, 0),
+        (tensor_parallel.RowParallelLinear, 1),
+    )
+    for chunk in chunks:
+        for module in chunk.modules():
+            dim = next((d for cls, d in split_dims if isinstance(module, cls)), None)
+            weight = getattr(module, "weight", None)
+            if dim is None or not isinstance(weight, torch.nn.Parameter):
+                continue
+            if not getattr(weight, "tensor_model_parallel", False):  # unset, or Megatron's defaults (False, -1, 1)
+                weight.tensor_model_parallel, weight.partition_dim, weight.partition_stride = True, dim, 1
 
 
 def export_hf_weights(m: MegatronModel, *, cpu: bool = True) -> Iterator[tuple[str, torch.Tensor]]:

@@ -4,6 +4,13 @@ These are the trainer-side primitives of one RL step. They work on a
 :class:`~megatron_fp8.megatron.build.MegatronModel` (DDP-wrapped, ``Float16Module``
 for BF16) and are written for a single pipeline stage (``pp=1``).
 
+Tensor parallelism: the output layer is vocab-parallel, so each TP rank holds logits for its
+slice of the vocabulary. :func:`token_logprobs` never gathers them: it applies the temperature,
+masks Megatron's vocabulary padding and takes ``-log p(target)`` from Megatron-Core's
+``tensor_parallel.vocab_parallel_cross_entropy`` (float32), which all-reduces only the per-token
+max and sum over the TP group. :func:`forward_logits` gathers the full vocabulary for callers that
+want every logit.
+
 Masks: Megatron-Core's GPT model takes a boolean ``[B, 1, T, T]`` mask where
 ``True`` means "masked out". :func:`build_attention_mask` makes it explicit
 (causal, plus padded keys when an ``attention_mask`` is given), and
@@ -101,7 +108,36 @@ def position_ids_for(input_ids: torch.Tensor, attention_mask: torch.Tensor | Non
     return (keep.cumsum(dim=1) - 1).clamp(min=0)
 
 
+def _tensor_parallel() -> tuple[int, int]:
+    """``(tp_rank, tp_size)`` of this process (``(0, 1)`` outside Megatron-Core's parallel state)."""
+    from megatron.core import parallel_state  # lazy: Megatron-Core is optional
+
+    if not parallel_state.model_parallel_is_initialized():
+        return 0, 1
+    return parallel_state.get_tensor_model_parallel_rank(), parallel_state.get_tensor_model_parallel_world_size()
+
+
+def _vocab_parallel_logprobs(
+    logits: torch.Tensor, input_ids: torch.Tensor, *, vocab_size: int, temperature: float
+) -> torch.Tensor:
+    """Next-token log-probabilities from this TP rank's vocabulary shard ``[B, T, V/tp]`` (no gather).
+
+    Columns past ``vocab_size`` (Megatron's padding of the vocabulary) get no probability.
+    """
+    from megatron.core import tensor_parallel  # lazy: Megatron-Core is optional
+
+    tp_rank, _ = _tensor_parallel()
+    scaled = logits[:, :-1].float() / temperature
+    shard = scaled.shape[-1]
+    columns = torch.arange(tp_rank * shard, (tp_rank + 1) * shard, device=scaled.device)
+    if int(columns[-1]) >= vocab_size:
+        scaled = scaled.masked_fill(columns >= vocab_size, float("-inf"))
+    targets = input_ids[:, 1:].to(device=logits.device, dtype=torch.int64)
+    return -tensor_parallel.vocab_parallel_cross_entropy(scaled, targets)
+
+
 def _forward(m: MegatronModel, input_ids: torch.Tensor, attention_mask: torch.Tensor | None) -> torch.Tensor:
+    """This rank's logits ``[B, T, V_local]`` in the model's dtype (the vocabulary shard under TP)."""
     if len(m.model) != 1:
         raise ConfigError(f"forward_logits supports one model chunk (pp=1, no virtual pipeline), got {len(m.model)}")
     _check_ids(input_ids, m)
@@ -115,7 +151,7 @@ def _forward(m: MegatronModel, input_ids: torch.Tensor, attention_mask: torch.Te
             position_ids=position_ids_for(ids, attention_mask),
             attention_mask=build_attention_mask(ids, attention_mask),
         )
-    return logits[..., : m.vocab_size].float()
+    return logits
 
 
 def forward_logits(
@@ -132,9 +168,14 @@ def forward_logits(
         attention_mask: optional ``[B, T]`` padding mask (1 = real token).
 
     Returns:
-        ``[B, T, V]`` float32 logits, ``V`` = the Hugging Face vocabulary size.
+        ``[B, T, V]`` float32 logits, ``V`` = the Hugging Face vocabulary size (gathered over the TP group).
     """
-    return _forward(m, input_ids, attention_mask)
+    logits = _forward(m, input_ids, attention_mask)
+    if _tensor_parallel()[1] > 1:
+        from megatron.core import tensor_parallel  # lazy: Megatron-Core is optional
+
+        logits = tensor_parallel.gather_from_tensor_model_parallel_region(logits)
+    return logits[..., : m.vocab_size].float()
 
 
 def logprobs_from_logits(logits: torch.Tensor, input_ids: torch.Tensor, *, temperature: float = 1.0) -> torch.Tensor:
@@ -171,10 +212,16 @@ def token_logprobs(
         attention_mask: optional ``[B, T]`` padding mask (1 = real token).
 
     Returns:
-        ``[B, T-1]`` float32 log-probabilities (see :func:`logprobs_from_logits`).
+        ``[B, T-1]`` float32 log-probabilities (see :func:`logprobs_from_logits`); under tensor parallelism
+        from the vocabulary shards without gathering them, the same on every TP rank.
     """
-    logits = forward_logits(m, input_ids, attention_mask=attention_mask)
-    return logprobs_from_logits(logits, input_ids, temperature=temperature)
+    if _tensor_parallel()[1] == 1:
+        logits = forward_logits(m, input_ids, attention_mask=attention_mask)
+        return logprobs_from_logits(logits, input_ids, temperature=temperature)
+    if temperature <= 0:
+        raise ConfigError(f"temperature must be > 0, got {temperature}")
+    logits = _forward(m, input_ids, attention_mask)
+    return _vocab_parallel_logprobs(logits, input_ids, vocab_size=m.vocab_size, temperature=temperature)
 
 
 def _megatron_optimizer(m: MegatronModel, config: AdamConfig) -> MegatronOptimizer:
@@ -267,6 +314,15 @@ def _unpack_batch(batch: torch.Tensor | Mapping[str, torch.Tensor]) -> tuple[tor
     raise ConfigError("batch must be a [B, T] input_ids tensor or a mapping with 'input_ids' (and 'attention_mask')")
 
 
+def finalize_model_grads(chunks: list[torch.nn.Module]) -> None:
+    """Megatron-Core's ``finalize_model_grads``: the DP gradient all-reduce, plus the TP all-reduce of replicated
+    parameters that see only their rank's heads (``q_layernorm`` / ``k_layernorm``, sequence-parallel norms) and
+    the tied-embedding all-reduce across pipeline stages."""
+    from megatron.core.distributed import finalize_model_grads as megatron_finalize  # lazy: Megatron is optional
+
+    megatron_finalize(list(chunks))
+
+
 def train_step(
     m: MegatronModel,
     optimizer: StepOptimizer,
@@ -304,8 +360,7 @@ def train_step(
         if not torch.isfinite(loss.detach()):
             raise ConfigError(f"loss_fn returned a non-finite loss ({float(loss)})")
         loss.backward()
-        for chunk in m.model:
-            chunk.finish_grad_sync()
+        finalize_model_grads(m.model)
         update_successful, grad_norm, num_zeros = optimizer.step()
     for chunk in m.model:
         chunk.eval()

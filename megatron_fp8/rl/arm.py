@@ -23,7 +23,7 @@ from megatron_fp8.config.schema import RunConfig
 from megatron_fp8.config.wiring import vllm_engine_args, vllm_env
 from megatron_fp8.megatron import build_megatron_model, make_optimizer, megatron_parallel
 from megatron_fp8.rl.checkpoint import CheckpointManager
-from megatron_fp8.rl.distributed import DataParallel
+from megatron_fp8.rl.distributed import DataParallel, check_against_megatron
 from megatron_fp8.rl.kv_calibration import KVAmaxRecorder, attach_kv_amax_hooks
 from megatron_fp8.rl.phases import (
     ArmState,
@@ -172,6 +172,7 @@ def run_arm(
             pipeline_parallel_size=mcfg.pipeline_model_parallel_size,
             seed=config.grpo.seed,
         ):
+            check_against_megatron(dp)
             dtype = trainer_dtype()
             with phase(f"arm {spec.name}: building its Megatron-Core trainer ({dtype})"), quiet_stdout():
                 model = build_megatron_model(

@@ -40,22 +40,93 @@ T = TypeVar("T")
 class DataParallel:
     """This process's place in a multi-process GRPO run (``torch.distributed`` from the environment).
 
+    The ``model_parallel_size`` consecutive ranks of one model replica (Megatron-Core's rank order with one
+    pipeline stage: tensor-parallel ranks are adjacent) see the same samples; data is sharded by the
+    data-parallel rank only. :func:`megatron_fp8.rl.arm.run_arm` checks this against Megatron-Core's
+    ``parallel_state`` once it is initialised.
+
     Attributes:
-        rank: this process's rank, ``0 <= rank < world_size``.
-        world_size: number of GRPO processes.
+        rank: this process's rank among the trainers, ``0 <= rank < world_size``.
+        world_size: number of GRPO trainer processes.
+        model_parallel_size: ranks holding one model replica (``tensor_model_parallel_size``).
+
+    Raises:
+        ConfigError: ``world_size`` is not a multiple of ``model_parallel_size``.
     """
 
     rank: int = 0
     world_size: int = 1
+    model_parallel_size: int = 1
+
+    def __post_init__(self) -> None:
+        if self.model_parallel_size < 1 or self.world_size % self.model_parallel_size:
+            raise ConfigError(
+                f"{self.world_size} trainer processes cannot hold whole model replicas of "
+                f"{self.model_parallel_size} ranks (policy.megatron_cfg.tensor_model_parallel_size): launch a "
+                f"multiple of {self.model_parallel_size} processes"
+            )
 
     @property
     def is_writer(self) -> bool:
         """Rank 0 asks vLLM for the manifest, averages the metrics and writes the outputs."""
         return self.rank == 0
 
+    @property
+    def dp_rank(self) -> int:
+        """This rank's data-parallel rank (its model replica's index)."""
+        return self.rank // self.model_parallel_size
+
+    @property
+    def dp_size(self) -> int:
+        """Number of model replicas (data-parallel size)."""
+        return self.world_size // self.model_parallel_size
+
+    @property
+    def is_replica_first(self) -> bool:
+        """The first rank of its model replica (the one that counts the replica's samples once)."""
+        return self.rank % self.model_parallel_size == 0
+
     def shard(self, items: Sequence[T]) -> list[T]:
-        """This rank's items: every ``world_size``-th, starting at ``rank``."""
-        return list(items[self.rank :: self.world_size])
+        """This replica's items: every ``dp_size``-th, starting at ``dp_rank`` (the same on its model-parallel ranks)."""
+        return list(items[self.dp_rank :: self.dp_size])
+
+
+def same_within_replica(value: T, dp: DataParallel) -> T:
+    """``value`` as the first rank of this model replica has it, on every rank of the replica.
+
+    The model-parallel ranks of one replica must train on the same samples bit for bit; each rolls out the same
+    prompts with the same seeds, and this makes the first rank's result authoritative (collective over the
+    replica's tensor-parallel group; a no-op without model parallelism).
+    """
+    if dp.model_parallel_size == 1:
+        return value
+    from megatron.core import parallel_state  # lazy: Megatron-Core is optional (the GPU test box has torch only)
+
+    box: list[T] = [value]
+    dist.broadcast_object_list(
+        box,
+        src=parallel_state.get_tensor_model_parallel_src_rank(),
+        group=parallel_state.get_tensor_model_parallel_group(),
+    )
+    return box[0]
+
+
+def check_against_megatron(dp: DataParallel) -> None:
+    """Refuse a data-parallel place that disagrees with Megatron-Core's ``parallel_state`` (once initialised).
+
+    Raises:
+        ConfigError: naming both places.
+    """
+    from megatron.core import parallel_state  # lazy: Megatron-Core is optional
+
+    mp = parallel_state.get_tensor_model_parallel_world_size() * parallel_state.get_pipeline_model_parallel_world_size()
+    got = (parallel_state.get_data_parallel_rank(), parallel_state.get_data_parallel_world_size(), mp)
+    if got != (dp.dp_rank, dp.dp_size, dp.model_parallel_size):
+        raise ConfigError(
+            f"rank {dp.rank}: Megatron-Core places it at data-parallel rank {got[0]} of {got[1]} (model parallel "
+            f"{got[2]}), the GRPO driver at {dp.dp_rank} of {dp.dp_size} (model parallel {dp.model_parallel_size}); "
+            "the GRPO driver supports Megatron-Core's default rank order with one pipeline stage"
+        )
 
 
 @contextlib.contextmanager

@@ -51,6 +51,7 @@ recorded while the training math runs in BF16 (see :mod:`megatron_fp8.megatron.b
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import json
 import logging
 import time
@@ -169,10 +170,10 @@ def run_grpo(
         claim_out_dir(out, overwrite=overwrite and not resuming, resume=resuming)
     kept = _kept_records(out, resumed) if resuming else {}
     with _trainer_ranks(placement, config) as (dp, groups):
-        if config.grpo.num_prompts_per_step % dp.world_size:
+        if config.grpo.num_prompts_per_step % dp.dp_size:
             raise ConfigError(
                 f"grpo.num_prompts_per_step={config.grpo.num_prompts_per_step} is not divisible by the "
-                f"{dp.world_size} GRPO trainer processes; each rank rolls out whole prompt groups"
+                f"{dp.dp_size} data-parallel model replicas; each replica rolls out whole prompt groups"
             )
         ctx_parts = _RunParts(
             tokenizer=tokenizer, problems=problems, reward=reward, checkpoints=checkpoints, kept=kept, groups=groups
@@ -287,12 +288,13 @@ def _kept_records(out: Path, resumed: dict[str, object]) -> dict[str, tuple[Step
 @contextlib.contextmanager
 def _trainer_ranks(placement: Placement, config: RunConfig) -> Iterator[tuple[DataParallel, Groups | None]]:
     """This trainer rank's data-parallel place, and the rollout ranks' groups when not colocated."""
+    mp = config.policy.megatron_cfg.tensor_model_parallel_size
     if placement.role == "colocated":
         with data_parallel_from_env() as dp:
-            yield dp, None
+            yield dataclasses.replace(dp, model_parallel_size=mp), None
         return
     with join_groups(placement, timeout_s=_link_timeout(config), transport=config.refit.transport) as groups:
-        yield trainer_data_parallel(placement), groups
+        yield dataclasses.replace(trainer_data_parallel(placement), model_parallel_size=mp), groups
 
 
 def _run_arms(

@@ -33,7 +33,7 @@ from megatron_fp8.refit.pipeline import ColocatedRefit
 from megatron_fp8.rl.batch import Tokenizer, decode_response, group_advantages, make_batch
 from megatron_fp8.rl.correction import ISConfig, PPOStats, compute_is_weights, ppo_loss
 from megatron_fp8.rl.data import ProblemSource
-from megatron_fp8.rl.distributed import DataParallel
+from megatron_fp8.rl.distributed import DataParallel, same_within_replica
 from megatron_fp8.rl.kv_calibration import KVAmaxRecorder, compute_kv_scales
 from megatron_fp8.rl.metrics import METRIC_KEYS, mismatch_metrics
 from megatron_fp8.rl.results import RefitDone, StepMetrics, finite_mean, least_checked_prefix_cache
@@ -220,6 +220,7 @@ def rollout_phase(state: ArmState, ctx: GRPOContext, *, step: int) -> RolloutOut
         seed=g.seed * 1_000_003 + step * 10_007,
         eos_token_id=ctx.eos_id,
     )
+    rollout = same_within_replica(rollout, state.dp)  # the replica's ranks train on the same samples
     return RolloutOutcome(flat_problems, flat_prompts, rollout, time.perf_counter() - t0)
 
 

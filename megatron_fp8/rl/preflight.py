@@ -221,6 +221,13 @@ def _argument_problems(config: RunConfig, *, n_steps: int, arm_names: tuple[str,
         problems.append(f"an arm is listed twice: {list(arm_names)}")
     if "fp8_tis" in arm_names and config.loss_fn.is_variant == "none":
         problems.append("arm fp8_tis corrects with loss_fn.is_variant, which is 'none'; set is_variant: token_tis")
+    pp = config.policy.megatron_cfg.pipeline_model_parallel_size
+    if pp > 1:
+        problems.append(
+            f"policy.megatron_cfg.pipeline_model_parallel_size={pp}: the GRPO trainer runs one pipeline stage "
+            "(tensor parallelism and data parallelism across replicas are implemented; pipeline stages are not "
+            "yet); set it to 1 and shard with tensor_model_parallel_size"
+        )
     try:
         get_task(config.grpo.task, max_digits=config.grpo.task_max_digits)
     except ConfigError as exc:

@@ -111,8 +111,9 @@ def validate(
             reward_sum += scored.reward
             if not sample or scored.exact:
                 sample = f"{problem.prompt}{text!r} (answer {problem.answer})"
-    counts = torch.tensor([right, errors, len(mine)], dtype=torch.float64)
-    total_reward = torch.tensor([reward_sum], dtype=torch.float64)
+    once = 1.0 if dp.is_replica_first else 0.0  # the model-parallel ranks of a replica validated the same problems
+    counts = torch.tensor([right, errors, len(mine)], dtype=torch.float64) * once
+    total_reward = torch.tensor([reward_sum], dtype=torch.float64) * once
     if dp.world_size > 1:
         dist.all_reduce(counts)
         dist.all_reduce(total_reward)

@@ -62,7 +62,7 @@ def test_retired_and_open_keys():
     assert kk.is_known("logging.log_every") and "metrics.jsonl" in kk.reason("logging.log_every")
     assert kk.is_known("policy.generation.vllm_kwargs.anything_at_all")
     assert not kk.is_known("policy.generation.vllm_cfg.no_such_key")
-    assert "tensor and pipeline" in kk.reason("policy.megatron_cfg.context_parallel_size")
+    assert "tensor parallelism and data parallelism" in kk.reason("policy.megatron_cfg.context_parallel_size")
 
 
 def test_shipped_nemo_rl_configs_use_only_known_keys():

@@ -1,0 +1,84 @@
+"""Issue 27: GRPO with Megatron-Core tensor parallelism, under torchrun with gloo, on the embedded tiny model.
+
+Each layout runs the real ``megatron-fp8 grpo`` command (BF16 and FP8 arms, 2 steps, tensorwise training
+recipe) and is compared with the run that has the same data-parallel size and no model parallelism:
+
+* TP=2 (2 processes, one replica) against one process;
+* TP=2 x DP=2 (4 processes) against DP=2 (2 processes).
+
+A rollout is a function of (seed, step, data-parallel rank), so step 0 samples exactly what the reference run
+samples (equal rewards); the losses, gradient norms and mismatch metrics agree up to the order of the
+reductions (the vocabulary-parallel cross entropy, the TP all-reduces: stated tolerances below); step 1's
+rewards and sample, generated after the first refit, equal the reference run's, so every engine received the
+weights the reference run's engine did (each TP rank refits its own colocated engine with the gathered weights:
+``refit_*_bytes`` in ``metrics.jsonl`` count every engine, so they are TP x the reference's per replica).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+pytestmark = [pytest.mark.slow]
+
+REPO = Path(__file__).resolve().parents[2]
+COMMON = ("--steps", "2", "--arms", "bf16,fp8", "policy.megatron_cfg.fp8_cfg.fp8_recipe=tensorwise")
+REL = 1e-5
+"""Relative tolerance of losses and gradient norms (float32 reductions in another order)."""
+ABS_KL = 1e-7
+"""Absolute tolerance of the mismatch metrics (nats per token)."""
+
+
+def _grpo(out: Path, processes: int, *overrides: str) -> list[dict]:
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "MFP8_ROLE", "ROLLOUT_TASKS")}
+    env["OMP_NUM_THREADS"] = "1"
+    grpo = [sys.executable, "-m", "megatron_fp8.cli", "grpo", "--out", str(out), *COMMON, *overrides]
+    if processes > 1:
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={processes}"]
+        cmd += ["-m", "megatron_fp8.cli", *grpo[3:]]
+    else:
+        cmd = grpo
+    proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+
+
+def _assert_same_run(got: list[dict], ref: list[dict], *, engines_per_replica: int) -> None:
+    assert [(r["arm"], r["step"]) for r in got] == [(r["arm"], r["step"]) for r in ref] != []
+    for g, r in zip(got, ref, strict=True):
+        where = f"arm {r['arm']} step {r['step']}"
+        assert g["reward_mean"] == r["reward_mean"], where  # the same samples, scored the same
+        assert g["sample"] == r["sample"], where
+        assert g["loss"] == pytest.approx(r["loss"], rel=REL), where
+        assert g["grad_norm"] == pytest.approx(r["grad_norm"], rel=REL), where
+        assert g["gen_kl"] == pytest.approx(r["gen_kl"], abs=ABS_KL), where
+        assert g["refit_max_rel_error"] == r["refit_max_rel_error"] == 0.0, where
+        for cls in ("fp8", "scales", "bf16"):  # each TP rank's engine got what the reference's engine got
+            assert g[f"refit_{cls}_bytes"] == engines_per_replica * r[f"refit_{cls}_bytes"], (where, cls)
+    assert any(r["refit_fp8_bytes"] > 0 for r in ref)  # the FP8 arm moved FP8 bytes
+
+
+def test_tensor_parallel_2_equals_one_process(tmp_path):
+    ref = _grpo(tmp_path / "tp1", 1)
+    got = _grpo(tmp_path / "tp2", 2, "policy.megatron_cfg.tensor_model_parallel_size=2")
+    _assert_same_run(got, ref, engines_per_replica=2)
+
+
+def test_tensor_parallel_2_by_data_parallel_2_equals_data_parallel_2(tmp_path):
+    ref = _grpo(tmp_path / "dp2", 2)
+    got = _grpo(tmp_path / "tp2dp2", 4, "policy.megatron_cfg.tensor_model_parallel_size=2")
+    _assert_same_run(got, ref, engines_per_replica=2)
+
+
+def test_pipeline_parallelism_is_refused_before_the_run(tmp_path):
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "MFP8_ROLE", "ROLLOUT_TASKS")}
+    cmd = [sys.executable, "-m", "megatron_fp8.cli", "config", "policy.megatron_cfg.pipeline_model_parallel_size=2"]
+    proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode != 0
+    text = proc.stdout + proc.stderr
+    assert "pipeline_model_parallel_size=2" in text and "one pipeline stage" in text and "approved" not in text
