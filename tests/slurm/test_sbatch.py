@@ -195,6 +195,45 @@ def test_grpo_sbatch_real_two_step_run(slurm_cluster, tmp_path):
     assert rows, f"{metrics[0]} is empty"
 
 
+TINY_8B_LAYOUT = (
+    "model.name_or_path=tiny",
+    "policy.megatron_cfg.fp8_cfg.fp8_recipe=tensorwise",  # the tiny model's TP=2 shards are not 128x128 blocks
+    "grpo.num_prompts_per_step=4",
+    "grpo.num_generations_per_prompt=4",
+    "grpo.max_new_tokens=16",
+    "grpo.val_at_start=false",
+    "data.train.data_path=data/math_tiny/train.jsonl",
+    "data.validation.data_path=data/math_tiny/validation.jsonl",
+    "checkpointing.enabled=false",
+    "logger.wandb_enabled=false",
+    "logger.tensorboard_enabled=false",
+    "rollout.engine=reference",
+    "refit.bucket_size_mb=16",
+)
+"""``configs/qwen3_8b_fp8.yaml`` shrunk to the tiny model; its trainer layout (TP=2, PP=1) is kept."""
+
+
+@pytest.mark.slow
+def test_grpo_sbatch_runs_the_qwen3_8b_config_layout_at_tp2(slurm_cluster, tmp_path):
+    """The shipped 8B config's layout (tensor_model_parallel_size 2) through the real Slurm: 2 tasks, one replica."""
+    results = tmp_path / "results"
+    rc, log = _submit(
+        slurm_cluster,
+        tmp_path,
+        "slurm/grpo.sbatch",
+        "configs/qwen3_8b_fp8.yaml",
+        *TINY_8B_LAYOUT,
+        env={"RESULTS_DIR": str(results), "REQUIRE_GPU": "0", "STEPS": "2", "OUT_DIR": str(tmp_path / "out")},
+        sbatch_opts=("--ntasks=2",),
+        timeout=600,
+    )
+    assert rc == 0, log
+    rows = [json.loads(line) for line in (tmp_path / "out" / "metrics.jsonl").read_text().splitlines()]
+    assert [(r["arm"], r["step"]) for r in rows] == [("fp8_tis", 0), ("fp8_tis", 1)]
+    assert all(r["refit_fp8_bytes"] > 0 and r["refit_max_rel_error"] == 0.0 for r in rows)
+    assert "rank 0 of 2" in log and "rank 1 of 2" in log
+
+
 @pytest.mark.parametrize(
     ("script", "env", "message"),
     [
