@@ -22,12 +22,18 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
 import os
 import sys
 
 from megatron_fp8.cli._noise import quiet_third_party
 from megatron_fp8.config.explain import explain_rows, render_json, render_text
 from megatron_fp8.config.loader import load_config_report
+from megatron_fp8.config.memory import describe_layout, estimate_memory
+from megatron_fp8.config.models import known_dims
+from megatron_fp8.config.schema import RunConfig
+
+logger = logging.getLogger(__name__)
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -41,6 +47,26 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--json", action="store_true", help="print JSON instead of YAML (with --explain: the table)")
     parser.add_argument("overrides", nargs="*", metavar="KEY=VALUE", help="dotted overrides, e.g. grpo.num_steps=3")
+
+
+def _layout_lines(cfg: RunConfig) -> list[str]:
+    """``# layout:`` and ``# memory per GPU:`` lines (:mod:`megatron_fp8.config.memory`); a warning when it exceeds."""
+    lines = [f"# layout: {describe_layout(cfg)}"]
+    dims = known_dims(cfg.model.name_or_path)
+    if dims is None or not dims.vocab_size:
+        lines.append(
+            f"# memory per GPU: no estimate ({cfg.model.name_or_path!r} is not in megatron_fp8/config/models.py)"
+        )
+        return lines
+    estimate = estimate_memory(cfg, dims)
+    lines.append(f"# memory per GPU (estimate): {estimate.describe()}")
+    if not estimate.fits:
+        logger.warning(
+            "the run's state does not fit one GPU: %s; raise policy.megatron_cfg.tensor_model_parallel_size or "
+            "lower policy.generation.vllm_cfg.gpu_memory_utilization",
+            estimate.describe(),
+        )
+    return lines
 
 
 def run(args: argparse.Namespace) -> int:
@@ -59,6 +85,8 @@ def run(args: argparse.Namespace) -> int:
         rows = explain_rows(loaded)
         print(render_json(loaded, rows) if args.json else render_text(loaded, rows), end="" if not args.json else "\n")
         return 0
+    for line in _layout_lines(cfg):  # before the preflight: a config it refuses still shows its layout
+        print(line, file=sys.stderr if args.json else sys.stdout)
     report = preflight(
         cfg, download=False, launch_checks="WORLD_SIZE" in os.environ
     )  # every check `grpo` makes before it touches a model

@@ -25,6 +25,8 @@ class ModelDims:
         head_dim: elements per head.
         moe_intermediate_size: width of each expert MLP, ``None`` for dense models.
         num_experts: routed experts per layer, 0 for dense models.
+        vocab_size: embedding rows (0: unknown).
+        tie_word_embeddings: the output layer shares the embedding's weight.
     """
 
     num_layers: int
@@ -35,11 +37,25 @@ class ModelDims:
     head_dim: int
     moe_intermediate_size: int | None = None
     num_experts: int = 0
+    vocab_size: int = 0
+    tie_word_embeddings: bool = False
 
     @property
     def is_moe(self) -> bool:
         """Whether the model has routed experts."""
         return self.num_experts > 0
+
+    @property
+    def num_parameters(self) -> int:
+        """Parameters of the model (embeddings, attention, MLP or experts and router, norms), in elements."""
+        h, d = self.hidden_size, self.head_dim
+        attention = h * d * (2 * self.num_attention_heads + 2 * self.num_key_value_heads) + 2 * d
+        if self.is_moe:
+            mlp = self.num_experts * 3 * h * int(self.moe_intermediate_size or 0) + h * self.num_experts
+        else:
+            mlp = 3 * h * self.intermediate_size
+        embeddings = self.vocab_size * h * (1 if self.tie_word_embeddings else 2)
+        return embeddings + self.num_layers * (attention + mlp + 2 * h) + h
 
 
 def _tiny_dims(name: str) -> ModelDims:
@@ -54,6 +70,7 @@ def _tiny_dims(name: str) -> ModelDims:
         head_dim=spec.head_dim,
         moe_intermediate_size=spec.moe_intermediate_size or None,
         num_experts=spec.num_experts,
+        vocab_size=spec.vocab_size,
     )
 
 
@@ -66,6 +83,7 @@ KNOWN_MODELS: dict[str, ModelDims] = {
         num_attention_heads=32,
         num_key_value_heads=8,
         head_dim=128,
+        vocab_size=128256,
     ),
     "qwen3-8b": ModelDims(
         num_layers=36,
@@ -74,6 +92,7 @@ KNOWN_MODELS: dict[str, ModelDims] = {
         num_attention_heads=32,
         num_key_value_heads=8,
         head_dim=128,
+        vocab_size=151936,
     ),
     "qwen3-30b-a3b": ModelDims(
         num_layers=48,
@@ -84,6 +103,7 @@ KNOWN_MODELS: dict[str, ModelDims] = {
         head_dim=128,
         moe_intermediate_size=768,
         num_experts=128,
+        vocab_size=151936,
     ),
 }
 """Known models by canonical key (lower-case base name without ``-instruct`` / ``-base``)."""

@@ -1,0 +1,63 @@
+"""The layout and per-GPU memory estimate that ``megatron-fp8 config`` prints (megatron_fp8.config.memory)."""
+
+from __future__ import annotations
+
+import dataclasses
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from megatron_fp8.config import load_config
+from megatron_fp8.config.memory import TRAINER_BYTES_PER_PARAM, estimate_memory
+from megatron_fp8.config.models import KNOWN_MODELS
+from megatron_fp8.models.tiny import TINY_MODELS
+
+REPO = Path(__file__).resolve().parents[2]
+H100 = (80 * 10**9, "H100 80 GB")
+
+
+@pytest.mark.parametrize(
+    ("key", "published"),
+    [("llama-3.1-8b", 8.03e9), ("qwen3-8b", 8.19e9), ("qwen3-30b-a3b", 30.5e9)],
+)
+def test_parameter_counts_match_the_published_sizes(key, published):
+    assert KNOWN_MODELS[key].num_parameters == pytest.approx(published, rel=5e-3)
+
+
+def test_tiny_parameter_count_equals_the_built_checkpoint():
+    from safetensors.torch import load_file
+
+    from megatron_fp8.models import tiny_model_path
+
+    built = sum(t.numel() for t in load_file(str(tiny_model_path("tiny") / "model.safetensors")).values())
+    assert TINY_MODELS["tiny"].vocab_size and KNOWN_MODELS["tiny"].num_parameters == built
+
+
+def test_estimate_is_the_documented_formula():
+    cfg = load_config(REPO / "configs" / "qwen3_8b_fp8.yaml", [])
+    est = estimate_memory(cfg, KNOWN_MODELS["qwen3-8b"], gpu=H100)
+    params = KNOWN_MODELS["qwen3-8b"].num_parameters
+    assert est.model_parallel == 2 and est.trainer_bytes == params * TRAINER_BYTES_PER_PARAM // 2
+    assert est.engine_bytes == int(0.6 * H100[0])  # colocated vLLM, gpu_memory_utilization 0.6
+    assert not est.fits and "EXCEEDS" in est.describe() and "73.7 GB trainer state" in est.describe()
+    apart = dataclasses.replace(
+        cfg,
+        policy=dataclasses.replace(
+            cfg.policy,
+            generation=dataclasses.replace(
+                cfg.policy.generation,
+                colocated=dataclasses.replace(cfg.policy.generation.colocated, enabled=False),
+            ),
+        ),
+    )
+    assert estimate_memory(apart, KNOWN_MODELS["qwen3-8b"], gpu=H100).engine_bytes == 0
+
+
+def test_config_prints_the_layout_and_the_estimate_even_when_it_refuses():
+    cmd = [sys.executable, "-m", "megatron_fp8.cli", "config", "--config", "configs/qwen3_8b_fp8.yaml"]
+    proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=300)
+    assert "# layout: TP 2 x PP 1 per model replica; DP = processes / 2" in proc.stdout
+    assert "# memory per GPU (estimate): 8.19 B params x 18 B / (TP x PP = 2)" in proc.stdout
+    assert "does not fit one GPU" in proc.stderr
