@@ -102,10 +102,16 @@ def estimate_memory(cfg: RunConfig, dims: ModelDims, *, gpu: tuple[int, str] | N
 
 
 def describe_layout(cfg: RunConfig) -> str:
-    """The trainer layout: TP and PP of one replica, DP from the process count, micro-batches per step."""
+    """The trainer layout: TP and PP of one replica, DP from the process count, micro-batches per update."""
     mcfg = cfg.policy.megatron_cfg
     mp = mcfg.tensor_model_parallel_size * mcfg.pipeline_model_parallel_size
+    micro = cfg.policy.train_micro_batch_size
+    micro_text = (
+        f"micro-batches of {micro} sequences, accumulated into each update"
+        if micro
+        else "one micro-batch per update (the rank's samples of the step)"
+    )
     return (
         f"TP {mcfg.tensor_model_parallel_size} x PP {mcfg.pipeline_model_parallel_size} per model replica; "
-        f"DP = processes / {mp}; CP 1, EP 1; one micro-batch per optimizer update (the step's samples)"
+        f"DP = processes / {mp}; CP 1, EP 1; {micro_text}"
     )

@@ -415,9 +415,12 @@ def bf16_layer_rules(cfg: RunConfig) -> list[str]:
 
 
 def training_parallelism_rules(cfg: RunConfig) -> list[str]:
-    """Training through Megatron-Core (``enabled``); TP and PP are >= 1."""
+    """Training through Megatron-Core (``enabled``); TP, PP and a given micro-batch size are >= 1."""
     keys = ("tensor_model_parallel_size", "pipeline_model_parallel_size")
     problems = _at_least("policy.megatron_cfg", cfg.policy.megatron_cfg, keys, 1)
+    micro = cfg.policy.train_micro_batch_size
+    if micro is not None and micro < 1:
+        problems.append(f"policy.train_micro_batch_size must be >= 1 (or null: one micro-batch), got {micro}")
     if not cfg.policy.megatron_cfg.enabled:
         problems.append(
             "policy.megatron_cfg.enabled: false selects NeMo-RL's DTensor trainer, which megatron-fp8 does not have "

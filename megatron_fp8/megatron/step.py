@@ -330,42 +330,58 @@ def train_step(
     batch: torch.Tensor | Mapping[str, torch.Tensor],
     *,
     temperature: float = 1.0,
+    micro_batch_size: int | None = None,
 ) -> StepResult:
-    """Forward, backward and one optimizer step.
+    """Forward, backward and one optimizer step, over micro-batches when asked.
 
     Args:
         m: the model.
         optimizer: from :func:`make_optimizer`.
-        loss_fn: maps the ``[B, T-1]`` float32 token log-probabilities (with grad) to a scalar loss.
+        loss_fn: without micro-batches, maps the ``[B, T-1]`` float32 token log-probabilities (with grad) to
+            a scalar loss. With ``micro_batch_size``, it is called once per micro-batch as
+            ``loss_fn(logprobs, rows)`` with that micro-batch's ``[b, T-1]`` log-probabilities and its
+            ``rows`` slice of the batch, and returns the micro-batch's share of the batch loss (the shares
+            add up to the batch loss; e.g. a token mean over the whole batch divides by every token of it).
         batch: ``[B, T]`` int64 input ids, or a mapping with ``"input_ids"`` and optional
             ``"attention_mask"``.
         temperature: temperature applied to the logits before the log-softmax.
+        micro_batch_size: rows per forward/backward (gradients accumulate in Megatron-Core's DDP buffers
+            and are finalized once); ``None``: the whole batch at once.
 
     Returns:
-        :class:`StepResult` with the loss before the update and the gradient norm.
+        :class:`StepResult` with the batch loss before the update and the gradient norm.
 
     Raises:
-        ConfigError: bad batch, or a loss that is not a finite scalar.
+        ConfigError: bad batch or micro-batch size, or a loss that is not a finite scalar.
     """
     input_ids, attention_mask = _unpack_batch(batch)
+    rows = input_ids.shape[0]
+    if micro_batch_size is not None and micro_batch_size < 1:
+        raise ConfigError(f"micro_batch_size must be >= 1 (or None), got {micro_batch_size}")
+    size = rows if micro_batch_size is None else micro_batch_size
     for chunk in m.model:
         chunk.train()
         chunk.zero_grad_buffer()
     optimizer.zero_grad()
+    total = torch.zeros((), dtype=torch.float64)
     with cpu_device_patches():
-        logprobs = token_logprobs(m, input_ids, temperature=temperature, attention_mask=attention_mask)
-        loss = loss_fn(logprobs)
-        if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
-            raise ConfigError(f"loss_fn must return a scalar tensor, got {getattr(loss, 'shape', type(loss))}")
-        if not torch.isfinite(loss.detach()):
-            raise ConfigError(f"loss_fn returned a non-finite loss ({float(loss)})")
-        loss.backward()
+        for start in range(0, max(rows, 1), size):
+            part = slice(start, min(start + size, rows))
+            mask = attention_mask[part] if attention_mask is not None else None
+            logprobs = token_logprobs(m, input_ids[part], temperature=temperature, attention_mask=mask)
+            loss = loss_fn(logprobs) if micro_batch_size is None else loss_fn(logprobs, part)
+            if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
+                raise ConfigError(f"loss_fn must return a scalar tensor, got {getattr(loss, 'shape', type(loss))}")
+            if not torch.isfinite(loss.detach()):
+                raise ConfigError(f"loss_fn returned a non-finite loss ({float(loss)})")
+            loss.backward()
+            total += loss.detach().double()
         finalize_model_grads(m.model)
         update_successful, grad_norm, num_zeros = optimizer.step()
     for chunk in m.model:
         chunk.eval()
     return StepResult(
-        loss=float(loss.detach()),
+        loss=float(total),
         grad_norm=float(grad_norm) if grad_norm is not None else float("nan"),
         update_successful=bool(update_successful),
         num_zeros_in_grad=int(num_zeros) if num_zeros is not None else None,

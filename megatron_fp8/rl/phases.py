@@ -18,7 +18,7 @@ import io
 import itertools
 import logging
 import time
-from collections.abc import Iterable, Iterator, Mapping
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -31,7 +31,7 @@ from megatron_fp8.errors import ManifestError
 from megatron_fp8.megatron import MegatronModel, StepOptimizer, export_hf_weights, token_logprobs, train_step
 from megatron_fp8.refit.pipeline import ColocatedRefit
 from megatron_fp8.rl.batch import Tokenizer, decode_response, group_advantages, make_batch
-from megatron_fp8.rl.correction import ISConfig, PPOStats, compute_is_weights, ppo_loss
+from megatron_fp8.rl.correction import ISConfig, ISResult, PPOStats, compute_is_weights, ppo_loss
 from megatron_fp8.rl.data import ProblemSource
 from megatron_fp8.rl.distributed import DataParallel, same_within_replica
 from megatron_fp8.rl.kv_calibration import KVAmaxRecorder, compute_kv_scales
@@ -327,25 +327,37 @@ def train_phase(state: ArmState, ctx: GRPOContext, out: RolloutOutcome, scores: 
     lr = learning_rate_at(step, config)
     for group in state.optimizer.param_groups:
         group["lr"] = lr
-    last_stats: list[PPOStats] = []
+    update_stats: list[PPOStats] = []  # the last update's, one per micro-batch
+    all_tokens = batch.response_mask.float().sum().clamp(min=1.0)
 
-    def loss_fn(logp_new: torch.Tensor) -> torch.Tensor:
+    def loss_fn(logp_new: torch.Tensor, rows: slice = slice(None)) -> torch.Tensor:
+        """The PPO token mean over the whole batch; a micro-batch returns its share (its tokens / all tokens)."""
+        part_weights = weights.weights[rows] if isinstance(weights, ISResult) else weights
         loss, stats = ppo_loss(
             logp_new,
-            logp_old,
-            scores.advantages,
-            batch.response_mask,
+            logp_old[rows],
+            scores.advantages[rows],
+            batch.response_mask[rows],
             clip_low=config.loss_fn.ratio_clip_min,
             clip_high=config.loss_fn.ratio_clip_max,
-            is_weights=weights,
+            is_weights=part_weights,
             log_ratio_clamp=config.loss_fn.log_ratio_clamp,
         )
-        last_stats[:] = [stats]
-        return loss
+        if rows.start in (None, 0):
+            update_stats.clear()
+        update_stats.append(stats)
+        return loss if rows == slice(None) else loss * (stats.tokens / all_tokens)
 
     losses, norms, ok = [], [], True
     for _ in range(g.updates_per_step):
-        result = train_step(state.model, state.optimizer, loss_fn, model_inputs, temperature=g.temperature)
+        result = train_step(
+            state.model,
+            state.optimizer,
+            loss_fn,
+            model_inputs,
+            temperature=g.temperature,
+            micro_batch_size=config.policy.train_micro_batch_size,
+        )
         losses.append(result.loss)
         norms.append(result.grad_norm)
         ok = ok and result.update_successful
@@ -354,11 +366,21 @@ def train_phase(state: ArmState, ctx: GRPOContext, out: RolloutOutcome, scores: 
         grad_norm=finite_mean(norms),
         update_successful=ok,
         learning_rate=lr,
-        ppo=last_stats[0].as_floats(),
+        ppo=_token_weighted(update_stats),
         is_variant=diag_cfg.variant,
         mismatch=mismatch,
         seconds=time.perf_counter() - t0,
     )
+
+
+def _token_weighted(stats: Sequence[PPOStats]) -> dict[str, float]:
+    """One update's PPO statistics over its micro-batches: token-weighted means, ``tokens`` summed."""
+    floats = [s.as_floats() for s in stats]
+    if len(floats) == 1:
+        return floats[0]
+    tokens = sum(f["tokens"] for f in floats)
+    out = {k: sum(f[k] * f["tokens"] for f in floats) / max(tokens, 1.0) for k in floats[0] if k != "tokens"}
+    return out | {"tokens": tokens}
 
 
 # ----------------------------------------------------------------------------- refit

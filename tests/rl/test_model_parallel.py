@@ -63,10 +63,21 @@ def _assert_same_run(got: list[dict], ref: list[dict], *, engines_per_replica: i
     assert any(r["refit_fp8_bytes"] > 0 for r in ref)  # the FP8 arm moved FP8 bytes
 
 
-def test_tensor_parallel_2_equals_one_process(tmp_path):
-    ref = _grpo(tmp_path / "tp1", 1)
+@pytest.fixture(scope="module")
+def one_process(tmp_path_factory) -> list[dict]:
+    return _grpo(tmp_path_factory.mktemp("tp1") / "out", 1)
+
+
+def test_tensor_parallel_2_equals_one_process(tmp_path, one_process):
     got = _grpo(tmp_path / "tp2", 2, "policy.megatron_cfg.tensor_model_parallel_size=2")
-    _assert_same_run(got, ref, engines_per_replica=2)
+    _assert_same_run(got, one_process, engines_per_replica=2)
+
+
+def test_micro_batches_accumulate_to_the_whole_batch_update(tmp_path, one_process):
+    """``policy.train_micro_batch_size`` (NeMo-RL's key): 3 sequences per forward/backward, gradients
+    accumulated, one update per step: the same run as the whole batch at once (float32 sums in another order)."""
+    got = _grpo(tmp_path / "micro3", 1, "policy.train_micro_batch_size=3")
+    _assert_same_run(got, one_process, engines_per_replica=1)
 
 
 def test_tensor_parallel_2_by_data_parallel_2_equals_data_parallel_2(tmp_path):
