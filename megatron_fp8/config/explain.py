@@ -34,6 +34,8 @@ EFFECTS: Mapping[str, str] = {
     "model.moe_intermediate_size": _DIMS,
     "model.num_experts": _DIMS,
     "policy.model_name": "NeMo-RL spelling of model.name_or_path (the checkpoint)",
+    "policy.train_global_batch_size": "sequences per optimizer update over all ranks: a step's samples are "
+    "that many updates (rl.phases.train_phase)",
     "policy.train_micro_batch_size": "sequences per forward/backward; gradients accumulated into each update "
     "(rl.phases.train_phase -> megatron.step.train_step)",
     "policy.megatron_cfg.enabled": "must be true: megatron-fp8 always trains through Megatron-Core",

@@ -105,13 +105,12 @@ def describe_layout(cfg: RunConfig) -> str:
     """The trainer layout: TP and PP of one replica, DP from the process count, micro-batches per update."""
     mcfg = cfg.policy.megatron_cfg
     mp = mcfg.tensor_model_parallel_size * mcfg.pipeline_model_parallel_size
-    micro = cfg.policy.train_micro_batch_size
-    micro_text = (
-        f"micro-batches of {micro} sequences, accumulated into each update"
-        if micro
-        else "one micro-batch per update (the rank's samples of the step)"
-    )
+    micro, global_batch = cfg.policy.train_micro_batch_size, cfg.policy.train_global_batch_size
+    samples = cfg.grpo.num_prompts_per_step * cfg.grpo.num_generations_per_prompt
+    updates = samples // global_batch if global_batch else 1
+    micro_text = f"micro-batches of {micro} sequences" if micro else "one micro-batch per update"
     return (
         f"TP {mcfg.tensor_model_parallel_size} x PP {mcfg.pipeline_model_parallel_size} per model replica; "
-        f"DP = processes / {mp}; CP 1, EP 1; {micro_text}"
+        f"DP = processes / {mp}; CP 1, EP 1; {samples} samples per step in {updates} optimizer update(s) of "
+        f"{samples // updates}; {micro_text}"
     )

@@ -4,7 +4,7 @@ Layout (dotted paths)::
 
     model.{name_or_path, is_moe, num_layers, hidden_size, intermediate_size, num_attention_heads,
            num_key_value_heads, head_dim, moe_intermediate_size, num_experts}
-    policy.{model_name (NeMo-RL spelling of model.name_or_path), train_micro_batch_size}
+    policy.{model_name (NeMo-RL spelling of model.name_or_path), train_global_batch_size, train_micro_batch_size}
     policy.megatron_cfg.{enabled, tensor_model_parallel_size, pipeline_model_parallel_size}
     policy.megatron_cfg.fp8_cfg.{enabled, fp8, fp8_recipe, fp8_param,
                                  num_first_layers_in_bf16, num_last_layers_in_bf16}
@@ -39,9 +39,8 @@ Aliases (older or NeMo-RL spellings, accepted on input, never written out) are
 declared per section in ``ALIASES``: ``use_weight_pow2_scale`` ->
 ``pow2_weight_scaling_factors``, ``use_activation_pow2_scale`` ->
 ``pow2_activation_scaling_factors``, ``grpo.max_num_steps`` -> ``grpo.num_steps``. Value aliases
-(NeMo-RL spellings of a value) are declared per section in ``VALUE_ALIASES``: ``vllm_cfg.precision:
-bfloat16`` -> ``bf16``, ``vllm_cfg.kv_cache_dtype: fp8_e4m3`` -> ``fp8``.
-"""
+(NeMo-RL spellings of a value) are declared per section in ``VALUE_ALIASES``: ``vllm_cfg.precision: bfloat16``
+-> ``bf16``, ``vllm_cfg.kv_cache_dtype: fp8_e4m3`` -> ``fp8``."""
 
 from __future__ import annotations
 
@@ -288,13 +287,14 @@ class PolicyConfig:
 
     Attributes:
         model_name: NeMo-RL's spelling of ``model.name_or_path`` (either may be given, not both differently).
-        train_micro_batch_size: sequences per forward/backward on one rank; the rank's samples of a step are
-            accumulated over micro-batches into each optimizer update (``None``: one micro-batch).
+        train_global_batch_size: sequences per optimizer update over all ranks (``None``: the whole step).
+        train_micro_batch_size: sequences per forward/backward on a rank, accumulated (``None``: one).
         megatron_cfg: training settings.
         generation: rollout settings.
     """
 
     model_name: str | None = None
+    train_global_batch_size: int | None = None
     train_micro_batch_size: int | None = None
     megatron_cfg: MegatronConfig = field(default_factory=MegatronConfig)
     generation: GenerationConfig = field(default_factory=GenerationConfig)

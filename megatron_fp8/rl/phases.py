@@ -18,7 +18,7 @@ import io
 import itertools
 import logging
 import time
-from collections.abc import Iterable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -27,7 +27,7 @@ import torch
 from bridge_mappings.manifest import Manifest
 from bridge_mappings.quantized_export import ExportSettings, checked_stream, quantized_stream, refit_stream
 from megatron_fp8.config.schema import KVCacheConfig, RunConfig
-from megatron_fp8.errors import ManifestError
+from megatron_fp8.errors import ConfigError, ManifestError
 from megatron_fp8.megatron import MegatronModel, StepOptimizer, export_hf_weights, token_logprobs, train_step
 from megatron_fp8.refit.pipeline import ColocatedRefit
 from megatron_fp8.rl.batch import Tokenizer, decode_response, group_advantages, make_batch
@@ -328,39 +328,43 @@ def train_phase(state: ArmState, ctx: GRPOContext, out: RolloutOutcome, scores: 
     for group in state.optimizer.param_groups:
         group["lr"] = lr
     update_stats: list[PPOStats] = []  # the last update's, one per micro-batch
-    all_tokens = batch.response_mask.float().sum().clamp(min=1.0)
 
-    def loss_fn(logp_new: torch.Tensor, rows: slice = slice(None)) -> torch.Tensor:
-        """The PPO token mean over the whole batch; a micro-batch returns its share (its tokens / all tokens)."""
-        part_weights = weights.weights[rows] if isinstance(weights, ISResult) else weights
-        loss, stats = ppo_loss(
-            logp_new,
-            logp_old[rows],
-            scores.advantages[rows],
-            batch.response_mask[rows],
-            clip_low=config.loss_fn.ratio_clip_min,
-            clip_high=config.loss_fn.ratio_clip_max,
-            is_weights=part_weights,
-            log_ratio_clamp=config.loss_fn.log_ratio_clamp,
-        )
-        if rows.start in (None, 0):
-            update_stats.clear()
-        update_stats.append(stats)
-        return loss if rows == slice(None) else loss * (stats.tokens / all_tokens)
+    def update_loss(update: slice) -> Callable[..., torch.Tensor]:
+        """The PPO token mean over one update's rows; a micro-batch (``rows`` within them) returns its share."""
+        tokens = batch.response_mask[update].float().sum().clamp(min=1.0)
+        update_stats.clear()
+
+        def loss_fn(logp_new: torch.Tensor, rows: slice | None = None) -> torch.Tensor:
+            part = update if rows is None else slice(update.start + rows.start, update.start + rows.stop)
+            loss, stats = ppo_loss(
+                logp_new,
+                logp_old[part],
+                scores.advantages[part],
+                batch.response_mask[part],
+                clip_low=config.loss_fn.ratio_clip_min,
+                clip_high=config.loss_fn.ratio_clip_max,
+                is_weights=weights.weights[part] if isinstance(weights, ISResult) else None,
+                log_ratio_clamp=config.loss_fn.log_ratio_clamp,
+            )
+            update_stats.append(stats)
+            return loss if rows is None else loss * (stats.tokens / tokens)
+
+        return loss_fn
 
     losses, norms, ok = [], [], True
     for _ in range(g.updates_per_step):
-        result = train_step(
-            state.model,
-            state.optimizer,
-            loss_fn,
-            model_inputs,
-            temperature=g.temperature,
-            micro_batch_size=config.policy.train_micro_batch_size,
-        )
-        losses.append(result.loss)
-        norms.append(result.grad_norm)
-        ok = ok and result.update_successful
+        for update in update_rows(batch.input_ids.shape[0], config, state.dp):
+            result = train_step(
+                state.model,
+                state.optimizer,
+                update_loss(update),
+                {k: v[update] for k, v in model_inputs.items()},
+                temperature=g.temperature,
+                micro_batch_size=config.policy.train_micro_batch_size,
+            )
+            losses.append(result.loss)
+            norms.append(result.grad_norm)
+            ok = ok and result.update_successful
     return TrainOutcome(
         loss=finite_mean(losses),
         grad_norm=finite_mean(norms),
@@ -371,6 +375,25 @@ def train_phase(state: ArmState, ctx: GRPOContext, out: RolloutOutcome, scores: 
         mismatch=mismatch,
         seconds=time.perf_counter() - t0,
     )
+
+
+def update_rows(rows: int, config: RunConfig, dp: DataParallel) -> list[slice]:
+    """This rank's rows of each optimizer update of a step (``policy.train_global_batch_size`` over all ranks).
+
+    Raises:
+        ConfigError: the rank's rows do not split into whole updates of ``global / DP`` rows.
+    """
+    global_batch = config.policy.train_global_batch_size
+    if global_batch is None:
+        return [slice(0, rows)]
+    if global_batch % dp.dp_size or rows % (global_batch // dp.dp_size):
+        raise ConfigError(
+            f"policy.train_global_batch_size={global_batch} over {dp.dp_size} data-parallel replica(s) does not "
+            f"split this rank's {rows} samples into whole updates; make it a multiple of {dp.dp_size} that divides "
+            "grpo.num_prompts_per_step x num_generations_per_prompt"
+        )
+    per_rank = global_batch // dp.dp_size
+    return [slice(start, start + per_rank) for start in range(0, rows, per_rank)]
 
 
 def _token_weighted(stats: Sequence[PPOStats]) -> dict[str, float]:

@@ -30,8 +30,9 @@ REPO = Path(__file__).resolve().parents[2]
 COMMON = ("--steps", "2", "--arms", "bf16,fp8", "policy.megatron_cfg.fp8_cfg.fp8_recipe=tensorwise")
 REL = 1e-5
 """Relative tolerance of losses and gradient norms (float32 reductions in another order)."""
-ABS_KL = 1e-7
-"""Absolute tolerance of the mismatch metrics (nats per token)."""
+ABS_KL, REL_KL = 1e-7, 1e-2
+"""Tolerance of the mismatch metrics (nats per token): a KL of ~3e-5 is a difference of two log-probabilities of
+~1e-2 each, so last-bit differences of the weights after an update move it by ~1e-7 absolute, < 1% relative."""
 
 
 def _grpo(out: Path, processes: int, *overrides: str) -> list[dict]:
@@ -56,7 +57,7 @@ def _assert_same_run(got: list[dict], ref: list[dict], *, engines_per_replica: i
         assert g["sample"] == r["sample"], where
         assert g["loss"] == pytest.approx(r["loss"], rel=REL), where
         assert g["grad_norm"] == pytest.approx(r["grad_norm"], rel=REL), where
-        assert g["gen_kl"] == pytest.approx(r["gen_kl"], abs=ABS_KL), where
+        assert g["gen_kl"] == pytest.approx(r["gen_kl"], abs=ABS_KL, rel=REL_KL), where
         assert g["refit_max_rel_error"] == r["refit_max_rel_error"] == 0.0, where
         for cls in ("fp8", "scales", "bf16"):  # each TP rank's engine got what the reference's engine got
             assert g[f"refit_{cls}_bytes"] == engines_per_replica * r[f"refit_{cls}_bytes"], (where, cls)
@@ -93,3 +94,31 @@ def test_pipeline_parallelism_is_refused_before_the_run(tmp_path):
     assert proc.returncode != 0
     text = proc.stdout + proc.stderr
     assert "pipeline_model_parallel_size=2" in text and "one pipeline stage" in text and "approved" not in text
+
+
+def test_global_batch_splits_a_step_into_updates_and_micro_batches_stay_exact(tmp_path, one_process):
+    """``policy.train_global_batch_size`` (NeMo-RL's key): the step's samples as updates of 16, each seeing
+    the policy the previous one left (the PPO ratio moves: approx KL > 0 at the second update); micro-batches
+    of 4 inside them give the same run."""
+    whole = _grpo(tmp_path / "g16", 1, "policy.train_global_batch_size=16")
+    micro = _grpo(tmp_path / "g16m4", 1, "policy.train_global_batch_size=16", "policy.train_micro_batch_size=4")
+    for g, r in zip(whole, one_process, strict=True):
+        assert g["reward_mean"] == r["reward_mean"] or g["step"] > 0  # step 0 samples before any update
+        assert r["ppo_approx_kl"] == 0.0 and g["ppo_approx_kl"] > 0.0  # one update vs a second on moved weights
+    _assert_same_run(micro, whole, engines_per_replica=1)
+
+
+def test_update_rows_over_data_parallel_ranks():
+    from megatron_fp8.config import load_config
+    from megatron_fp8.errors import ConfigError
+    from megatron_fp8.rl.distributed import DataParallel
+    from megatron_fp8.rl.phases import update_rows
+
+    cfg = load_config(None, ["policy.train_global_batch_size=16"])
+    assert update_rows(32, cfg, DataParallel()) == [slice(0, 16), slice(16, 32)]
+    assert update_rows(16, cfg, DataParallel(rank=1, world_size=2)) == [slice(0, 8), slice(8, 16)]
+    assert update_rows(32, load_config(None, []), DataParallel()) == [slice(0, 32)]
+    with pytest.raises(ConfigError, match="train_global_batch_size=16 over 3"):
+        update_rows(12, cfg, DataParallel(rank=0, world_size=3))
+    with pytest.raises(ConfigError, match="train_global_batch_size=12 must divide the step's"):
+        load_config(None, ["policy.train_global_batch_size=12"])
