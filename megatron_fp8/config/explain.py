@@ -36,6 +36,8 @@ EFFECTS: Mapping[str, str] = {
     "policy.model_name": "NeMo-RL spelling of model.name_or_path (the checkpoint)",
     "policy.train_global_batch_size": "sequences per optimizer update over all ranks: a step's samples are "
     "that many updates (rl.phases.train_phase)",
+    "policy.logprob_batch_size": "sequences per no-grad forward when the trainer scores a rollout "
+    "(rl.phases.train_phase)",
     "policy.train_micro_batch_size": "sequences per forward/backward; gradients accumulated into each update "
     "(rl.phases.train_phase -> megatron.step.train_step)",
     "policy.megatron_cfg.enabled": "must be true: megatron-fp8 always trains through Megatron-Core",

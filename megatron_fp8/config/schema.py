@@ -4,7 +4,7 @@ Layout (dotted paths)::
 
     model.{name_or_path, is_moe, num_layers, hidden_size, intermediate_size, num_attention_heads,
            num_key_value_heads, head_dim, moe_intermediate_size, num_experts}
-    policy.{model_name (NeMo-RL spelling of model.name_or_path), train_global_batch_size, train_micro_batch_size}
+    policy.{model_name (NeMo-RL's model.name_or_path), train_global_batch_size, train_micro_batch_size, logprob_batch_size}
     policy.megatron_cfg.{enabled, tensor_model_parallel_size, pipeline_model_parallel_size}
     policy.megatron_cfg.fp8_cfg.{enabled, fp8, fp8_recipe, fp8_param,
                                  num_first_layers_in_bf16, num_last_layers_in_bf16}
@@ -61,10 +61,8 @@ class OneOf:
     """Schema marker on a ``str`` field: the value must be one of ``choices``.
 
     Used as ``Annotated[str, OneOf(...)]`` for the closed sets declared in :mod:`megatron_fp8.vocab`, so
-    the schema names the set instead of spelling it; the loader treats it like a ``Literal``.
-
-    Attributes:
-        choices: the valid values, in the order messages list them.
+    the schema names the set instead of spelling it; the loader treats it like a ``Literal``. ``choices``:
+    the valid values, in the order messages list them.
     """
 
     choices: tuple[str, ...]
@@ -289,6 +287,7 @@ class PolicyConfig:
         model_name: NeMo-RL's spelling of ``model.name_or_path`` (either may be given, not both differently).
         train_global_batch_size: sequences per optimizer update over all ranks (``None``: the whole step).
         train_micro_batch_size: sequences per forward/backward on a rank, accumulated (``None``: one).
+        logprob_batch_size: sequences per forward when the trainer scores a rollout (``None``: all at once).
         megatron_cfg: training settings.
         generation: rollout settings.
     """
@@ -296,6 +295,7 @@ class PolicyConfig:
     model_name: str | None = None
     train_global_batch_size: int | None = None
     train_micro_batch_size: int | None = None
+    logprob_batch_size: int | None = None
     megatron_cfg: MegatronConfig = field(default_factory=MegatronConfig)
     generation: GenerationConfig = field(default_factory=GenerationConfig)
 

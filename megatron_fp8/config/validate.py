@@ -418,9 +418,11 @@ def training_parallelism_rules(cfg: RunConfig) -> list[str]:
     """Training through Megatron-Core (``enabled``); TP, PP and a given micro-batch size are >= 1."""
     keys = ("tensor_model_parallel_size", "pipeline_model_parallel_size")
     problems = _at_least("policy.megatron_cfg", cfg.policy.megatron_cfg, keys, 1)
-    micro, global_batch = cfg.policy.train_micro_batch_size, cfg.policy.train_global_batch_size
-    if micro is not None and micro < 1:
-        problems.append(f"policy.train_micro_batch_size must be >= 1 (or null: one micro-batch), got {micro}")
+    global_batch = cfg.policy.train_global_batch_size
+    for key in ("train_micro_batch_size", "logprob_batch_size"):
+        value = getattr(cfg.policy, key)
+        if value is not None and value < 1:
+            problems.append(f"policy.{key} must be >= 1 (or null: the whole batch at once), got {value}")
     samples = cfg.grpo.num_prompts_per_step * cfg.grpo.num_generations_per_prompt
     if global_batch is not None and (global_batch < 1 or samples % global_batch):
         problems.append(

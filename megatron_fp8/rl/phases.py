@@ -311,9 +311,18 @@ def train_phase(state: ArmState, ctx: GRPOContext, out: RolloutOutcome, scores: 
     t0 = time.perf_counter()
     batch = make_batch(out.prompt_ids, out.rollout, ctx.pad_id)
     model_inputs = {"input_ids": batch.input_ids, "attention_mask": batch.attention_mask}
-    with torch.no_grad():
-        logp_old = token_logprobs(
-            state.model, batch.input_ids, temperature=g.temperature, attention_mask=batch.attention_mask
+    rows, size = batch.input_ids.shape[0], config.policy.logprob_batch_size or batch.input_ids.shape[0]
+    with torch.no_grad():  # the old policy's scores, policy.logprob_batch_size sequences per forward
+        logp_old = torch.cat(
+            [
+                token_logprobs(
+                    state.model,
+                    batch.input_ids[start : start + size],
+                    temperature=g.temperature,
+                    attention_mask=batch.attention_mask[start : start + size],
+                )
+                for start in range(0, rows, size)
+            ]
         )
     is_cfg = is_config(config)
     # statistics of the configured variant for every arm; only arms that correct put the weights in the loss

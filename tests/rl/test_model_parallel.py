@@ -76,8 +76,9 @@ def test_tensor_parallel_2_equals_one_process(tmp_path, one_process):
 
 def test_micro_batches_accumulate_to_the_whole_batch_update(tmp_path, one_process):
     """``policy.train_micro_batch_size`` (NeMo-RL's key): 3 sequences per forward/backward, gradients
-    accumulated, one update per step: the same run as the whole batch at once (float32 sums in another order)."""
-    got = _grpo(tmp_path / "micro3", 1, "policy.train_micro_batch_size=3")
+    accumulated, one update per step; ``policy.logprob_batch_size``: the trainer scores the rollout 5 sequences
+    per forward. The same run as the whole batch at once (float32 sums in another order)."""
+    got = _grpo(tmp_path / "micro3", 1, "policy.train_micro_batch_size=3", "policy.logprob_batch_size=5")
     _assert_same_run(got, one_process, engines_per_replica=1)
 
 
