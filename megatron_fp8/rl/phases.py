@@ -313,17 +313,16 @@ def train_phase(state: ArmState, ctx: GRPOContext, out: RolloutOutcome, scores: 
     model_inputs = {"input_ids": batch.input_ids, "attention_mask": batch.attention_mask}
     rows, size = batch.input_ids.shape[0], config.policy.logprob_batch_size or batch.input_ids.shape[0]
     with torch.no_grad():  # the old policy's scores, policy.logprob_batch_size sequences per forward
-        logp_old = torch.cat(
-            [
-                token_logprobs(
-                    state.model,
-                    batch.input_ids[start : start + size],
-                    temperature=g.temperature,
-                    attention_mask=batch.attention_mask[start : start + size],
-                )
-                for start in range(0, rows, size)
-            ]
-        )
+        parts = [
+            token_logprobs(
+                state.model,
+                batch.input_ids[start : start + size],
+                temperature=g.temperature,
+                attention_mask=batch.attention_mask[start : start + size],
+            )
+            for start in range(0, rows, size)
+        ]
+    logp_old = parts[0] if len(parts) == 1 else torch.cat(parts)  # no copy without logprob_batch_size
     is_cfg = is_config(config)
     # statistics of the configured variant for every arm; only arms that correct put the weights in the loss
     diag_cfg = is_cfg if is_cfg.variant != "none" else ISConfig(log_ratio_clamp=is_cfg.log_ratio_clamp)

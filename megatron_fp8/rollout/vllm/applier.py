@@ -94,6 +94,7 @@ class VllmApplier:
         self.last_unverified: tuple[str, ...] = ()
         self.last_prefix_cache: str | None = None
         self._stale_cache: str | None = None  # why blocks of an older version may still be cached
+        self._caches = prefix_cache.cached_block_size(llm) is not None  # fixed for the engine's life
         self._probe = prefix_cache.probe_prompt(llm)
         llm.collective_rpc(
             "mfp8_configure",
@@ -195,7 +196,7 @@ class VllmApplier:
         Raises:
             RefitError: vLLM refused the reset (a request holds KV blocks); nothing was written.
         """
-        if prefix_cache.cached_block_size(self.llm) is None:
+        if not self._caches:
             return None
         if prefix_cache.reset_prefix_cache(self.llm) is False:
             raise RefitError(
@@ -222,7 +223,7 @@ class VllmApplier:
                 reverted to the previous version and its cache emptied.
             EngineNotServingError: the same, and the revert or the reset failed too.
         """
-        if prefix_cache.cached_block_size(self.llm) is None:
+        if not self._caches:
             return "no_cache"
         if prefix_cache.reset_prefix_cache(self.llm) is False:
             self._undo(version, "vLLM could not empty its prefix cache after the load (a request held KV blocks)")
@@ -262,7 +263,7 @@ class VllmApplier:
             self.llm.collective_rpc("mfp8_revert", args=(version,))
         except Exception as exc:
             logger.error("reverting refit v%d on the workers failed: %s", version, exc)
-        if prefix_cache.cached_block_size(self.llm) is not None and prefix_cache.reset_prefix_cache(self.llm) is False:
+        if self._caches and prefix_cache.reset_prefix_cache(self.llm) is False:
             self._stale_cache = (
                 f"refit version {version} failed ({error}) and the prefix cache could not be emptied after it "
                 "(a request holds KV blocks that may come from the failed version)"

@@ -33,6 +33,10 @@ def _weights(base: dict[str, torch.Tensor], seed: int) -> dict[str, torch.Tensor
     }
 
 
+def _skip_down_proj(weights):
+    return (w for w in weights if "layers.1.mlp.down_proj" not in w[0])
+
+
 def _generate(llm) -> tuple[list[int], list[float], int]:
     """Greedy tokens, their log-probabilities and the prompt tokens served from the prefix cache."""
     from vllm import SamplingParams
@@ -62,7 +66,7 @@ def _fresh(tmp_path, name: str, weights: dict[str, torch.Tensor]) -> tuple[list[
         adapter.shutdown_llm(llm)
 
 
-def test_refit_and_rollback_retire_the_prefix_cache_and_a_busy_engine_refuses(tmp_path):
+def test_refit_and_rollback_retire_the_prefix_cache_and_a_busy_engine_refuses(tmp_path, monkeypatch):
     from vllm import SamplingParams
     from vllm.inputs import TokensPrompt
 
@@ -95,16 +99,10 @@ def test_refit_and_rollback_retire_the_prefix_cache_and_a_busy_engine_refuses(tm
 
         # a version that fails after its first write is rolled back to version 1, cache emptied again
         real_reload = adapter.reload_weights
-
-        def lossy_reload(model_runner, weights):
-            real_reload(model_runner, (w for w in weights if "layers.1.mlp.down_proj" not in w[0]))
-
-        adapter.reload_weights = lossy_reload
-        try:
+        with monkeypatch.context() as patch:  # a loader that silently skips a layer: caught, rolled back
+            patch.setattr(adapter, "reload_weights", lambda runner, ws: real_reload(runner, _skip_down_proj(ws)))
             with pytest.raises(RefitRolledBackError, match=r"layers\.1\.mlp\.down_proj"):
                 refit.refit(_weights(base, 2).items())
-        finally:
-            adapter.reload_weights = real_reload
         assert applier.serving and applier.serving_version == 1
         after_rollback = _generate(llm)
         assert after_rollback[2] == 0, "the rollback left prompt blocks of the failed version in the cache"
@@ -124,13 +122,10 @@ def test_refit_and_rollback_retire_the_prefix_cache_and_a_busy_engine_refuses(tm
         assert _generate(llm)[:2] == after_refit[:2]
 
         # a vLLM that says it emptied its cache but did not: the probe catches it and the version is undone
-        real_reset = prefix_cache.reset_prefix_cache
-        prefix_cache.reset_prefix_cache = lambda llm: True
-        try:
+        with monkeypatch.context() as patch:
+            patch.setattr(prefix_cache, "reset_prefix_cache", lambda llm: True)
             with pytest.raises(RefitRolledBackError, match=r"probe prompt of \d+ tokens was still served \d+ cached"):
                 refit.refit(_weights(base, 4).items())
-        finally:
-            prefix_cache.reset_prefix_cache = real_reset
         assert applier.serving and applier.serving_version == 1
         assert _generate(llm)[:2] == after_refit[:2]
 
