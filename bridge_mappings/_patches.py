@@ -70,6 +70,15 @@ Patch 4: Megatron's RNG tracker without CUDA (explicit)
 ``megatron/core/tensor_parallel/random.py`` forks CUDA RNG states;
 :func:`use_cpu_rng_tracker` installs its inference (no-op-fork) tracker when CUDA
 is unavailable, :func:`reset_rng_tracker` drops it between model builds.
+
+Patch 5: ``device="cuda"`` in Megatron-Core's schedules on a CPU-only machine (scoped)
+--------------------------------------------------------------------------------------
+``megatron/core/pipeline_parallel/schedules.py`` (0.16.x) counts tokens in
+``torch.zeros([], dtype=torch.int, device="cuda")`` in every
+``forward_backward_*`` function, which raises on CPU-only torch.
+:func:`cpu_schedule_patches` (a ``TorchFunctionMode``) answers a factory call that names the CUDA
+device with a CPU tensor while the schedule runs, only when torch has no usable CUDA; every other
+call passes through unchanged.
 """
 
 from __future__ import annotations
@@ -337,6 +346,31 @@ def cpu_device_patches() -> Iterator[bool]:
         yield True
     finally:
         torch.cuda.current_device = original
+
+
+class _CudaFactoriesOnCpu(torch.overrides.TorchFunctionMode):
+    """Rewrites ``device="cuda"`` (a string or ``torch.device``) of a torch call to the CPU (patch 5)."""
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):  # noqa: ANN001, ANN204 (torch's protocol)
+        kwargs = kwargs or {}
+        device = kwargs.get("device")
+        if isinstance(device, str | torch.device) and torch.device(device).type == "cuda":
+            kwargs = {**kwargs, "device": torch.device("cpu")}
+        return func(*args, **kwargs)
+
+
+@contextlib.contextmanager
+def cpu_schedule_patches() -> Iterator[bool]:
+    """Patches 3 and 5 while Megatron-Core's forward-backward schedule runs, without CUDA only.
+
+    Yields:
+        ``True`` when the patches are active, ``False`` when CUDA is available and nothing was patched.
+    """
+    if _torch_has_cuda():
+        yield False
+        return
+    with cpu_device_patches(), _CudaFactoriesOnCpu():
+        yield True
 
 
 def use_cpu_rng_tracker() -> bool:

@@ -185,6 +185,14 @@ def cpu_device_patches() -> contextlib.AbstractContextManager[bool]:
     return _patches.cpu_device_patches()
 
 
+def cpu_schedule_patches() -> contextlib.AbstractContextManager[bool]:
+    """Scope for Megatron-Core's forward-backward schedules without CUDA: patch 3 plus patch 5 of
+    :mod:`bridge_mappings._patches` (their ``device="cuda"`` token counters made on the CPU). Yields ``True`` when
+    active, ``False`` when CUDA is available and nothing was patched.
+    """
+    return _patches.cpu_schedule_patches()
+
+
 def use_cpu_rng_tracker() -> bool:
     """Install Megatron's no-op-fork RNG tracker when CUDA is unavailable (patch 4); ``False`` with CUDA."""
     return _patches.use_cpu_rng_tracker()

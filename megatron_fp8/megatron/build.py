@@ -141,6 +141,28 @@ def _configure_for_cpu(provider: GPTModelProvider) -> None:
         provider.moe_grouped_gemm = False
         provider.moe_token_dispatcher_type = "allgather"
     provider.use_cpu_initialization = True
+    provider.batch_p2p_comm = False  # batched pipeline sends synchronize CUDA; gloo's isend/irecv need not
+
+
+def _set_parallel_sizes(provider: GPTModelProvider) -> None:
+    """The provider's model-parallel sizes from Megatron-Core's ``parallel_state`` (the one source of the layout).
+
+    Megatron-Core builds a pipeline stage's layers from ``config.pipeline_model_parallel_size``
+    (``get_num_layers_to_build``) and checks the other sizes against the process groups, so a provider left at the
+    checkpoint's defaults would build every layer on every stage.
+    """
+    from megatron.core import parallel_state  # lazy: Megatron-Core is optional
+
+    provider.tensor_model_parallel_size = parallel_state.get_tensor_model_parallel_world_size()
+    provider.pipeline_model_parallel_size = parallel_state.get_pipeline_model_parallel_world_size()
+    provider.expert_model_parallel_size = parallel_state.get_expert_model_parallel_world_size()
+    provider.context_parallel_size = parallel_state.get_context_parallel_world_size()
+    if provider.pipeline_model_parallel_size > 1 and provider.num_layers % provider.pipeline_model_parallel_size:
+        raise ConfigError(
+            f"the model's {provider.num_layers} layers do not split evenly into "
+            f"pipeline_model_parallel_size={provider.pipeline_model_parallel_size} stages; choose a divisor of "
+            f"{provider.num_layers}"
+        )
 
 
 def _set_dtype(provider: GPTModelProvider, dtype: torch.dtype) -> None:
@@ -231,6 +253,7 @@ def build_megatron_model(
     if on_cpu:
         _configure_for_cpu(provider)
     _set_dtype(provider, dtype)
+    _set_parallel_sizes(provider)
     provider.perform_initialization = False
 
     application = apply_recipe_with_report(

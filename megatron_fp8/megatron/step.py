@@ -1,28 +1,22 @@
 """Forward, log-probabilities, optimizer and one training step on a Megatron-Core model.
 
 These are the trainer-side primitives of one RL step. They work on a
-:class:`~megatron_fp8.megatron.build.MegatronModel` (DDP-wrapped, ``Float16Module``
-for BF16) and are written for a single pipeline stage (``pp=1``).
+:class:`~megatron_fp8.megatron.build.MegatronModel` (DDP-wrapped, ``Float16Module`` for BF16) at any layout
+Megatron-Core's ``parallel_state`` holds: tensor parallelism (vocab-parallel logits, never gathered for
+log-probabilities: :mod:`megatron_fp8.megatron.logits`), pipeline parallelism and micro-batches (every training
+forward-backward goes through Megatron-Core's ``get_forward_backward_func``: :mod:`megatron_fp8.megatron.schedule`),
+data parallelism (Megatron-Core's DDP and ``finalize_model_grads``).
 
-Tensor parallelism: the output layer is vocab-parallel, so each TP rank holds logits for its
-slice of the vocabulary. :func:`token_logprobs` never gathers them: it applies the temperature,
-masks Megatron's vocabulary padding and takes ``-log p(target)`` from Megatron-Core's
-``tensor_parallel.vocab_parallel_cross_entropy`` (float32), which all-reduces only the per-token
-max and sum over the TP group. :func:`forward_logits` gathers the full vocabulary for callers that
-want every logit.
+:func:`token_logprobs` scores a batch in one forward with one pipeline stage; :func:`sequence_logprobs` scores it
+in micro-batches through the schedule, the log-probabilities coming from the last stage to every stage.
+:func:`forward_logits` gathers the full vocabulary for callers that want every logit (one pipeline stage).
 
-Masks: Megatron-Core's GPT model takes a boolean ``[B, 1, T, T]`` mask where
-``True`` means "masked out". :func:`build_attention_mask` makes it explicit
-(causal, plus padded keys when an ``attention_mask`` is given), and
-:func:`position_ids_for` numbers the real tokens of each row from 0 (left padding
-does not shift the positions), which is what vLLM sees for an unpadded prompt.
-
-Optimizer: :func:`make_optimizer` uses Megatron-Core's own ``get_megatron_optimizer``
-with ``OptimizerConfig(optimizer="adam", use_distributed_optimizer=False)`` when CUDA
-is available. That optimizer cannot run on CPU (it hard-codes ``device='cuda'``
-tensors and CUDA tensor types; tried first, see :mod:`megatron_fp8.megatron.optim`),
-so on CPU the default backend is :class:`~megatron_fp8.megatron.optim.MegatronDDPAdam`:
-AdamW with FP32 main weights over the same Megatron-Core DDP grad buffers.
+Optimizer: :func:`make_optimizer` uses Megatron-Core's own ``get_megatron_optimizer`` with
+``OptimizerConfig(optimizer="adam")`` when CUDA is available (``use_distributed_optimizer`` as asked). That
+optimizer cannot run on CPU (it hard-codes ``device='cuda'`` tensors and CUDA tensor types; tried first, see
+:mod:`megatron_fp8.megatron.optim`), so on CPU the default backend is
+:class:`~megatron_fp8.megatron.optim.MegatronDDPAdam`: AdamW with FP32 main weights over the same Megatron-Core DDP
+grad buffers, its state sharded over the data-parallel ranks when asked.
 """
 
 from __future__ import annotations
@@ -37,7 +31,20 @@ import torch
 from bridge_mappings.adapter import cpu_device_patches
 from megatron_fp8.errors import ConfigError
 from megatron_fp8.megatron.build import MegatronModel
+from megatron_fp8.megatron.logits import (
+    build_attention_mask,
+    local_logprobs,
+    position_ids_for,
+    tensor_parallel_place,
+)
 from megatron_fp8.megatron.optim import AdamConfig, MegatronDDPAdam, StepOptimizer
+from megatron_fp8.megatron.schedule import (
+    from_last_stage,
+    micro_batches,
+    pipeline_size,
+    run_schedule,
+    tensor_from_last_stage,
+)
 
 if TYPE_CHECKING:  # Megatron-Core's optimizer, for annotations only (Megatron is optional at import time)
     from megatron.core.optimizer import MegatronOptimizer
@@ -73,73 +80,14 @@ def _check_ids(input_ids: torch.Tensor, m: MegatronModel) -> None:
         )
 
 
-def build_attention_mask(input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None) -> torch.Tensor:
-    """Megatron-Core attention mask: ``True`` where attention is NOT allowed.
-
-    Args:
-        input_ids: ``[B, T]`` token ids (only the shape and device are used).
-        attention_mask: optional ``[B, T]`` with 1 / ``True`` for real tokens and 0 for padding.
-
-    Returns:
-        Boolean ``[B, 1, T, T]``: causal mask, plus padded keys masked when ``attention_mask`` is given.
-        Every query keeps at least itself unmasked so the softmax stays finite on padding rows.
-    """
-    b, t = input_ids.shape
-    causal = torch.triu(torch.ones(t, t, dtype=torch.bool, device=input_ids.device), diagonal=1)
-    mask = causal.expand(b, 1, t, t).clone()
-    if attention_mask is not None:
-        if attention_mask.shape != input_ids.shape:
-            raise ConfigError(
-                f"attention_mask shape {tuple(attention_mask.shape)} != input_ids {tuple(input_ids.shape)}"
-            )
-        pad_key = ~attention_mask.to(torch.bool)
-        mask |= pad_key[:, None, None, :]
-        eye = torch.eye(t, dtype=torch.bool, device=input_ids.device)
-        mask &= ~eye
-    return mask
-
-
-def position_ids_for(input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None) -> torch.Tensor:
-    """Position ids ``[B, T]`` int64: ``0..T-1``, or numbered over real tokens when padding is given."""
-    b, t = input_ids.shape
-    if attention_mask is None:
-        return torch.arange(t, device=input_ids.device).unsqueeze(0).expand(b, t)
-    keep = attention_mask.to(torch.int64)
-    return (keep.cumsum(dim=1) - 1).clamp(min=0)
-
-
-def _tensor_parallel() -> tuple[int, int]:
-    """``(tp_rank, tp_size)`` of this process (``(0, 1)`` outside Megatron-Core's parallel state)."""
-    from megatron.core import parallel_state  # lazy: Megatron-Core is optional
-
-    if not parallel_state.model_parallel_is_initialized():
-        return 0, 1
-    return parallel_state.get_tensor_model_parallel_rank(), parallel_state.get_tensor_model_parallel_world_size()
-
-
-def _vocab_parallel_logprobs(
-    logits: torch.Tensor, input_ids: torch.Tensor, *, vocab_size: int, temperature: float
-) -> torch.Tensor:
-    """Next-token log-probabilities from this TP rank's vocabulary shard ``[B, T, V/tp]`` (no gather).
-
-    Columns past ``vocab_size`` (Megatron's padding of the vocabulary) get no probability.
-    """
-    from megatron.core import tensor_parallel  # lazy: Megatron-Core is optional
-
-    tp_rank, _ = _tensor_parallel()
-    scaled = logits[:, :-1].float() / temperature
-    shard = scaled.shape[-1]
-    columns = torch.arange(tp_rank * shard, (tp_rank + 1) * shard, device=scaled.device)
-    if int(columns[-1]) >= vocab_size:
-        scaled = scaled.masked_fill(columns >= vocab_size, float("-inf"))
-    targets = input_ids[:, 1:].to(device=logits.device, dtype=torch.int64)
-    return -tensor_parallel.vocab_parallel_cross_entropy(scaled, targets)
-
-
 def _forward(m: MegatronModel, input_ids: torch.Tensor, attention_mask: torch.Tensor | None) -> torch.Tensor:
     """This rank's logits ``[B, T, V_local]`` in the model's dtype (the vocabulary shard under TP)."""
-    if len(m.model) != 1:
-        raise ConfigError(f"forward_logits supports one model chunk (pp=1, no virtual pipeline), got {len(m.model)}")
+    if len(m.model) != 1 or pipeline_size() > 1:
+        raise ConfigError(
+            f"a plain forward needs the whole model on this rank (one pipeline stage, one chunk; got "
+            f"{pipeline_size()} stages, {len(m.model)} chunks): score through sequence_logprobs, which runs "
+            "Megatron-Core's pipeline schedule"
+        )
     _check_ids(input_ids, m)
     device = next(m.model[0].parameters()).device
     ids = input_ids.to(device=device, dtype=torch.int64)
@@ -171,29 +119,11 @@ def forward_logits(
         ``[B, T, V]`` float32 logits, ``V`` = the Hugging Face vocabulary size (gathered over the TP group).
     """
     logits = _forward(m, input_ids, attention_mask)
-    if _tensor_parallel()[1] > 1:
+    if tensor_parallel_place()[1] > 1:
         from megatron.core import tensor_parallel  # lazy: Megatron-Core is optional
 
         logits = tensor_parallel.gather_from_tensor_model_parallel_region(logits)
     return logits[..., : m.vocab_size].float()
-
-
-def logprobs_from_logits(logits: torch.Tensor, input_ids: torch.Tensor, *, temperature: float = 1.0) -> torch.Tensor:
-    """Log-probability of each next token.
-
-    Args:
-        logits: ``[B, T, V]`` float logits.
-        input_ids: ``[B, T]`` token ids.
-        temperature: sampling temperature the logits are divided by (> 0).
-
-    Returns:
-        ``[B, T-1]`` float32: entry ``[b, t]`` is ``log p(input_ids[b, t+1] | input_ids[b, :t+1])``.
-    """
-    if temperature <= 0:
-        raise ConfigError(f"temperature must be > 0, got {temperature}")
-    scaled = logits[:, :-1].float() / temperature
-    targets = input_ids[:, 1:].to(device=logits.device, dtype=torch.int64).unsqueeze(-1)
-    return torch.log_softmax(scaled, dim=-1).gather(-1, targets).squeeze(-1)
 
 
 def token_logprobs(
@@ -215,13 +145,53 @@ def token_logprobs(
         ``[B, T-1]`` float32 log-probabilities (see :func:`logprobs_from_logits`); under tensor parallelism
         from the vocabulary shards without gathering them, the same on every TP rank.
     """
-    if _tensor_parallel()[1] == 1:
-        logits = forward_logits(m, input_ids, attention_mask=attention_mask)
-        return logprobs_from_logits(logits, input_ids, temperature=temperature)
+    logits = _forward(m, input_ids, attention_mask)
+    return local_logprobs(logits, input_ids, vocab_size=m.vocab_size, temperature=temperature)
+
+
+def sequence_logprobs(
+    m: MegatronModel,
+    input_ids: torch.Tensor,
+    *,
+    temperature: float = 1.0,
+    attention_mask: torch.Tensor | None = None,
+    batch_size: int | None = None,
+) -> torch.Tensor:
+    """Log-probability of each next token, ``batch_size`` rows per forward, at any pipeline layout.
+
+    With one pipeline stage a forward per micro-batch (:func:`token_logprobs`); with several, Megatron-Core's
+    forward-only pipeline schedule, the log-probabilities taken on the last stage and broadcast to every stage.
+    Call it under ``torch.no_grad()``.
+
+    Args:
+        m: the model.
+        input_ids: ``[B, T]`` int64 token ids.
+        temperature: sampling temperature (> 0).
+        attention_mask: optional ``[B, T]`` padding mask (1 = real token).
+        batch_size: rows per forward (``policy.logprob_batch_size``); ``None``: the whole batch.
+
+    Returns:
+        ``[B, T-1]`` float32 on every rank of the model replica.
+    """
+    rows = input_ids.shape[0]
+    parts = micro_batches(rows, batch_size, what="policy.logprob_batch_size")
+    if pipeline_size() == 1:
+        outs = [
+            token_logprobs(
+                m,
+                input_ids[p],
+                temperature=temperature,
+                attention_mask=attention_mask[p] if attention_mask is not None else None,
+            )
+            for p in parts
+        ]
+        return outs[0] if len(outs) == 1 else torch.cat(outs)
+    _check_ids(input_ids, m)
     if temperature <= 0:
         raise ConfigError(f"temperature must be > 0, got {temperature}")
-    logits = _forward(m, input_ids, attention_mask)
-    return _vocab_parallel_logprobs(logits, input_ids, vocab_size=m.vocab_size, temperature=temperature)
+    outs = run_schedule(m, input_ids, attention_mask, parts, temperature=temperature, loss=None)
+    local = torch.cat(outs).float() if outs else None
+    return tensor_from_last_stage(local, shape=(rows, input_ids.shape[1] - 1), dtype=torch.float32)
 
 
 def _megatron_optimizer(m: MegatronModel, config: AdamConfig) -> MegatronOptimizer:
@@ -355,27 +325,22 @@ def train_step(
         ConfigError: bad batch or micro-batch size, or a loss that is not a finite scalar.
     """
     input_ids, attention_mask = _unpack_batch(batch)
-    rows = input_ids.shape[0]
-    if micro_batch_size is not None and micro_batch_size < 1:
-        raise ConfigError(f"micro_batch_size must be >= 1 (or None), got {micro_batch_size}")
-    size = rows if micro_batch_size is None else micro_batch_size
+    _check_ids(input_ids, m)
+    if temperature <= 0:
+        raise ConfigError(f"temperature must be > 0, got {temperature}")
+    parts = micro_batches(input_ids.shape[0], micro_batch_size, what="policy.train_micro_batch_size")
+    whole = micro_batch_size is None
+
+    def share(logprobs: torch.Tensor, rows: slice) -> torch.Tensor:
+        return loss_fn(logprobs) if whole else loss_fn(logprobs, rows)
+
     for chunk in m.model:
         chunk.train()
         chunk.zero_grad_buffer()
     optimizer.zero_grad()
-    total = torch.zeros((), dtype=torch.float64)
     with cpu_device_patches():
-        for start in range(0, max(rows, 1), size):
-            part = slice(start, min(start + size, rows))
-            mask = attention_mask[part] if attention_mask is not None else None
-            logprobs = token_logprobs(m, input_ids[part], temperature=temperature, attention_mask=mask)
-            loss = loss_fn(logprobs) if micro_batch_size is None else loss_fn(logprobs, part)
-            if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
-                raise ConfigError(f"loss_fn must return a scalar tensor, got {getattr(loss, 'shape', type(loss))}")
-            if not torch.isfinite(loss.detach()):
-                raise ConfigError(f"loss_fn returned a non-finite loss ({float(loss)})")
-            loss.backward()
-            total += loss.detach().double()
+        shares = run_schedule(m, input_ids, attention_mask, parts, temperature=temperature, loss=share)
+        total = from_last_stage(float(sum(float(x) for x in shares)) if shares else None)
         finalize_model_grads(m.model)
         update_successful, grad_norm, num_zeros = optimizer.step()
     for chunk in m.model:

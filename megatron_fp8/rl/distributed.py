@@ -40,31 +40,39 @@ T = TypeVar("T")
 class DataParallel:
     """This process's place in a multi-process GRPO run (``torch.distributed`` from the environment).
 
-    The ``model_parallel_size`` consecutive ranks of one model replica (Megatron-Core's rank order with one
-    pipeline stage: tensor-parallel ranks are adjacent) see the same samples; data is sharded by the
-    data-parallel rank only. :func:`megatron_fp8.rl.arm.run_arm` checks this against Megatron-Core's
-    ``parallel_state`` once it is initialised.
+    Ranks are placed in Megatron-Core's default order (``tp-cp-ep-dp-pp``: tensor-parallel ranks adjacent, then
+    data-parallel replicas, pipeline stages outermost), so ``rank = tp_rank + TP x (dp_rank + DP x pp_rank)``. The
+    ``TP x PP`` ranks of one model replica see the same samples; data is sharded by the data-parallel rank only.
+    :func:`check_against_megatron` checks this against Megatron-Core's ``parallel_state`` once it is initialised.
 
     Attributes:
         rank: this process's rank among the trainers, ``0 <= rank < world_size``.
         world_size: number of GRPO trainer processes.
-        model_parallel_size: ranks holding one model replica (``tensor_model_parallel_size``).
+        tensor_parallel_size: ``policy.megatron_cfg.tensor_model_parallel_size``.
+        pipeline_parallel_size: ``policy.megatron_cfg.pipeline_model_parallel_size``.
 
     Raises:
-        ConfigError: ``world_size`` is not a multiple of ``model_parallel_size``.
+        ConfigError: ``world_size`` is not a multiple of ``TP x PP``.
     """
 
     rank: int = 0
     world_size: int = 1
-    model_parallel_size: int = 1
+    tensor_parallel_size: int = 1
+    pipeline_parallel_size: int = 1
 
     def __post_init__(self) -> None:
-        if self.model_parallel_size < 1 or self.world_size % self.model_parallel_size:
+        mp = self.tensor_parallel_size * self.pipeline_parallel_size
+        if min(self.tensor_parallel_size, self.pipeline_parallel_size) < 1 or self.world_size % mp:
             raise ConfigError(
-                f"{self.world_size} trainer processes cannot hold whole model replicas of "
-                f"{self.model_parallel_size} ranks (policy.megatron_cfg.tensor_model_parallel_size): launch a "
-                f"multiple of {self.model_parallel_size} processes"
+                f"{self.world_size} trainer processes cannot hold whole model replicas of {mp} ranks "
+                f"(policy.megatron_cfg.tensor_model_parallel_size={self.tensor_parallel_size} x "
+                f"pipeline_model_parallel_size={self.pipeline_parallel_size}): launch a multiple of {mp} processes"
             )
+
+    @property
+    def model_parallel_size(self) -> int:
+        """Ranks holding one model replica (``TP x PP``)."""
+        return self.tensor_parallel_size * self.pipeline_parallel_size
 
     @property
     def is_writer(self) -> bool:
@@ -72,19 +80,29 @@ class DataParallel:
         return self.rank == 0
 
     @property
-    def dp_rank(self) -> int:
-        """This rank's data-parallel rank (its model replica's index)."""
-        return self.rank // self.model_parallel_size
-
-    @property
     def dp_size(self) -> int:
         """Number of model replicas (data-parallel size)."""
         return self.world_size // self.model_parallel_size
 
     @property
+    def dp_rank(self) -> int:
+        """This rank's data-parallel rank (its model replica's index)."""
+        return (self.rank // self.tensor_parallel_size) % self.dp_size
+
+    @property
+    def pp_rank(self) -> int:
+        """This rank's pipeline stage."""
+        return self.rank // (self.tensor_parallel_size * self.dp_size)
+
+    @property
+    def replica_first_rank(self) -> int:
+        """The global rank of the first rank of this model replica (tensor-parallel rank 0 of the first stage)."""
+        return self.dp_rank * self.tensor_parallel_size
+
+    @property
     def is_replica_first(self) -> bool:
         """The first rank of its model replica (the one that counts the replica's samples once)."""
-        return self.rank % self.model_parallel_size == 0
+        return self.rank == self.replica_first_rank
 
     def shard(self, items: Sequence[T]) -> list[T]:
         """This replica's items: every ``dp_size``-th, starting at ``dp_rank`` (the same on its model-parallel ranks)."""
@@ -94,20 +112,16 @@ class DataParallel:
 def same_within_replica(value: T, dp: DataParallel) -> T:
     """``value`` as the first rank of this model replica has it, on every rank of the replica.
 
-    The model-parallel ranks of one replica must train on the same samples bit for bit; each rolls out the same
-    prompts with the same seeds, and this makes the first rank's result authoritative (collective over the
-    replica's tensor-parallel group; a no-op without model parallelism).
+    The model-parallel ranks of one replica (its TP ranks and pipeline stages) must train on the same samples bit
+    for bit; each rolls out the same prompts with the same seeds, and this makes the first rank's result
+    authoritative (collective over Megatron-Core's model-parallel group; a no-op without model parallelism).
     """
     if dp.model_parallel_size == 1:
         return value
     from megatron.core import parallel_state  # lazy: Megatron-Core is optional (the GPU test box has torch only)
 
     box: list[T] = [value]
-    dist.broadcast_object_list(
-        box,
-        src=parallel_state.get_tensor_model_parallel_src_rank(),
-        group=parallel_state.get_tensor_model_parallel_group(),
-    )
+    dist.broadcast_object_list(box, src=dp.replica_first_rank, group=parallel_state.get_model_parallel_group())
     return box[0]
 
 
@@ -119,13 +133,18 @@ def check_against_megatron(dp: DataParallel) -> None:
     """
     from megatron.core import parallel_state  # lazy: Megatron-Core is optional
 
-    mp = parallel_state.get_tensor_model_parallel_world_size() * parallel_state.get_pipeline_model_parallel_world_size()
-    got = (parallel_state.get_data_parallel_rank(), parallel_state.get_data_parallel_world_size(), mp)
-    if got != (dp.dp_rank, dp.dp_size, dp.model_parallel_size):
+    got = (
+        parallel_state.get_data_parallel_rank(),
+        parallel_state.get_data_parallel_world_size(),
+        parallel_state.get_pipeline_model_parallel_rank(),
+        parallel_state.get_model_parallel_src_rank(),
+    )
+    want = (dp.dp_rank, dp.dp_size, dp.pp_rank, dp.replica_first_rank)
+    if got != want:
         raise ConfigError(
-            f"rank {dp.rank}: Megatron-Core places it at data-parallel rank {got[0]} of {got[1]} (model parallel "
-            f"{got[2]}), the GRPO driver at {dp.dp_rank} of {dp.dp_size} (model parallel {dp.model_parallel_size}); "
-            "the GRPO driver supports Megatron-Core's default rank order with one pipeline stage"
+            f"rank {dp.rank}: Megatron-Core places it at (data-parallel rank, size, pipeline stage, replica's first "
+            f"rank) = {got}, the GRPO driver at {want}; the GRPO driver supports Megatron-Core's default rank order "
+            "(tp-cp-ep-dp-pp)"
         )
 
 

@@ -288,13 +288,17 @@ def _kept_records(out: Path, resumed: dict[str, object]) -> dict[str, tuple[Step
 @contextlib.contextmanager
 def _trainer_ranks(placement: Placement, config: RunConfig) -> Iterator[tuple[DataParallel, Groups | None]]:
     """This trainer rank's data-parallel place, and the rollout ranks' groups when not colocated."""
-    mp = config.policy.megatron_cfg.tensor_model_parallel_size
+    mcfg = config.policy.megatron_cfg
+    sizes = {
+        "tensor_parallel_size": mcfg.tensor_model_parallel_size,
+        "pipeline_parallel_size": mcfg.pipeline_model_parallel_size,
+    }
     if placement.role == "colocated":
         with data_parallel_from_env() as dp:
-            yield dataclasses.replace(dp, model_parallel_size=mp), None
+            yield dataclasses.replace(dp, **sizes), None
         return
     with join_groups(placement, timeout_s=_link_timeout(config), transport=config.refit.transport) as groups:
-        yield dataclasses.replace(trainer_data_parallel(placement), model_parallel_size=mp), groups
+        yield dataclasses.replace(trainer_data_parallel(placement), **sizes), groups
 
 
 def _run_arms(

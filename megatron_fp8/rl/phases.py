@@ -28,7 +28,8 @@ from bridge_mappings.manifest import Manifest
 from bridge_mappings.quantized_export import ExportSettings, checked_stream, quantized_stream, refit_stream
 from megatron_fp8.config.schema import KVCacheConfig, RunConfig
 from megatron_fp8.errors import ConfigError, ManifestError
-from megatron_fp8.megatron import MegatronModel, StepOptimizer, export_hf_weights, token_logprobs, train_step
+from megatron_fp8.megatron import MegatronModel, StepOptimizer, export_hf_weights, sequence_logprobs, train_step
+from megatron_fp8.megatron.schedule import from_last_stage
 from megatron_fp8.refit.pipeline import ColocatedRefit
 from megatron_fp8.rl.batch import Tokenizer, decode_response, group_advantages, make_batch
 from megatron_fp8.rl.correction import ISConfig, ISResult, PPOStats, compute_is_weights, ppo_loss
@@ -311,18 +312,14 @@ def train_phase(state: ArmState, ctx: GRPOContext, out: RolloutOutcome, scores: 
     t0 = time.perf_counter()
     batch = make_batch(out.prompt_ids, out.rollout, ctx.pad_id)
     model_inputs = {"input_ids": batch.input_ids, "attention_mask": batch.attention_mask}
-    rows, size = batch.input_ids.shape[0], config.policy.logprob_batch_size or batch.input_ids.shape[0]
     with torch.no_grad():  # the old policy's scores, policy.logprob_batch_size sequences per forward
-        parts = [
-            token_logprobs(
-                state.model,
-                batch.input_ids[start : start + size],
-                temperature=g.temperature,
-                attention_mask=batch.attention_mask[start : start + size],
-            )
-            for start in range(0, rows, size)
-        ]
-    logp_old = parts[0] if len(parts) == 1 else torch.cat(parts)  # no copy without logprob_batch_size
+        logp_old = sequence_logprobs(
+            state.model,
+            batch.input_ids,
+            temperature=g.temperature,
+            attention_mask=batch.attention_mask,
+            batch_size=config.policy.logprob_batch_size,
+        )
     is_cfg = is_config(config)
     # statistics of the configured variant for every arm; only arms that correct put the weights in the loss
     diag_cfg = is_cfg if is_cfg.variant != "none" else ISConfig(log_ratio_clamp=is_cfg.log_ratio_clamp)
@@ -378,7 +375,7 @@ def train_phase(state: ArmState, ctx: GRPOContext, out: RolloutOutcome, scores: 
         grad_norm=finite_mean(norms),
         update_successful=ok,
         learning_rate=lr,
-        ppo=_token_weighted(update_stats),
+        ppo=from_last_stage(_token_weighted(update_stats) if update_stats else None),  # the loss runs there
         is_variant=diag_cfg.variant,
         mismatch=mismatch,
         seconds=time.perf_counter() - t0,

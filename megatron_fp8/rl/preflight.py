@@ -221,13 +221,6 @@ def _argument_problems(config: RunConfig, *, n_steps: int, arm_names: tuple[str,
         problems.append(f"an arm is listed twice: {list(arm_names)}")
     if "fp8_tis" in arm_names and config.loss_fn.is_variant == "none":
         problems.append("arm fp8_tis corrects with loss_fn.is_variant, which is 'none'; set is_variant: token_tis")
-    pp = config.policy.megatron_cfg.pipeline_model_parallel_size
-    if pp > 1:
-        problems.append(
-            f"policy.megatron_cfg.pipeline_model_parallel_size={pp}: the GRPO trainer runs one pipeline stage "
-            "(tensor parallelism and data parallelism across replicas are implemented; pipeline stages are not "
-            "yet); set it to 1 and shard with tensor_model_parallel_size"
-        )
     try:
         get_task(config.grpo.task, max_digits=config.grpo.task_max_digits)
     except ConfigError as exc:
@@ -248,10 +241,12 @@ def _world_problems(config: RunConfig, world_size: int | None) -> list[str]:
             f"needs a multiple of {model_parallel} processes; this run has {world_size} (WORLD_SIZE): launch "
             f"{model_parallel} processes (torchrun --nproc-per-node {model_parallel}, or slurm/) or set the sizes to 1"
         )
-    if config.grpo.num_prompts_per_step % world_size:
+    replicas = world_size // model_parallel if model_parallel > 0 and not world_size % model_parallel else world_size
+    if replicas and config.grpo.num_prompts_per_step % replicas:
         problems.append(
-            f"grpo.num_prompts_per_step={config.grpo.num_prompts_per_step} is not divisible by the {world_size} GRPO "
-            "processes (WORLD_SIZE); each process rolls out whole prompt groups"
+            f"grpo.num_prompts_per_step={config.grpo.num_prompts_per_step} is not divisible by the {replicas} "
+            f"data-parallel model replicas ({world_size} processes, WORLD_SIZE, / TP x PP {model_parallel}); each "
+            "replica rolls out whole prompt groups"
         )
     return problems
 
