@@ -8,7 +8,7 @@ Layout (dotted paths)::
     policy.megatron_cfg.{enabled, tensor_model_parallel_size, pipeline_model_parallel_size}
     policy.megatron_cfg.fp8_cfg.{enabled, fp8, fp8_recipe, fp8_param,
                                  num_first_layers_in_bf16, num_last_layers_in_bf16}
-    policy.megatron_cfg.optimizer.{clip_grad}
+    policy.megatron_cfg.optimizer.{clip_grad, use_distributed_optimizer}
     policy.megatron_cfg.env_vars.{NAME: value}                     (null = none)
     policy.generation.vllm_cfg.{precision, use_deep_gemm, gpu_memory_utilization,
                                 num_first_layers_in_bf16, num_last_layers_in_bf16,
@@ -28,9 +28,7 @@ Layout (dotted paths)::
     logger.{log_dir, tensorboard_enabled, wandb_enabled, wandb.{project, name}}
     rollout.{engine}
     refit.{bucket_size_mb, timeout_s, verify, transport}
-    kv_cache.{percentile, margin}
-    logging.{level}
-    out_dir
+    kv_cache.{percentile, margin}; logging.{level}; out_dir
 
 Every other NeMo-RL key is accepted with no effect (listed in a warning at load; the key set is data:
 ``megatron_fp8/config/nemo_rl_keys.yaml``); a key in neither is rejected with a did-you-mean.
@@ -140,10 +138,12 @@ class OptimizerConfig:
     """``policy.megatron_cfg.optimizer``.
 
     Attributes:
-        clip_grad: gradient-norm clip (L2) of megatron-fp8's CPU Adam.
+        clip_grad: gradient-norm clip (L2).
+        use_distributed_optimizer: shard the FP32 main weights and Adam moments over the data-parallel ranks.
     """
 
     clip_grad: float = 1.0
+    use_distributed_optimizer: bool = False
 
 
 @dataclass(frozen=True)

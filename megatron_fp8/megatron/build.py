@@ -210,6 +210,7 @@ def build_megatron_model(
     check_capability: bool = True,
     configure: Callable[[GPTModelProvider], None] | None = None,
     fp8_format: str | None = None,
+    use_distributed_optimizer: bool = False,
 ) -> MegatronModel:
     """Build a Megatron-Core model from a Hugging Face checkpoint and load its weights.
 
@@ -228,6 +229,9 @@ def build_megatron_model(
             the model is created (e.g. to change ``moe_aux_loss_coeff``).
         fp8_format: the FP8 format of an FP8 recipe (``"e4m3"`` or ``"hybrid"``; config key
             ``policy.megatron_cfg.fp8_cfg.fp8``); ``None`` = the recipe's own.
+        use_distributed_optimizer: build the DDP grad buffers for Megatron-Core's ``DistributedOptimizer``
+            (reduce-scatter) where that optimizer runs (CUDA); on CPU the buffers stay all-reduced and
+            :class:`~megatron_fp8.megatron.dist_optim.ShardedDDPAdam` shards the optimizer state.
 
     Returns:
         The :class:`MegatronModel`.
@@ -282,7 +286,7 @@ def build_megatron_model(
         grad_reduce_in_fp32=True,
         overlap_grad_reduce=False,
         overlap_param_gather=False,
-        use_distributed_optimizer=False,
+        use_distributed_optimizer=use_distributed_optimizer and torch.cuda.is_available(),
         check_for_nan_in_grad=True,
     )
     with bridge_adapter.cpu_device_patches():

@@ -99,7 +99,9 @@ def logprobs_from_logits(logits: torch.Tensor, input_ids: torch.Tensor, *, tempe
     return torch.log_softmax(scaled, dim=-1).gather(-1, targets).squeeze(-1)
 
 
-def local_logprobs(logits: torch.Tensor, input_ids: torch.Tensor, *, vocab_size: int, temperature: float) -> torch.Tensor:
+def local_logprobs(
+    logits: torch.Tensor, input_ids: torch.Tensor, *, vocab_size: int, temperature: float
+) -> torch.Tensor:
     """Next-token log-probabilities from this rank's logits, without gathering the vocabulary.
 
     Args:
@@ -116,5 +118,3 @@ def local_logprobs(logits: torch.Tensor, input_ids: torch.Tensor, *, vocab_size:
     if tensor_parallel_place()[1] == 1:
         return logprobs_from_logits(logits[..., :vocab_size], input_ids, temperature=temperature)
     return _vocab_parallel_logprobs(logits, input_ids, vocab_size=vocab_size, temperature=temperature)
-
-

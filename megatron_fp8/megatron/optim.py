@@ -44,6 +44,9 @@ class AdamConfig:
         betas: Adam ``(beta1, beta2)``.
         eps: Adam epsilon.
         clip_grad: global L2 gradient-norm clip; 0 disables clipping.
+        distributed: shard the FP32 main weights and Adam moments over the data-parallel ranks (ZeRO-1:
+            Megatron-Core's ``DistributedOptimizer`` on a GPU, :class:`~megatron_fp8.megatron.dist_optim.ShardedDDPAdam`
+            on CPU).
     """
 
     lr: float
@@ -51,6 +54,7 @@ class AdamConfig:
     betas: tuple[float, float] = (0.9, 0.999)
     eps: float = 1e-8
     clip_grad: float = 1.0
+    distributed: bool = False
 
 
 class StepOptimizer(Protocol):
@@ -69,7 +73,8 @@ class StepOptimizer(Protocol):
         ...
 
 
-def _no_decay(name: str, param: torch.Tensor) -> bool:
+def no_decay(name: str, param: torch.Tensor) -> bool:
+    """Megatron's default: no weight decay on biases and 1-D parameters (norm weights)."""
     return name.endswith(".bias") or param.dim() == 1
 
 
@@ -79,6 +84,24 @@ def _counts_for_norm(param: torch.Tensor) -> bool:
     if getattr(param, "tensor_model_parallel", False):
         return True
     return parallel_state.get_tensor_model_parallel_rank() == 0
+
+
+def gradient_norm(grads: Sequence[tuple[torch.nn.Parameter, torch.Tensor]]) -> float:
+    """Global L2 norm of the gradients: tensor-parallel duplicates counted once, squares all-reduced over
+    Megatron-Core's model-parallel group (TP x PP), as Megatron's ``get_grad_norm_fp32`` counts them.
+
+    Args:
+        grads: ``(parameter, its FP32 gradient)`` pairs of this rank.
+    """
+    from megatron.core import parallel_state  # lazy: Megatron-Core is optional
+
+    squares = torch.zeros(1, dtype=torch.float64)
+    for param, grad in grads:
+        if _counts_for_norm(param):
+            squares += grad.double().pow(2).sum()
+    if torch.distributed.is_initialized() and parallel_state.get_model_parallel_group().size() > 1:
+        torch.distributed.all_reduce(squares, group=parallel_state.get_model_parallel_group())
+    return math.sqrt(float(squares))
 
 
 class MegatronDDPAdam:
@@ -95,7 +118,7 @@ class MegatronDDPAdam:
         self.config = config
         self._pairs: list[tuple[torch.nn.Parameter, torch.Tensor]] = []
         decay: list[torch.Tensor] = []
-        no_decay: list[torch.Tensor] = []
+        undecayed: list[torch.Tensor] = []
         for chunk in model_chunks:
             for name, param in chunk.named_parameters():
                 if not param.requires_grad:
@@ -104,10 +127,10 @@ class MegatronDDPAdam:
                 if main is not param:
                     main.requires_grad_(True)
                 self._pairs.append((param, main))
-                (no_decay if _no_decay(name, param) else decay).append(main)
+                (undecayed if no_decay(name, param) else decay).append(main)
         if not self._pairs:
             raise ConfigError("the model has no trainable parameters")
-        groups = [{"params": decay, "weight_decay": config.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+        groups = [{"params": decay, "weight_decay": config.weight_decay}, {"params": undecayed, "weight_decay": 0.0}]
         self.optimizer = torch.optim.AdamW(
             [g for g in groups if g["params"]], lr=config.lr, betas=config.betas, eps=config.eps
         )
@@ -130,17 +153,6 @@ class MegatronDDPAdam:
             grad = param.grad
         return None if grad is None else grad.float()
 
-    def _global_norm(self, grads: list[tuple[torch.nn.Parameter, torch.Tensor]]) -> float:
-        from megatron.core import parallel_state  # lazy: Megatron-Core is optional
-
-        squares = torch.zeros(1, dtype=torch.float64)
-        for param, grad in grads:
-            if _counts_for_norm(param):
-                squares += grad.double().pow(2).sum()
-        if torch.distributed.is_initialized() and parallel_state.get_model_parallel_group().size() > 1:
-            torch.distributed.all_reduce(squares, group=parallel_state.get_model_parallel_group())
-        return math.sqrt(float(squares))
-
     @torch.no_grad()
     def step(self) -> tuple[bool, float, int]:
         """Clip, check and apply one AdamW update.
@@ -150,7 +162,7 @@ class MegatronDDPAdam:
             before clipping; the update is skipped when it is not finite.
         """
         grads = [(param, g) for param, _ in self._pairs if (g := self._grad_of(param)) is not None]
-        norm = self._global_norm(grads)
+        norm = gradient_norm(grads)
         num_zeros = int(sum(int((g == 0).sum()) for _, g in grads))
         if not math.isfinite(norm):
             logger.warning("non-finite gradient norm (%s); optimizer step skipped", norm)
@@ -173,6 +185,11 @@ class MegatronDDPAdam:
 
     def load_state_dict(self, state: dict) -> None:
         """Restore :meth:`state_dict` output (same model, same parameter order)."""
+        if "optimizer" not in state:
+            raise ConfigError(
+                f"this optimizer state is not the unsharded Adam's ({state.get('format', 'unknown format')!r}); resume "
+                "with the policy.megatron_cfg.optimizer.use_distributed_optimizer it was saved with"
+            )
         mains = state["main_params"]
         if len(mains) != len(self._pairs):
             raise ConfigError(f"optimizer state has {len(mains)} main params, the model has {len(self._pairs)}")

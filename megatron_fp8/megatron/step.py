@@ -31,6 +31,7 @@ import torch
 from bridge_mappings.adapter import cpu_device_patches
 from megatron_fp8.errors import ConfigError
 from megatron_fp8.megatron.build import MegatronModel
+from megatron_fp8.megatron.dist_optim import MegatronDistributedState, ShardedDDPAdam
 from megatron_fp8.megatron.logits import (
     build_attention_mask,
     local_logprobs,
@@ -213,13 +214,19 @@ def _megatron_optimizer(m: MegatronModel, config: AdamConfig) -> MegatronOptimiz
         clip_grad=config.clip_grad,
         bf16=m.dtype == torch.bfloat16,
         params_dtype=m.dtype,
-        use_distributed_optimizer=False,
+        use_distributed_optimizer=config.distributed,
     )
-    return get_megatron_optimizer(opt_config, m.model)
+    if config.distributed != m.ddp_config.use_distributed_optimizer:
+        raise ConfigError(
+            f"use_distributed_optimizer={config.distributed} but the model's DDP buffers were built with "
+            f"{m.ddp_config.use_distributed_optimizer}: pass the same value to build_megatron_model"
+        )
+    optimizer = get_megatron_optimizer(opt_config, m.model)
+    return MegatronDistributedState(optimizer) if config.distributed else optimizer
 
 
-def _torch_optimizer(m: MegatronModel, config: AdamConfig) -> MegatronDDPAdam:
-    return MegatronDDPAdam(m.model, config)
+def _torch_optimizer(m: MegatronModel, config: AdamConfig) -> MegatronDDPAdam | ShardedDDPAdam:
+    return ShardedDDPAdam(m.model, config) if config.distributed else MegatronDDPAdam(m.model, config)
 
 
 OPTIMIZER_BACKENDS: dict[str, Callable[[MegatronModel, AdamConfig], StepOptimizer]] = {
@@ -237,6 +244,7 @@ def make_optimizer(
     clip_grad: float = 1.0,
     adam_eps: float = 1e-8,
     backend: str = "auto",
+    distributed: bool = False,
 ) -> StepOptimizer:
     """Adam for the model.
 
@@ -247,9 +255,13 @@ def make_optimizer(
         clip_grad: global gradient-norm clip (0 disables clipping).
         adam_eps: Adam epsilon.
         backend: ``"megatron"`` (Megatron-Core's ``get_megatron_optimizer`` with
-            ``OptimizerConfig(optimizer="adam", use_distributed_optimizer=False)``; needs CUDA),
+            ``OptimizerConfig(optimizer="adam")``; needs CUDA),
             ``"torch"`` (:class:`~megatron_fp8.megatron.optim.MegatronDDPAdam`, runs anywhere), or
             ``"auto"``: ``"megatron"`` when CUDA is available, else ``"torch"``.
+        distributed: shard the optimizer state over the data-parallel ranks
+            (``policy.megatron_cfg.optimizer.use_distributed_optimizer``): Megatron-Core's ``DistributedOptimizer``
+            (the model built with ``use_distributed_optimizer=True``), or on CPU
+            :class:`~megatron_fp8.megatron.dist_optim.ShardedDDPAdam`.
 
     Returns:
         An optimizer whose ``zero_grad()`` clears gradients and whose ``step()`` returns
@@ -269,7 +281,7 @@ def make_optimizer(
         ) from None
     if lr <= 0:
         raise ConfigError(f"lr must be > 0, got {lr}")
-    config = AdamConfig(lr=lr, weight_decay=weight_decay, eps=adam_eps, clip_grad=clip_grad)
+    config = AdamConfig(lr=lr, weight_decay=weight_decay, eps=adam_eps, clip_grad=clip_grad, distributed=distributed)
     with cpu_device_patches():
         optimizer = builder(m, config)
     logger.debug("made %s (backend %s, lr %g, weight decay %g)", type(optimizer).__name__, backend, lr, weight_decay)

@@ -182,12 +182,18 @@ def run_arm(
                     num_last_layers_in_bf16=bf16_last,
                     fp8_format=mcfg.fp8_cfg.fp8 if spec.fp8_training_recipe else None,
                     dtype=dtype,
+                    use_distributed_optimizer=mcfg.optimizer.use_distributed_optimizer,
                 )
             fp8_kv = spec.rollout_precision == "fp8" and config.policy.generation.vllm_cfg.kv_cache_dtype == "fp8"
             state = ArmState(
                 spec=spec,
                 model=model,
-                optimizer=make_optimizer(model, lr=config.grpo.learning_rate, clip_grad=mcfg.optimizer.clip_grad),
+                optimizer=make_optimizer(
+                    model,
+                    lr=config.grpo.learning_rate,
+                    clip_grad=mcfg.optimizer.clip_grad,
+                    distributed=mcfg.optimizer.use_distributed_optimizer,
+                ),
                 engine=engine,
                 refit=make_target(engine),
                 manifest=manifest,

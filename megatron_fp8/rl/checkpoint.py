@@ -392,11 +392,12 @@ class CheckpointManager:
         self, tmp: Path, place: Place, *, model: MegatronModel, optimizer: CheckpointableOptimizer, rng: object
     ) -> dict[str, FileRecord]:
         records: dict[str, FileRecord] = {}
+        optimizer_state = optimizer.state_dict()  # on every rank: the distributed optimizer gathers its shards
         if place.dp_rank == 0:  # one writer per (tp, pp): data-parallel replicas are identical
             name = model_file(place.tp_rank, place.pp_rank)
             records[name] = save_torch({"chunks": [chunk.state_dict() for chunk in model.model]}, tmp / name)
             name = optim_file(place.tp_rank, place.pp_rank)
-            records[name] = save_torch(optimizer.state_dict(), tmp / name)
+            records[name] = save_torch(optimizer_state, tmp / name)
         name = rng_file(place.rank)
         records[name] = save_torch(rng, tmp / name)
         if self.cfg.save_consolidated:
