@@ -173,6 +173,16 @@ def run_arm(
             seed=config.grpo.seed,
         ):
             check_against_megatron(dp)
+            logger.info(
+                "arm %s: trainer layout TP %d x PP %d x DP %d; rank %d is pipeline stage %d of data-parallel replica %d",
+                spec.name,
+                dp.tensor_parallel_size,
+                dp.pipeline_parallel_size,
+                dp.dp_size,
+                dp.rank,
+                dp.pp_rank,
+                dp.dp_rank,
+            )
             dtype = trainer_dtype()
             with phase(f"arm {spec.name}: building its Megatron-Core trainer ({dtype})"), quiet_stdout():
                 model = build_megatron_model(

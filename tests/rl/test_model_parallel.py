@@ -1,10 +1,16 @@
-"""Issue 27: GRPO with Megatron-Core tensor parallelism, under torchrun with gloo, on the embedded tiny model.
+"""Issue 27: GRPO with Megatron-Core tensor and pipeline parallelism and the distributed optimizer, under torchrun
+with gloo, on the embedded tiny model.
 
 Each layout runs the real ``megatron-fp8 grpo`` command (BF16 and FP8 arms, 2 steps, tensorwise training
 recipe) and is compared with the run that has the same data-parallel size and no model parallelism:
 
 * TP=2 (2 processes, one replica) against one process;
-* TP=2 x DP=2 (4 processes) against DP=2 (2 processes).
+* PP=2 (2 stages of 2 layers; micro-batches of 16 through Megatron-Core's 1F1B schedule, scoring in forward-only
+  micro-batches of 32) against one process;
+* TP=2 x DP=2 (4 processes) against DP=2 (2 processes);
+* PP=2 x DP=2 (4 processes: Megatron's tp-cp-ep-dp-pp rank order puts the replicas at ranks {0, 2} and {1, 3})
+  against DP=2;
+* DP=2 with ``use_distributed_optimizer`` (Adam state sharded over the replicas) against DP=2: bit for bit.
 
 A rollout is a function of (seed, step, data-parallel rank), so step 0 samples exactly what the reference run
 samples (equal rewards); the losses, gradient norms and mismatch metrics agree up to the order of the
@@ -69,6 +75,11 @@ def one_process(tmp_path_factory) -> list[dict]:
     return _grpo(tmp_path_factory.mktemp("tp1") / "out", 1)
 
 
+@pytest.fixture(scope="module")
+def data_parallel_2(tmp_path_factory) -> list[dict]:
+    return _grpo(tmp_path_factory.mktemp("dp2") / "out", 2)
+
+
 def test_tensor_parallel_2_equals_one_process(tmp_path, one_process):
     got = _grpo(tmp_path / "tp2", 2, "policy.megatron_cfg.tensor_model_parallel_size=2")
     _assert_same_run(got, one_process, engines_per_replica=2)
@@ -82,19 +93,47 @@ def test_micro_batches_accumulate_to_the_whole_batch_update(tmp_path, one_proces
     _assert_same_run(got, one_process, engines_per_replica=1)
 
 
-def test_tensor_parallel_2_by_data_parallel_2_equals_data_parallel_2(tmp_path):
-    ref = _grpo(tmp_path / "dp2", 2)
+def test_tensor_parallel_2_by_data_parallel_2_equals_data_parallel_2(tmp_path, data_parallel_2):
     got = _grpo(tmp_path / "tp2dp2", 4, "policy.megatron_cfg.tensor_model_parallel_size=2")
-    _assert_same_run(got, ref, engines_per_replica=2)
+    _assert_same_run(got, data_parallel_2, engines_per_replica=2)
 
 
-def test_pipeline_parallelism_is_refused_before_the_run(tmp_path):
-    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "MFP8_ROLE", "ROLLOUT_TASKS")}
-    cmd = [sys.executable, "-m", "megatron_fp8.cli", "config", "policy.megatron_cfg.pipeline_model_parallel_size=2"]
-    proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
-    assert proc.returncode != 0
-    text = proc.stdout + proc.stderr
-    assert "pipeline_model_parallel_size=2" in text and "one pipeline stage" in text and "approved" not in text
+PP2 = ("policy.megatron_cfg.pipeline_model_parallel_size=2", "policy.train_micro_batch_size=16")
+
+
+def test_pipeline_parallel_2_equals_one_process(tmp_path, one_process):
+    """Two stages, each its own colocated engine refit with the whole model (the bridge broadcasts each stage's
+    layers); 4 micro-batches of 16 per update through the 1F1B schedule, the old policy scored 32 rows per
+    forward-only micro-batch, log-probabilities broadcast from the last stage."""
+    got = _grpo(tmp_path / "pp2", 2, *PP2, "policy.logprob_batch_size=32")
+    _assert_same_run(got, one_process, engines_per_replica=2)
+
+
+def test_pipeline_parallel_2_by_data_parallel_2_equals_data_parallel_2(tmp_path, data_parallel_2):
+    got = _grpo(tmp_path / "pp2dp2", 4, *PP2)
+    _assert_same_run(got, data_parallel_2, engines_per_replica=2)
+
+
+def test_distributed_optimizer_is_the_unsharded_run_bit_for_bit(tmp_path, data_parallel_2):
+    """Each replica keeps the FP32 main weights and moments of half the elements; AdamW is element-wise, the
+    gradient norm global, so every metric equals the unsharded run exactly."""
+    got = _grpo(tmp_path / "zero1", 2, "policy.megatron_cfg.optimizer.use_distributed_optimizer=true")
+    keys = ("reward_mean", "sample", "loss", "grad_norm", "gen_kl", "refit_fp8_bytes", "refit_bf16_bytes")
+    assert [{k: r[k] for k in keys} for r in got] == [{k: r[k] for k in keys} for r in data_parallel_2]
+
+
+def test_uneven_micro_batches_are_refused_under_pipeline_parallelism(monkeypatch):
+    from megatron_fp8.errors import ConfigError
+    from megatron_fp8.megatron import schedule
+
+    assert schedule.micro_batches(10, 4, what="k") == [slice(0, 4), slice(4, 8), slice(8, 10)]  # one stage
+    assert schedule.micro_batches(10, None, what="k") == [slice(0, 10)]
+    with pytest.raises(ConfigError, match="k must be >= 1"):
+        schedule.micro_batches(10, 0, what="k")
+    monkeypatch.setattr(schedule, "pipeline_size", lambda: 2)  # the rule of a pipeline stage's p2p buffers
+    assert schedule.micro_batches(12, 4, what="k") == [slice(0, 4), slice(4, 8), slice(8, 12)]
+    with pytest.raises(ConfigError, match=r"k=4 does not split the 10 rows .* pipeline parallelism"):
+        schedule.micro_batches(10, 4, what="k")
 
 
 def test_global_batch_splits_a_step_into_updates_and_micro_batches_stay_exact(tmp_path, one_process):
