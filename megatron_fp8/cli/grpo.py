@@ -16,7 +16,8 @@ import logging
 from pathlib import Path
 
 from megatron_fp8.cli._noise import quiet_third_party
-from megatron_fp8.config import load_config
+from megatron_fp8.config import load_config_report
+from megatron_fp8.config.memory import refuse_unimplemented_layout
 from megatron_fp8.errors import UsageError
 from megatron_fp8.vocab import ARMS
 
@@ -43,7 +44,9 @@ def run_job(args: argparse.Namespace) -> tuple[Path, Path, Path] | None:
     from megatron_fp8.rl.preflight import refuse_empty_config
 
     refuse_empty_config(args.config)
-    config = load_config(args.config, list(getattr(args, "overrides", []) or []))
+    loaded = load_config_report(args.config, list(getattr(args, "overrides", []) or []))
+    refuse_unimplemented_layout(loaded.no_effect)
+    config = loaded.config
     logging.getLogger().setLevel(config.logging.level if not verbose else "DEBUG")
     arms = None
     if getattr(args, "arms", None):

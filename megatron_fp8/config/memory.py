@@ -5,20 +5,40 @@ for the whole run (parameters, gradients, optimizer state, and the colocated eng
 which depend on the micro-batch and sequence length:
 
 ``trainer bytes per GPU = params x 18 B / (TP x PP)``: BF16 weights (2 B), FP32 main weights (4 B), two FP32
-Adam moments (8 B) and the FP32 gradient buffer (4 B, ``grad_reduce_in_fp32``), per parameter; the optimizer
-state is not sharded over data-parallel ranks (no distributed optimizer yet). A colocated vLLM engine takes
-``gpu_memory_utilization x`` the GPU's memory besides.
+Adam moments (8 B) and the FP32 gradient buffer (4 B, ``grad_reduce_in_fp32``), per parameter. With
+``policy.megatron_cfg.optimizer.use_distributed_optimizer`` the FP32 main weights and moments (12 B) are sharded
+over the DP replicas: ``params x (6 B + 12 B / DP) / (TP x PP)``, DP = processes / (TP x PP), the processes taken
+from ``WORLD_SIZE`` or else one node of 8 GPUs. A colocated vLLM engine takes ``gpu_memory_utilization x`` the
+GPU's memory besides.
 """
 
 from __future__ import annotations
 
+import os
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 from megatron_fp8.config.models import ModelDims
-from megatron_fp8.config.schema import RunConfig
+from megatron_fp8.config.schema import JSONValue, RunConfig
+from megatron_fp8.errors import ConfigError
+
+UNIMPLEMENTED_LAYOUT: dict[str, tuple[JSONValue, ...]] = {
+    "policy.megatron_cfg.context_parallel_size": (1, None),
+    "policy.megatron_cfg.expert_model_parallel_size": (1, None),
+    "policy.megatron_cfg.expert_tensor_parallel_size": (1, None),
+    "policy.megatron_cfg.sequence_parallel": (False, None),
+    "policy.megatron_cfg.num_layers_in_first_pipeline_stage": (None,),
+    "policy.megatron_cfg.num_layers_in_last_pipeline_stage": (None,),
+}
+"""NeMo-RL layout keys megatron-fp8 does not implement, and the values that ask for nothing (accepted with no
+effect); any other value is refused before a run starts (:func:`unimplemented_layout`)."""
 
 TRAINER_BYTES_PER_PARAM = 2 + 4 + 8 + 4
 """BF16 weights + FP32 main weights + two FP32 Adam moments + FP32 gradients (bytes per parameter)."""
+SHARDED_BYTES_PER_PARAM = 4 + 8
+"""What the distributed optimizer shards over the DP replicas: FP32 main weights + two FP32 moments (bytes)."""
+ASSUMED_PROCESSES = 8
+"""Processes assumed when ``WORLD_SIZE`` is not set: one node of 8 GPUs."""
 
 ASSUMED_GPU_BYTES = 80 * 10**9
 """The GPU assumed when none is visible: an H100 80 GB (bytes)."""
@@ -31,6 +51,8 @@ class MemoryEstimate:
     Attributes:
         params: model parameters (elements).
         model_parallel: TP x PP (ranks one replica's state is split over).
+        data_parallel: DP replicas the distributed optimizer shards its state over (1: not sharded).
+        processes: the processes DP was computed from, and where that number came from.
         trainer_bytes: parameters, gradients and optimizer state on one GPU.
         engine_bytes: the colocated rollout engine's share (0 when the rollout ranks are separate).
         gpu_bytes: the GPU's memory.
@@ -39,6 +61,8 @@ class MemoryEstimate:
 
     params: int
     model_parallel: int
+    data_parallel: int
+    processes: str
     trainer_bytes: int
     engine_bytes: int
     gpu_bytes: int
@@ -60,8 +84,12 @@ class MemoryEstimate:
         engine = f" + colocated engine {self.engine_bytes / gb:.1f} GB" if self.engine_bytes else ""
         verdict = "fits" if self.fits else "EXCEEDS it"
         count = f"{self.params / 1e9:.2f} B" if self.params >= 10**8 else f"{self.params / 1e6:.2f} M"
+        per_param = f"{TRAINER_BYTES_PER_PARAM} B"
+        if self.data_parallel > 1:
+            rest = TRAINER_BYTES_PER_PARAM - SHARDED_BYTES_PER_PARAM
+            per_param = f"({rest} B + {SHARDED_BYTES_PER_PARAM} B / DP {self.data_parallel} of {self.processes})"
         return (
-            f"{count} params x {TRAINER_BYTES_PER_PARAM} B / (TP x PP = {self.model_parallel}) = "
+            f"{count} params x {per_param} / (TP x PP = {self.model_parallel}) = "
             f"{self.trainer_bytes / gb:.1f} GB trainer state{engine} = {self.total_bytes / gb:.1f} GB of "
             f"{self.gpu_bytes / gb:.0f} GB ({self.gpu_name}): {verdict}; activations not included"
         )
@@ -77,13 +105,16 @@ def gpu_memory() -> tuple[int, str]:
     return ASSUMED_GPU_BYTES, "no GPU here: an H100 80 GB assumed"
 
 
-def estimate_memory(cfg: RunConfig, dims: ModelDims, *, gpu: tuple[int, str] | None = None) -> MemoryEstimate:
+def estimate_memory(
+    cfg: RunConfig, dims: ModelDims, *, gpu: tuple[int, str] | None = None, processes: int | None = None
+) -> MemoryEstimate:
     """The per-GPU estimate of :mod:`this module <megatron_fp8.config.memory>` for ``cfg`` on ``dims``.
 
     Args:
         cfg: the run config (TP, PP, colocation and ``gpu_memory_utilization``).
         dims: the model's dimensions (its vocabulary included).
         gpu: ``(bytes, name)`` of the GPU; ``None``: :func:`gpu_memory`.
+        processes: trainer processes; ``None``: ``$WORLD_SIZE``, else :data:`ASSUMED_PROCESSES`.
     """
     gpu_bytes, gpu_name = gpu if gpu is not None else gpu_memory()
     mcfg = cfg.policy.megatron_cfg
@@ -91,14 +122,46 @@ def estimate_memory(cfg: RunConfig, dims: ModelDims, *, gpu: tuple[int, str] | N
     params = dims.num_parameters
     colocated = cfg.policy.generation.colocated.enabled
     engine = int(cfg.policy.generation.vllm_cfg.gpu_memory_utilization * gpu_bytes) if colocated else 0
+    if processes is not None:
+        where = f"{processes} processes"
+    elif os.environ.get("WORLD_SIZE"):
+        processes, where = int(os.environ["WORLD_SIZE"]), f"WORLD_SIZE {os.environ['WORLD_SIZE']}"
+    else:
+        processes, where = ASSUMED_PROCESSES, f"{ASSUMED_PROCESSES} GPUs assumed"
+    dp = max(processes // model_parallel, 1) if mcfg.optimizer.use_distributed_optimizer else 1
+    per_replica = params * (TRAINER_BYTES_PER_PARAM - SHARDED_BYTES_PER_PARAM) + params * SHARDED_BYTES_PER_PARAM // dp
     return MemoryEstimate(
         params=params,
         model_parallel=model_parallel,
-        trainer_bytes=params * TRAINER_BYTES_PER_PARAM // model_parallel,
+        data_parallel=dp,
+        processes=where,
+        trainer_bytes=per_replica // model_parallel,
         engine_bytes=engine,
         gpu_bytes=gpu_bytes,
         gpu_name=gpu_name,
     )
+
+
+def unimplemented_layout(no_effect: Mapping[str, JSONValue]) -> list[str]:
+    """A problem line for each layout key of ``no_effect`` (a config's no-effect keys) that asks for a layout
+    megatron-fp8 does not run: context, sequence or expert parallelism, uneven pipeline stages."""
+    return [
+        f"{key}={no_effect[key]!r}: not implemented in megatron-fp8 (tensor, pipeline and data parallelism and the "
+        f"distributed optimizer are); set it to {allowed[0]!r} or remove it"
+        for key, allowed in UNIMPLEMENTED_LAYOUT.items()
+        if key in no_effect and no_effect[key] not in allowed
+    ]
+
+
+def refuse_unimplemented_layout(no_effect: Mapping[str, JSONValue]) -> None:
+    """Raise when :func:`unimplemented_layout` finds a problem (``config`` and ``grpo`` call it before the run).
+
+    Raises:
+        ConfigError: ``"this run cannot start:"`` and one line per key.
+    """
+    problems = unimplemented_layout(no_effect)
+    if problems:
+        raise ConfigError("this run cannot start:\n" + "\n".join(f"  - {p}" for p in problems))
 
 
 def describe_layout(cfg: RunConfig) -> str:

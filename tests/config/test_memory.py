@@ -37,11 +37,26 @@ def test_tiny_parameter_count_equals_the_built_checkpoint():
 
 def test_estimate_is_the_documented_formula():
     cfg = load_config(REPO / "configs" / "qwen3_8b_fp8.yaml", [])
-    est = estimate_memory(cfg, KNOWN_MODELS["qwen3-8b"], gpu=H100)
+    est = estimate_memory(cfg, KNOWN_MODELS["qwen3-8b"], gpu=H100, processes=16)  # docs/cluster.md: 2 x 8 GPUs
     params = KNOWN_MODELS["qwen3-8b"].num_parameters
-    assert est.model_parallel == 2 and est.trainer_bytes == params * TRAINER_BYTES_PER_PARAM // 2
-    assert est.engine_bytes == int(0.6 * H100[0])  # colocated vLLM, gpu_memory_utilization 0.6
-    assert not est.fits and "EXCEEDS" in est.describe() and "73.7 GB trainer state" in est.describe()
+    assert cfg.policy.megatron_cfg.optimizer.use_distributed_optimizer  # 12 B of the 18 B sharded over DP 8
+    assert (est.model_parallel, est.data_parallel) == (2, 8)
+    assert est.trainer_bytes == (params * 6 + params * 12 // 8) // 2
+    assert est.engine_bytes == int(0.5 * H100[0])  # colocated vLLM, gpu_memory_utilization 0.5
+    assert est.fits and "(6 B + 12 B / DP 8 of 16 processes)" in est.describe() and "30.7 GB trainer" in est.describe()
+    unsharded = dataclasses.replace(
+        cfg,
+        policy=dataclasses.replace(
+            cfg.policy,
+            megatron_cfg=dataclasses.replace(
+                cfg.policy.megatron_cfg,
+                optimizer=dataclasses.replace(cfg.policy.megatron_cfg.optimizer, use_distributed_optimizer=False),
+            ),
+        ),
+    )
+    alone = estimate_memory(unsharded, KNOWN_MODELS["qwen3-8b"], gpu=H100, processes=16)
+    assert alone.trainer_bytes == params * TRAINER_BYTES_PER_PARAM // 2 and alone.data_parallel == 1
+    assert not alone.fits and "EXCEEDS" in alone.describe() and "73.7 GB trainer state" in alone.describe()
     apart = dataclasses.replace(
         cfg,
         policy=dataclasses.replace(
@@ -62,5 +77,8 @@ def test_config_prints_the_layout_and_the_estimate_even_when_it_refuses():
         "# layout: TP 2 x PP 1 per model replica; DP = processes / 2; CP 1, EP 1; 512 samples per step in 1 optimizer update(s) of 512"
         in proc.stdout
     )
-    assert "# memory per GPU (estimate): 8.19 B params x 18 B / (TP x PP = 2)" in proc.stdout
-    assert "does not fit one GPU" in proc.stderr
+    assert (
+        "# memory per GPU (estimate): 8.19 B params x (6 B + 12 B / DP 4 of 8 GPUs assumed) / (TP x PP = 2) = "
+        "36.9 GB trainer state + colocated engine 40.0 GB = 76.9 GB of 80 GB" in proc.stdout
+    )
+    assert "does not fit one GPU" not in proc.stderr
