@@ -29,8 +29,7 @@ import sys
 from megatron_fp8.cli._noise import quiet_third_party
 from megatron_fp8.config.explain import explain_rows, render_json, render_text
 from megatron_fp8.config.loader import load_config_report
-from megatron_fp8.config.memory import describe_layout, estimate_memory, refuse_unimplemented_layout
-from megatron_fp8.config.models import known_dims
+from megatron_fp8.config.memory import layout_report, refuse_unimplemented_layout
 from megatron_fp8.config.schema import RunConfig
 
 logger = logging.getLogger(__name__)
@@ -50,23 +49,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def _layout_lines(cfg: RunConfig) -> list[str]:
-    """``# layout:`` and ``# memory per GPU:`` lines (:mod:`megatron_fp8.config.memory`); a warning when it exceeds."""
-    lines = [f"# layout: {describe_layout(cfg)}"]
-    dims = known_dims(cfg.model.name_or_path)
-    if dims is None or not dims.vocab_size:
-        lines.append(
-            f"# memory per GPU: no estimate ({cfg.model.name_or_path!r} is not in megatron_fp8/config/models.py)"
-        )
-        return lines
-    estimate = estimate_memory(cfg, dims)
-    lines.append(f"# memory per GPU (estimate): {estimate.describe()}")
-    if not estimate.fits:
-        logger.warning(
-            "the run's state does not fit one GPU: %s; raise policy.megatron_cfg.tensor_model_parallel_size or "
-            "lower policy.generation.vllm_cfg.gpu_memory_utilization",
-            estimate.describe(),
-        )
-    return lines
+    """``# layout:`` and ``# memory per GPU:`` lines; a warning when it exceeds (:func:`layout_report`)."""
+    lines, warning = layout_report(cfg)
+    if warning:
+        logger.warning("%s", warning)
+    return [f"# {line}" for line in lines]
 
 
 def run(args: argparse.Namespace) -> int:

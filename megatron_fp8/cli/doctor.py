@@ -58,6 +58,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="also import the libraries that need the NVIDIA driver (DeepGEMM, vllm._C, TE); exit 1 if one fails",
     )
     parser.add_argument("--out", type=Path, default=None, help="also write the JSON report to this file")
+    parser.add_argument(
+        "--config",
+        default=None,
+        help="also print the trainer layout (TP/PP/DP, micro-batches) and per-GPU memory estimate of this run config "
+        "on this machine's GPU (WORLD_SIZE, else 8 processes, sets DP)",
+    )
 
 
 def run(args: argparse.Namespace) -> int:
@@ -69,6 +75,13 @@ def run(args: argparse.Namespace) -> int:
     payload: dict[str, object] = {"environment": env.to_dict(), "recipes": [v.to_dict() for v in verdicts]}
     if imports:
         payload["imports"] = [c.to_dict() for c in imports]
+    layout: list[str] = []
+    if getattr(args, "config", None):
+        from megatron_fp8.config.loader import load_config_report  # lazy: only with --config
+        from megatron_fp8.config.memory import layout_report  # lazy: only with --config
+
+        layout, warning = layout_report(load_config_report(args.config).config)
+        payload["layout"] = layout + ([warning] if warning else [])
     if getattr(args, "out", None) is not None:
         args.out.parent.mkdir(parents=True, exist_ok=True)
         args.out.write_text(json.dumps(payload, indent=2) + "\n")
@@ -105,4 +118,6 @@ def run(args: argparse.Namespace) -> int:
     for c in imports:
         colour = {"ok": "green", "absent": "yellow", "failed": "red"}[c.status]
         console.print(f"import {c.module}: [{colour}]{c.status}[/{colour}] {c.detail}")
+    for line in payload.get("layout", []):
+        console.print(f"{args.config}: {line}", highlight=False, soft_wrap=True)
     return status

@@ -18,7 +18,7 @@ import os
 from collections.abc import Mapping
 from dataclasses import dataclass
 
-from megatron_fp8.config.models import ModelDims
+from megatron_fp8.config.models import ModelDims, known_dims
 from megatron_fp8.config.schema import JSONValue, RunConfig
 from megatron_fp8.errors import ConfigError
 
@@ -175,5 +175,27 @@ def describe_layout(cfg: RunConfig) -> str:
     return (
         f"TP {mcfg.tensor_model_parallel_size} x PP {mcfg.pipeline_model_parallel_size} per model replica; "
         f"DP = processes / {mp}; CP 1, EP 1; {samples} samples per step in {updates} optimizer update(s) of "
-        f"{samples // updates}; {micro_text}"
+        f"{samples // updates}; {micro_text}; Adam state "
+        f"{'sharded over DP (distributed optimizer)' if mcfg.optimizer.use_distributed_optimizer else 'on every DP replica'}"
+    )
+
+
+def layout_report(cfg: RunConfig) -> tuple[list[str], str | None]:
+    """The lines ``config`` and ``doctor --config`` print (``layout: ...``, ``memory per GPU ...``), and a warning
+    when the estimate exceeds the GPU (``None`` when it fits or the model is unknown)."""
+    lines = [f"layout: {describe_layout(cfg)}"]
+    dims = known_dims(cfg.model.name_or_path)
+    if dims is None or not dims.vocab_size:
+        lines.append(
+            f"memory per GPU: no estimate ({cfg.model.name_or_path!r} is not in megatron_fp8/config/models.py)"
+        )
+        return lines, None
+    estimate = estimate_memory(cfg, dims)
+    lines.append(f"memory per GPU (estimate): {estimate.describe()}")
+    if estimate.fits:
+        return lines, None
+    return lines, (
+        f"the run's state does not fit one GPU: {estimate.describe()}; set "
+        "policy.megatron_cfg.optimizer.use_distributed_optimizer, raise tensor_model_parallel_size or "
+        "pipeline_model_parallel_size, or lower policy.generation.vllm_cfg.gpu_memory_utilization"
     )

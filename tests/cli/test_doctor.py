@@ -84,3 +84,15 @@ def test_doctor_imports_exit_status_and_out_file(tmp_path, monkeypatch, capsys):
     monkeypatch.setattr(doctor, "check_runtime_imports", lambda: (ImportCheck("deep_gemm", "ok"),))
     assert doctor.run(argparse.Namespace(json=True, imports=True, out=None)) == 0
     capsys.readouterr()
+
+
+def test_doctor_prints_the_layout_and_memory_estimate_of_a_config():
+    """Issue 27: ``doctor --config`` shows what ``config`` shows about the layout, on this machine's GPU."""
+    proc = _run("--json", "--config", "configs/qwen3_8b_fp8.yaml")
+    assert proc.returncode == 0, proc.stderr
+    layout = json.loads(proc.stdout)["layout"]
+    assert layout[0].startswith("layout: TP 2 x PP 1 per model replica; DP = processes / 2")
+    assert "Adam state sharded over DP (distributed optimizer)" in layout[0]
+    assert layout[1].startswith("memory per GPU (estimate): 8.19 B params x (6 B + 12 B / DP ")
+    table = _run("--config", "configs/qwen3_8b_fp8.yaml")
+    assert "configs/qwen3_8b_fp8.yaml: layout: TP 2 x PP 1" in table.stdout

@@ -62,7 +62,7 @@ def test_retired_and_open_keys():
     assert kk.is_known("logging.log_every") and "metrics.jsonl" in kk.reason("logging.log_every")
     assert kk.is_known("policy.generation.vllm_kwargs.anything_at_all")
     assert not kk.is_known("policy.generation.vllm_cfg.no_such_key")
-    assert "tensor parallelism and data parallelism" in kk.reason("policy.megatron_cfg.context_parallel_size")
+    assert "no context parallelism yet" in kk.reason("policy.megatron_cfg.context_parallel_size")
 
 
 def test_shipped_nemo_rl_configs_use_only_known_keys():
@@ -122,3 +122,25 @@ def test_is_mx_refused_naming_blackwell_and_megatron_enabled_false_refused():
         load_config(None, ["policy.generation.vllm_cfg.is_mx=true"])
     with pytest.raises(ConfigError, match="megatron_cfg.enabled: false"):
         load_config(None, ["policy.megatron_cfg.enabled=false"])
+
+
+def test_unimplemented_layouts_are_refused_naming_the_key():
+    """Issue 27: a layout megatron-fp8 does not run is refused before a run, never approved; its default is not."""
+    from megatron_fp8.config.memory import refuse_unimplemented_layout, unimplemented_layout
+
+    loaded = load_config_report(
+        None, ["policy.megatron_cfg.sequence_parallel=true", "policy.megatron_cfg.expert_model_parallel_size=2"]
+    )
+    problems = unimplemented_layout(loaded.no_effect)
+    assert [p.split("=")[0] for p in problems] == [
+        "policy.megatron_cfg.expert_model_parallel_size",
+        "policy.megatron_cfg.sequence_parallel",
+    ]
+    with pytest.raises(
+        ConfigError, match=r"this run cannot start:\n  - policy.megatron_cfg.expert_model_parallel_size=2"
+    ):
+        refuse_unimplemented_layout(loaded.no_effect)
+    defaults = load_config_report(None, ["policy.megatron_cfg.sequence_parallel=false"]).no_effect
+    assert unimplemented_layout(defaults) == []
+    nemo_rl_8b = load_config_report(DATA / "examples/configs/grpo_math_8B_megatron_fp8.yaml").no_effect
+    assert unimplemented_layout(nemo_rl_8b) == []  # its CP 1 / EP 1 / sequence_parallel false ask for nothing
