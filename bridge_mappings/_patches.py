@@ -54,6 +54,12 @@ it: for ``local_experts.{i}`` parameters the global ids are
 ``i % per_rank + per_rank * ep_rank`` and the tensors are all-gathered over the EP
 group; every other parameter goes to the original method. Applied only on
 :data:`PATCHED_VERSIONS`: another release may have fixed or moved the method.
+The same release's ``model_bridge._megatron_local_name_to_global`` renumbers experts from the EP
+rank's local ids to global ids only for the grouped-GEMM ``.weight{N}`` names; for
+``local_experts.{i}`` it keeps ``i``, so under expert parallelism every EP rank would load experts
+``0 .. per_rank-1`` from the checkpoint. :func:`fix_sequential_expert_export` also wraps that function:
+``local_experts.{i}`` becomes ``local_experts.{per_rank x ep_rank + i}`` when the EP group has more than
+one rank (load and export resolve HF names through it).
 
 Patch 3: ``torch.cuda.current_device()`` on a CPU-only machine (scoped)
 -----------------------------------------------------------------------
@@ -292,8 +298,31 @@ def _gather_local_experts(
     return dict(zip(names, gathered, strict=True))
 
 
+def _fix_local_expert_numbering() -> None:
+    """``local_experts.{i}`` -> its global expert id in Megatron-Bridge's name resolution (patch 2, EP > 1)."""
+    model_bridge = importlib.import_module("megatron.bridge.models.conversion.model_bridge")
+    original = model_bridge._megatron_local_name_to_global
+    if getattr(original, SHIM_MARKER, False):
+        return
+
+    @functools.wraps(original)
+    def local_name_to_global(models: object, config: object, param_name: str, vp_stage: int | None = None) -> str:
+        name = original(models, config, param_name, vp_stage)
+        match = _LOCAL_EXPERT.search(name)
+        ep_group = model_bridge.parallel_state.get_expert_model_parallel_group()
+        if match is None or ".adapter." in name or ep_group.size() == 1:
+            return name
+        per_rank = config.num_moe_experts // ep_group.size()
+        number = per_rank * ep_group.rank() + int(match.group(1))
+        return name[: match.start()] + f".local_experts.{number}." + name[match.end() :]
+
+    setattr(local_name_to_global, SHIM_MARKER, True)
+    model_bridge._megatron_local_name_to_global = local_name_to_global
+
+
 def fix_sequential_expert_export() -> bool:
-    """Let megatron-bridge 0.3.x export ``SequentialMLP`` expert weights (patch 2 of the module docstring). Idempotent.
+    """Let megatron-bridge 0.3.x load and export ``SequentialMLP`` expert weights under expert parallelism (patch 2
+    of the module docstring). Idempotent.
 
     Returns:
         ``True`` when the wrapper is in place (now or already).
@@ -301,6 +330,7 @@ def fix_sequential_expert_export() -> bool:
     param_mapping = importlib.import_module("megatron.bridge.models.conversion.param_mapping")
     MegatronParamMapping = param_mapping.MegatronParamMapping
 
+    _fix_local_expert_numbering()
     original = MegatronParamMapping.gather_from_ep_ranks
     if getattr(original, SHIM_MARKER, False):
         return True
@@ -351,7 +381,7 @@ def cpu_device_patches() -> Iterator[bool]:
 class _CudaFactoriesOnCpu(torch.overrides.TorchFunctionMode):
     """Rewrites ``device="cuda"`` (a string or ``torch.device``) of a torch call to the CPU (patch 5)."""
 
-    def __torch_function__(self, func, types, args=(), kwargs=None):  # noqa: ANN001, ANN204 (torch's protocol)
+    def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         device = kwargs.get("device")
         if isinstance(device, str | torch.device) and torch.device(device).type == "cuda":

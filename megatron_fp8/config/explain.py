@@ -50,6 +50,8 @@ EFFECTS: Mapping[str, str] = {
     "policy.megatron_cfg.fp8_cfg.fp8_param": "FP8 primary weights: with blockwise, the 'fp8_param' recipe",
     "policy.megatron_cfg.fp8_cfg.num_first_layers_in_bf16": "first training layers kept BF16 (build_megatron_model)",
     "policy.megatron_cfg.fp8_cfg.num_last_layers_in_bf16": "last training layers kept BF16 (build_megatron_model)",
+    "policy.megatron_cfg.expert_model_parallel_size": "Megatron expert parallel size: a MoE model's routed experts "
+    "split over the data-parallel ranks (allgather token dispatcher on CPU)",
     "policy.megatron_cfg.optimizer.clip_grad": "global gradient-norm clip of the Adam (megatron.optim)",
     "policy.megatron_cfg.optimizer.use_distributed_optimizer": "FP32 main weights and Adam moments sharded over the "
     "data-parallel ranks: Megatron-Core's DistributedOptimizer on GPU, megatron.dist_optim.ShardedDDPAdam on CPU",

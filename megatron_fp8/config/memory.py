@@ -24,7 +24,6 @@ from megatron_fp8.errors import ConfigError
 
 UNIMPLEMENTED_LAYOUT: dict[str, tuple[JSONValue, ...]] = {
     "policy.megatron_cfg.context_parallel_size": (1, None),
-    "policy.megatron_cfg.expert_model_parallel_size": (1, None),
     "policy.megatron_cfg.expert_tensor_parallel_size": (1, None),
     "policy.megatron_cfg.sequence_parallel": (False, None),
     "policy.megatron_cfg.num_layers_in_first_pipeline_stage": (None,),
@@ -144,10 +143,10 @@ def estimate_memory(
 
 def unimplemented_layout(no_effect: Mapping[str, JSONValue]) -> list[str]:
     """A problem line for each layout key of ``no_effect`` (a config's no-effect keys) that asks for a layout
-    megatron-fp8 does not run: context, sequence or expert parallelism, uneven pipeline stages."""
+    megatron-fp8 does not run: context or sequence parallelism, expert tensor parallelism, uneven pipeline stages."""
     return [
-        f"{key}={no_effect[key]!r}: not implemented in megatron-fp8 (tensor, pipeline and data parallelism and the "
-        f"distributed optimizer are); set it to {allowed[0]!r} or remove it"
+        f"{key}={no_effect[key]!r}: not implemented in megatron-fp8 (tensor, pipeline, data and expert parallelism and "
+        f"the distributed optimizer are); set it to {allowed[0]!r} or remove it"
         for key, allowed in UNIMPLEMENTED_LAYOUT.items()
         if key in no_effect and no_effect[key] not in allowed
     ]
@@ -174,7 +173,7 @@ def describe_layout(cfg: RunConfig) -> str:
     micro_text = f"micro-batches of {micro} sequences" if micro else "one micro-batch per update"
     return (
         f"TP {mcfg.tensor_model_parallel_size} x PP {mcfg.pipeline_model_parallel_size} per model replica; "
-        f"DP = processes / {mp}; CP 1, EP 1; {samples} samples per step in {updates} optimizer update(s) of "
+        f"DP = processes / {mp}; CP 1, EP {mcfg.expert_model_parallel_size}; {samples} samples per step in {updates} optimizer update(s) of "
         f"{samples // updates}; {micro_text}; Adam state "
         f"{'sharded over DP (distributed optimizer)' if mcfg.optimizer.use_distributed_optimizer else 'on every DP replica'}"
     )

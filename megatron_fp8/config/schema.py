@@ -5,7 +5,7 @@ Layout (dotted paths)::
     model.{name_or_path, is_moe, num_layers, hidden_size, intermediate_size, num_attention_heads,
            num_key_value_heads, head_dim, moe_intermediate_size, num_experts}
     policy.{model_name (NeMo-RL's model.name_or_path), train_global_batch_size, train_micro_batch_size, logprob_batch_size}
-    policy.megatron_cfg.{enabled, tensor_model_parallel_size, pipeline_model_parallel_size}
+    policy.megatron_cfg.{enabled, tensor_model_parallel_size, pipeline_model_parallel_size, expert_model_parallel_size}
     policy.megatron_cfg.fp8_cfg.{enabled, fp8, fp8_recipe, fp8_param,
                                  num_first_layers_in_bf16, num_last_layers_in_bf16}
     policy.megatron_cfg.optimizer.{clip_grad, use_distributed_optimizer}
@@ -26,8 +26,7 @@ Layout (dotted paths)::
     checkpointing.{enabled, checkpoint_dir, save_period, keep_top_k, metric_name, higher_is_better,
                    save_consolidated}
     logger.{log_dir, tensorboard_enabled, wandb_enabled, wandb.{project, name}}
-    rollout.{engine}
-    refit.{bucket_size_mb, timeout_s, verify, transport}
+    rollout.{engine}; refit.{bucket_size_mb, timeout_s, verify, transport}
     kv_cache.{percentile, margin}; logging.{level}; out_dir
 
 Every other NeMo-RL key is accepted with no effect (listed in a warning at load; the key set is data:
@@ -50,8 +49,7 @@ import yaml
 from megatron_fp8 import vocab
 from megatron_fp8.recipes.registry import FP8_FORMATS
 
-JSONValue: TypeAlias = "str | int | float | bool | None | list[JSONValue] | dict[str, JSONValue]"
-"""Plain data as YAML / JSON carries it (what :meth:`RunConfig.to_dict` returns and the loader reads)."""
+JSONValue: TypeAlias = "str | int | float | bool | None | list[JSONValue] | dict[str, JSONValue]"  # YAML / JSON data
 
 
 @dataclass(frozen=True)
@@ -154,6 +152,7 @@ class MegatronConfig:
         enabled: train through Megatron-Core.
         tensor_model_parallel_size: training TP.
         pipeline_model_parallel_size: training PP.
+        expert_model_parallel_size: training EP (MoE: routed experts split over the data-parallel ranks).
         fp8_cfg: FP8 training settings.
         optimizer: optimizer settings.
         env_vars: environment variables set for the training workers (values as strings; ``null`` = none).
@@ -162,6 +161,7 @@ class MegatronConfig:
     enabled: bool = True
     tensor_model_parallel_size: int = 1
     pipeline_model_parallel_size: int = 1
+    expert_model_parallel_size: int = 1
     fp8_cfg: FP8TrainConfig = field(default_factory=FP8TrainConfig)
     optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)
     env_vars: dict[str, str] = field(default_factory=dict)

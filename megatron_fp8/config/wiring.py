@@ -60,11 +60,12 @@ def vllm_env(cfg: RunConfig, *, rollout_precision: str | None = None) -> dict[st
 
 
 def megatron_parallel_args(cfg: RunConfig) -> dict[str, int]:
-    """Arguments of ``megatron_fp8.megatron.parallel.megatron_parallel`` the config sets (TP, PP)."""
+    """Arguments of ``megatron_fp8.megatron.parallel.megatron_parallel`` the config sets (TP, PP, EP)."""
     mcfg = cfg.policy.megatron_cfg
     return {
         "tensor_parallel_size": mcfg.tensor_model_parallel_size,
         "pipeline_parallel_size": mcfg.pipeline_model_parallel_size,
+        "expert_parallel_size": mcfg.expert_model_parallel_size,
     }
 
 

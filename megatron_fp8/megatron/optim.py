@@ -78,30 +78,45 @@ def no_decay(name: str, param: torch.Tensor) -> bool:
     return name.endswith(".bias") or param.dim() == 1
 
 
+def _is_expert(param: torch.Tensor) -> bool:
+    """Megatron-Core marks a routed expert's parameters ``allreduce=False`` (reduced over the expert-DP group)."""
+    return getattr(param, "allreduce", True) is False
+
+
 def _counts_for_norm(param: torch.Tensor) -> bool:
     from megatron.core import parallel_state  # lazy: Megatron-Core is optional
 
     if getattr(param, "tensor_model_parallel", False):
         return True
+    if _is_expert(param):
+        return parallel_state.get_expert_tensor_parallel_rank() == 0
     return parallel_state.get_tensor_model_parallel_rank() == 0
 
 
 def gradient_norm(grads: Sequence[tuple[torch.nn.Parameter, torch.Tensor]]) -> float:
-    """Global L2 norm of the gradients: tensor-parallel duplicates counted once, squares all-reduced over
-    Megatron-Core's model-parallel group (TP x PP), as Megatron's ``get_grad_norm_fp32`` counts them.
+    """Global L2 norm of the gradients, as Megatron's optimizers count it.
+
+    Tensor-parallel duplicates count once; the dense parameters' squares are all-reduced over Megatron-Core's
+    model-parallel group (TP x PP), a routed expert's over the expert group that splits the experts
+    (expert-TP x EP x PP): each expert lives on one EP rank, so a rank alone sees only its own experts.
 
     Args:
         grads: ``(parameter, its FP32 gradient)`` pairs of this rank.
     """
     from megatron.core import parallel_state  # lazy: Megatron-Core is optional
 
-    squares = torch.zeros(1, dtype=torch.float64)
+    dense = torch.zeros(1, dtype=torch.float64)
+    expert = torch.zeros(1, dtype=torch.float64)
     for param, grad in grads:
         if _counts_for_norm(param):
-            squares += grad.double().pow(2).sum()
-    if torch.distributed.is_initialized() and parallel_state.get_model_parallel_group().size() > 1:
-        torch.distributed.all_reduce(squares, group=parallel_state.get_model_parallel_group())
-    return math.sqrt(float(squares))
+            (expert if _is_expert(param) else dense).add_(grad.double().pow(2).sum())
+    if torch.distributed.is_initialized():
+        if parallel_state.get_model_parallel_group().size() > 1:
+            torch.distributed.all_reduce(dense, group=parallel_state.get_model_parallel_group())
+        expert_group = parallel_state.get_expert_tensor_model_pipeline_parallel_group()
+        if any(_is_expert(p) for p, _ in grads) and expert_group.size() > 1:
+            torch.distributed.all_reduce(expert, group=expert_group)
+    return math.sqrt(float(dense + expert))
 
 
 class MegatronDDPAdam:

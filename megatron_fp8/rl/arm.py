@@ -20,7 +20,7 @@ import torch
 from bridge_mappings.manifest import Manifest
 from bridge_mappings.quantized_export import ExportSettings
 from megatron_fp8.config.schema import RunConfig
-from megatron_fp8.config.wiring import vllm_engine_args, vllm_env
+from megatron_fp8.config.wiring import megatron_parallel_args, vllm_engine_args, vllm_env
 from megatron_fp8.megatron import build_megatron_model, make_optimizer, megatron_parallel
 from megatron_fp8.rl.checkpoint import CheckpointManager
 from megatron_fp8.rl.distributed import DataParallel, check_against_megatron
@@ -167,18 +167,16 @@ def run_arm(
     bf16_last = mcfg.fp8_cfg.num_last_layers_in_bf16 if spec.fp8_training_recipe else 0
     try:
         torch.manual_seed(config.grpo.seed)
-        with megatron_parallel(
-            tensor_parallel_size=mcfg.tensor_model_parallel_size,
-            pipeline_parallel_size=mcfg.pipeline_model_parallel_size,
-            seed=config.grpo.seed,
-        ):
+        with megatron_parallel(**megatron_parallel_args(config), seed=config.grpo.seed):
             check_against_megatron(dp)
             logger.info(
-                "arm %s: trainer layout TP %d x PP %d x DP %d; rank %d is pipeline stage %d of data-parallel replica %d",
+                "arm %s: trainer layout TP %d x PP %d x DP %d, EP %d; rank %d is pipeline stage %d of data-parallel "
+                "replica %d",
                 spec.name,
                 dp.tensor_parallel_size,
                 dp.pipeline_parallel_size,
                 dp.dp_size,
+                mcfg.expert_model_parallel_size,
                 dp.rank,
                 dp.pp_rank,
                 dp.dp_rank,

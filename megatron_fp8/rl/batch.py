@@ -119,3 +119,26 @@ def eos_and_pad(tokenizer: Tokenizer, *, where: object) -> tuple[int, int]:
     if eos is None:
         raise ConfigError(f"the tokenizer of {where} has no eos_token_id; GRPO needs one to stop responses")
     return eos, tokenizer.pad_token_id if tokenizer.pad_token_id is not None else eos
+
+
+def pad_to_length(batch: Batch, length: int, pad_id: int) -> Batch:
+    """``batch`` right-padded to ``length`` tokens (padding masked out of attention, the loss and the metrics).
+
+    Expert parallelism all-gathers every rank's tokens (Megatron-Core's allgather token dispatcher), so the ranks of
+    an expert group need batches of one shape; right padding leaves the real tokens' log-probabilities alone (causal
+    attention never looks right, and padded keys are masked).
+
+    Raises:
+        ValueError: ``length`` is shorter than the batch.
+    """
+    extra = length - batch.input_ids.shape[1]
+    if extra < 0:
+        raise ValueError(f"cannot pad a batch of {batch.input_ids.shape[1]} tokens to {length}")
+    if extra == 0:
+        return batch
+    return Batch(
+        input_ids=torch.nn.functional.pad(batch.input_ids, (0, extra), value=pad_id),
+        attention_mask=torch.nn.functional.pad(batch.attention_mask, (0, extra), value=0),
+        response_mask=torch.nn.functional.pad(batch.response_mask, (0, extra), value=False),
+        logp_rollout=torch.nn.functional.pad(batch.logp_rollout, (0, extra), value=0.0),
+    )

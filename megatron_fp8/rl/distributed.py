@@ -24,6 +24,7 @@ from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import TypeVar
 
+import torch
 import torch.distributed as dist
 
 from megatron_fp8.errors import ConfigError
@@ -123,6 +124,18 @@ def same_within_replica(value: T, dp: DataParallel) -> T:
     box: list[T] = [value]
     dist.broadcast_object_list(box, src=dp.replica_first_rank, group=parallel_state.get_model_parallel_group())
     return box[0]
+
+
+def longest_over_replicas(length: int, dp: DataParallel) -> int:
+    """The largest ``length`` over the data-parallel replicas (an all-reduce over Megatron-Core's data-parallel group;
+    ``length`` itself with one replica)."""
+    if dp.dp_size == 1:
+        return length
+    from megatron.core import parallel_state  # lazy: Megatron-Core is optional (the GPU test box has torch only)
+
+    box = torch.tensor([length], dtype=torch.int64)
+    dist.all_reduce(box, op=dist.ReduceOp.MAX, group=parallel_state.get_data_parallel_group())
+    return int(box)
 
 
 def check_against_megatron(dp: DataParallel) -> None:

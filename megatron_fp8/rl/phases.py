@@ -31,10 +31,10 @@ from megatron_fp8.errors import ConfigError, ManifestError
 from megatron_fp8.megatron import MegatronModel, StepOptimizer, export_hf_weights, sequence_logprobs, train_step
 from megatron_fp8.megatron.schedule import from_last_stage
 from megatron_fp8.refit.pipeline import ColocatedRefit
-from megatron_fp8.rl.batch import Tokenizer, decode_response, group_advantages, make_batch
+from megatron_fp8.rl.batch import Tokenizer, decode_response, group_advantages, make_batch, pad_to_length
 from megatron_fp8.rl.correction import ISConfig, ISResult, PPOStats, compute_is_weights, ppo_loss
 from megatron_fp8.rl.data import ProblemSource
-from megatron_fp8.rl.distributed import DataParallel, same_within_replica
+from megatron_fp8.rl.distributed import DataParallel, longest_over_replicas, same_within_replica
 from megatron_fp8.rl.kv_calibration import KVAmaxRecorder, compute_kv_scales
 from megatron_fp8.rl.metrics import METRIC_KEYS, mismatch_metrics
 from megatron_fp8.rl.results import RefitDone, StepMetrics, finite_mean, least_checked_prefix_cache
@@ -311,6 +311,9 @@ def train_phase(state: ArmState, ctx: GRPOContext, out: RolloutOutcome, scores: 
     config, g = ctx.config, ctx.config.grpo
     t0 = time.perf_counter()
     batch = make_batch(out.prompt_ids, out.rollout, ctx.pad_id)
+    if state.model.is_moe:  # one shape over the replicas: expert parallelism all-gathers equal token counts, and
+        # the router's load-balancing loss sees the same padding at every expert-parallel size
+        batch = pad_to_length(batch, longest_over_replicas(batch.input_ids.shape[1], state.dp), ctx.pad_id)
     model_inputs = {"input_ids": batch.input_ids, "attention_mask": batch.attention_mask}
     with torch.no_grad():  # the old policy's scores, policy.logprob_batch_size sequences per forward
         logp_old = sequence_logprobs(

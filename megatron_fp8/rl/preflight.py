@@ -221,10 +221,38 @@ def _argument_problems(config: RunConfig, *, n_steps: int, arm_names: tuple[str,
         problems.append(f"an arm is listed twice: {list(arm_names)}")
     if "fp8_tis" in arm_names and config.loss_fn.is_variant == "none":
         problems.append("arm fp8_tis corrects with loss_fn.is_variant, which is 'none'; set is_variant: token_tis")
+    problems += _expert_problems(config)
     try:
         get_task(config.grpo.task, max_digits=config.grpo.task_max_digits)
     except ConfigError as exc:
         problems.append(f"grpo.task: {exc}")
+    return problems
+
+
+def _expert_problems(config: RunConfig) -> list[str]:
+    """Expert parallelism needs routed experts that split evenly, and what runs with it (no CPU distributed optimizer,
+    no checkpoints yet)."""
+    ep, key = config.policy.megatron_cfg.expert_model_parallel_size, "policy.megatron_cfg.expert_model_parallel_size"
+    if ep == 1:
+        return []
+    if ep < 1:
+        return [f"{key}={ep} must be >= 1"]
+    if not config.model.is_moe:
+        return [f"{key}={ep}: {config.model.name_or_path!r} has no routed experts; set it to 1"]
+    problems = []
+    if config.model.num_experts % ep:
+        problems.append(f"{key}={ep} does not split the model's {config.model.num_experts} experts evenly")
+    if config.policy.megatron_cfg.optimizer.use_distributed_optimizer and not torch.cuda.is_available():
+        problems.append(
+            f"{key}={ep} with policy.megatron_cfg.optimizer.use_distributed_optimizer: the CPU distributed optimizer "
+            "shards over the dense data-parallel ranks, which hold different experts; set one of them off on CPU "
+            "(Megatron-Core's DistributedOptimizer handles both on a GPU)"
+        )
+    if config.checkpointing.enabled:
+        problems.append(
+            f"{key}={ep} with checkpointing.enabled: checkpoints of expert-parallel shards are not implemented yet; "
+            "set checkpointing.enabled=false or expert_model_parallel_size=1"
+        )
     return problems
 
 
@@ -242,6 +270,13 @@ def _world_problems(config: RunConfig, world_size: int | None) -> list[str]:
             f"{model_parallel} processes (torchrun --nproc-per-node {model_parallel}, or slurm/) or set the sizes to 1"
         )
     replicas = world_size // model_parallel if model_parallel > 0 and not world_size % model_parallel else world_size
+    ep = mcfg.expert_model_parallel_size
+    if ep > 1 and replicas % ep:
+        problems.append(
+            f"policy.megatron_cfg.expert_model_parallel_size={ep} splits the experts over data-parallel replicas; "
+            f"this run has {replicas} ({world_size} processes / TP x PP {model_parallel}): launch a multiple of "
+            f"{ep * model_parallel} processes"
+        )
     if replicas and config.grpo.num_prompts_per_step % replicas:
         problems.append(
             f"grpo.num_prompts_per_step={config.grpo.num_prompts_per_step} is not divisible by the {replicas} "

@@ -113,7 +113,11 @@ def test_parallel_sizes_and_ignored_layer_keywords():
             "policy.generation.vllm_cfg.quantization_ignored_layer_kws=[q_proj,o_proj]",
         ],
     )
-    assert megatron_parallel_args(cfg) == {"tensor_parallel_size": 1, "pipeline_parallel_size": 2}
+    assert megatron_parallel_args(cfg) == {
+        "tensor_parallel_size": 1,
+        "pipeline_parallel_size": 2,
+        "expert_parallel_size": 1,
+    }
     assert quantization_ignored_layer_kws(cfg) == ("q_proj", "o_proj")
 
 
@@ -129,16 +133,14 @@ def test_unimplemented_layouts_are_refused_naming_the_key():
     from megatron_fp8.config.memory import refuse_unimplemented_layout, unimplemented_layout
 
     loaded = load_config_report(
-        None, ["policy.megatron_cfg.sequence_parallel=true", "policy.megatron_cfg.expert_model_parallel_size=2"]
+        None, ["policy.megatron_cfg.sequence_parallel=true", "policy.megatron_cfg.context_parallel_size=2"]
     )
     problems = unimplemented_layout(loaded.no_effect)
     assert [p.split("=")[0] for p in problems] == [
-        "policy.megatron_cfg.expert_model_parallel_size",
+        "policy.megatron_cfg.context_parallel_size",
         "policy.megatron_cfg.sequence_parallel",
     ]
-    with pytest.raises(
-        ConfigError, match=r"this run cannot start:\n  - policy.megatron_cfg.expert_model_parallel_size=2"
-    ):
+    with pytest.raises(ConfigError, match=r"this run cannot start:\n  - policy.megatron_cfg.context_parallel_size=2"):
         refuse_unimplemented_layout(loaded.no_effect)
     defaults = load_config_report(None, ["policy.megatron_cfg.sequence_parallel=false"]).no_effect
     assert unimplemented_layout(defaults) == []

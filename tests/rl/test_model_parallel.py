@@ -10,7 +10,9 @@ recipe) and is compared with the run that has the same data-parallel size and no
 * TP=2 x DP=2 (4 processes) against DP=2 (2 processes);
 * PP=2 x DP=2 (4 processes: Megatron's tp-cp-ep-dp-pp rank order puts the replicas at ranks {0, 2} and {1, 3})
   against DP=2;
-* DP=2 with ``use_distributed_optimizer`` (Adam state sharded over the replicas) against DP=2: bit for bit.
+* DP=2 with ``use_distributed_optimizer`` (Adam state sharded over the replicas) against DP=2: bit for bit;
+* EP=2 on ``tiny-moe`` (2 of its 4 experts per rank, tokens all-gathered by Megatron-Core's allgather dispatcher,
+  the experts loaded and exported by their global ids) against DP=2 on ``tiny-moe``.
 
 A rollout is a function of (seed, step, data-parallel rank), so step 0 samples exactly what the reference run
 samples (equal rewards); the losses, gradient norms and mismatch metrics agree up to the order of the
@@ -120,6 +122,36 @@ def test_distributed_optimizer_is_the_unsharded_run_bit_for_bit(tmp_path, data_p
     got = _grpo(tmp_path / "zero1", 2, "policy.megatron_cfg.optimizer.use_distributed_optimizer=true")
     keys = ("reward_mean", "sample", "loss", "grad_norm", "gen_kl", "refit_fp8_bytes", "refit_bf16_bytes")
     assert [{k: r[k] for k in keys} for r in got] == [{k: r[k] for k in keys} for r in data_parallel_2]
+
+
+MOE = ("model.name_or_path=tiny-moe", "checkpointing.enabled=false")
+
+
+def test_expert_parallel_2_equals_data_parallel_2_on_the_moe_model(tmp_path):
+    """The same two replicas, their experts split over them: every step equals the run that keeps all 4 experts on
+    each rank (MoE batches are padded to one length over the replicas in both runs)."""
+    ref = _grpo(tmp_path / "moe_dp2", 2, *MOE)
+    got = _grpo(tmp_path / "moe_ep2", 2, *MOE, "policy.megatron_cfg.expert_model_parallel_size=2")
+    _assert_same_run(got, ref, engines_per_replica=1)
+
+
+def test_expert_parallelism_needs_a_moe_model_and_splits_its_experts_evenly(tmp_path):
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "MFP8_ROLE", "ROLLOUT_TASKS")}
+    for overrides, message in (
+        (("policy.megatron_cfg.expert_model_parallel_size=2",), "'tiny' has no routed experts"),
+        ((*MOE, "policy.megatron_cfg.expert_model_parallel_size=3"), "does not split the model's 4 experts evenly"),
+        (
+            (
+                "model.name_or_path=tiny-moe",
+                "checkpointing.enabled=true",
+                "policy.megatron_cfg.expert_model_parallel_size=2",
+            ),
+            "checkpoints of expert-parallel shards",
+        ),
+    ):
+        cmd = [sys.executable, "-m", "megatron_fp8.cli", "config", *overrides]
+        proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
+        assert proc.returncode != 0 and message in proc.stderr and "approved" not in proc.stdout, proc.stderr
 
 
 def test_uneven_micro_batches_are_refused_under_pipeline_parallelism(monkeypatch):
