@@ -75,7 +75,11 @@ Patch 4: Megatron's RNG tracker without CUDA (explicit)
 -------------------------------------------------------
 ``megatron/core/tensor_parallel/random.py`` forks CUDA RNG states;
 :func:`use_cpu_rng_tracker` installs its inference (no-op-fork) tracker when CUDA
-is unavailable, :func:`reset_rng_tracker` drops it between model builds.
+is unavailable, :func:`reset_rng_tracker` drops it between model builds. Activation recompute
+(``CheckpointFunction`` in the same file) saves and restores the CUDA RNG state through
+``_get_cuda_rng_state`` / ``_set_cuda_rng_state``, which call ``torch.cuda``: while the CPU tracker is
+installed they answer "no CUDA state" (the CPU RNG state, saved beside it, is what dropout on CPU
+draws from), and :func:`reset_rng_tracker` puts Megatron's functions back.
 
 Patch 5: ``device="cuda"`` in Megatron-Core's schedules on a CPU-only machine (scoped)
 --------------------------------------------------------------------------------------
@@ -415,7 +419,23 @@ def use_cpu_rng_tracker() -> bool:
     from megatron.core.tensor_parallel import random as mp_random  # lazy: Megatron-Core is optional
 
     mp_random.initialize_rng_tracker(inference_rng_tracker=True, force_reset=True)
+    if not hasattr(mp_random, _SAVED_CUDA_RNG):  # activation recompute saves and restores the CUDA RNG state
+        setattr(mp_random, _SAVED_CUDA_RNG, (mp_random._get_cuda_rng_state, mp_random._set_cuda_rng_state))
+        mp_random._get_cuda_rng_state = _no_cuda_rng_state
+        mp_random._set_cuda_rng_state = _set_no_cuda_rng_state
     return True
+
+
+_SAVED_CUDA_RNG = "__megatron_fp8_saved_cuda_rng__"
+
+
+def _no_cuda_rng_state(device: object = "cuda", clone: bool = False, graph_safe: bool = False) -> torch.Tensor:
+    """Patch 4: the CUDA RNG state of a machine without CUDA (nothing to save; the CPU state is saved beside it)."""
+    return torch.empty(0, dtype=torch.uint8)
+
+
+def _set_no_cuda_rng_state(new_state: torch.Tensor, device: int = -1, graph_safe: bool = False) -> None:
+    """Patch 4: restoring :func:`_no_cuda_rng_state`'s state is nothing to do."""
 
 
 def reset_rng_tracker() -> None:
@@ -425,6 +445,9 @@ def reset_rng_tracker() -> None:
     mp_random.initialize_rng_tracker(force_reset=True)
     mp_random._CUDA_RNG_STATE_TRACKER = None
     mp_random._CUDA_RNG_STATE_TRACKER_INITIALIZED = False
+    saved = mp_random.__dict__.pop(_SAVED_CUDA_RNG, None)
+    if saved is not None:
+        mp_random._get_cuda_rng_state, mp_random._set_cuda_rng_state = saved
 
 
 def apply(version: str | None) -> None:

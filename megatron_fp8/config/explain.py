@@ -52,6 +52,10 @@ EFFECTS: Mapping[str, str] = {
     "policy.megatron_cfg.fp8_cfg.num_last_layers_in_bf16": "last training layers kept BF16 (build_megatron_model)",
     "policy.megatron_cfg.expert_model_parallel_size": "Megatron expert parallel size: a MoE model's routed experts "
     "split over the data-parallel ranks (allgather token dispatcher on CPU)",
+    "policy.megatron_cfg.activation_checkpointing": "Megatron-Core activation recompute in the backward pass "
+    "(megatron.build.RecomputeSettings; full: uniform, one layer at a time)",
+    "policy.megatron_cfg.recompute_granularity": "full (every layer) or selective (recompute_modules) recompute",
+    "policy.megatron_cfg.recompute_modules": "Megatron-Core's modules of a selective recompute (null: core_attn)",
     "policy.megatron_cfg.optimizer.clip_grad": "global gradient-norm clip of the Adam (megatron.optim)",
     "policy.megatron_cfg.optimizer.use_distributed_optimizer": "FP32 main weights and Adam moments sharded over the "
     "data-parallel ranks: Megatron-Core's DistributedOptimizer on GPU, megatron.dist_optim.ShardedDDPAdam on CPU",

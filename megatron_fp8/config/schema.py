@@ -5,7 +5,8 @@ Layout (dotted paths)::
     model.{name_or_path, is_moe, num_layers, hidden_size, intermediate_size, num_attention_heads,
            num_key_value_heads, head_dim, moe_intermediate_size, num_experts}
     policy.{model_name (NeMo-RL's model.name_or_path), train_global_batch_size, train_micro_batch_size, logprob_batch_size}
-    policy.megatron_cfg.{enabled, tensor_model_parallel_size, pipeline_model_parallel_size, expert_model_parallel_size}
+    policy.megatron_cfg.{enabled, tensor_model_parallel_size, pipeline_model_parallel_size, expert_model_parallel_size,
+                         activation_checkpointing, recompute_granularity, recompute_modules}
     policy.megatron_cfg.fp8_cfg.{enabled, fp8, fp8_recipe, fp8_param,
                                  num_first_layers_in_bf16, num_last_layers_in_bf16}
     policy.megatron_cfg.optimizer.{clip_grad, use_distributed_optimizer}
@@ -87,14 +88,9 @@ class ModelConfig:
     Attributes:
         name_or_path: ``"tiny"``, ``"tiny-moe"``, a Hugging Face repo id or a local path.
         is_moe: whether the model has routed experts; ``None`` = derive from the known dims.
-        num_layers: decoder layers; ``None`` = from the known-model table.
-        hidden_size: model width (elements).
-        intermediate_size: dense MLP width (elements).
-        num_attention_heads: query heads.
-        num_key_value_heads: key/value heads.
-        head_dim: elements per head.
-        moe_intermediate_size: width of each expert MLP (MoE only).
-        num_experts: routed experts per MoE layer.
+        num_layers: decoder layers; this and the next fields ``None`` = from the known-model table.
+        hidden_size, intermediate_size, head_dim, moe_intermediate_size (MoE only): widths (elements).
+        num_attention_heads, num_key_value_heads, num_experts: query / key-value heads, routed experts per layer.
     """
 
     name_or_path: str = "tiny"
@@ -116,11 +112,9 @@ class FP8TrainConfig:
     Attributes:
         enabled: train with FP8 at all.
         fp8: Megatron-Core format, ``"e4m3"`` or ``"hybrid"``.
-        fp8_recipe: recipe name from :mod:`megatron_fp8.recipes` (``tensorwise``, ``blockwise``, ``fp8_param``,
-            ``delayed``, ``mxfp8``).
+        fp8_recipe: a recipe of :mod:`megatron_fp8.recipes` (tensorwise, blockwise, fp8_param, delayed, mxfp8).
         fp8_param: FP8 primary weights; with ``fp8_recipe: blockwise`` this is the ``fp8_param`` recipe.
-        num_first_layers_in_bf16: training layers at the start kept in BF16.
-        num_last_layers_in_bf16: training layers at the end kept in BF16.
+        num_first_layers_in_bf16, num_last_layers_in_bf16: training layers at the start / end kept in BF16.
     """
 
     enabled: bool = False
@@ -153,6 +147,9 @@ class MegatronConfig:
         tensor_model_parallel_size: training TP.
         pipeline_model_parallel_size: training PP.
         expert_model_parallel_size: training EP (MoE: routed experts split over the data-parallel ranks).
+        activation_checkpointing: recompute activations in the backward pass (Megatron-Core's recompute).
+        recompute_granularity: ``"full"`` (every layer, uniform, one at a time) or ``"selective"``.
+        recompute_modules: the modules of ``"selective"`` (Megatron-Core's names; ``None`` = ``["core_attn"]``).
         fp8_cfg: FP8 training settings.
         optimizer: optimizer settings.
         env_vars: environment variables set for the training workers (values as strings; ``null`` = none).
@@ -162,6 +159,9 @@ class MegatronConfig:
     tensor_model_parallel_size: int = 1
     pipeline_model_parallel_size: int = 1
     expert_model_parallel_size: int = 1
+    activation_checkpointing: bool = False
+    recompute_granularity: Literal["full", "selective"] = "full"
+    recompute_modules: tuple[str, ...] | None = None
     fp8_cfg: FP8TrainConfig = field(default_factory=FP8TrainConfig)
     optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)
     env_vars: dict[str, str] = field(default_factory=dict)

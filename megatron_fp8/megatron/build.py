@@ -109,6 +109,33 @@ class MegatronModel:
         return self.model
 
 
+@dataclass(frozen=True)
+class RecomputeSettings:
+    """Megatron-Core's activation recompute (NeMo-RL's ``policy.megatron_cfg.activation_checkpointing``).
+
+    Attributes:
+        granularity: ``"full"``: every transformer layer's input is kept and the layer recomputed in the backward
+            pass (``recompute_method="uniform"``, ``recompute_num_layers=1``, as NeMo-RL sets them);
+            ``"selective"``: only ``modules`` are recomputed.
+        modules: Megatron-Core's ``recompute_modules`` for ``"selective"`` (``None``: ``["core_attn"]``).
+    """
+
+    granularity: str = "full"
+    modules: tuple[str, ...] | None = None
+
+    def __post_init__(self) -> None:
+        if self.granularity not in ("full", "selective"):
+            raise ConfigError(f"recompute granularity must be 'full' or 'selective', got {self.granularity!r}")
+
+    def apply(self, provider: GPTModelProvider) -> None:
+        """Write the settings into the provider (a Megatron-Core ``TransformerConfig``) before it is finalized."""
+        provider.recompute_granularity = self.granularity
+        if self.granularity == "full":
+            provider.recompute_method, provider.recompute_num_layers = "uniform", 1
+        else:
+            provider.recompute_modules = list(self.modules or ("core_attn",))
+
+
 def _resolve_dtype(dtype: torch.dtype | str) -> torch.dtype:
     if isinstance(dtype, str):
         try:
@@ -211,6 +238,7 @@ def build_megatron_model(
     configure: Callable[[GPTModelProvider], None] | None = None,
     fp8_format: str | None = None,
     use_distributed_optimizer: bool = False,
+    recompute: RecomputeSettings | None = None,
 ) -> MegatronModel:
     """Build a Megatron-Core model from a Hugging Face checkpoint and load its weights.
 
@@ -232,6 +260,7 @@ def build_megatron_model(
         use_distributed_optimizer: build the DDP grad buffers for Megatron-Core's ``DistributedOptimizer``
             (reduce-scatter) where that optimizer runs (CUDA); on CPU the buffers stay all-reduced and
             :class:`~megatron_fp8.megatron.dist_optim.ShardedDDPAdam` shards the optimizer state.
+        recompute: Megatron-Core's activation recompute (``None``: off).
 
     Returns:
         The :class:`MegatronModel`.
@@ -277,6 +306,8 @@ def build_megatron_model(
         provider = application.config
     else:
         logger.info("recipe %r: %s; building the model without FP8 fields", recipe, application.math_note)
+    if recompute is not None:
+        recompute.apply(provider)
     if configure is not None:
         configure(provider)
     if hasattr(provider, "finalize"):

@@ -22,6 +22,7 @@ from bridge_mappings.quantized_export import ExportSettings
 from megatron_fp8.config.schema import RunConfig
 from megatron_fp8.config.wiring import megatron_parallel_args, vllm_engine_args, vllm_env
 from megatron_fp8.megatron import build_megatron_model, make_optimizer, megatron_parallel
+from megatron_fp8.megatron.build import RecomputeSettings
 from megatron_fp8.rl.checkpoint import CheckpointManager
 from megatron_fp8.rl.distributed import DataParallel, check_against_megatron
 from megatron_fp8.rl.kv_calibration import KVAmaxRecorder, attach_kv_amax_hooks
@@ -191,6 +192,7 @@ def run_arm(
                     fp8_format=mcfg.fp8_cfg.fp8 if spec.fp8_training_recipe else None,
                     dtype=dtype,
                     use_distributed_optimizer=mcfg.optimizer.use_distributed_optimizer,
+                    recompute=recompute_settings(config),
                 )
             fp8_kv = spec.rollout_precision == "fp8" and config.policy.generation.vllm_cfg.kv_cache_dtype == "fp8"
             state = ArmState(
@@ -251,6 +253,14 @@ def run_arm(
         steps=tuple(results),
         seconds=time.perf_counter() - t_arm,
     )
+
+
+def recompute_settings(config: RunConfig) -> RecomputeSettings | None:
+    """``policy.megatron_cfg.activation_checkpointing`` (with its granularity and modules) for Megatron-Core."""
+    mcfg = config.policy.megatron_cfg
+    if not mcfg.activation_checkpointing:
+        return None
+    return RecomputeSettings(granularity=mcfg.recompute_granularity, modules=mcfg.recompute_modules)
 
 
 def _is_number(value: object) -> bool:
