@@ -127,6 +127,12 @@ class RecomputeSettings:
         if self.granularity not in ("full", "selective"):
             raise ConfigError(f"recompute granularity must be 'full' or 'selective', got {self.granularity!r}")
 
+    def describe(self) -> str:
+        """One line: what is recomputed."""
+        if self.granularity == "full":
+            return "full (every layer's input kept, the layer recomputed in the backward pass)"
+        return f"selective ({', '.join(self.modules or ('core_attn',))})"
+
     def apply(self, provider: GPTModelProvider) -> None:
         """Write the settings into the provider (a Megatron-Core ``TransformerConfig``) before it is finalized."""
         provider.recompute_granularity = self.granularity
@@ -308,6 +314,7 @@ def build_megatron_model(
         logger.info("recipe %r: %s; building the model without FP8 fields", recipe, application.math_note)
     if recompute is not None:
         recompute.apply(provider)
+        logger.info("activation recompute: %s", recompute.describe())
     if configure is not None:
         configure(provider)
     if hasattr(provider, "finalize"):

@@ -236,7 +236,7 @@ def test_grpo_sbatch_runs_the_qwen3_8b_config_layout_at_tp2(slurm_cluster, tmp_p
 
 NEMO_RL_PP2 = "tests/config/data/nemo_rl/examples/configs/recipes/llm/grpo-llama3.1-8b-instruct-1n8g-megatron-fp8-rollouts.v3.yaml"
 """NeMo-RL's own recipe (unchanged test data): pipeline_model_parallel_size 2, train_micro_batch_size 1,
-logprob_batch_size 2, use_distributed_optimizer (from its grpo_math_1B.yaml parent)."""
+logprob_batch_size 2, activation_checkpointing, use_distributed_optimizer (from its grpo_math_1B.yaml parent)."""
 TINY_NEMO_RL = (
     "policy.model_name=tiny",
     "policy.megatron_cfg.fp8_cfg.fp8_recipe=tensorwise",
@@ -260,7 +260,8 @@ TINY_NEMO_RL = (
 @pytest.mark.slow
 def test_grpo_sbatch_runs_a_nemo_rl_pipeline_parallel_recipe(slurm_cluster, tmp_path):
     """NeMo-RL's Llama-3.1-8B FP8-rollout recipe's trainer layout (PP=2, one sequence per micro-batch, the
-    distributed optimizer) on the tiny model through the real Slurm: 2 tasks, one replica of 2 stages."""
+    distributed optimizer, full activation recompute) on the tiny model through the real Slurm: 2 tasks, one replica
+    of 2 stages."""
     rc, log = _submit(
         slurm_cluster,
         tmp_path,
@@ -280,7 +281,8 @@ def test_grpo_sbatch_runs_a_nemo_rl_pipeline_parallel_recipe(slurm_cluster, tmp_
     rows = [json.loads(line) for line in (tmp_path / "out" / "metrics.jsonl").read_text().splitlines()]
     assert [(r["arm"], r["step"]) for r in rows] == [("fp8_tis", 0), ("fp8_tis", 1)]
     assert all(r["refit_fp8_bytes"] > 0 and r["refit_max_rel_error"] == 0.0 for r in rows)
-    assert "trainer layout TP 1 x PP 2 x DP 1; rank 1 is pipeline stage 1 of data-parallel replica 0" in log
+    assert "trainer layout TP 1 x PP 2 x DP 1, EP 1; rank 1 is pipeline stage 1 of data-parallel replica 0" in log
+    assert "activation recompute: full" in log  # the recipe's activation_checkpointing: true
     assert "distributed optimizer: data-parallel rank 0 of 1" in log
 
 
