@@ -8,7 +8,8 @@ which depend on the micro-batch and sequence length:
 Adam moments (8 B) and the FP32 gradient buffer (4 B, ``grad_reduce_in_fp32``), per parameter. With
 ``policy.megatron_cfg.optimizer.use_distributed_optimizer`` the FP32 main weights and moments (12 B) are sharded
 over the DP replicas: ``params x (6 B + 12 B / DP) / (TP x PP)``, DP = processes / (TP x PP), the processes taken
-from ``WORLD_SIZE`` or else one node of 8 GPUs. A colocated vLLM engine takes ``gpu_memory_utilization x`` the
+from ``WORLD_SIZE`` or else one node of 8 GPUs. With expert parallelism a GPU holds 1/EP of the routed experts'
+parameters (their optimizer state sharded over DP / EP). A colocated vLLM engine takes ``gpu_memory_utilization x`` the
 GPU's memory besides.
 """
 
@@ -51,6 +52,7 @@ class MemoryEstimate:
         params: model parameters (elements).
         model_parallel: TP x PP (ranks one replica's state is split over).
         data_parallel: DP replicas the distributed optimizer shards its state over (1: not sharded).
+        expert_parallel: EP ranks the routed experts are split over (their parameters count 1/EP per GPU).
         processes: the processes DP was computed from, and where that number came from.
         trainer_bytes: parameters, gradients and optimizer state on one GPU.
         engine_bytes: the colocated rollout engine's share (0 when the rollout ranks are separate).
@@ -61,6 +63,7 @@ class MemoryEstimate:
     params: int
     model_parallel: int
     data_parallel: int
+    expert_parallel: int
     processes: str
     trainer_bytes: int
     engine_bytes: int
@@ -87,8 +90,9 @@ class MemoryEstimate:
         if self.data_parallel > 1:
             rest = TRAINER_BYTES_PER_PARAM - SHARDED_BYTES_PER_PARAM
             per_param = f"({rest} B + {SHARDED_BYTES_PER_PARAM} B / DP {self.data_parallel} of {self.processes})"
+        experts = f", routed experts / EP {self.expert_parallel}" if self.expert_parallel > 1 else ""
         return (
-            f"{count} params x {per_param} / (TP x PP = {self.model_parallel}) = "
+            f"{count} params x {per_param} / (TP x PP = {self.model_parallel}){experts} = "
             f"{self.trainer_bytes / gb:.1f} GB trainer state{engine} = {self.total_bytes / gb:.1f} GB of "
             f"{self.gpu_bytes / gb:.0f} GB ({self.gpu_name}): {verdict}; activations not included"
         )
@@ -127,12 +131,19 @@ def estimate_memory(
         processes, where = int(os.environ["WORLD_SIZE"]), f"WORLD_SIZE {os.environ['WORLD_SIZE']}"
     else:
         processes, where = ASSUMED_PROCESSES, f"{ASSUMED_PROCESSES} GPUs assumed"
-    dp = max(processes // model_parallel, 1) if mcfg.optimizer.use_distributed_optimizer else 1
-    per_replica = params * (TRAINER_BYTES_PER_PARAM - SHARDED_BYTES_PER_PARAM) + params * SHARDED_BYTES_PER_PARAM // dp
+    replicas = max(processes // model_parallel, 1)
+    dp = replicas if mcfg.optimizer.use_distributed_optimizer else 1
+    ep = mcfg.expert_model_parallel_size
+    experts = dims.num_expert_parameters if ep > 1 else 0  # each EP rank holds 1/EP of them
+    expert_dp = max(dp // ep, 1)  # the distributed optimizer shards an expert over the ranks holding it
+    kept, sharded = TRAINER_BYTES_PER_PARAM - SHARDED_BYTES_PER_PARAM, SHARDED_BYTES_PER_PARAM
+    per_replica = (params - experts) * kept + (params - experts) * sharded // dp
+    per_replica += (experts * kept + experts * sharded // expert_dp) // ep
     return MemoryEstimate(
         params=params,
         model_parallel=model_parallel,
         data_parallel=dp,
+        expert_parallel=ep,
         processes=where,
         trainer_bytes=per_replica // model_parallel,
         engine_bytes=engine,

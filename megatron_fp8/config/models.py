@@ -46,6 +46,11 @@ class ModelDims:
         return self.num_experts > 0
 
     @property
+    def num_expert_parameters(self) -> int:
+        """Parameters of the routed experts (split over the expert-parallel ranks), in elements."""
+        return self.num_layers * self.num_experts * 3 * self.hidden_size * int(self.moe_intermediate_size or 0)
+
+    @property
     def num_parameters(self) -> int:
         """Parameters of the model (embeddings, attention, MLP or experts and router, norms), in elements."""
         h, d = self.hidden_size, self.head_dim

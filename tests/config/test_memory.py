@@ -82,3 +82,34 @@ def test_config_prints_the_layout_and_the_estimate_even_when_it_refuses():
         "36.9 GB trainer state + colocated engine 40.0 GB = 76.9 GB of 80 GB" in proc.stdout
     )
     assert "does not fit one GPU" not in proc.stderr
+
+
+def test_expert_parallelism_divides_the_routed_experts():
+    """Qwen3-30B-A3B at EP 8 over 16 replicas with the distributed optimizer: the dense part keeps 6 B and shards
+    12 B over DP 16; each GPU holds 1/8 of the experts, their 12 B sharded over the 2 ranks holding each expert."""
+    dims = KNOWN_MODELS["qwen3-30b-a3b"]
+    cfg = load_config(
+        None,
+        [
+            "model.name_or_path=Qwen/Qwen3-30B-A3B",
+            "policy.megatron_cfg.expert_model_parallel_size=8",
+            "policy.megatron_cfg.optimizer.use_distributed_optimizer=true",
+        ],
+    )
+    est = estimate_memory(cfg, dims, gpu=H100, processes=16)
+    experts, dense = dims.num_expert_parameters, dims.num_parameters - dims.num_expert_parameters
+    assert experts == 48 * 128 * 3 * 2048 * 768
+    assert est.trainer_bytes == dense * 6 + dense * 12 // 16 + (experts * 6 + experts * 12 // 2) // 8
+    assert "routed experts / EP 8" in est.describe()
+    no_ep = estimate_memory(
+        dataclasses.replace(
+            cfg,
+            policy=dataclasses.replace(
+                cfg.policy, megatron_cfg=dataclasses.replace(cfg.policy.megatron_cfg, expert_model_parallel_size=1)
+            ),
+        ),
+        dims,
+        gpu=H100,
+        processes=16,
+    )
+    assert no_ep.trainer_bytes > 3 * est.trainer_bytes
