@@ -35,7 +35,7 @@ import pytest
 pytestmark = [pytest.mark.slow]
 
 REPO = Path(__file__).resolve().parents[2]
-COMMON = ("--steps", "2", "--arms", "bf16,fp8", "policy.megatron_cfg.fp8_cfg.fp8_recipe=tensorwise")
+COMMON = ("--arms", "bf16,fp8", "policy.megatron_cfg.fp8_cfg.fp8_recipe=tensorwise")
 REL = 1e-5
 """Relative tolerance of losses and gradient norms (float32 reductions in another order)."""
 ABS_KL, REL_KL = 1e-7, 1e-2
@@ -43,16 +43,20 @@ ABS_KL, REL_KL = 1e-7, 1e-2
 ~1e-2 each, so last-bit differences of the weights after an update move it by ~1e-7 absolute, < 1% relative."""
 
 
-def _grpo(out: Path, processes: int, *overrides: str) -> list[dict]:
+def _grpo(out: Path, processes: int, *overrides: str, steps: int = 2, check: bool = True) -> list[dict]:
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "MFP8_ROLE", "ROLLOUT_TASKS")}
     env["OMP_NUM_THREADS"] = "1"
-    grpo = [sys.executable, "-m", "megatron_fp8.cli", "grpo", "--out", str(out), *COMMON, *overrides]
+    grpo = [sys.executable, "-m", "megatron_fp8.cli", "grpo", "--out", str(out), "--steps", str(steps), *COMMON]
+    grpo += list(overrides)
     if processes > 1:
         cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={processes}"]
         cmd += ["-m", "megatron_fp8.cli", *grpo[3:]]
     else:
         cmd = grpo
     proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
+    if not check:
+        assert proc.returncode != 0
+        return [{"stderr": proc.stderr}]
     assert proc.returncode == 0, proc.stderr[-4000:]
     return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
 
@@ -114,6 +118,25 @@ def test_pipeline_parallel_2_equals_one_process(tmp_path, one_process):
 def test_pipeline_parallel_2_by_data_parallel_2_equals_data_parallel_2(tmp_path, data_parallel_2):
     got = _grpo(tmp_path / "pp2dp2", 4, *PP2)
     _assert_same_run(got, data_parallel_2, engines_per_replica=2)
+
+
+def test_pipeline_checkpoint_resumes_exactly_and_another_layout_is_refused(tmp_path):
+    """PP=2 with the distributed optimizer: 1 step, a checkpoint per stage, then a rerun to 2 steps resumes and its
+    second step equals the uninterrupted run's exactly; the same checkpoint under TP=2 is refused by name."""
+    ckpt = ("checkpointing.enabled=true", "checkpointing.save_period=1")
+    zero1 = "policy.megatron_cfg.optimizer.use_distributed_optimizer=true"
+    whole = _grpo(tmp_path / "whole", 2, *PP2, zero1, *ckpt, f"checkpointing.checkpoint_dir={tmp_path / 'c1'}")
+    resumed_dir = f"checkpointing.checkpoint_dir={tmp_path / 'c2'}"
+    _grpo(tmp_path / "split", 2, *PP2, zero1, *ckpt, resumed_dir, steps=1)
+    split = _grpo(tmp_path / "split", 2, *PP2, zero1, *ckpt, resumed_dir)
+    keys = ("arm", "step", "reward_mean", "sample", "loss", "grad_norm", "gen_kl", "refit_fp8_bytes")
+    def rows(run: list[dict]) -> list[dict]:
+        return sorted(({k: r[k] for k in keys} for r in run), key=lambda r: (r["arm"], r["step"]))
+
+    assert rows(split) == rows(whole) and len(whole) == 4
+    other = ("policy.megatron_cfg.tensor_model_parallel_size=2", "policy.train_micro_batch_size=16")
+    refused = _grpo(tmp_path / "split", 2, *other, zero1, *ckpt, resumed_dir, steps=3, check=False)[0]["stderr"]
+    assert "pipeline_model_parallel_size" in refused and "tensor_model_parallel_size" in refused
 
 
 def test_distributed_optimizer_is_the_unsharded_run_bit_for_bit(tmp_path, data_parallel_2):
