@@ -216,6 +216,48 @@ class LoadedConfig:
     files: tuple[Path, ...]
 
 
+MOVED_KEYS: dict[str, str] = {
+    "grpo.learning_rate": "policy.megatron_cfg.optimizer.lr",
+    "grpo.max_new_tokens": "policy.generation.max_new_tokens",
+    "grpo.temperature": "policy.generation.temperature",
+}
+"""megatron-fp8's former keys for settings NeMo-RL has a key for: read for one more release (each source's value
+moves to NeMo-RL's key, with a warning naming it), never written out. NeMo-RL's key is the one vocabulary."""
+
+
+def _move_keys(data: JSONValue, where: str, renames: list[tuple[str, str]]) -> JSONValue:
+    """Move every :data:`MOVED_KEYS` entry of one source (a file or the overrides) to NeMo-RL's key.
+
+    Raises:
+        ConfigError: the source gives both spellings.
+    """
+    if not isinstance(data, dict):
+        return data
+    for old, new in MOVED_KEYS.items():
+        *old_parents, old_leaf = old.split(".")
+        parent = data
+        for part in old_parents:
+            parent = parent.get(part) if isinstance(parent, dict) else None
+        if not isinstance(parent, dict) or old_leaf not in parent:
+            continue
+        value = parent.pop(old_leaf)
+        *new_parents, new_leaf = new.split(".")
+        target = data
+        for part in new_parents:
+            nxt = target.get(part) if isinstance(target, dict) else None
+            if nxt is None:
+                nxt = target[part] = {}
+            if not isinstance(nxt, dict):
+                raise ConfigError(f"{where}: {'.'.join(new_parents)} must be a mapping to hold {new}")
+            target = nxt
+        if new_leaf in target:
+            raise ConfigError(f"{where} gives {old} and {new}, the same setting: keep {new} (NeMo-RL's key)")
+        target[new_leaf] = value
+        renames.append((old, new))
+        logger.warning("%s: %s is read as NeMo-RL's %s; write that key (the old name goes in a later release)", where, old, new)
+    return data
+
+
 def _parse_overrides(overrides: Sequence[str]) -> dict[str, JSONValue]:
     cleaned: list[str] = []
     for item in overrides:
@@ -235,12 +277,13 @@ def _compose(path: str | Path | None, overrides: Sequence[str]) -> tuple[dict[st
     tree = compose_file(path) if path is not None else compose_text(default_config_text(), where=DEFAULT_CONFIG_NAME)
     renames: list[tuple[str, str]] = []
     # Aliases are renamed per source first, so an override spelled with an alias replaces the file's value.
-    base = _canonicalize(tree.data, RunConfig, "", renames)
+    where = str(path) if path is not None else DEFAULT_CONFIG_NAME
+    base = _canonicalize(_move_keys(tree.data, where, renames), RunConfig, "", renames)
     sources = dict(tree.sources)
     for old, new in renames:
         for key in [k for k in sources if k == old or k.startswith(old + ".")]:
             sources[new + key[len(old) :]] = sources.pop(key)
-    over = _canonicalize(_parse_overrides(overrides), RunConfig, "", [])
+    over = _canonicalize(_move_keys(_parse_overrides(overrides), "the overrides", []), RunConfig, "", [])
     merged, merged_sources = merge_trees(base, sources, over, {})
     composed = ComposedTree(data=merged, sources=merged_sources, files=tree.files)
     return resolve(composed), composed

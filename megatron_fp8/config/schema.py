@@ -7,9 +7,8 @@ Layout (dotted paths)::
     policy.{model_name (NeMo-RL's model.name_or_path), train_global_batch_size, train_micro_batch_size, logprob_batch_size}
     policy.megatron_cfg.{enabled, tensor_model_parallel_size, pipeline_model_parallel_size, expert_model_parallel_size,
                          activation_checkpointing, recompute_granularity, recompute_modules}
-    policy.megatron_cfg.fp8_cfg.{enabled, fp8, fp8_recipe, fp8_param,
-                                 num_first_layers_in_bf16, num_last_layers_in_bf16}
-    policy.megatron_cfg.optimizer.{clip_grad, use_distributed_optimizer}
+    policy.megatron_cfg.fp8_cfg.{enabled, fp8, fp8_recipe, fp8_param, num_first_layers_in_bf16, num_last_layers_in_bf16}
+    policy.megatron_cfg.optimizer.{lr, weight_decay, adam_beta1, adam_beta2, adam_eps, clip_grad, use_distributed_optimizer}
     policy.megatron_cfg.env_vars.{NAME: value}                     (null = none)
     policy.generation.vllm_cfg.{precision, use_deep_gemm, gpu_memory_utilization,
                                 num_first_layers_in_bf16, num_last_layers_in_bf16,
@@ -18,18 +17,15 @@ Layout (dotted paths)::
                                 quantization_ignored_layer_kws, is_mx, quantization_config}
     loss_fn.{use_importance_sampling_correction, is_variant, is_cap, is_lower, is_upper,
              ratio_clip_min, ratio_clip_max, log_ratio_clamp}
-    policy.generation.colocated.{enabled, resources.{gpus_per_node, num_nodes}}
-    grpo.{num_steps, num_prompts_per_step, num_generations_per_prompt, max_new_tokens,
-          temperature, learning_rate, seed, arms, task, task_max_digits, updates_per_step, warmup_steps,
-          warm_start_steps, warm_start_learning_rate, val_period, val_at_start, max_val_samples}
+    policy.generation.{max_new_tokens, temperature}; policy.generation.colocated.{enabled, resources.{...}}
+    grpo.{num_steps, num_prompts_per_step, num_generations_per_prompt, seed, arms, task, task_max_digits, updates_per_step,
+          warmup_steps, warm_start_steps, warm_start_learning_rate, val_period, val_at_start, max_val_samples}
     data.{max_input_seq_length, shuffle, train.{data_path, input_key, output_key, max_samples},
           validation.{...as train}, default.{prompt_file, system_prompt_file, env_name}}
-    checkpointing.{enabled, checkpoint_dir, save_period, keep_top_k, metric_name, higher_is_better,
-                   save_consolidated}
+    checkpointing.{enabled, checkpoint_dir, save_period, keep_top_k, metric_name, higher_is_better, save_consolidated}
     logger.{log_dir, tensorboard_enabled, wandb_enabled, wandb.{project, name}}
     rollout.{engine}; refit.{bucket_size_mb, timeout_s, verify, transport}
     kv_cache.{percentile, margin}; logging.{level}; out_dir
-
 Every other NeMo-RL key is accepted with no effect (listed in a warning at load; the key set is data:
 ``megatron_fp8/config/nemo_rl_keys.yaml``); a key in neither is rejected with a did-you-mean.
 
@@ -130,10 +126,17 @@ class OptimizerConfig:
     """``policy.megatron_cfg.optimizer``.
 
     Attributes:
+        lr: learning rate (``grpo.warmup_steps`` ramps it from 10%); weight_decay: decoupled, not on 1-D params.
+        adam_beta1, adam_beta2, adam_eps: Adam's coefficients.
         clip_grad: gradient-norm clip (L2).
         use_distributed_optimizer: shard the FP32 main weights and Adam moments over the data-parallel ranks.
     """
 
+    lr: float = 1e-5
+    weight_decay: float = 0.0
+    adam_beta1: float = 0.9
+    adam_beta2: float = 0.999
+    adam_eps: float = 1e-8
     clip_grad: float = 1.0
     use_distributed_optimizer: bool = False
 
@@ -270,11 +273,15 @@ class GenerationConfig:
 
     Attributes:
         backend: the rollout engine (only ``"vllm"``).
+        max_new_tokens, temperature: generation length limit (tokens) and sampling temperature (also the
+            temperature the trainer's log-probabilities are taken at).
         vllm_cfg: vLLM settings.
         colocated: trainer and rollout on the same ranks (default) or on separate ones.
     """
 
     backend: Literal["vllm"] = "vllm"
+    max_new_tokens: int = 16
+    temperature: float = 1.0
     vllm_cfg: VllmConfig = field(default_factory=VllmConfig)
     colocated: ColocatedConfig = field(default_factory=ColocatedConfig)
 
@@ -339,18 +346,14 @@ class GRPOConfig:
         num_steps: training steps per arm.
         num_prompts_per_step: prompts per step.
         num_generations_per_prompt: samples per prompt (the GRPO group size).
-        max_new_tokens: generation length limit (tokens).
-        temperature: sampling temperature.
-        learning_rate: optimizer learning rate.
         seed: RNG seed (prompts, sampling, init).
         arms: which arms to run, keys of :data:`megatron_fp8.vocab.ARMS`.
         task: the verifiable toy task, a key of :data:`megatron_fp8.rl.task.TASKS` (``addition``, ``copy``).
         task_max_digits: operand / string length limit of the task (digits).
         updates_per_step: optimizer updates on each step's batch (PPO epochs; the first is on-policy).
         warmup_steps: steps of linear learning-rate warm-up from 10% (0 = constant).
-        warm_start_steps: supervised steps on task answers before the arms (shared by all arms; 0 = none):
-            a randomly initialised model gets a policy that RL can improve, as RL normally starts from a
-            pretrained model.
+        warm_start_steps: supervised steps on task answers before the arms (shared; 0 = none): a random-init
+            model gets a policy RL can improve, as RL normally starts from a pretrained model.
         warm_start_learning_rate: learning rate of the warm-start steps.
         val_period: validate (accuracy on ``data.validation``, or held-out task problems) every this many
             steps; 0 = never.
@@ -361,9 +364,6 @@ class GRPOConfig:
     num_steps: int = 20
     num_prompts_per_step: int = 8
     num_generations_per_prompt: int = 4
-    max_new_tokens: int = 16
-    temperature: float = 1.0
-    learning_rate: float = 1e-5
     seed: int = 0
     arms: tuple[str, ...] = tuple(vocab.ARMS)
     task: str = "addition"

@@ -492,15 +492,22 @@ def grpo_rules(cfg: RunConfig) -> list[str]:
         "num_steps",
         "num_prompts_per_step",
         "num_generations_per_prompt",
-        "max_new_tokens",
         "task_max_digits",
         "updates_per_step",
     )
     problems = _at_least("grpo", g, counts, 1)
-    if g.temperature <= 0:
-        problems.append(f"grpo.temperature must be > 0, got {g.temperature}")
-    if g.learning_rate <= 0:
-        problems.append(f"grpo.learning_rate must be > 0, got {g.learning_rate}")
+    gen, opt = cfg.policy.generation, cfg.policy.megatron_cfg.optimizer
+    if gen.temperature <= 0:
+        problems.append(f"policy.generation.temperature must be > 0, got {gen.temperature}")
+    if gen.max_new_tokens < 1:
+        problems.append(f"policy.generation.max_new_tokens must be >= 1, got {gen.max_new_tokens}")
+    if opt.lr <= 0:
+        problems.append(f"policy.megatron_cfg.optimizer.lr must be > 0, got {opt.lr}")
+    if opt.weight_decay < 0 or opt.adam_eps <= 0 or not (0 <= opt.adam_beta1 < 1 and 0 <= opt.adam_beta2 < 1):
+        problems.append(
+            "policy.megatron_cfg.optimizer: weight_decay >= 0, adam_eps > 0 and adam_beta1, adam_beta2 in [0, 1) "
+            f"(got {opt.weight_decay}, {opt.adam_eps}, {opt.adam_beta1}, {opt.adam_beta2})"
+        )
     arms = ", ".join(vocab.ARMS)
     if not g.arms:
         problems.append(f"grpo.arms is empty; choose from {arms}")

@@ -243,6 +243,7 @@ def make_optimizer(
     weight_decay: float = 0.0,
     clip_grad: float = 1.0,
     adam_eps: float = 1e-8,
+    betas: tuple[float, float] = (0.9, 0.999),
     backend: str = "auto",
     distributed: bool = False,
 ) -> StepOptimizer:
@@ -254,6 +255,7 @@ def make_optimizer(
         weight_decay: decoupled weight decay (not on biases / 1-D parameters).
         clip_grad: global gradient-norm clip (0 disables clipping).
         adam_eps: Adam epsilon.
+        betas: Adam ``(beta1, beta2)``.
         backend: ``"megatron"`` (Megatron-Core's ``get_megatron_optimizer`` with
             ``OptimizerConfig(optimizer="adam")``; needs CUDA),
             ``"torch"`` (:class:`~megatron_fp8.megatron.optim.MegatronDDPAdam`, runs anywhere), or
@@ -281,7 +283,9 @@ def make_optimizer(
         ) from None
     if lr <= 0:
         raise ConfigError(f"lr must be > 0, got {lr}")
-    config = AdamConfig(lr=lr, weight_decay=weight_decay, eps=adam_eps, clip_grad=clip_grad, distributed=distributed)
+    config = AdamConfig(
+        lr=lr, weight_decay=weight_decay, betas=betas, eps=adam_eps, clip_grad=clip_grad, distributed=distributed
+    )
     with cpu_device_patches():
         optimizer = builder(m, config)
     logger.debug("made %s (backend %s, lr %g, weight decay %g)", type(optimizer).__name__, backend, lr, weight_decay)

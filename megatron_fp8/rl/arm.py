@@ -200,7 +200,10 @@ def run_arm(
                 model=model,
                 optimizer=make_optimizer(
                     model,
-                    lr=config.grpo.learning_rate,
+                    lr=mcfg.optimizer.lr,
+                    weight_decay=mcfg.optimizer.weight_decay,
+                    betas=(mcfg.optimizer.adam_beta1, mcfg.optimizer.adam_beta2),
+                    adam_eps=mcfg.optimizer.adam_eps,
                     clip_grad=mcfg.optimizer.clip_grad,
                     distributed=mcfg.optimizer.use_distributed_optimizer,
                 ),

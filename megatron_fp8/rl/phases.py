@@ -216,8 +216,8 @@ def rollout_phase(state: ArmState, ctx: GRPOContext, *, step: int) -> RolloutOut
     t0 = time.perf_counter()
     rollout = state.engine.generate(
         flat_prompts,
-        max_new_tokens=g.max_new_tokens,
-        temperature=g.temperature,
+        max_new_tokens=ctx.config.policy.generation.max_new_tokens,
+        temperature=ctx.config.policy.generation.temperature,
         seed=g.seed * 1_000_003 + step * 10_007,
         eos_token_id=ctx.eos_id,
     )
@@ -266,11 +266,11 @@ def score_phase(out: RolloutOutcome, ctx: GRPOContext) -> Scores:
 
 
 def learning_rate_at(step: int, config: RunConfig) -> float:
-    """``grpo.learning_rate``, ramped linearly from 10% over ``grpo.warmup_steps``."""
-    g = config.grpo
+    """``policy.megatron_cfg.optimizer.lr``, ramped linearly from 10% over ``grpo.warmup_steps``."""
+    g, lr = config.grpo, config.policy.megatron_cfg.optimizer.lr
     if g.warmup_steps <= 0 or step >= g.warmup_steps:
-        return g.learning_rate
-    return g.learning_rate * (0.1 + 0.9 * step / g.warmup_steps)
+        return lr
+    return lr * (0.1 + 0.9 * step / g.warmup_steps)
 
 
 def is_config(config: RunConfig) -> ISConfig:
@@ -319,7 +319,7 @@ def train_phase(state: ArmState, ctx: GRPOContext, out: RolloutOutcome, scores: 
         logp_old = sequence_logprobs(
             state.model,
             batch.input_ids,
-            temperature=g.temperature,
+            temperature=config.policy.generation.temperature,
             attention_mask=batch.attention_mask,
             batch_size=config.policy.logprob_batch_size,
         )
@@ -367,7 +367,7 @@ def train_phase(state: ArmState, ctx: GRPOContext, out: RolloutOutcome, scores: 
                 state.optimizer,
                 update_loss(update),
                 {k: v[update] for k, v in model_inputs.items()},
-                temperature=g.temperature,
+                temperature=config.policy.generation.temperature,
                 micro_batch_size=config.policy.train_micro_batch_size,
             )
             losses.append(result.loss)

@@ -105,12 +105,12 @@ def write_summary(
     p = Path(path)
     lines = ["# GRPO: BF16 vs FP8 rollout", ""]
     if config is not None:
-        g = config.grpo
+        g, gen, opt = config.grpo, config.policy.generation, config.policy.megatron_cfg.optimizer
         steps = max((len(a.steps) for a in arms), default=0)
         lines += [
             f"- model: `{config.model.name_or_path}`; {_problems_line(config)}",
             f"- {steps} steps x {g.num_prompts_per_step} prompts x {g.num_generations_per_prompt} generations, "
-            f"max {g.max_new_tokens} new tokens, temperature {g.temperature}, lr {g.learning_rate:g}, seed {g.seed}",
+            f"max {gen.max_new_tokens} new tokens, temperature {gen.temperature}, lr {opt.lr:g}, seed {g.seed}",
             f"- correction of arm fp8_tis: `{config.loss_fn.is_variant}` with cap C={config.loss_fn.is_cap:g}",
         ]
     if manifest_source:

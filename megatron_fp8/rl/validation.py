@@ -3,7 +3,7 @@
 The validation problems (``data.validation``, or held-out problems of the built-in task:
 :meth:`~megatron_fp8.rl.data.ProblemSource.validation_problems`, at most ``grpo.max_val_samples``) are
 answered once each by the arm's rollout engine, as it serves the policy at that moment (FP8 weights on the
-FP8 arms), at ``grpo.temperature`` with a fixed seed, so two validations of one policy give the same answers.
+FP8 arms), at ``policy.generation.temperature`` with a fixed seed, so two validations of one policy give the same answers.
 Accuracy = fraction of exactly right answers (the reward's ``exact``); the mean reward is logged beside it.
 Data-parallel ranks answer a share each; the counts are summed over ranks.
 
@@ -97,8 +97,8 @@ def validate(
         prompt_ids = tuple(tokenizer.encode(p.prompt, add_special_tokens=False) for p in mine)
         rollout = engine.generate(
             prompt_ids,
-            max_new_tokens=g.max_new_tokens,
-            temperature=g.temperature,
+            max_new_tokens=config.policy.generation.max_new_tokens,
+            temperature=config.policy.generation.temperature,
             seed=g.seed + VALIDATION_SEED,
             eos_token_id=eos_id,
         )

@@ -41,6 +41,13 @@ def _config(**grpo) -> RunConfig:
     return dataclasses.replace(base, grpo=dataclasses.replace(base.grpo, **grpo))
 
 
+def _with_lr(lr: float) -> RunConfig:
+    base = RunConfig()
+    mcfg = base.policy.megatron_cfg
+    mcfg = dataclasses.replace(mcfg, optimizer=dataclasses.replace(mcfg.optimizer, lr=lr))
+    return dataclasses.replace(base, policy=dataclasses.replace(base.policy, megatron_cfg=mcfg))
+
+
 def _manager(path: Path, *, arm: str = "bf16", config: RunConfig | None = None, **cfg) -> CheckpointManager:
     settings = CheckpointingConfig(enabled=True, checkpoint_dir=str(path), **cfg)
     return CheckpointManager(cfg=settings, arm=arm, fingerprint=config_fingerprint(config or _config()), is_writer=True)
@@ -70,8 +77,8 @@ def test_fingerprint_ignores_steps_validation_arms_and_transport():
     longer = _config(num_steps=500, val_period=5, val_at_start=True, max_val_samples=3, arms=("bf16",))
     longer = dataclasses.replace(longer, refit=dataclasses.replace(longer.refit, transport="gloo", bucket_size_mb=8))
     assert config_fingerprint(longer) == base
-    diffs = ckpt.fingerprint_differences(base, config_fingerprint(_config(learning_rate=3e-4)))
-    assert diffs == (("grpo.learning_rate", 1e-5, 3e-4),)
+    diffs = ckpt.fingerprint_differences(base, config_fingerprint(_with_lr(3e-4)))
+    assert diffs == (("policy.megatron_cfg.optimizer.lr", 1e-5, 3e-4),)
     assert "refit" not in base and "checkpointing" not in base and "num_steps" not in base["grpo"]
 
 
@@ -262,15 +269,15 @@ def test_another_config_is_refused_naming_every_key(tmp_path, trainer, fresh):
     _save(_manager(tmp_path), trainer, 2)
     more_steps = _manager(tmp_path, config=_config(num_steps=400))
     assert more_steps.latest().step == 2
-    other = _config(learning_rate=3e-4)
+    other = _with_lr(3e-4)
     other = dataclasses.replace(other, model=dataclasses.replace(other.model, name_or_path="tiny-llama"))
     with pytest.raises(CheckpointMismatchError) as info:
         _manager(tmp_path, config=other).load_latest(model=fresh, optimizer=_fresh_optimizer(fresh))
     message = str(info.value)
-    assert "grpo.learning_rate: 1e-05 (checkpoint) != 0.0003 (now)" in message
+    assert "policy.megatron_cfg.optimizer.lr: 1e-05 (checkpoint) != 0.0003 (now)" in message
     assert "model.name_or_path: 'tiny' (checkpoint) != 'tiny-llama' (now)" in message
     assert "checkpoint_dir" in message and "2 key(s) differ" in message
-    assert {d[0] for d in info.value.differences} == {"grpo.learning_rate", "model.name_or_path"}
+    assert {d[0] for d in info.value.differences} == {"policy.megatron_cfg.optimizer.lr", "model.name_or_path"}
     assert isinstance(info.value, ConfigError)
 
 

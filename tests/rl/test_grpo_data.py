@@ -80,8 +80,9 @@ def test_checkpoint_of_another_config_is_refused_before_anything_is_touched(tmp_
     out = tmp_path / "out"
     run_grpo(_config(tmp_path), out_dir=out, steps=1, arms=["fp8"], progress=False)
     before = (out / METRICS_FILE).read_text()
-    with pytest.raises(ConfigError, match=r"grpo\.learning_rate"):
-        run_grpo(_config(tmp_path, "grpo.learning_rate=0.5"), out_dir=out, steps=2, arms=["fp8"], progress=False)
+    with pytest.raises(ConfigError, match=r"policy\.megatron_cfg\.optimizer\.lr"):
+        lr = "policy.megatron_cfg.optimizer.lr=0.5"
+        run_grpo(_config(tmp_path, lr), out_dir=out, steps=2, arms=["fp8"], progress=False)
     assert (out / METRICS_FILE).read_text() == before
 
 

@@ -200,7 +200,7 @@ TINY_8B_LAYOUT = (
     "policy.megatron_cfg.fp8_cfg.fp8_recipe=tensorwise",  # the tiny model's TP=2 shards are not 128x128 blocks
     "grpo.num_prompts_per_step=4",
     "grpo.num_generations_per_prompt=4",
-    "grpo.max_new_tokens=16",
+    "policy.generation.max_new_tokens=16",
     "grpo.val_at_start=false",
     "data.train.data_path=data/math_tiny/train.jsonl",
     "data.validation.data_path=data/math_tiny/validation.jsonl",
@@ -242,7 +242,7 @@ TINY_NEMO_RL = (
     "policy.megatron_cfg.fp8_cfg.fp8_recipe=tensorwise",
     "grpo.num_prompts_per_step=4",
     "grpo.num_generations_per_prompt=4",
-    "grpo.max_new_tokens=16",
+    "policy.generation.max_new_tokens=16",
     "grpo.val_at_start=false",
     "policy.train_global_batch_size=16",
     "data.default.prompt_file=null",

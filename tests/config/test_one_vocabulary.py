@@ -1,0 +1,89 @@
+"""Issue 21 (part): NeMo-RL's keys drive the run; megatron-fp8's former keys for the same settings only move to them.
+
+NeMo-RL's ``policy.megatron_cfg.optimizer.{lr, weight_decay, adam_beta1, adam_beta2, adam_eps}`` and
+``policy.generation.{max_new_tokens, temperature}`` are the keys of those settings; ``grpo.learning_rate``,
+``grpo.max_new_tokens`` and ``grpo.temperature`` are read for one more release, moved to NeMo-RL's key with a
+warning that names it, and can never shadow it.
+"""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+
+import pytest
+
+from megatron_fp8.config.inheritance import leaf_paths
+from megatron_fp8.config.loader import MOVED_KEYS, load_config, load_config_report
+from megatron_fp8.config.nemo_rl_keys import known_keys
+from megatron_fp8.config.schema import RunConfig
+from megatron_fp8.errors import ConfigError
+from megatron_fp8.rl.phases import learning_rate_at
+
+DATA = Path(__file__).parent / "data" / "nemo_rl" / "examples" / "configs"
+
+
+def test_nemo_rl_8b_fp8_config_runs_with_its_own_optimizer_lengths_and_sampling():
+    """NeMo-RL's own file, unchanged: its values, not megatron-fp8 defaults, are what the run uses."""
+    loaded = load_config_report(DATA / "grpo_math_8B_megatron_fp8.yaml")
+    cfg = loaded.config
+    opt, gen = cfg.policy.megatron_cfg.optimizer, cfg.policy.generation
+    assert (opt.lr, opt.weight_decay, opt.adam_beta1, opt.adam_beta2, opt.adam_eps) == (3e-7, 0.01, 0.9, 0.999, 1e-8)
+    assert (gen.max_new_tokens, gen.temperature) == (4096, 1.0)
+    assert learning_rate_at(0, cfg) == 3e-7  # the rate the first update is taken with
+    for key in (
+        "policy.megatron_cfg.optimizer.lr",
+        "policy.megatron_cfg.optimizer.weight_decay",
+        "policy.generation.max_new_tokens",
+        "policy.generation.temperature",
+    ):
+        assert key not in loaded.no_effect, key
+    assert Path(loaded.sources["policy.megatron_cfg.optimizer.lr"]).name == "grpo_math_8B_megatron.yaml"
+
+
+def test_former_keys_move_to_nemo_rl_keys_with_a_warning(caplog):
+    with caplog.at_level(logging.WARNING, logger="megatron_fp8.config.loader"):
+        cfg = load_config(None, ["grpo.learning_rate=0.25", "grpo.max_new_tokens=7", "grpo.temperature=0.5"])
+    assert cfg.policy.megatron_cfg.optimizer.lr == 0.25
+    assert (cfg.policy.generation.max_new_tokens, cfg.policy.generation.temperature) == (7, 0.5)
+    for old, new in MOVED_KEYS.items():
+        assert f"{old} is read as NeMo-RL's {new}; write that key" in caplog.text
+
+
+def test_an_override_spelled_the_old_way_beats_the_files_nemo_rl_key(tmp_path):
+    path = tmp_path / "run.yaml"
+    path.write_text("policy:\n  megatron_cfg:\n    optimizer:\n      lr: 3.0e-7\n")
+    assert load_config(path, []).policy.megatron_cfg.optimizer.lr == 3e-7
+    assert load_config(path, ["grpo.learning_rate=1e-4"]).policy.megatron_cfg.optimizer.lr == 1e-4
+
+
+def test_both_spellings_in_one_source_are_refused(tmp_path):
+    path = tmp_path / "run.yaml"
+    path.write_text("grpo:\n  learning_rate: 1.0e-4\npolicy:\n  megatron_cfg:\n    optimizer:\n      lr: 3.0e-7\n")
+    with pytest.raises(ConfigError, match="gives grpo.learning_rate and policy.megatron_cfg.optimizer.lr"):
+        load_config(path, [])
+
+
+def test_no_project_key_shadows_a_nemo_rl_key():
+    """Every moved setting has one key: NeMo-RL's, which the schema implements; the former key is not in it."""
+    schema = set(leaf_paths(RunConfig().to_dict()))
+    nemo_rl = known_keys()
+    for old, new in MOVED_KEYS.items():
+        assert old not in schema and new in schema
+        assert nemo_rl.is_known(new), new
+    for key in ("policy.megatron_cfg.optimizer.lr", "policy.generation.max_new_tokens"):
+        assert key in schema
+
+
+@pytest.mark.parametrize(
+    ("override", "message"),
+    [
+        ("policy.megatron_cfg.optimizer.lr=0", "policy.megatron_cfg.optimizer.lr must be > 0"),
+        ("policy.generation.temperature=0", "policy.generation.temperature must be > 0"),
+        ("policy.generation.max_new_tokens=0", "policy.generation.max_new_tokens must be >= 1"),
+        ("policy.megatron_cfg.optimizer.adam_beta2=1.5", "adam_beta1, adam_beta2 in [0, 1)"),
+    ],
+)
+def test_bad_values_name_the_nemo_rl_key(override, message):
+    with pytest.raises(ConfigError, match=message.replace("[", r"\[").replace(")", r"\)").replace("(", r"\(")):
+        load_config(None, [override])
