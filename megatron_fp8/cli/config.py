@@ -29,7 +29,8 @@ import sys
 from megatron_fp8.cli._noise import quiet_third_party
 from megatron_fp8.config.explain import explain_rows, render_json, render_text
 from megatron_fp8.config.loader import load_config_report
-from megatron_fp8.config.memory import layout_report, refuse_unimplemented_layout
+from megatron_fp8.config.memory import layout_report
+from megatron_fp8.config.refusals import refuse_before_run
 from megatron_fp8.config.schema import RunConfig
 
 logger = logging.getLogger(__name__)
@@ -74,7 +75,7 @@ def run(args: argparse.Namespace) -> int:
         return 0
     for line in _layout_lines(cfg):  # before the preflight: a config it refuses still shows its layout
         print(line, file=sys.stderr if args.json else sys.stdout)
-    refuse_unimplemented_layout(loaded.no_effect)
+    refuse_before_run(cfg, loaded.no_effect)
     report = preflight(
         cfg, download=False, launch_checks="WORLD_SIZE" in os.environ
     )  # every check `grpo` makes before it touches a model

@@ -17,7 +17,7 @@ from pathlib import Path
 
 from megatron_fp8.cli._noise import quiet_third_party
 from megatron_fp8.config import load_config_report
-from megatron_fp8.config.memory import refuse_unimplemented_layout
+from megatron_fp8.config.refusals import refuse_before_run
 from megatron_fp8.errors import UsageError
 from megatron_fp8.vocab import ARMS
 
@@ -45,8 +45,8 @@ def run_job(args: argparse.Namespace) -> tuple[Path, Path, Path] | None:
 
     refuse_empty_config(args.config)
     loaded = load_config_report(args.config, list(getattr(args, "overrides", []) or []))
-    refuse_unimplemented_layout(loaded.no_effect)
     config = loaded.config
+    refuse_before_run(config, loaded.no_effect)
     logging.getLogger().setLevel(config.logging.level if not verbose else "DEBUG")
     arms = None
     if getattr(args, "arms", None):

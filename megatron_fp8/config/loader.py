@@ -254,7 +254,9 @@ def _move_keys(data: JSONValue, where: str, renames: list[tuple[str, str]]) -> J
             raise ConfigError(f"{where} gives {old} and {new}, the same setting: keep {new} (NeMo-RL's key)")
         target[new_leaf] = value
         renames.append((old, new))
-        logger.warning("%s: %s is read as NeMo-RL's %s; write that key (the old name goes in a later release)", where, old, new)
+        logger.warning(
+            "%s: %s is read as NeMo-RL's %s; write that key (the old name goes in a later release)", where, old, new
+        )
     return data
 
 

@@ -21,7 +21,6 @@ from dataclasses import dataclass
 
 from megatron_fp8.config.models import ModelDims, known_dims
 from megatron_fp8.config.schema import JSONValue, RunConfig
-from megatron_fp8.errors import ConfigError
 
 UNIMPLEMENTED_LAYOUT: dict[str, tuple[JSONValue, ...]] = {
     "policy.megatron_cfg.context_parallel_size": (1, None),
@@ -161,17 +160,6 @@ def unimplemented_layout(no_effect: Mapping[str, JSONValue]) -> list[str]:
         for key, allowed in UNIMPLEMENTED_LAYOUT.items()
         if key in no_effect and no_effect[key] not in allowed
     ]
-
-
-def refuse_unimplemented_layout(no_effect: Mapping[str, JSONValue]) -> None:
-    """Raise when :func:`unimplemented_layout` finds a problem (``config`` and ``grpo`` call it before the run).
-
-    Raises:
-        ConfigError: ``"this run cannot start:"`` and one line per key.
-    """
-    problems = unimplemented_layout(no_effect)
-    if problems:
-        raise ConfigError("this run cannot start:\n" + "\n".join(f"  - {p}" for p in problems))
 
 
 def describe_layout(cfg: RunConfig) -> str:

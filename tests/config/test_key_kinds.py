@@ -130,7 +130,8 @@ def test_is_mx_refused_naming_blackwell_and_megatron_enabled_false_refused():
 
 def test_unimplemented_layouts_are_refused_naming_the_key():
     """Issue 27: a layout megatron-fp8 does not run is refused before a run, never approved; its default is not."""
-    from megatron_fp8.config.memory import refuse_unimplemented_layout, unimplemented_layout
+    from megatron_fp8.config.memory import unimplemented_layout
+    from megatron_fp8.config.refusals import refuse_before_run
 
     loaded = load_config_report(
         None, ["policy.megatron_cfg.sequence_parallel=true", "policy.megatron_cfg.context_parallel_size=2"]
@@ -141,7 +142,7 @@ def test_unimplemented_layouts_are_refused_naming_the_key():
         "policy.megatron_cfg.sequence_parallel",
     ]
     with pytest.raises(ConfigError, match=r"this run cannot start:\n  - policy.megatron_cfg.context_parallel_size=2"):
-        refuse_unimplemented_layout(loaded.no_effect)
+        refuse_before_run(loaded.config, loaded.no_effect)
     defaults = load_config_report(None, ["policy.megatron_cfg.sequence_parallel=false"]).no_effect
     assert unimplemented_layout(defaults) == []
     nemo_rl_8b = load_config_report(DATA / "examples/configs/grpo_math_8B_megatron_fp8.yaml").no_effect

@@ -87,3 +87,29 @@ def test_no_project_key_shadows_a_nemo_rl_key():
 def test_bad_values_name_the_nemo_rl_key(override, message):
     with pytest.raises(ConfigError, match=message.replace("[", r"\[").replace(")", r"\)").replace("(", r"\(")):
         load_config(None, [override])
+
+
+def test_a_dataset_name_without_a_local_file_refuses_the_run_instead_of_the_toy_task(tmp_path):
+    """NeMo-RL's 8B FP8 file names OpenMathInstruct-2 (a Hugging Face dataset): it loads, but a run of it does not
+    start on the built-in task; staged as a local file, it runs."""
+    from megatron_fp8.config.refusals import refuse_before_run
+
+    loaded = load_config_report(DATA / "grpo_math_8B_megatron_fp8.yaml")
+    with pytest.raises(ConfigError, match=r"data.train.dataset_name='OpenMathInstruct-2' names a Hugging Face") as info:
+        refuse_before_run(loaded.config, loaded.no_effect)
+    assert "huggingface-cli download" in str(info.value) and "set data.train.data_path" in str(info.value)
+    staged = tmp_path / "train.jsonl"
+    staged.write_text('{"problem": "1+1", "expected_answer": "2"}\n')
+    ok = load_config_report(DATA / "grpo_math_8B_megatron_fp8.yaml", [f"data.train.data_path={staged}"])
+    remaining = [p for p in str(_refusal(ok)).splitlines() if "data.train." in p]
+    assert remaining == []
+
+
+def _refusal(loaded) -> str:
+    from megatron_fp8.config.refusals import refuse_before_run
+
+    try:
+        refuse_before_run(loaded.config, loaded.no_effect)
+    except ConfigError as exc:
+        return str(exc)
+    return ""

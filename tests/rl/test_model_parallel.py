@@ -130,6 +130,7 @@ def test_pipeline_checkpoint_resumes_exactly_and_another_layout_is_refused(tmp_p
     _grpo(tmp_path / "split", 2, *PP2, zero1, *ckpt, resumed_dir, steps=1)
     split = _grpo(tmp_path / "split", 2, *PP2, zero1, *ckpt, resumed_dir)
     keys = ("arm", "step", "reward_mean", "sample", "loss", "grad_norm", "gen_kl", "refit_fp8_bytes")
+
     def rows(run: list[dict]) -> list[dict]:
         return sorted(({k: r[k] for k in keys} for r in run), key=lambda r: (r["arm"], r["step"]))
 
