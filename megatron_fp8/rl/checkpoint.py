@@ -60,8 +60,6 @@ from megatron_fp8.rl.checkpoint_files import (
     from_writer,
     hf_dtype,
     metrics_to_json,
-    model_file,
-    optim_file,
     publish,
     remove_leftovers,
     remove_tree,
@@ -393,11 +391,10 @@ class CheckpointManager:
     ) -> dict[str, FileRecord]:
         records: dict[str, FileRecord] = {}
         optimizer_state = optimizer.state_dict()  # on every rank: the distributed optimizer gathers its shards
-        if place.dp_rank == 0:  # one writer per (tp, pp): data-parallel replicas are identical
-            name = model_file(place.tp_rank, place.pp_rank)
-            records[name] = save_torch({"chunks": [chunk.state_dict() for chunk in model.model]}, tmp / name)
-            name = optim_file(place.tp_rank, place.pp_rank)
-            records[name] = save_torch(optimizer_state, tmp / name)
+        if place.writes_model:  # one writer per (tp, pp[, ep]) shard: data-parallel replicas are identical
+            model_name, optim_name = place.files()
+            records[model_name] = save_torch({"chunks": [c.state_dict() for c in model.model]}, tmp / model_name)
+            records[optim_name] = save_torch(optimizer_state, tmp / optim_name)
         name = rng_file(place.rank)
         records[name] = save_torch(rng, tmp / name)
         if self.cfg.save_consolidated:
@@ -428,7 +425,12 @@ class CheckpointManager:
             "extra": extra,
             "fingerprint": self.fingerprint,
             "versions": versions(),
-            "parallel": {"tensor": place.tp_size, "pipeline": place.pp_size, "world_size": place.world_size},
+            "parallel": {
+                "tensor": place.tp_size,
+                "pipeline": place.pp_size,
+                "expert": place.ep_size,
+                "world_size": place.world_size,
+            },
             "param_dtype": str(model.dtype).removeprefix("torch."),
             "hf_dtype": str(hf_dtype(model.hf_path)).removeprefix("torch.") if self.cfg.save_consolidated else None,
             "saved_at": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
@@ -482,13 +484,14 @@ class CheckpointManager:
         self._check_place(place)
         self.check_fingerprint(info)
         parallel = info.metadata.get("parallel") or {}
-        if (parallel.get("tensor"), parallel.get("pipeline")) != (place.tp_size, place.pp_size):
+        saved = (parallel.get("tensor"), parallel.get("pipeline"), parallel.get("expert", 1))
+        if saved != (place.tp_size, place.pp_size, place.ep_size):
             raise ConfigError(
-                f"checkpoint {info.path} was saved with tensor/pipeline parallel sizes "
-                f"{parallel.get('tensor')}/{parallel.get('pipeline')}, this run has {place.tp_size}/{place.pp_size}; "
+                f"checkpoint {info.path} was saved with tensor/pipeline/expert parallel sizes "
+                f"{'/'.join(map(str, saved))}, this run has {place.tp_size}/{place.pp_size}/{place.ep_size}; "
                 "resume with the same sizes"
             )
-        names = [model_file(place.tp_rank, place.pp_rank), optim_file(place.tp_rank, place.pp_rank)]
+        names = list(place.files())
         rng_name = rng_file(place.rank)
         has_rng = rng_name in info.files
         problems = verify_files(info, [*names, rng_name] if has_rng else names)

@@ -46,7 +46,6 @@ import torch.distributed as dist
 from safetensors.torch import save_file
 
 from megatron_fp8.config.schema import JSONValue
-from megatron_fp8.errors import ConfigError
 from megatron_fp8.files import write_atomically
 
 logger = logging.getLogger(__name__)
@@ -75,14 +74,19 @@ def tmp_dir_name(step: int) -> str:
     return f".step_{step}.tmp"
 
 
-def model_file(tp_rank: int, pp_rank: int) -> str:
-    """File of the module state dicts of model-parallel rank ``(tp_rank, pp_rank)``."""
-    return f"model_tp{tp_rank:02d}_pp{pp_rank:02d}.pt"
+def _expert_suffix(ep_rank: int | None) -> str:
+    return "" if ep_rank is None else f"_ep{ep_rank:02d}"
 
 
-def optim_file(tp_rank: int, pp_rank: int) -> str:
-    """File of the optimizer state of model-parallel rank ``(tp_rank, pp_rank)``."""
-    return f"optim_tp{tp_rank:02d}_pp{pp_rank:02d}.pt"
+def model_file(tp_rank: int, pp_rank: int, ep_rank: int | None = None) -> str:
+    """File of the module state dicts of model-parallel rank ``(tp_rank, pp_rank)``; under expert parallelism one per
+    expert-parallel rank too (``ep_rank``; ``None`` without expert parallelism)."""
+    return f"model_tp{tp_rank:02d}_pp{pp_rank:02d}{_expert_suffix(ep_rank)}.pt"
+
+
+def optim_file(tp_rank: int, pp_rank: int, ep_rank: int | None = None) -> str:
+    """File of the optimizer state of model-parallel rank ``(tp_rank, pp_rank)`` (and ``ep_rank``, as model_file)."""
+    return f"optim_tp{tp_rank:02d}_pp{pp_rank:02d}{_expert_suffix(ep_rank)}.pt"
 
 
 def rng_file(rank: int) -> str:
@@ -497,14 +501,24 @@ class Place:
     tp_size: int
     pp_size: int
     dp_rank: int
+    ep_rank: int = 0
+    ep_size: int = 1
+    expert_dp_rank: int = 0
+
+    @property
+    def writes_model(self) -> bool:
+        """One writer per model shard: data-parallel rank 0, or under expert parallelism (each EP rank holds other
+        experts) expert-data-parallel rank 0 of each EP rank."""
+        return self.dp_rank == 0 if self.ep_size == 1 else self.expert_dp_rank == 0
+
+    def files(self) -> tuple[str, str]:
+        """This rank's ``(model file, optimizer file)``."""
+        ep = self.ep_rank if self.ep_size > 1 else None
+        return model_file(self.tp_rank, self.pp_rank, ep), optim_file(self.tp_rank, self.pp_rank, ep)
 
 
 def current_place() -> Place:
-    """This process's :class:`Place` (torch.distributed and Megatron-Core parallel state when initialised).
-
-    Raises:
-        ConfigError: expert parallelism > 1 (not implemented).
-    """
+    """This process's :class:`Place` (torch.distributed and Megatron-Core parallel state when initialised)."""
     rank, world = (dist.get_rank(), dist.get_world_size()) if dist.is_available() and dist.is_initialized() else (0, 1)
     try:
         from megatron.core import parallel_state  # lazy: Megatron-Core is optional (the GPU test box has torch only)
@@ -512,11 +526,6 @@ def current_place() -> Place:
         parallel_state = None
     if parallel_state is None or not parallel_state.model_parallel_is_initialized():
         return Place(rank, world, 0, 0, 1, 1, rank)
-    if parallel_state.get_expert_model_parallel_world_size() > 1:
-        raise ConfigError(
-            "checkpointing with expert_model_parallel_size > 1 is not implemented (expert shards live on "
-            "data-parallel ranks); disable checkpointing.enabled or use expert parallelism 1"
-        )
     return Place(
         rank=rank,
         world_size=world,
@@ -525,6 +534,9 @@ def current_place() -> Place:
         tp_size=parallel_state.get_tensor_model_parallel_world_size(),
         pp_size=parallel_state.get_pipeline_model_parallel_world_size(),
         dp_rank=parallel_state.get_data_parallel_rank(),
+        ep_rank=parallel_state.get_expert_model_parallel_rank(),
+        ep_size=parallel_state.get_expert_model_parallel_world_size(),
+        expert_dp_rank=parallel_state.get_expert_data_parallel_rank(),
     )
 
 

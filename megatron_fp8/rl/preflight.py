@@ -230,8 +230,7 @@ def _argument_problems(config: RunConfig, *, n_steps: int, arm_names: tuple[str,
 
 
 def _expert_problems(config: RunConfig) -> list[str]:
-    """Expert parallelism needs routed experts that split evenly, and what runs with it (no CPU distributed optimizer,
-    no checkpoints yet)."""
+    """Expert parallelism needs routed experts that split evenly, and no CPU distributed optimizer beside it."""
     ep, key = config.policy.megatron_cfg.expert_model_parallel_size, "policy.megatron_cfg.expert_model_parallel_size"
     if ep == 1:
         return []
@@ -247,11 +246,6 @@ def _expert_problems(config: RunConfig) -> list[str]:
             f"{key}={ep} with policy.megatron_cfg.optimizer.use_distributed_optimizer: the CPU distributed optimizer "
             "shards over the dense data-parallel ranks, which hold different experts; set one of them off on CPU "
             "(Megatron-Core's DistributedOptimizer handles both on a GPU)"
-        )
-    if config.checkpointing.enabled:
-        problems.append(
-            f"{key}={ep} with checkpointing.enabled: checkpoints of expert-parallel shards are not implemented yet; "
-            "set checkpointing.enabled=false or expert_model_parallel_size=1"
         )
     return problems
 

@@ -159,6 +159,24 @@ def test_expert_parallel_2_equals_data_parallel_2_on_the_moe_model(tmp_path):
     _assert_same_run(got, ref, engines_per_replica=1)
 
 
+def test_expert_parallel_checkpoint_resumes_exactly(tmp_path):
+    """EP=2: each expert-parallel rank writes its own shard (its experts); 1 step + resume equals 2 steps."""
+    moe = ("model.name_or_path=tiny-moe", "policy.megatron_cfg.expert_model_parallel_size=2")
+    ckpt = ("checkpointing.enabled=true", "checkpointing.save_period=1")
+    whole = _grpo(tmp_path / "whole", 2, *moe, *ckpt, f"checkpointing.checkpoint_dir={tmp_path / 'c1'}")
+    again = f"checkpointing.checkpoint_dir={tmp_path / 'c2'}"
+    _grpo(tmp_path / "split", 2, *moe, *ckpt, again, steps=1)
+    files = {p.name for p in (tmp_path / "c2" / "fp8" / "step_0").iterdir()}
+    assert {"model_tp00_pp00_ep00.pt", "model_tp00_pp00_ep01.pt", "optim_tp00_pp00_ep01.pt"} <= files, files
+    split = _grpo(tmp_path / "split", 2, *moe, *ckpt, again)
+    keys = ("arm", "step", "reward_mean", "sample", "loss", "grad_norm", "gen_kl", "refit_fp8_bytes")
+
+    def rows(run: list[dict]) -> list[dict]:
+        return sorted(({k: r[k] for k in keys} for r in run), key=lambda r: (r["arm"], r["step"]))
+
+    assert rows(split) == rows(whole) and len(whole) == 4
+
+
 def test_expert_parallelism_needs_a_moe_model_and_splits_its_experts_evenly(tmp_path):
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "MFP8_ROLE", "ROLLOUT_TASKS")}
     for overrides, message in (
@@ -167,10 +185,10 @@ def test_expert_parallelism_needs_a_moe_model_and_splits_its_experts_evenly(tmp_
         (
             (
                 "model.name_or_path=tiny-moe",
-                "checkpointing.enabled=true",
+                "policy.megatron_cfg.optimizer.use_distributed_optimizer=true",
                 "policy.megatron_cfg.expert_model_parallel_size=2",
             ),
-            "checkpoints of expert-parallel shards",
+            "the CPU distributed optimizer shards over the dense data-parallel ranks",
         ),
     ):
         cmd = [sys.executable, "-m", "megatron_fp8.cli", "config", *overrides]
