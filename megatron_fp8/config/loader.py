@@ -419,10 +419,20 @@ def _fill_model(cfg: RunConfig) -> RunConfig:
     return dataclasses.replace(cfg, model=dataclasses.replace(m, **updates))
 
 
+def _arms_follow_the_rollout(raw: Mapping[str, JSONValue], cfg: RunConfig) -> RunConfig:
+    """Without ``grpo.arms``, the arms follow the rollout precision: a BF16 rollout runs the ``bf16`` arm (a plain
+    NeMo-RL BF16 config runs as it is), an FP8 rollout the three arms (:data:`megatron_fp8.vocab.ARMS`)."""
+    grpo = raw.get("grpo")
+    if (isinstance(grpo, dict) and "arms" in grpo) or cfg.policy.generation.vllm_cfg.precision == "fp8":
+        return cfg
+    logger.info("grpo.arms not given: the BF16 rollout runs the bf16 arm (set grpo.arms to choose)")
+    return dataclasses.replace(cfg, grpo=dataclasses.replace(cfg.grpo, arms=("bf16",)))
+
+
 def _build(implemented: Mapping[str, JSONValue]) -> RunConfig:
     raw = dict(implemented)
     _reconcile_model_name(raw)
-    cfg = _fill_model(build_dataclass(RunConfig, raw))
+    cfg = _arms_follow_the_rollout(raw, _fill_model(build_dataclass(RunConfig, raw)))
     validate_config(cfg)
     return cfg
 

@@ -113,3 +113,9 @@ def _refusal(loaded) -> str:
     except ConfigError as exc:
         return str(exc)
     return ""
+
+
+def test_a_plain_nemo_rl_bf16_config_runs_its_bf16_arm():
+    """NeMo-RL's BF16 Megatron GRPO example gives no grpo.arms: its BF16 rollout runs the bf16 arm, no override."""
+    cfg = load_config(DATA / "grpo_math_1B_megatron.yaml")
+    assert cfg.policy.generation.vllm_cfg.precision == "bf16" and cfg.grpo.arms == ("bf16",)

@@ -36,13 +36,17 @@ def test_default_config_passes_and_resolves_the_model():
     assert report.config.model.num_attention_heads == 4  # read from the resolved model
 
 
-def test_only_num_steps_is_refused_by_config_as_by_grpo(tmp_path):
+def test_a_minimal_config_runs_its_bf16_arm_and_fp8_arms_need_an_fp8_rollout(tmp_path):
+    """Issue 21: without grpo.arms the arms follow the rollout precision (BF16 rollout: the bf16 arm)."""
     cfg = load_config(_write(tmp_path / "min.yaml", "grpo:\n  num_steps: 3\n"))
-    with pytest.raises(ConfigError, match=r"vllm_cfg.precision is 'bf16'; set policy.generation.vllm_cfg.precision"):
-        preflight(cfg, download=False)
-    preflight(cfg, arms=["bf16"], download=False)  # a BF16-only run of the same file starts
+    assert cfg.grpo.arms == ("bf16",) and preflight(cfg, download=False).arms == ("bf16",)
     proc = _cli("config", "--config", str(tmp_path / "min.yaml"))
-    assert proc.returncode == 1 and "this run cannot start" in proc.stderr and "Traceback" not in proc.stderr
+    assert proc.returncode == 0 and "approved" in proc.stdout and "arms: bf16;" in proc.stdout, proc.stderr
+    fp8 = load_config(tmp_path / "min.yaml", ["policy.generation.vllm_cfg.precision=fp8"])
+    assert fp8.grpo.arms == ("bf16", "fp8", "fp8_tis")
+    asked = load_config(tmp_path / "min.yaml", ["grpo.arms=[fp8]"])  # an explicit FP8 arm on a BF16 rollout
+    with pytest.raises(ConfigError, match=r"vllm_cfg.precision is 'bf16'; set policy.generation.vllm_cfg.precision"):
+        preflight(asked, download=False)
 
 
 @pytest.mark.parametrize("text", ["", "# only a comment\n", "{}\n"])
