@@ -16,21 +16,10 @@ GPU's memory besides.
 from __future__ import annotations
 
 import os
-from collections.abc import Mapping
 from dataclasses import dataclass
 
 from megatron_fp8.config.models import ModelDims, known_dims
-from megatron_fp8.config.schema import JSONValue, RunConfig
-
-UNIMPLEMENTED_LAYOUT: dict[str, tuple[JSONValue, ...]] = {
-    "policy.megatron_cfg.context_parallel_size": (1, None),
-    "policy.megatron_cfg.expert_tensor_parallel_size": (1, None),
-    "policy.megatron_cfg.sequence_parallel": (False, None),
-    "policy.megatron_cfg.num_layers_in_first_pipeline_stage": (None,),
-    "policy.megatron_cfg.num_layers_in_last_pipeline_stage": (None,),
-}
-"""NeMo-RL layout keys megatron-fp8 does not implement, and the values that ask for nothing (accepted with no
-effect); any other value is refused before a run starts (:func:`unimplemented_layout`)."""
+from megatron_fp8.config.schema import RunConfig
 
 TRAINER_BYTES_PER_PARAM = 2 + 4 + 8 + 4
 """BF16 weights + FP32 main weights + two FP32 Adam moments + FP32 gradients (bytes per parameter)."""
@@ -149,17 +138,6 @@ def estimate_memory(
         gpu_bytes=gpu_bytes,
         gpu_name=gpu_name,
     )
-
-
-def unimplemented_layout(no_effect: Mapping[str, JSONValue]) -> list[str]:
-    """A problem line for each layout key of ``no_effect`` (a config's no-effect keys) that asks for a layout
-    megatron-fp8 does not run: context or sequence parallelism, expert tensor parallelism, uneven pipeline stages."""
-    return [
-        f"{key}={no_effect[key]!r}: not implemented in megatron-fp8 (tensor, pipeline, data and expert parallelism and "
-        f"the distributed optimizer are); set it to {allowed[0]!r} or remove it"
-        for key, allowed in UNIMPLEMENTED_LAYOUT.items()
-        if key in no_effect and no_effect[key] not in allowed
-    ]
 
 
 def describe_layout(cfg: RunConfig) -> str:

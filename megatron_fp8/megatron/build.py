@@ -127,11 +127,16 @@ class RecomputeSettings:
         if self.granularity not in ("full", "selective"):
             raise ConfigError(f"recompute granularity must be 'full' or 'selective', got {self.granularity!r}")
 
+    @property
+    def selected_modules(self) -> list[str]:
+        """The modules a ``"selective"`` recompute reruns (``modules``, else Megatron-Core's ``core_attn``)."""
+        return list(self.modules or ("core_attn",))
+
     def describe(self) -> str:
         """One line: what is recomputed."""
         if self.granularity == "full":
             return "full (every layer's input kept, the layer recomputed in the backward pass)"
-        return f"selective ({', '.join(self.modules or ('core_attn',))})"
+        return f"selective ({', '.join(self.selected_modules)})"
 
     def apply(self, provider: GPTModelProvider) -> None:
         """Write the settings into the provider (a Megatron-Core ``TransformerConfig``) before it is finalized."""
@@ -139,7 +144,7 @@ class RecomputeSettings:
         if self.granularity == "full":
             provider.recompute_method, provider.recompute_num_layers = "uniform", 1
         else:
-            provider.recompute_modules = list(self.modules or ("core_attn",))
+            provider.recompute_modules = self.selected_modules
 
 
 def _resolve_dtype(dtype: torch.dtype | str) -> torch.dtype:

@@ -28,7 +28,7 @@ import torch.distributed as dist
 
 from megatron_fp8.errors import ConfigError
 from megatron_fp8.layout import ceil_div
-from megatron_fp8.megatron.optim import AdamConfig, gradient_norm, no_decay
+from megatron_fp8.megatron.optim import AdamConfig, clip_scale, fp32_grads, no_decay
 
 logger = logging.getLogger(__name__)
 
@@ -118,15 +118,6 @@ class ShardedDDPAdam:
             for param in self._params:
                 param.grad = None
 
-    def _grads(self) -> list[tuple[torch.nn.Parameter, torch.Tensor]]:
-        out = []
-        for param in self._params:
-            grad = getattr(param, "main_grad", None)
-            grad = param.grad if grad is None else grad
-            if grad is not None:
-                out.append((param, grad.float()))
-        return out
-
     @torch.no_grad()
     def step(self) -> tuple[bool, float, int]:
         """Clip, check and apply one AdamW update to this rank's pieces, then all-gather the weights.
@@ -134,15 +125,10 @@ class ShardedDDPAdam:
         Returns:
             ``(update_successful, grad_norm, num_zeros_in_grad)`` as :class:`MegatronDDPAdam` returns them.
         """
-        grads = self._grads()
-        norm = gradient_norm(grads)
-        num_zeros = int(sum(int((g == 0).sum()) for _, g in grads))
-        if not math.isfinite(norm):
-            logger.warning("non-finite gradient norm (%s); optimizer step skipped", norm)
+        grads = fp32_grads(self._params)
+        norm, num_zeros, scale = clip_scale(grads, self.config.clip_grad)
+        if math.isnan(scale):
             return False, norm, num_zeros
-        scale = 1.0
-        if self.config.clip_grad > 0 and norm > self.config.clip_grad:
-            scale = self.config.clip_grad / (norm + 1e-6)
         by_param = {id(p): g for p, g in grads}
         for piece, main in zip(self._pieces, self._mains, strict=True):
             grad = by_param.get(id(self._params[piece.index]))

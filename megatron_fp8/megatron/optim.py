@@ -119,6 +119,33 @@ def gradient_norm(grads: Sequence[tuple[torch.nn.Parameter, torch.Tensor]]) -> f
     return math.sqrt(float(dense + expert))
 
 
+def fp32_grads(params: Sequence[torch.nn.Parameter]) -> list[tuple[torch.nn.Parameter, torch.Tensor]]:
+    """Each parameter's FP32 gradient (Megatron-Core DDP's ``main_grad``, else ``.grad``); those without one are left
+    out."""
+    out = []
+    for param in params:
+        grad = getattr(param, "main_grad", None)
+        grad = param.grad if grad is None else grad
+        if grad is not None:
+            out.append((param, grad.float()))
+    return out
+
+
+def clip_scale(grads: Sequence[tuple[torch.nn.Parameter, torch.Tensor]], clip_grad: float) -> tuple[float, int, float]:
+    """What one update does with ``grads``: ``(grad_norm, num_zeros_in_grad, scale)``.
+
+    ``grad_norm`` is the global norm before clipping (:func:`gradient_norm`); ``scale`` multiplies every gradient
+    (``clip_grad / norm`` above the clip, else 1.0), and is NaN when the norm is not finite: skip the step (logged).
+    """
+    norm = gradient_norm(grads)
+    num_zeros = int(sum(int((g == 0).sum()) for _, g in grads))
+    if not math.isfinite(norm):
+        logger.warning("non-finite gradient norm (%s); optimizer step skipped", norm)
+        return norm, num_zeros, float("nan")
+    scale = clip_grad / (norm + 1e-6) if clip_grad > 0 and norm > clip_grad else 1.0
+    return norm, num_zeros, scale
+
+
 class MegatronDDPAdam:
     """AdamW over Megatron-Core DDP grad buffers with FP32 main weights (see the module docstring).
 
@@ -162,12 +189,6 @@ class MegatronDDPAdam:
             if set_to_none:
                 param.grad = None
 
-    def _grad_of(self, param: torch.nn.Parameter) -> torch.Tensor | None:
-        grad = getattr(param, "main_grad", None)
-        if grad is None:
-            grad = param.grad
-        return None if grad is None else grad.float()
-
     @torch.no_grad()
     def step(self) -> tuple[bool, float, int]:
         """Clip, check and apply one AdamW update.
@@ -176,15 +197,10 @@ class MegatronDDPAdam:
             ``(update_successful, grad_norm, num_zeros_in_grad)``; ``grad_norm`` is measured
             before clipping; the update is skipped when it is not finite.
         """
-        grads = [(param, g) for param, _ in self._pairs if (g := self._grad_of(param)) is not None]
-        norm = gradient_norm(grads)
-        num_zeros = int(sum(int((g == 0).sum()) for _, g in grads))
-        if not math.isfinite(norm):
-            logger.warning("non-finite gradient norm (%s); optimizer step skipped", norm)
+        grads = fp32_grads([param for param, _ in self._pairs])
+        norm, num_zeros, scale = clip_scale(grads, self.config.clip_grad)
+        if math.isnan(scale):
             return False, norm, num_zeros
-        scale = 1.0
-        if self.config.clip_grad > 0 and norm > self.config.clip_grad:
-            scale = self.config.clip_grad / (norm + 1e-6)
         mains = dict(self._pairs)
         for param, grad in grads:
             mains[param].grad = grad * scale if scale != 1.0 else grad.clone()

@@ -10,7 +10,7 @@ What this module adds to Megatron-Core:
 
 * the forward step of a GPT model on a ``[b, T]`` micro-batch (explicit causal / padding mask, positions over the
   real tokens) and its loss function on the last stage: the vocab-parallel log-probabilities of the next tokens
-  (:func:`megatron_fp8.megatron.step.local_logprobs`) handed to the caller's loss;
+  (:func:`megatron_fp8.megatron.logits.local_logprobs`) handed to the caller's loss;
 * the loss scaling Megatron-Core's legacy two-value loss contract expects (it divides every micro-batch's loss by
   the number of micro-batches: the caller's shares, which already add up to the batch loss, are multiplied back);
 * :func:`from_last_stage`: what the last stage computed (log-probabilities, the loss, statistics) on every stage of
@@ -99,7 +99,7 @@ def run_schedule(
     """One pass of Megatron-Core's schedule over ``parts`` of the batch.
 
     Args:
-        m: the model (its chunks as built: one, or one per virtual stage).
+        m: the model (one chunk: virtual pipeline stages are not built).
         input_ids: ``[B, T]`` token ids (the same on every stage of the replica).
         attention_mask: optional ``[B, T]`` padding mask.
         parts: the micro-batches' rows (from :func:`micro_batches`).
@@ -146,7 +146,7 @@ def run_schedule(
     with grad, cpu_schedule_patches():
         store = schedule(
             forward_step_func=forward_step,
-            data_iterator=iter(micro) if len(m.model) == 1 else [iter(micro) for _ in m.model],
+            data_iterator=iter(micro),
             model=m.model,
             num_microbatches=count,
             seq_length=ids.shape[1],

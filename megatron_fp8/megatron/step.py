@@ -16,7 +16,8 @@ Optimizer: :func:`make_optimizer` uses Megatron-Core's own ``get_megatron_optimi
 optimizer cannot run on CPU (it hard-codes ``device='cuda'`` tensors and CUDA tensor types; tried first, see
 :mod:`megatron_fp8.megatron.optim`), so on CPU the default backend is
 :class:`~megatron_fp8.megatron.optim.MegatronDDPAdam`: AdamW with FP32 main weights over the same Megatron-Core DDP
-grad buffers, its state sharded over the data-parallel ranks when asked.
+grad buffers, or with ``distributed`` :class:`~megatron_fp8.megatron.dist_optim.ShardedDDPAdam`, the same state
+sharded over the data-parallel ranks.
 """
 
 from __future__ import annotations
@@ -191,7 +192,7 @@ def sequence_logprobs(
     if temperature <= 0:
         raise ConfigError(f"temperature must be > 0, got {temperature}")
     outs = run_schedule(m, input_ids, attention_mask, parts, temperature=temperature, loss=None)
-    local = torch.cat(outs).float() if outs else None
+    local = torch.cat(outs) if outs else None  # float32 already
     return tensor_from_last_stage(local, shape=(rows, input_ids.shape[1] - 1), dtype=torch.float32)
 
 
@@ -356,7 +357,7 @@ def train_step(
     optimizer.zero_grad()
     with cpu_device_patches():
         shares = run_schedule(m, input_ids, attention_mask, parts, temperature=temperature, loss=share)
-        total = from_last_stage(float(sum(float(x) for x in shares)) if shares else None)
+        total = from_last_stage(float(torch.stack(shares).double().sum()) if shares else None)  # one host sync
         finalize_model_grads(m.model)
         update_successful, grad_norm, num_zeros = optimizer.step()
     for chunk in m.model:

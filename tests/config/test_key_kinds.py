@@ -130,8 +130,7 @@ def test_is_mx_refused_naming_blackwell_and_megatron_enabled_false_refused():
 
 def test_unimplemented_layouts_are_refused_naming_the_key():
     """Issue 27: a layout megatron-fp8 does not run is refused before a run, never approved; its default is not."""
-    from megatron_fp8.config.memory import unimplemented_layout
-    from megatron_fp8.config.refusals import refuse_before_run
+    from megatron_fp8.config.refusals import refuse_before_run, unimplemented_layout
 
     loaded = load_config_report(
         None, ["policy.megatron_cfg.sequence_parallel=true", "policy.megatron_cfg.context_parallel_size=2"]

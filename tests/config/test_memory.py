@@ -35,6 +35,15 @@ def test_tiny_parameter_count_equals_the_built_checkpoint():
     assert TINY_MODELS["tiny"].vocab_size and KNOWN_MODELS["tiny"].num_parameters == built
 
 
+def _replaced(obj: object, path: str, **changes: object) -> object:
+    """``obj`` (nested frozen dataclasses) with ``changes`` made in the section at dotted ``path``."""
+    head, _, rest = path.partition(".")
+    inner = getattr(obj, head)
+    return dataclasses.replace(
+        obj, **{head: _replaced(inner, rest, **changes) if rest else dataclasses.replace(inner, **changes)}
+    )
+
+
 def test_estimate_is_the_documented_formula():
     cfg = load_config(REPO / "configs" / "qwen3_8b_fp8.yaml", [])
     est = estimate_memory(cfg, KNOWN_MODELS["qwen3-8b"], gpu=H100, processes=16)  # docs/cluster.md: 2 x 8 GPUs
@@ -44,29 +53,11 @@ def test_estimate_is_the_documented_formula():
     assert est.trainer_bytes == (params * 6 + params * 12 // 8) // 2
     assert est.engine_bytes == int(0.5 * H100[0])  # colocated vLLM, gpu_memory_utilization 0.5
     assert est.fits and "(6 B + 12 B / DP 8 of 16 processes)" in est.describe() and "30.7 GB trainer" in est.describe()
-    unsharded = dataclasses.replace(
-        cfg,
-        policy=dataclasses.replace(
-            cfg.policy,
-            megatron_cfg=dataclasses.replace(
-                cfg.policy.megatron_cfg,
-                optimizer=dataclasses.replace(cfg.policy.megatron_cfg.optimizer, use_distributed_optimizer=False),
-            ),
-        ),
-    )
+    unsharded = _replaced(cfg, "policy.megatron_cfg.optimizer", use_distributed_optimizer=False)
     alone = estimate_memory(unsharded, KNOWN_MODELS["qwen3-8b"], gpu=H100, processes=16)
     assert alone.trainer_bytes == params * TRAINER_BYTES_PER_PARAM // 2 and alone.data_parallel == 1
     assert not alone.fits and "EXCEEDS" in alone.describe() and "73.7 GB trainer state" in alone.describe()
-    apart = dataclasses.replace(
-        cfg,
-        policy=dataclasses.replace(
-            cfg.policy,
-            generation=dataclasses.replace(
-                cfg.policy.generation,
-                colocated=dataclasses.replace(cfg.policy.generation.colocated, enabled=False),
-            ),
-        ),
-    )
+    apart = _replaced(cfg, "policy.generation.colocated", enabled=False)
     assert estimate_memory(apart, KNOWN_MODELS["qwen3-8b"], gpu=H100).engine_bytes == 0
 
 
@@ -101,15 +92,6 @@ def test_expert_parallelism_divides_the_routed_experts():
     assert experts == 48 * 128 * 3 * 2048 * 768
     assert est.trainer_bytes == dense * 6 + dense * 12 // 16 + (experts * 6 + experts * 12 // 2) // 8
     assert "routed experts / EP 8" in est.describe()
-    no_ep = estimate_memory(
-        dataclasses.replace(
-            cfg,
-            policy=dataclasses.replace(
-                cfg.policy, megatron_cfg=dataclasses.replace(cfg.policy.megatron_cfg, expert_model_parallel_size=1)
-            ),
-        ),
-        dims,
-        gpu=H100,
-        processes=16,
-    )
+    no_ep_cfg = _replaced(cfg, "policy.megatron_cfg", expert_model_parallel_size=1)
+    no_ep = estimate_memory(no_ep_cfg, dims, gpu=H100, processes=16)
     assert no_ep.trainer_bytes > 3 * est.trainer_bytes

@@ -213,17 +213,21 @@ TINY_8B_LAYOUT = (
 """``configs/qwen3_8b_fp8.yaml`` shrunk to the tiny model; its trainer layout (TP=2, PP=1) is kept."""
 
 
-@pytest.mark.slow
-def test_grpo_sbatch_runs_the_qwen3_8b_config_layout_at_tp2(slurm_cluster, tmp_path):
-    """The shipped 8B config's layout (tensor_model_parallel_size 2) through the real Slurm: 2 tasks, one replica."""
-    results = tmp_path / "results"
+def _two_task_fp8_tis_run(slurm_cluster, tmp_path, config: str, overrides: tuple[str, ...]) -> str:
+    """``config`` with ``overrides`` through slurm/grpo.sbatch on 2 tasks, 2 steps of the fp8_tis arm; returns the log
+    after checking that both steps ran and every refit moved FP8 bytes and verified exactly."""
     rc, log = _submit(
         slurm_cluster,
         tmp_path,
         "slurm/grpo.sbatch",
-        "configs/qwen3_8b_fp8.yaml",
-        *TINY_8B_LAYOUT,
-        env={"RESULTS_DIR": str(results), "REQUIRE_GPU": "0", "STEPS": "2", "OUT_DIR": str(tmp_path / "out")},
+        config,
+        *overrides,
+        env={
+            "RESULTS_DIR": str(tmp_path / "results"),
+            "REQUIRE_GPU": "0",
+            "STEPS": "2",
+            "OUT_DIR": str(tmp_path / "out"),
+        },
         sbatch_opts=("--ntasks=2",),
         timeout=600,
     )
@@ -231,6 +235,13 @@ def test_grpo_sbatch_runs_the_qwen3_8b_config_layout_at_tp2(slurm_cluster, tmp_p
     rows = [json.loads(line) for line in (tmp_path / "out" / "metrics.jsonl").read_text().splitlines()]
     assert [(r["arm"], r["step"]) for r in rows] == [("fp8_tis", 0), ("fp8_tis", 1)]
     assert all(r["refit_fp8_bytes"] > 0 and r["refit_max_rel_error"] == 0.0 for r in rows)
+    return log
+
+
+@pytest.mark.slow
+def test_grpo_sbatch_runs_the_qwen3_8b_config_layout_at_tp2(slurm_cluster, tmp_path):
+    """The shipped 8B config's layout (tensor_model_parallel_size 2) through the real Slurm: 2 tasks, one replica."""
+    log = _two_task_fp8_tis_run(slurm_cluster, tmp_path, "configs/qwen3_8b_fp8.yaml", TINY_8B_LAYOUT)
     assert "rank 0 of 2" in log and "rank 1 of 2" in log
 
 
@@ -262,25 +273,7 @@ def test_grpo_sbatch_runs_a_nemo_rl_pipeline_parallel_recipe(slurm_cluster, tmp_
     """NeMo-RL's Llama-3.1-8B FP8-rollout recipe's trainer layout (PP=2, one sequence per micro-batch, the
     distributed optimizer, full activation recompute) on the tiny model through the real Slurm: 2 tasks, one replica
     of 2 stages."""
-    rc, log = _submit(
-        slurm_cluster,
-        tmp_path,
-        "slurm/grpo.sbatch",
-        NEMO_RL_PP2,
-        *TINY_NEMO_RL,
-        env={
-            "RESULTS_DIR": str(tmp_path / "results"),
-            "REQUIRE_GPU": "0",
-            "STEPS": "2",
-            "OUT_DIR": str(tmp_path / "out"),
-        },
-        sbatch_opts=("--ntasks=2",),
-        timeout=600,
-    )
-    assert rc == 0, log
-    rows = [json.loads(line) for line in (tmp_path / "out" / "metrics.jsonl").read_text().splitlines()]
-    assert [(r["arm"], r["step"]) for r in rows] == [("fp8_tis", 0), ("fp8_tis", 1)]
-    assert all(r["refit_fp8_bytes"] > 0 and r["refit_max_rel_error"] == 0.0 for r in rows)
+    log = _two_task_fp8_tis_run(slurm_cluster, tmp_path, NEMO_RL_PP2, TINY_NEMO_RL)
     assert "trainer layout TP 1 x PP 2 x DP 1, EP 1; rank 1 is pipeline stage 1 of data-parallel replica 0" in log
     assert "activation recompute: full" in log  # the recipe's activation_checkpointing: true
     assert "distributed optimizer: data-parallel rank 0 of 1" in log
