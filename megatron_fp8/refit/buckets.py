@@ -8,9 +8,11 @@ from the data (DESIGN.md pitfall "metadata must come from the same iterator").
 
 Validation happens on both ends:
 
-* before a tensor is packed: known dtype, unique name, finite values (float
-  tensors via ``isfinite``; FP8 tensors through their NaN/Inf bit patterns,
-  e.g. ``0x7f``/``0xff`` for ``float8_e4m3fn``; see :mod:`megatron_fp8.refit.finite`);
+* as a tensor is taken: known dtype, unique name; before its bucket is yielded:
+  finite values (float tensors via an infinity norm, FP8 tensors through their
+  NaN/Inf bit patterns, e.g. ``0x7f``/``0xff`` for ``float8_e4m3fn``; see
+  :class:`~megatron_fp8.refit.finite.FiniteProbe`), read back with the checksum
+  in the bucket's one host sync;
 * when a bucket is unpacked (:func:`unpack_bucket`): version, checksum (over the
   payload *and* the header and metadata), every ``offset + nbytes`` inside the
   payload, no overlapping ranges, byte counts that agree with shape and dtype.
@@ -30,12 +32,19 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Iterator
 
+import numpy as np
 import torch
 
 from megatron_fp8.errors import RefitError
 from megatron_fp8.layout import ceil_div
-from megatron_fp8.refit.checksum import bucket_checksum, payload_checksum
-from megatron_fp8.refit.finite import check_finite
+from megatron_fp8.refit.checksum import (
+    bucket_checksum,
+    checksum_partials,
+    finish_checksum,
+    header_digest,
+    payload_checksum,
+)
+from megatron_fp8.refit.finite import FiniteProbe, check_finite
 from megatron_fp8.refit.wire import (
     ALIGN,
     DTYPES,
@@ -97,7 +106,13 @@ def checksum_of(bucket: Bucket) -> int:
 
 
 class _Filling:
-    """The single bucket being filled by :func:`pack_buckets`."""
+    """The single bucket being filled by :func:`pack_buckets`.
+
+    Tensors are only recorded as they arrive (offset, metadata, a reference to the source); :meth:`finish`
+    moves them all at once: one multi-tensor copy into the bucket, one multi-tensor zero of the alignment
+    gaps, the NaN/Inf probe of the bucket's typed views (:class:`FiniteProbe`), the payload checksum's
+    partials, and one host read for both. A handful of device ops per bucket, whatever its tensor count.
+    """
 
     def __init__(self, version: int, index: int, capacity: int, device: torch.device, stream_id: int):
         self.version = version
@@ -107,6 +122,9 @@ class _Filling:
         self.capacity = capacity
         self.used = 0
         self.metas: list[TensorMeta] = []
+        self._dst: list[torch.Tensor] = []
+        self._src: list[torch.Tensor] = []
+        self._gaps: list[torch.Tensor] = []
 
     def fits(self, nbytes: int) -> bool:
         return align_up(self.used) + nbytes <= self.capacity
@@ -114,22 +132,40 @@ class _Filling:
     def add(self, name: str, tensor: torch.Tensor, dt: str, nbytes: int) -> None:
         offset = align_up(self.used)
         if offset > self.used:
-            self.buffer[self.used : offset].zero_()
+            self._gaps.append(self.buffer[self.used : offset])
         if nbytes:
-            src = tensor.detach().contiguous().reshape(-1).view(torch.uint8)
-            self.buffer[offset : offset + nbytes].copy_(src)
+            self._dst.append(self.buffer[offset : offset + nbytes])
+            self._src.append(tensor.detach().contiguous().reshape(-1).view(torch.uint8))
         self.metas.append(TensorMeta(name=name, shape=tuple(tensor.shape), dtype=dt, offset=offset, nbytes=nbytes))
         self.used = offset + nbytes
 
-    def finish(self, *, trailer: VersionTrailer | None) -> Bucket:
+    def finish(self, *, trailer: VersionTrailer | None, check_finite_values: bool) -> Bucket:
         end = align_up(self.used)
         if end > self.used:
-            self.buffer[self.used : end].zero_()
+            self._gaps.append(self.buffer[self.used : end])
+        if self._dst:
+            torch._foreach_copy_(self._dst, self._src)
+        if self._gaps:
+            torch._foreach_zero_(self._gaps)
+        self._dst, self._src, self._gaps = [], [], []
         payload = self.buffer[:end]
         metas = tuple(self.metas)
+        probe = None
+        if check_finite_values:
+            views = [
+                (m.name, payload[m.offset : m.offset + m.nbytes].view(DTYPES[m.dtype]).view(m.shape)) for m in metas
+            ]
+            probe = FiniteProbe(views)
+        p, q = checksum_partials(payload)
+        flags = probe.values if probe is not None else None
+        host = torch.cat([p, q] if flags is None else [p, q, flags.view(torch.int32)]).tolist()  # the one host read
+        nb = p.numel()
+        if probe is not None:
+            probe.check(
+                np.asarray(host[2 * nb :], dtype=np.int64).astype(np.int32).view(np.float32), version=self.version
+            )
         is_last = trailer is not None
-        checksum = bucket_checksum(
-            payload,
+        checksum = finish_checksum(host[:nb], host[nb : 2 * nb], nbytes=end) ^ header_digest(
             version=self.version,
             index=self.index,
             is_last=is_last,
@@ -214,11 +250,9 @@ def pack_buckets(
             )
         seen.add(name)
         dt = dtype_name(tensor.dtype, tensor_name=name)
-        if check_finite_values:
-            check_finite(name, tensor, version=version)
         nbytes = tensor.numel() * tensor.element_size()
         if current is not None and not current.fits(nbytes):
-            bucket = current.finish(trailer=None)
+            bucket = current.finish(trailer=None, check_finite_values=check_finite_values)
             current = None
             yield bucket
             index += 1
@@ -235,7 +269,7 @@ def pack_buckets(
             "(check the FP8 manifest and the parameter filter)"
         )
     trailer = VersionTrailer(num_tensors=len(announced), tensors=tuple(announced), digest=digest.hexdigest())
-    yield current.finish(trailer=trailer)
+    yield current.finish(trailer=trailer, check_finite_values=check_finite_values)
 
 
 def verify_bucket_checksum(bucket: Bucket) -> None:
@@ -296,7 +330,7 @@ def unpack_bucket(
     names: set[str] = set()
     for m in bucket.metas:
         dt = torch_dtype(m.dtype, tensor_name=m.name)
-        itemsize = torch.empty((), dtype=dt).element_size()
+        itemsize = dt.itemsize
         if m.nbytes != m.numel * itemsize:
             raise RefitError(
                 f"{where}, tensor {m.name!r}: nbytes {m.nbytes} does not match shape {m.shape} x {m.dtype} "

@@ -6,8 +6,9 @@ checked on the raw bytes, so no FP8 tensor is ever upcast for the test.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 
+import numpy as np
 import torch
 
 from megatron_fp8.errors import NonFiniteError
@@ -110,3 +111,82 @@ def check_finite(name: str, tensor: torch.Tensor, *, version: int | None = None)
         name=name,
         block=first,
     )
+
+
+# ----------------------------------------------------------------------------- many tensors, one host read
+
+_FLOAT_DTYPES = frozenset({torch.bfloat16, torch.float16, torch.float32, torch.float64})
+# FP8 dtype -> ((view dtype, "max", bad when the max is >= this), ...): one multi-tensor max per entry.
+# e4m3fn NaN is 0x7f / 0xff: the int8 max is 127 only for 0x7f, the uint8 max is 255 only for 0xff.
+# e5m2 Inf/NaN is 0x7c..0x7f / 0xfc..0xff. UE8M0 NaN is 0xff.
+_FP8_MAX_RULES: dict[torch.dtype, tuple[tuple[torch.dtype, int], ...]] = {
+    torch.float8_e4m3fn: ((torch.int8, 0x7F), (torch.uint8, 0xFF)),
+    torch.float8_e5m2: ((torch.int8, 0x7C), (torch.uint8, 0xFC)),
+    torch.float8_e8m0fnu: ((torch.uint8, 0xFF),),
+}
+
+
+class FiniteProbe:
+    """A NaN/Inf test of many tensors in a handful of multi-tensor ops and no host sync until :meth:`check`.
+
+    Float tensors are grouped by dtype and reduced with one ``torch._foreach_norm(ord=inf)`` per group (NaN
+    and Inf survive the reduction); FP8 tensors with one or two ``torch._foreach_max`` over byte views per
+    group (their NaN/Inf patterns are the extreme byte values, see :data:`_FP8_MAX_RULES`). The results are
+    stacked into :attr:`values` (float32, on the tensors' device) for the caller to read together with
+    anything else it needs on the host. Dtypes without such a rule (the fnuz formats) and tensors on another
+    device than the first are checked one by one by :meth:`check`. Integer and bool tensors need no check.
+
+    Args:
+        pairs: ``(name, tensor)``; the tensors are only read.
+    """
+
+    def __init__(self, pairs: Sequence[tuple[str, torch.Tensor]]):
+        self.pairs = list(pairs)
+        self._rules: list[tuple[list[int], float | None]] = []  # (tensor indices, bad-at threshold or None: finite)
+        self._slow: list[int] = []
+        results: list[torch.Tensor] = []
+        device = next((t.device for _, t in self.pairs if t.numel()), None)
+        groups: dict[torch.dtype, list[int]] = {}
+        for i, (name, t) in enumerate(self.pairs):
+            if t.numel() == 0 or not (t.is_floating_point() or t.dtype in _FP8_MAX_RULES):
+                continue
+            if t.device != device:
+                self._slow.append(i)
+                continue
+            dtype_name(t.dtype, tensor_name=name)
+            groups.setdefault(t.dtype, []).append(i)
+        for dtype, idx in groups.items():
+            tensors = [self.pairs[i][1].detach() for i in idx]
+            if dtype in _FLOAT_DTYPES:
+                results.extend(torch._foreach_norm(tensors, ord=float("inf")))
+                self._rules.append((idx, None))
+            elif dtype in _FP8_MAX_RULES:
+                for view, bad_at in _FP8_MAX_RULES[dtype]:
+                    results.extend(torch._foreach_max([t.view(view) for t in tensors]))
+                    self._rules.append((idx, float(bad_at)))
+            else:
+                self._slow.extend(idx)
+        self.values: torch.Tensor | None = torch.stack(results).float() if results else None
+
+    def check(self, values: Sequence[float] | np.ndarray | None = None, *, version: int | None = None) -> None:
+        """Raise for the first tensor (in stream order) that holds a NaN/Inf.
+
+        Args:
+            values: the host copy of :attr:`values` (default: read it here, one host sync).
+            version: refit version, for the message.
+
+        Raises:
+            NonFiniteError: as :func:`check_finite`, naming the tensor, the count and the first index.
+        """
+        if values is None and self.values is not None:
+            values = self.values.tolist()
+        suspects = set(self._slow)
+        at = 0
+        for idx, bad_at in self._rules:
+            got = np.asarray(values[at : at + len(idx)], dtype=np.float64)
+            at += len(idx)
+            bad = ~np.isfinite(got) if bad_at is None else got >= bad_at
+            suspects.update(i for i, b in zip(idx, bad.tolist(), strict=True) if b)
+        for i in sorted(suspects):  # the exact per-tensor rule decides and names the element
+            name, tensor = self.pairs[i]
+            check_finite(name, tensor, version=version)

@@ -135,16 +135,19 @@ def test_fp8_e4m3_max_is_finite_and_e5m2_inf_detected():
         list(pack_buckets([("e5", e5)], version=1, bucket_bytes=64))
 
 
-def test_nan_refused_before_the_previous_bucket_is_yielded():
+def test_nan_refused_before_its_bucket_is_yielded():
     gen = pack_buckets(
-        [("a", torch.ones(64)), ("c", torch.ones(64)), ("b", torch.full((4,), float("nan")))],
+        [("a", torch.ones(64)), ("c", torch.ones(64)), ("b", torch.full((4,), float("nan"))), ("d", torch.ones(2))],
         version=1,
         bucket_bytes=256,
     )
     first = next(gen)  # "c" does not fit next to "a": bucket 0 = ["a"]
     assert [m.name for m in first.metas] == ["a"]
-    with pytest.raises(NonFiniteError, match="'b'"):
-        next(gen)  # "b" is checked before bucket 1 (["c"]) is handed out
+    assert [m.name for m in next(gen).metas] == ["c"]  # "c" fills bucket 1
+    with pytest.raises(NonFiniteError, match=r"'b' of version 1 .* first at index \(0,\)"):
+        next(gen)  # bucket 2 = ["b", "d"] is probed (one host read) before it is handed out
+    with pytest.raises(StopIteration):
+        next(gen)  # the version never gets its last bucket: receivers apply nothing of it
 
 
 def test_duplicate_names_and_bad_items():
