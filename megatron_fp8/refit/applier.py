@@ -26,6 +26,7 @@ The helpers :func:`check_complete`, :func:`check_scale_values` and
 from __future__ import annotations
 
 import logging
+import math
 import warnings
 from collections.abc import Callable, Collection, Mapping, Sequence
 from typing import Protocol, runtime_checkable
@@ -33,7 +34,8 @@ from typing import Protocol, runtime_checkable
 import torch
 
 from megatron_fp8.errors import EngineNotServingError, RefitError, RefitRolledBackError, WeightStreamError
-from megatron_fp8.refit.finite import check_finite
+from megatron_fp8.refit import multi
+from megatron_fp8.refit.finite import FiniteProbe
 from megatron_fp8.refit.wire import TensorMeta, torch_dtype
 from megatron_fp8.vocab import SCALE_SUFFIX, is_kv_scale_name
 
@@ -285,20 +287,42 @@ class DictApplier:
 
     def stage(self, name: str, tensor: torch.Tensor) -> None:
         """Check one tensor against its announcement and its values (NaN/Inf, scales > 0); write nothing."""
+        self.stage_many([(name, tensor)])
+
+    def stage_many(self, pairs: Sequence[tuple[str, torch.Tensor]]) -> None:
+        """:meth:`stage` for many tensors at once: the value checks in a few multi-tensor ops and one host read.
+
+        The receiver calls this (when an applier has it) with every tensor of a version.
+        """
         if self._pending is None:
-            raise RefitError(f"stage({name!r}) called before begin()")
-        if name not in self._metas:
-            raise RefitError(f"refit tensor {name!r} was not announced in begin() for version {self._pending}")
-        if name in self._staged:
-            raise RefitError(f"refit tensor {name!r} staged twice in version {self._pending}")
-        self._check(name, tuple(tensor.shape), tensor.dtype)
-        check_finite(name, tensor, version=self._pending)
-        if is_scale_name(name):
-            check_scale_values(name, tensor, version=self._pending)
-        self._staged[name] = tensor
+            raise RefitError(f"stage({pairs[0][0] if pairs else ''!r}) called before begin()")
+        seen: set[str] = set()
+        for name, tensor in pairs:
+            if name not in self._metas:
+                raise RefitError(f"refit tensor {name!r} was not announced in begin() for version {self._pending}")
+            if name in self._staged or name in seen:
+                raise RefitError(f"refit tensor {name!r} staged twice in version {self._pending}")
+            seen.add(name)
+            self._check(name, tuple(tensor.shape), tensor.dtype)
+        probe = FiniteProbe(pairs)
+        scales = [(n, t) for n, t in pairs if is_scale_name(n) and t.numel()]
+        parts = [probe.values] if probe.values is not None else []
+        if scales:
+            device = parts[0].device if parts else scales[0][1].device
+            parts.append(torch.cat([t.detach().reshape(-1).float().to(device) for _, t in scales]).amin().reshape(1))
+        host = torch.cat(parts).tolist() if parts else []  # the one host read
+        probe.check(host[: len(host) - (1 if scales else 0)], version=self._pending)
+        if scales and not (math.isfinite(host[-1]) and host[-1] > 0):
+            for name, tensor in scales:  # name the first bad scale
+                check_scale_values(name, tensor, version=self._pending)
+        self._staged.update(pairs)
 
     def commit(self, version: int) -> None:
-        """Copy every staged tensor in place, read back, restore the previous bytes on any failure."""
+        """Copy every staged tensor in place, read back, restore the previous bytes on any failure.
+
+        One multi-tensor copy for the backup (when ``rollback``), one for the write, and one byte comparison
+        per device (:func:`~megatron_fp8.refit.multi.first_mismatch`) for ``verify``.
+        """
         if self._pending != version:
             raise RefitError(f"commit({version}) does not match the version begun ({self._pending})")
         missing = sorted(set(self._metas) - set(self._staged))
@@ -308,22 +332,22 @@ class DictApplier:
                 f"commit of version {version}: {len(missing)} announced tensor(s) never staged "
                 f"({name_list(missing)}); nothing applied"
             )
-        staged = self._staged
-        backup = {n: self.tensors[n].detach().clone() for n in staged} if self.rollback else None
+        names = list(self._staged)
+        sources = [self._staged[n] for n in names]
+        targets = [self.tensors[n] for n in names]
+        backup = dict(zip(names, multi.snapshot(targets), strict=True)) if self.rollback else None
         try:
-            with torch.no_grad():
-                for name, src in staged.items():
-                    self.tensors[name].copy_(src)
+            multi.copy_into(targets, sources)
             if self.after_write is not None:
                 self.after_write(self)
             if self.verify:
-                for name, src in staged.items():
-                    at = first_byte_mismatch(self.tensors[name], src)
-                    if at is not None:
-                        raise RefitError(
-                            f"refit version {version}: tensor {name!r} reads back different bytes after copy "
-                            f"(first at flat index {at}); check the device copy"
-                        )
+                bad = multi.first_mismatch(targets, sources)
+                if bad is not None:
+                    at = first_byte_mismatch(targets[bad], sources[bad])
+                    raise RefitError(
+                        f"refit version {version}: tensor {names[bad]!r} reads back different bytes after copy "
+                        f"(first at flat index {at}); check the device copy"
+                    )
         except Exception as exc:
             self._reset()
             self._roll_back(version, backup, exc)

@@ -71,6 +71,7 @@ __all__ = [
     "align_up",
     "bucket_checksum",
     "check_finite",
+    "checksum_error",
     "checksum_of",
     "decode_metas",
     "default_bucket_bytes",
@@ -282,11 +283,16 @@ def verify_bucket_checksum(bucket: Bucket) -> None:
         raise RefitError(f"{bucket.describe()}: payload must be a 1-D uint8 tensor")
     got = checksum_of(bucket)
     if got != bucket.checksum:
-        raise RefitError(
-            f"{bucket.describe()}: checksum mismatch over the header, {len(bucket.metas)} metadata record(s) and "
-            f"{bucket.nbytes} payload bytes (sender {bucket.checksum}, received {got}); the payload, a tensor's "
-            "name/shape/offset or the header (is_last, index) was corrupted or truncated in transit"
-        )
+        raise checksum_error(bucket, got)
+
+
+def checksum_error(bucket: Bucket, got: int) -> RefitError:
+    """The error for a bucket whose recomputed checksum ``got`` differs from the one it carries."""
+    return RefitError(
+        f"{bucket.describe()}: checksum mismatch over the header, {len(bucket.metas)} metadata record(s) and "
+        f"{bucket.nbytes} payload bytes (sender {bucket.checksum}, received {got}); the payload, a tensor's "
+        "name/shape/offset or the header (is_last, index) was corrupted or truncated in transit"
+    )
 
 
 def unpack_bucket(

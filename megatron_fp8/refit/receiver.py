@@ -46,7 +46,8 @@ from megatron_fp8.errors import (
     TransportTimeoutError,
 )
 from megatron_fp8.refit.applier import CallableApplier, RefitApplier
-from megatron_fp8.refit.buckets import unpack_bucket, verify_bucket_checksum
+from megatron_fp8.refit.buckets import checksum_error, unpack_bucket
+from megatron_fp8.refit.checksum import checksum_partials, finish_checksum, header_digest
 from megatron_fp8.refit.transport.base import Transport
 from megatron_fp8.refit.wire import Bucket, RefitOutcome, RefitVersion, TensorMeta, VersionDigest, VersionTrailer
 
@@ -142,21 +143,27 @@ class _Version:
         self.trailer: VersionTrailer | None = None
         self.error: BaseException | None = None
         self.ended = False  # a trusted last bucket arrived
+        self.pending: list[tuple[Bucket, tuple[torch.Tensor, torch.Tensor]]] = []  # checksum not yet read back
 
     @property
     def key(self) -> tuple[int, int]:
         return self.version, self.stream_id
 
     def fail(self, error: BaseException) -> None:
-        """Record the first failure; from now on buckets are read (to stay in step) but not staged."""
+        """Record the first failure (pending buckets settled first, so failures stay in bucket order);
+        from now on buckets are read (to stay in step) but not staged."""
+        self.settle()
         if self.error is None:
             self.error = error
             self.staged.clear()
 
     def take(self, bucket: Bucket) -> None:
-        """Account for one bucket of this version (validate and stage it, or just read it after a failure)."""
+        """Account for one bucket of this version (validate and stage it, or just read it after a failure).
+
+        The checksum's device pass starts here; its host read waits until a bucket claims to be the last
+        (or the version fails): then one read settles every pending bucket, in order (:meth:`settle`).
+        """
         self.num_buckets += 1
-        trusted = True
         if bucket.index != self.expected_index:
             self.fail(
                 RefitError(
@@ -165,26 +172,58 @@ class _Version:
                 )
             )
         self.expected_index = bucket.index + 1
-        if self.verify_checksum:
-            try:
-                verify_bucket_checksum(bucket)
-            except RefitError as exc:
-                trusted = False
-                self.fail(exc)
-        if trusted:
-            for meta in bucket.metas:
-                self.digest.add(bucket.index, meta)
-                if meta.name in self.received:
-                    self.fail(
-                        RefitError(
-                            f"bucket {bucket.index} of version {self.version}, tensor {meta.name!r}: sent twice in "
-                            "one version"
-                        )
+        if not self.verify_checksum:
+            self._accept(bucket)
+            return
+        try:
+            partials = checksum_partials(bucket.payload)
+        except RefitError as exc:
+            self.settle()
+            self.fail(RefitError(f"{bucket.describe()}: {exc}"))
+            return
+        self.pending.append((bucket, partials))
+        if bucket.is_last:
+            self.settle()
+
+    def settle(self) -> None:
+        """Read the checksum partials of every pending bucket back at once, then accept or refuse each, in order."""
+        if not self.pending:
+            return
+        pending, self.pending = self.pending, []
+        host = torch.cat([t for _, (p, q) in pending for t in (p, q)]).tolist()  # the one host read
+        at = 0
+        for bucket, (p, _q) in pending:
+            nb = p.numel()
+            got = finish_checksum(host[at : at + nb], host[at + nb : at + 2 * nb], nbytes=bucket.nbytes)
+            at += 2 * nb
+            got ^= header_digest(
+                version=bucket.version,
+                index=bucket.index,
+                is_last=bucket.is_last,
+                stream_id=bucket.stream_id,
+                metas=bucket.metas,
+                trailer=bucket.trailer,
+            )
+            if got == bucket.checksum:
+                self._accept(bucket)
+            else:
+                self.fail(checksum_error(bucket, got))
+
+    def _accept(self, bucket: Bucket) -> None:
+        """A bucket whose checksum holds: record its tensors, trust its ``is_last``, stage it."""
+        for meta in bucket.metas:
+            self.digest.add(bucket.index, meta)
+            if meta.name in self.received:
+                self.fail(
+                    RefitError(
+                        f"bucket {bucket.index} of version {self.version}, tensor {meta.name!r}: sent twice in "
+                        "one version"
                     )
-                self.received[meta.name] = meta
-            if bucket.is_last:
-                self.ended = True
-                self.trailer = bucket.trailer
+                )
+            self.received[meta.name] = meta
+        if bucket.is_last:
+            self.ended = True
+            self.trailer = bucket.trailer
         if self.error is None:
             try:
                 pairs = unpack_bucket(bucket, expected_version=self.version, verify_checksum=False)
@@ -197,6 +236,7 @@ class _Version:
 
     def wire_error(self) -> BaseException | None:
         """The first failure, with the announced-set comparison added when the trailer arrived; else ``None``."""
+        self.settle()
         mismatch = None
         if self.trailer is not None:
             mismatch = trailer_mismatch(
@@ -357,8 +397,12 @@ class RefitReceiver:
         if error is None:
             try:
                 self.applier.begin(cur.version, cur.metas)
-                for name, tensor in cur.staged:
-                    self.applier.stage(name, tensor)
+                stage_many = getattr(self.applier, "stage_many", None)  # optional: the whole version at once
+                if stage_many is not None:
+                    stage_many(cur.staged)
+                else:
+                    for name, tensor in cur.staged:
+                        self.applier.stage(name, tensor)
                 self.applier.commit(cur.version)
             except RefitRolledBackError as exc:
                 error, status = exc, "rolled_back"

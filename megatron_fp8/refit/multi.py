@@ -1,0 +1,88 @@
+"""Multi-tensor device work for the appliers: a few ops per group of tensors, never one op per tensor.
+
+A version holds hundreds of tensors; the per-tensor loops (a copy, a compare and a host read each) are
+what made a refit host-bound. Here each step is one multi-tensor op (``torch._foreach_copy_``) or a few
+ops over byte-concatenations bounded by :data:`CHUNK_BYTES`, and every result a caller needs on the host
+comes back in one read.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+CHUNK_BYTES = 256 << 20
+"""Bytes compared per concatenation in :func:`first_mismatch` (bounds its temporaries: 2x this per chunk)."""
+
+
+def _bytes(t: torch.Tensor) -> torch.Tensor:
+    """The tensor's bytes as a flat uint8 tensor (a view when contiguous)."""
+    return t.detach().reshape(-1).view(torch.uint8)
+
+
+def snapshot(tensors: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+    """Copies of ``tensors`` (same dtypes and shapes), made with one flat buffer and one multi-tensor copy per device.
+
+    Returns:
+        One tensor per input, views into one new buffer per device.
+    """
+    out: list[torch.Tensor | None] = [None] * len(tensors)
+    by_device: dict[torch.device, list[int]] = {}
+    for i, t in enumerate(tensors):
+        by_device.setdefault(t.device, []).append(i)
+    for device, idx in by_device.items():
+        total = sum(tensors[i].numel() * tensors[i].element_size() for i in idx)
+        buffer = torch.empty(total, dtype=torch.uint8, device=device)
+        dst, src, at = [], [], 0
+        for i in idx:
+            t = tensors[i]
+            nbytes = t.numel() * t.element_size()
+            view = buffer[at : at + nbytes]
+            out[i] = view.view(t.dtype).view(t.shape) if nbytes else torch.empty_like(t)
+            if nbytes:
+                dst.append(view)
+                src.append(_bytes(t))
+            at += nbytes
+        if dst:
+            torch._foreach_copy_(dst, src)
+    return out  # type: ignore[return-value]
+
+
+def copy_into(targets: Sequence[torch.Tensor], sources: Sequence[torch.Tensor]) -> None:
+    """``targets[i].copy_(sources[i])`` for every ``i`` in one multi-tensor op (same shapes and dtypes)."""
+    if targets:
+        with torch.no_grad():
+            torch._foreach_copy_(list(targets), list(sources))
+
+
+def first_mismatch(held: Sequence[torch.Tensor], sent: Sequence[torch.Tensor]) -> int | None:
+    """Index of the first pair whose bytes differ, ``None`` when every ``held[i]`` equals ``sent[i]`` exactly.
+
+    Compares byte-concatenations of up to :data:`CHUNK_BYTES` per device (two copies and two ops per chunk)
+    and reads every chunk's verdict back in one host read per device; only a chunk that differs is then
+    searched tensor by tensor. Shapes and dtypes must already agree (the appliers check them first).
+    """
+    chunks: dict[torch.device, list[list[int]]] = {}
+    filled: dict[torch.device, int] = {}
+    for i, h in enumerate(held):
+        nbytes = h.numel() * h.element_size()
+        if nbytes == 0:
+            continue
+        groups = chunks.setdefault(h.device, [[]])
+        if groups[-1] and filled[h.device] + nbytes > CHUNK_BYTES:
+            groups.append([])
+            filled[h.device] = 0
+        groups[-1].append(i)
+        filled[h.device] = filled.get(h.device, 0) + nbytes
+    bad: list[int] = []
+    for device, groups in chunks.items():
+        flags = []
+        for idx in groups:
+            a = torch.cat([_bytes(held[i]) for i in idx])
+            b = torch.cat([_bytes(sent[i]).to(device) for i in idx])
+            flags.append(torch.ne(a, b).any())
+        for idx, differs in zip(groups, torch.stack(flags).tolist(), strict=True):
+            if differs:
+                bad.extend(i for i in idx if not torch.equal(_bytes(held[i]), _bytes(sent[i]).to(device)))
+    return min(bad) if bad else None
