@@ -25,6 +25,7 @@ from megatron_fp8.errors import ManifestError
 from megatron_fp8.layout import blockable_tp_sizes, tp_splits_blockable
 from megatron_fp8.megatron.build import MegatronModel
 from megatron_fp8.quant import quantize_blockwise
+from megatron_fp8.quant.formats import NonFinitePolicy
 from megatron_fp8.vocab import SCALE_SUFFIX
 
 logger = logging.getLogger(__name__)
@@ -115,15 +116,28 @@ def preflight(planned: Mapping[str, Sequence[int]], manifest: Manifest, settings
     check_tp_divisibility(planned, capable & manifest.fp8_set, tp_size=settings.tp_size, block=settings.block_size[0])
 
 
-def quantize_named(name: str, tensor: torch.Tensor, settings: ExportSettings) -> tuple[torch.Tensor, torch.Tensor]:
-    """Blockwise FP8 of one HF weight (NaN/Inf raise, naming the tensor and block)."""
-    return quantize_blockwise(tensor, block_size=settings.block_size, scale_format=settings.scale_format, name=name)
+def quantize_named(
+    name: str, tensor: torch.Tensor, settings: ExportSettings, *, nonfinite: NonFinitePolicy = "raise"
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Blockwise FP8 of one HF weight (NaN/Inf raise, naming the tensor and block; ``"defer"``: a ``+inf`` scale
+    for the refit packer to refuse, without a host sync per weight)."""
+    return quantize_blockwise(
+        tensor, block_size=settings.block_size, scale_format=settings.scale_format, name=name, nonfinite=nonfinite
+    )
 
 
 def quantized_stream(
-    stream: Iterable[tuple[str, torch.Tensor]], manifest: Manifest, settings: ExportSettings | None = None
+    stream: Iterable[tuple[str, torch.Tensor]],
+    manifest: Manifest,
+    settings: ExportSettings | None = None,
+    *,
+    nonfinite: NonFinitePolicy = "raise",
 ) -> Iterator[tuple[str, torch.Tensor]]:
-    """Turn a BF16 HF-named stream into the refit stream (FP8 + scales for manifest names)."""
+    """Turn a BF16 HF-named stream into the refit stream (FP8 + scales for manifest names).
+
+    ``nonfinite="defer"`` (what the refit uses: its packer probes every bucket) quantizes without a host sync per
+    weight; a NaN/Inf block then shows as a ``+inf`` block scale, which the packer refuses by name and block.
+    """
     settings = settings or ExportSettings()
     fp8 = manifest.fp8_set
     for name, tensor in stream:
@@ -131,7 +145,7 @@ def quantized_stream(
             if tensor.dtype == torch.float8_e4m3fn:  # already FP8 (fp8_param export)
                 yield name, tensor
                 continue
-            q, s = quantize_named(name, tensor, settings)
+            q, s = quantize_named(name, tensor, settings, nonfinite=nonfinite)
             yield name, q
             yield name + SCALE_SUFFIX, s
         else:

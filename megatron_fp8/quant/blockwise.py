@@ -13,6 +13,7 @@ CPU tensors to a chunked torch implementation. Both produce the same bytes.
 
 from __future__ import annotations
 
+import math
 import typing
 from typing import Literal
 
@@ -66,7 +67,7 @@ def resolve_backend(x: torch.Tensor, backend: Backend) -> str:
 
 
 def _blockwise_torch(
-    x3: torch.Tensor, bn: int, bk: int, scale_format: str, *, name: str | None
+    x3: torch.Tensor, bn: int, bk: int, scale_format: str, *, name: str | None, check: bool = True
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Torch implementation over a ``[E, N, K]`` stack.
 
@@ -97,11 +98,14 @@ def _blockwise_torch(
                 work[r1 - r0 :] = 0
             tiles = work.view(b1 - b0, bn, kb, bk)
             blk_amax = torch.maximum(tiles.amax(dim=(1, 3)), tiles.amin(dim=(1, 3)).neg_())
+            blk_amax.nan_to_num_(nan=math.inf, posinf=math.inf)  # NaN block -> +inf amax and scale (as the kernel)
             amax[ei, b0:b1] = blk_amax
             blk_scale = scale_fn(blk_amax)
             scale[ei, b0:b1] = blk_scale
             tiles.div_(blk_scale[:, None, :, None]).clamp_(-FP8_MAX, FP8_MAX)
             q[ei, r0:r1].copy_(work[: r1 - r0, :k])
+    if not check:
+        return q, scale
     _checks.raise_on_nonfinite_amax(
         x3 if e > 1 else x3[0],
         amax if e > 1 else amax[0],
@@ -130,8 +134,9 @@ def quantize_blockwise(
         block_size: ``(rows, cols)`` of a block along ``(N, K)``.
         scale_format: ``"fp32"`` (``amax/448``) or ``"ue8m0"`` (power of two).
         nonfinite: ``"raise"`` (default) raises :class:`NonFiniteError` naming
-            the first block holding NaN/Inf before anything is returned;
-            ``"sanitize"`` replaces NaN/Inf with 0 first.
+            the first block holding NaN/Inf before anything is returned (one host
+            read); ``"sanitize"`` replaces NaN/Inf with 0 first; ``"defer"`` checks
+            nothing and syncs nothing: such a block gets a ``+inf`` scale.
         name: tensor name used in error messages.
         backend: ``"auto"`` (Triton for CUDA tensors), ``"torch"`` or ``"triton"``.
 
@@ -154,9 +159,11 @@ def quantize_blockwise(
     if resolve_backend(x, backend) == "triton":
         from megatron_fp8.quant import triton_kernels  # lazy: imports Triton (optional) only when it runs
 
-        q, scale = triton_kernels.quantize_blockwise_triton(x3, bn, bk, scale_format, name=name)
+        q, scale = triton_kernels.quantize_blockwise_triton(
+            x3, bn, bk, scale_format, name=name, check=nonfinite != "defer"
+        )
     else:
-        q, scale = _blockwise_torch(x3, bn, bk, scale_format, name=name)
+        q, scale = _blockwise_torch(x3, bn, bk, scale_format, name=name, check=nonfinite != "defer")
     if x.dim() == 2:
         return q[0], scale[0]
     return q, scale

@@ -58,8 +58,11 @@ PARAM_DTYPES: dict[str, torch.dtype] = {k: getattr(torch, v) for k, v in vocab.P
 KV_CACHE_DTYPES: dict[str, torch.dtype] = {k: getattr(torch, v) for k, v in vocab.KV_CACHE_DTYPES.items()}
 """vLLM ``kv_cache_dtype`` name -> element type of the cache."""
 
-NonFinitePolicy = Literal["raise", "sanitize"]
-"""What a quantizer does with NaN/Inf input: raise :class:`~megatron_fp8.errors.NonFiniteError`, or replace by 0."""
+NonFinitePolicy = Literal["raise", "sanitize", "defer"]
+"""What a quantizer does with NaN/Inf input: raise :class:`~megatron_fp8.errors.NonFiniteError` (one host read of
+the per-block amax), replace by 0, or ``defer``: no check and no host sync; a block holding NaN/Inf gets a ``+inf``
+scale (both backends), so the caller finds it in the scales later, batched with other checks (the refit packer's
+:class:`~megatron_fp8.refit.finite.FiniteProbe` does, naming the scale tensor and the block's index)."""
 
 SCALE_SUFFIX: str = vocab.SCALE_SUFFIX
 """Re-exported from :mod:`megatron_fp8.vocab`."""
@@ -80,6 +83,7 @@ def _ue8m0_scale(amax: torch.Tensor) -> torch.Tensor:
     mantissa, exponent = torch.frexp(ratio)
     exponent = exponent - (mantissa == 0.5).to(exponent.dtype)
     scale = torch.ldexp(torch.ones_like(ratio), exponent)
+    scale = torch.where(torch.isinf(ratio), ratio, scale)  # frexp(inf) is (inf, 0): keep +inf, as the kernel does
     return torch.where(amax == 0, torch.ones_like(scale), scale)
 
 

@@ -9,6 +9,8 @@ group uses only its real elements.
 
 from __future__ import annotations
 
+import math
+
 import torch
 
 from megatron_fp8 import vocab
@@ -21,7 +23,7 @@ _CHUNK_ELEMS = 1 << 20
 
 
 def _token_group_torch(
-    x2: torch.Tensor, g: int, scale_format: str, *, name: str | None
+    x2: torch.Tensor, g: int, scale_format: str, *, name: str | None, check: bool = True
 ) -> tuple[torch.Tensor, torch.Tensor]:
     m, k = x2.shape
     ng = ceil_div(k, g)
@@ -40,11 +42,14 @@ def _token_group_torch(
         work[:, :k].copy_(x2[r0:r1])
         groups = work.view(r1 - r0, ng, g)
         grp_amax = torch.maximum(groups.amax(dim=2), groups.amin(dim=2).neg_())
+        grp_amax.nan_to_num_(nan=math.inf, posinf=math.inf)  # NaN group -> +inf amax and scale (as the kernel)
         amax[r0:r1] = grp_amax
         grp_scale = scale_fn(grp_amax)
         scale[r0:r1] = grp_scale
         groups.div_(grp_scale[:, :, None]).clamp_(-FP8_MAX, FP8_MAX)
         q[r0:r1].copy_(work[:, :k])
+    if not check:
+        return q, scale
     _checks.raise_on_nonfinite_amax(
         x2, amax, block_size=(1, g), axis_names=("token", "group"), name=name, what="quantize_per_token_group"
     )
@@ -67,7 +72,8 @@ def quantize_per_token_group(
             float16 or float32; CPU or CUDA.
         group_size: elements per group along the last axis.
         scale_format: ``"fp32"`` or ``"ue8m0"``.
-        nonfinite: ``"raise"`` or ``"sanitize"`` (NaN/Inf -> 0), as for weights.
+        nonfinite: ``"raise"``, ``"sanitize"`` (NaN/Inf -> 0) or ``"defer"`` (no check, no host
+            sync: a group holding NaN/Inf gets a ``+inf`` scale), as for weights.
         name: tensor name used in error messages.
         backend: ``"auto"`` (Triton for CUDA tensors), ``"torch"`` or ``"triton"``.
 
@@ -92,9 +98,11 @@ def quantize_per_token_group(
     if resolve_backend(x, backend) == "triton":
         from megatron_fp8.quant import triton_kernels  # lazy: imports Triton (optional) only when it runs
 
-        q, scale = triton_kernels.quantize_per_token_group_triton(x2, group_size, scale_format, name=name)
+        q, scale = triton_kernels.quantize_per_token_group_triton(
+            x2, group_size, scale_format, name=name, check=nonfinite != "defer"
+        )
     else:
-        q, scale = _token_group_torch(x2.contiguous(), group_size, scale_format, name=name)
+        q, scale = _token_group_torch(x2.contiguous(), group_size, scale_format, name=name, check=nonfinite != "defer")
     return q.view(*lead, k), scale.view(*lead, scale.shape[-1])
 
 

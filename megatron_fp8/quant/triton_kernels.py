@@ -297,6 +297,7 @@ def quantize_blockwise_triton(
     fp8_out: bool = True,
     cols_per_program: int = 1,
     num_warps: int | None = None,
+    check: bool = True,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Blockwise FP8 quantization of a ``[E, N, K]`` stack with one Triton program per tile.
 
@@ -314,6 +315,7 @@ def quantize_blockwise_triton(
             afterwards (for Triton's CPU interpreter, whose fp8 cast is inexact).
         cols_per_program: adjacent tiles along K handled by one program.
         num_warps: warps per program; ``None`` picks from the tile size.
+        check: raise on NaN/Inf (one host read); ``False``: such a tile's scale is ``+inf``, nothing syncs.
 
     Returns:
         ``(q, scale_inv)``: float8_e4m3fn ``[E, N, K]`` and float32
@@ -332,14 +334,15 @@ def quantize_blockwise_triton(
     q, scale, amax = launch_blockwise(
         x3, bn, bk, scale_format, fp8_out=fp8_out, cols_per_program=cols_per_program, num_warps=num_warps
     )
-    _checks.raise_on_nonfinite_amax(
-        x3 if e > 1 else x3[0],
-        amax if e > 1 else amax[0],
-        block_size=(bn, bk),
-        axis_names=(("expert",) if e > 1 else ()) + ("row_block", "col_block"),
-        name=name,
-        what=what,
-    )
+    if check:
+        _checks.raise_on_nonfinite_amax(
+            x3 if e > 1 else x3[0],
+            amax if e > 1 else amax[0],
+            block_size=(bn, bk),
+            axis_names=(("expert",) if e > 1 else ()) + ("row_block", "col_block"),
+            name=name,
+            what=what,
+        )
     if not fp8_out:
         q = q.to(FP8_DTYPE)
     return q, scale
@@ -354,6 +357,7 @@ def quantize_per_token_group_triton(
     fp8_out: bool = True,
     rows_per_program: int | None = None,
     num_warps: int | None = None,
+    check: bool = True,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Per-token-group FP8 quantization of ``[M, K]`` activations.
 
@@ -367,6 +371,7 @@ def quantize_per_token_group_triton(
         rows_per_program: tokens per program (a power of two); ``None`` picks
             about 8192 elements per program.
         num_warps: warps per program; ``None`` picks from the tile size.
+        check: as for :func:`quantize_blockwise_triton`.
 
     Returns:
         ``(q, scale_inv)``: float8_e4m3fn ``[M, K]`` and float32 ``[M, ceil(K/group_size)]``.
@@ -383,9 +388,10 @@ def quantize_per_token_group_triton(
     q, scale, amax = launch_token_group(
         x2, group_size, scale_format, fp8_out=fp8_out, rows_per_program=rows_per_program, num_warps=num_warps
     )
-    _checks.raise_on_nonfinite_amax(
-        x2, amax, block_size=(1, group_size), axis_names=("token", "group"), name=name, what=what
-    )
+    if check:
+        _checks.raise_on_nonfinite_amax(
+            x2, amax, block_size=(1, group_size), axis_names=("token", "group"), name=name, what=what
+        )
     if not fp8_out:
         q = q.to(FP8_DTYPE)
     return q, scale

@@ -13,6 +13,7 @@ import torch
 
 from megatron_fp8.errors import NonFiniteError
 from megatron_fp8.refit.wire import dtype_name
+from megatron_fp8.vocab import SCALE_SUFFIX
 
 _CHECK_CHUNK = 1 << 24  # elements per reduction in the finiteness fast path (bounds the temporaries)
 
@@ -104,9 +105,15 @@ def check_finite(name: str, tensor: torch.Tensor, *, version: int | None = None)
     count = int(bad.sum())
     first = _first_bad_index(bad, tuple(tensor.shape))
     where = f" of version {version}" if version is not None else ""
+    hint = ""
+    if name.endswith(SCALE_SUFFIX) and tensor.dim() >= 2:
+        hint = (
+            f" (block scales: block {first[-2:]} of {name.removesuffix(SCALE_SUFFIX)!r} held NaN/Inf when it was "
+            "quantized)"
+        )
     raise NonFiniteError(
         f"tensor {name!r}{where} ({tensor.dtype}, shape {tuple(tensor.shape)}) holds {count} NaN/Inf value(s), "
-        f"first at index {first}; refusing to refit it (the engine keeps its last good version). "
+        f"first at index {first}{hint}; refusing to refit it (the engine keeps its last good version). "
         "Find the step that produced it (loss scale, grad clipping, zero-amax blocks) before refitting again.",
         name=name,
         block=first,

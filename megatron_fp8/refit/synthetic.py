@@ -15,7 +15,7 @@ import torch
 
 from megatron_fp8.errors import ConfigError
 from megatron_fp8.quant import quantize_blockwise
-from megatron_fp8.quant.formats import ScaleFormat
+from megatron_fp8.quant.formats import NonFinitePolicy, ScaleFormat
 from megatron_fp8.vocab import SCALE_SUFFIX
 
 LINEARS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
@@ -140,6 +140,7 @@ def fp8_stream(
     fp8_names: Iterable[str],
     *,
     scale_format: ScaleFormat = "fp32",
+    nonfinite: NonFinitePolicy = "raise",
 ) -> Iterator[tuple[str, torch.Tensor]]:
     """Quantize-before-transfer: FP8 parameters become ``(name, fp8)`` + ``(name_scale_inv, fp32)``.
 
@@ -149,7 +150,7 @@ def fp8_stream(
     fp8 = set(fp8_names)
     for name, tensor in weights.items():
         if name in fp8:
-            q, scale_inv = quantize_blockwise(tensor, scale_format=scale_format, name=name)
+            q, scale_inv = quantize_blockwise(tensor, scale_format=scale_format, name=name, nonfinite=nonfinite)
             yield name, q
             yield name + SCALE_SUFFIX, scale_inv
         else:

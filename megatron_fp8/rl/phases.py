@@ -427,7 +427,9 @@ def _refit_tensors(state: ArmState) -> Iterable[tuple[str, torch.Tensor]]:
     stream: Iterable[tuple[str, torch.Tensor]]
     if fp32_trainer:  # quantize the BF16 values, as a BF16 trainer on a GPU would send them
         bf16 = rollout_dtype_stream(export_hf_weights(state.model))
-        stream = checked_stream(quantized_stream(bf16, state.manifest, state.export_settings), state.manifest)
+        stream = checked_stream(
+            quantized_stream(bf16, state.manifest, state.export_settings, nonfinite="defer"), state.manifest
+        )
     else:  # the bridge adapter uses Megatron-Bridge's quantized-export hook where the installed version has one
         stream = refit_stream(state.model, state.manifest, state.export_settings)
     if state.kv_recorder is not None and state.kv_recorder.layers():

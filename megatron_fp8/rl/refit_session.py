@@ -226,7 +226,7 @@ def run_refits_over_gloo(
 
     def stream() -> Iterator[tuple[str, torch.Tensor]]:
         if precision == "fp8":
-            src = checked_stream(quantized_stream(weights.items(), manifest), manifest)
+            src = checked_stream(quantized_stream(weights.items(), manifest, nonfinite="defer"), manifest)
         else:
             src = iter(weights.items())
         return _counting(src, names, box)

@@ -237,3 +237,19 @@ def test_scale_shape_helper():
     assert blockwise_scale_shape((4, 128, 128)) == (4, 1, 1)
     assert blockwise_scale_shape((1, 1), (128, 128)) == (1, 1)
     assert math.prod(blockwise_scale_shape((300, 300), (7, 5))) == 43 * 60
+
+
+@pytest.mark.parametrize("fmt", ["fp32", "ue8m0"])
+def test_deferred_nonfinite_check_reads_nothing_back_and_marks_the_block(fmt):
+    from megatron_fp8.refit.opcount import OpCounter
+
+    x = torch.randn(300, 260, generator=torch.Generator().manual_seed(1))
+    with OpCounter() as counter:
+        q, s = quantize_blockwise(x, scale_format=fmt, nonfinite="defer")
+    assert counter.counts.num_host_reads == 0, counter.counts.host_reads
+    qr, sr = quantize_blockwise(x, scale_format=fmt)  # finite input: the same bytes as the checked call
+    assert torch.equal(q.view(torch.uint8), qr.view(torch.uint8)) and torch.equal(s, sr)
+    x[5, 7], x[200, 250] = float("nan"), float("-inf")
+    _, s = quantize_blockwise(x, scale_format=fmt, nonfinite="defer")
+    assert (~torch.isfinite(s)).nonzero().tolist() == [[0, 0], [1, 1]]
+    assert torch.isposinf(s[0, 0]) and torch.isposinf(s[1, 1])

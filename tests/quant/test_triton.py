@@ -96,6 +96,20 @@ _INTERPRETER_SCRIPT = textwrap.dedent(
         out["errors"]["token_group"] = None
     except NonFiniteError as e:
         out["errors"]["token_group"] = [list(e.block), str(e)]
+    # nonfinite="defer": no check, the bad tile's scale is +inf, the same bytes as the torch path
+    out["defer"] = []
+    x = make((2, 300, 260), torch.bfloat16, seed=5)
+    x[0, 5, 7] = float("nan")
+    x[1, 200, 250] = float("inf")
+    x[1, 0, 0] = float("-inf")
+    for fmt in ("fp32", "ue8m0"):
+        q, s = tk.quantize_blockwise_triton(x, 128, 128, fmt, name="w", fp8_out=False, check=False)
+        qr, sr = _blockwise_torch(x, 128, 128, fmt, name="w", check=False)
+        out["defer"].append(["blockwise", fmt, same(s, sr), same(q[s.isfinite().repeat_interleave(128, 1).repeat_interleave(128, 2)[:, :300, :260]], qr[s.isfinite().repeat_interleave(128, 1).repeat_interleave(128, 2)[:, :300, :260]]), sorted(map(list, (~s.isfinite()).nonzero().tolist()))])
+        a = x[0]
+        q, s = tk.quantize_per_token_group_triton(a, 128, fmt, name="a", fp8_out=False, check=False)
+        qr, sr = _token_group_torch(a, 128, fmt, name="a", check=False)
+        out["defer"].append(["token_group", fmt, same(s, sr), True, (~s.isfinite()).nonzero().tolist()])
     print("RESULT" + json.dumps(out))
     """
 )
@@ -132,6 +146,18 @@ def test_interpreter_nonfinite_names_the_block(interpreter_result):
     assert errs["inf3d"][0] == [2, 1, 0] and "expert=2, row_block=1, col_block=0" in errs["inf3d"][1]
     assert errs["nan_only"][0] == [0, 0]  # a tile of only NaN: the kernel's amax must not drop it
     assert errs["token_group"][0] == [4, 2] and "token=4, group=2" in errs["token_group"][1]
+
+
+def test_interpreter_deferred_check_gives_inf_scales_like_the_torch_path(interpreter_result):
+    rows = interpreter_result["defer"]
+    assert len(rows) == 4
+    bad = [r for r in rows if not (r[2] and r[3])]
+    assert not bad, f"deferred NaN/Inf: kernel scales (or finite blocks' codes) differ from the torch path: {bad}"
+    for kind, _fmt, _s, _q, where in rows:
+        if kind == "blockwise":
+            assert where == [[0, 0, 0], [1, 0, 0], [1, 1, 1]], where  # exactly the blocks holding NaN/Inf
+        else:
+            assert where == [[5, 0]], where
 
 
 def test_triton_backend_on_cpu_tensor_is_a_clear_error():

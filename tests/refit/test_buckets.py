@@ -293,3 +293,18 @@ def test_refit_outcome_status_is_from_the_vocabulary():
     assert RefitOutcome(3, "committed").committed and not RefitOutcome(3, "rolled_back", "x").committed
     with pytest.raises(RefitError, match="valid outcomes"):
         RefitOutcome(3, "applied")
+
+
+def test_a_deferred_nan_block_is_refused_by_the_packer_naming_weight_and_block():
+    from megatron_fp8.refit.synthetic import fp8_stream
+
+    w = torch.randn(300, 260, dtype=torch.bfloat16)
+    w[140, 3] = float("nan")  # row block 1, column block 0
+    stream = fp8_stream({"layer.w": w, "norm": torch.ones(4, dtype=torch.bfloat16)}, ["layer.w"], nonfinite="defer")
+    # the block's codes are NaN (x / inf) and its scale +inf: the packer names the weight and the element
+    with pytest.raises(NonFiniteError, match=r"'layer.w' of version 3 .*first at index \(140, 3\)"):
+        list(pack_buckets(stream, version=3, bucket_bytes=1 << 20))
+    scales = torch.ones(3, 3)
+    scales[1, 0] = float("inf")
+    with pytest.raises(NonFiniteError, match=r"'layer.w_scale_inv'.*block \(1, 0\) of 'layer.w' held NaN/Inf"):
+        list(pack_buckets([("layer.w_scale_inv", scales)], version=3, bucket_bytes=1 << 20))

@@ -39,7 +39,8 @@ def test_cuda_ipc_refit_is_exact():
     ctx = torch.multiprocessing.get_context("spawn")
     data_q, ack_q = CudaIpcTransport.make_queues()
     result_q = ctx.Queue()
-    proc = ctx.Process(target=_cuda_ipc_worker.receiver_main, args=(data_q, ack_q, result_q, shapes))
+    done = ctx.Event()
+    proc = ctx.Process(target=_cuda_ipc_worker.receiver_main, args=(data_q, ack_q, result_q, shapes, done))
     proc.start()
     try:
         transport = CudaIpcTransport(data_q, ack_q, role="sender", timeout=60.0)
@@ -48,10 +49,11 @@ def test_cuda_ipc_refit_is_exact():
         sender.close()
         result = result_q.get(timeout=120)
     finally:
+        done.set()
         proc.join(timeout=60)
         if proc.is_alive():
             proc.kill()
     assert report.num_buckets >= 2 and result["buckets"] == report.num_buckets
     assert result["version"] == 1 and result["closed"]
     for name, t in items:
-        assert torch.equal(result["bytes"][name], t.cpu().reshape(-1).view(torch.uint8)), name
+        assert result["bytes"][name] == t.cpu().reshape(-1).view(torch.uint8).numpy().tobytes(), name
