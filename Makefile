@@ -12,12 +12,13 @@ STAMP := $(VENV)/.installed-$(shell cat $(CONSTRAINTS) pyproject.toml | sha1sum 
 OUT ?= out
 PYTEST_ARGS ?=
 
-.PHONY: help install test test-fast demo bench lint freeze clean
+.PHONY: help install test test-fast demo bench gpu-run lint freeze clean
 
 help:
 	@echo "make demo    - install (once) and run the main job (GRPO, 3 arms) on the embedded tiny model"
 	@echo "make test    - install (once) and run the test suite (GPU tests skip with 'needs CUDA')"
 	@echo "make bench   - quantizer + refit benchmarks (tables + JSON under bench/results/)"
+	@echo "make gpu-run - on a GPU machine: every gpu test + both benchmarks -> bench/results/*_cuda.json (docs/gpu.md)"
 	@echo "make lint    - ruff + shellcheck"
 	@echo "make image   - build the NGC PyTorch (CUDA 12.9) image; make image-sqsh for enroot/pyxis"
 
@@ -52,10 +53,13 @@ bench: install
 	$(BIN)/python bench/refit.py --out bench/results/refit.json
 	$(BIN)/python bench/verify.py --out bench/results/verify.json
 
+gpu-run:
+	bash bench/gpu_run.sh
+
 lint: install
 	$(BIN)/ruff check .
 	$(BIN)/ruff format --check .
-	$(BIN)/shellcheck -x slurm/*.sh slurm/*.sbatch .ci/run
+	$(BIN)/shellcheck -x slurm/*.sh slurm/*.sbatch .ci/run bench/gpu_run.sh
 	$(BIN)/python docker/pins.py check
 
 freeze:

@@ -65,7 +65,8 @@ ROW_KEYS = (
     "shape", "elements", "bytes_moved", "torch_ms", "torch_gbs", "naive_ms", "speedup_vs_naive", "bytes_equal_naive",
     "reference_ms", "speedup_vs_reference",
     "bytes_equal_reference", "triton_ms", "triton_gbs", "pct_of_copy", "triton_api_ms", "copy_same_size_gbs",
-    "bytes_equal_torch", "best_config",
+    "bytes_equal_torch", "best_config", "triton_api_defer_ms", "api_over_kernel", "api_defer_over_kernel",
+    "torchao_ms", "torchao_gbs",
 )  # fmt: skip
 
 
@@ -150,6 +151,15 @@ def _sweep_configs(x3: torch.Tensor, nbytes: int, *, warmup: int, reps: int) -> 
     return best
 
 
+def _torchao_blockwise() -> Callable | None:
+    """torchao's plain Triton 128x128 weight quantizer (``x -> (q, scales)``), when torchao is installed."""
+    try:
+        from torchao.prototype.blockwise_fp8_training.kernels import triton_fp8_blockwise_weight_quant_rhs
+    except Exception:  # not installed, or another layout of the package
+        return None
+    return lambda x: triton_fp8_blockwise_weight_quant_rhs(x, block_size=128)
+
+
 def bench_shape_cuda(shape: tuple[int, int], copy_gbs: float, *, warmup: int, reps: int, sweep: bool) -> dict:
     from megatron_fp8.quant import triton_kernels
 
@@ -175,6 +185,18 @@ def bench_shape_cuda(shape: tuple[int, int], copy_gbs: float, *, warmup: int, re
     row["triton_api_ms"] = _median_cuda(
         lambda: quantize_blockwise(x, backend="triton"), warmup=warmup, reps=reps, inner=inner
     )
+    row["triton_api_defer_ms"] = _median_cuda(
+        lambda: quantize_blockwise(x, backend="triton", nonfinite="defer"), warmup=warmup, reps=reps, inner=inner
+    )
+    row["api_over_kernel"] = row["triton_api_ms"] / kernel_ms
+    row["api_defer_over_kernel"] = row["triton_api_defer_ms"] / kernel_ms
+    torchao = _torchao_blockwise()
+    if torchao is not None:
+        try:
+            row["torchao_ms"] = _median_cuda(lambda: torchao(x), warmup=warmup, reps=reps, inner=inner)
+            row["torchao_gbs"] = _gbs(nbytes, row["torchao_ms"])
+        except Exception as exc:  # another torchao version, another signature: say so, keep the run
+            row["torchao_ms"] = f"failed: {type(exc).__name__}: {exc}"[:200]
     row["torch_ms"] = _median_cuda(lambda: quantize_blockwise(x, backend="torch"), warmup=1, reps=max(3, reps // 4))
     row["torch_gbs"] = _gbs(nbytes, row["torch_ms"])
     row["bytes_equal_torch"] = _same_bytes(
@@ -198,15 +220,22 @@ def bench_layer_set_cuda(layer: tuple, layers: int, copy_gbs: float, *, warmup: 
         for w3 in stacks:
             triton_kernels.launch_blockwise(w3, 128, 128, "fp32")
 
-    def all_api(backend: str):
+    def all_api(backend: str, nonfinite: str = "raise"):
         for w in weights:
-            quantize_blockwise(w, backend=backend)
+            quantize_blockwise(w, backend=backend, nonfinite=nonfinite)
 
     out = _layer_set_header(layer, layers, weights, nbytes)
     out["triton_ms"] = _median_cuda(all_kernels, warmup=warmup, reps=reps)
     out["triton_gbs"] = _gbs(nbytes, out["triton_ms"])
     out["pct_of_copy"] = 100 * out["triton_gbs"] / copy_gbs
     out["triton_api_ms"] = _median_cuda(lambda: all_api("triton"), warmup=1, reps=max(3, reps // 4))
+    out["triton_api_defer_ms"] = _median_cuda(lambda: all_api("triton", "defer"), warmup=1, reps=max(3, reps // 4))
+    torchao = _torchao_blockwise()
+    if torchao is not None:
+        try:
+            out["torchao_ms"] = _median_cuda(lambda: [torchao(w) for w in weights], warmup=1, reps=max(3, reps // 4))
+        except Exception as exc:  # another torchao version: say so, keep the run
+            out["torchao_ms"] = f"failed: {type(exc).__name__}: {exc}"[:200]
     out["torch_ms"] = _median_cuda(lambda: all_api("torch"), warmup=1, reps=3)
     out["torch_gbs"] = _gbs(nbytes, out["torch_ms"])
     return out
@@ -322,7 +351,9 @@ def run(args: argparse.Namespace) -> dict:
         result["layer_set"] = bench_layer_set_cuda(layer, layers, copy_gbs, warmup=args.warmup, reps=args.reps)
         result["notes"].append(
             "triton_ms: kernel only (launch_blockwise, no non-finite check); triton_api_ms: quantize_blockwise "
-            "(kernel + amax check, one host sync per call); torch_ms: the torch path on the GPU."
+            "(kernel + amax check, one host sync per call); triton_api_defer_ms: the same with nonfinite='defer' "
+            "(no host sync); torchao_ms: torchao's plain Triton blockwise weight kernel where torchao is installed; "
+            "torch_ms: the torch path on the GPU."
         )
     else:
         reps = args.reps if args.reps_given else (1 if args.smoke else 3)
@@ -361,6 +392,7 @@ def print_table(result: dict) -> None:
     if cuda:
         cols = [("triton ms", "triton_ms", ".4f"), ("triton GB/s", "triton_gbs", ".0f"),
                 ("% of copy", "pct_of_copy", ".1f"), ("API ms", "triton_api_ms", ".4f"),
+                ("API defer ms", "triton_api_defer_ms", ".4f"), ("torchao ms", "torchao_ms", ".4f"),
                 ("torch ms", "torch_ms", ".3f"), ("torch GB/s", "torch_gbs", ".0f"),
                 ("same bytes", "bytes_equal_torch", "")]  # fmt: skip
     else:

@@ -8,14 +8,23 @@ quantization time is inside the FP8 timing and also reported alone).
 Embeddings, norms and lm_head travel as BF16 in both variants and are not part
 of the "FP8 params" payload comparison.
 
-Transports: ``inproc`` (sender and receiver threads of this process) and
-``gloo`` (this process is rank 0, a spawned process receives). Each timing runs
-from the first stream item to the receiver's commit.
+Transports: ``inproc`` (sender and receiver threads of this process), ``gloo``
+(CPU: this process is rank 0, a spawned process receives) and ``cuda_ipc``
+(CUDA: a spawned process on the same GPU receives). Appliers: ``noop`` (every
+bucket validated, nothing copied) and ``dict`` (a DictApplier into targets on the
+device: values checked, rollback backup, one multi-tensor copy, read back).
+Each timing runs from the first stream item to the receiver's commit; on CUDA a
+warm-up refit runs first. The JSON also holds the device's copy bandwidth (bytes
+read + written per second by a 1 GiB ``copy_``, as in bench/quant.py), each run's
+payload GB/s as a share of it, and the compute ops and host reads per bucket on each side
+(counted by :class:`megatron_fp8.refit.opcount.OpCounter`: launches and syncs on
+a GPU). Without vLLM or Megatron the tiny-model part is skipped and says so.
 
 Examples::
 
     python bench/refit.py --smoke --out /tmp/refit.json       # seconds, shrunk widths
     python bench/refit.py --layers 2 --out bench/results/refit.json
+    python bench/refit.py --device cuda                        # the whole 8B set -> bench/results/refit_cuda.json
 
 The tiny-model part (streams from a real converted model) plugs into
 :func:`bench_stream_factories`, which takes named stream factories.
@@ -25,6 +34,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import importlib.util
 import json
 import logging
 import os
@@ -34,8 +44,9 @@ import sys
 import threading
 import time
 from collections.abc import Callable, Iterable, Iterator
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 
+import _refit_device as dev
 import torch
 
 from megatron_fp8.quant import quantize_blockwise
@@ -83,6 +94,9 @@ class RunResult:
     num_tensors: int = 0
     num_buckets: int = 0
     gbps: float = 0.0
+    applier: str = "noop"
+    pct_of_copy: float | None = None
+    ops: dict | None = None
 
 
 def _free_port() -> int:
@@ -95,7 +109,7 @@ def _noop_apply(version: int, pairs: list[tuple[str, torch.Tensor]]) -> None:
     """Receiver-side applier of the benchmark: buckets are fully validated (checksums), nothing is copied."""
 
 
-def _result(name: str, transport: str, reports: list, times: list[float]) -> RunResult:
+def _result(name: str, transport: str, reports: list, times: list[float], applier: str = "noop") -> RunResult:
     rep = reports[-1]
     med = statistics.median(times)
     return RunResult(
@@ -108,23 +122,32 @@ def _result(name: str, transport: str, reports: list, times: list[float]) -> Run
         num_tensors=rep.num_tensors,
         num_buckets=rep.num_buckets,
         gbps=rep.total_bytes / med / 1e9 if med > 0 else 0.0,
+        applier=applier,
     )
 
 
 def _bench_inproc(
-    factories: dict[str, StreamFactory], *, bucket_bytes: int, repeats: int, timeout: float
+    factories: dict[str, StreamFactory],
+    *,
+    bucket_bytes: int,
+    repeats: int,
+    timeout: float,
+    applier_kind: str = "noop",
+    device: torch.device | None = None,
 ) -> list[RunResult]:
-    transport = InProcTransport(maxsize=2, timeout=timeout)  # 2 buckets in flight: double buffering
-    receiver = RefitReceiver(transport, apply=CallableApplier(_noop_apply))
-    sender = RefitSender(transport, bucket_bytes=bucket_bytes)
-    results, version = [], 0
+    device = device or torch.device("cpu")
+    results = []
     for name, factory in factories.items():
+        spec = dev.target_spec(factory) if applier_kind == "dict" else None
+        transport = InProcTransport(maxsize=2, timeout=timeout)  # 2 buckets in flight: double buffering
+        receiver = RefitReceiver(transport, apply=dev.make_applier(applier_kind, spec, device))
+        sender = RefitSender(transport, bucket_bytes=bucket_bytes, device=device)
         reports, times = [], []
-        for _ in range(repeats):
-            version += 1
+        warmup = 1 if device.type == "cuda" else 0  # CUDA: allocator, Triton compile
+        for version in range(1, repeats + warmup + 1):
             errors: list[BaseException] = []
 
-            def receive(errors: list[BaseException] = errors) -> None:
+            def receive(errors: list[BaseException] = errors, receiver: RefitReceiver = receiver) -> None:
                 try:
                     receiver.receive(first_timeout=timeout)
                 except BaseException as exc:  # surfaced below
@@ -132,13 +155,17 @@ def _bench_inproc(
 
             th = threading.Thread(target=receive)
             th.start()
+            dev.sync(device)
             start = time.perf_counter()
-            reports.append(sender.send(factory(), version=version))
+            report = sender.send(factory(), version=version)
             th.join()
-            times.append(time.perf_counter() - start)
+            dev.sync(device)
             if errors:
                 raise errors[0]
-        results.append(_result(name, "inproc", reports, times))
+            if version > warmup:
+                reports.append(report)
+                times.append(time.perf_counter() - start)
+        results.append(_result(name, "inproc", reports, times, applier_kind))
     return results
 
 
@@ -210,7 +237,16 @@ def _bench_gloo(
     return results
 
 
-BENCHES: dict[str, Callable[..., list[RunResult]]] = {"inproc": _bench_inproc, "gloo": _bench_gloo}
+def _bench_cuda_ipc(factories: dict[str, StreamFactory], **kwargs) -> list[RunResult]:
+    kwargs.pop("device", None)
+    return dev.bench_cuda_ipc(factories, result=_result, **kwargs)
+
+
+BENCHES: dict[str, Callable[..., list[RunResult]]] = {
+    "inproc": _bench_inproc,
+    "gloo": _bench_gloo,
+    "cuda_ipc": _bench_cuda_ipc,
+}
 
 
 def bench_stream_factories(
@@ -221,6 +257,8 @@ def bench_stream_factories(
     repeats: int = 1,
     timeout: float = 300.0,
     threads: int = 1,
+    appliers: Iterable[str] = ("noop",),
+    device: torch.device | None = None,
 ) -> list[RunResult]:
     """Send every named stream through every transport and time it.
 
@@ -235,16 +273,25 @@ def bench_stream_factories(
         repeats: refits per (stream, transport); the median is reported.
         timeout: per-wait transport deadline, seconds.
         threads: torch intra-op threads of the gloo receiver process.
+        appliers: receiver-side appliers (:data:`_refit_device.APPLIERS`); gloo runs ``noop`` only.
+        device: where buckets (and ``dict`` targets) live; default CPU.
 
     Returns:
-        One :class:`RunResult` per (transport, stream), transports outermost.
+        One :class:`RunResult` per (transport, applier, stream), transports outermost.
     """
+    device = device or torch.device("cpu")
     out: list[RunResult] = []
     for name in transports:
         if name not in BENCHES:
             raise SystemExit(f"unknown transport {name!r}; valid: {sorted(BENCHES)}")
-        kwargs = {"threads": threads} if name == "gloo" else {}
-        out += BENCHES[name](factories, bucket_bytes=bucket_bytes, repeats=repeats, timeout=timeout, **kwargs)
+        for applier in appliers:
+            if name == "gloo":
+                if applier != "noop":
+                    continue
+                kwargs = {"threads": threads}
+            else:
+                kwargs = {"applier_kind": applier, "device": device}
+            out += BENCHES[name](factories, bucket_bytes=bucket_bytes, repeats=repeats, timeout=timeout, **kwargs)
     return out
 
 
@@ -323,21 +370,29 @@ def _print_table(summary: dict) -> None:
 
     p = summary["fp8_params"]
     table = Table(title=f"refit: FP8 vs BF16 ({summary['what_ran']})")
-    for col in ("transport", "stream", "FP8-param bytes", "rest bytes", "buckets", "seconds", "GB/s"):
-        table.add_column(col, justify="right" if col not in ("transport", "stream") else "left")
+    cols = ("transport", "applier", "stream", "FP8-param bytes", "rest bytes", "buckets", "seconds", "GB/s")
+    for col in (*cols, "% of copy", "ops/bucket (send, recv)", "syncs/bucket"):
+        table.add_column(col, justify="left" if col in ("transport", "applier", "stream") else "right")
     for r in summary["runs"]:
         fp8_param_bytes = p["bf16_bytes"] if r["stream"] == "bf16" else p["fp8_plus_scale_bytes"]
+        ops = r.get("ops") or {}
+        snd, rcv = ops.get("sender", {}), ops.get("receiver", {})
         table.add_row(
             r["transport"],
+            r.get("applier", "noop"),
             r["stream"],
             f"{fp8_param_bytes / 1e6:,.2f} MB",
             f"{summary['rest_bf16_bytes'] / 1e6:,.2f} MB",
             str(r["num_buckets"]),
             f"{r['seconds']:.3f}",
             f"{r['gbps']:.2f}",
+            f"{r['pct_of_copy']:.1f}%" if r.get("pct_of_copy") is not None else "-",
+            f"{snd.get('compute_ops_per_bucket', 0):.1f}, {rcv.get('compute_ops_per_bucket', 0):.1f}" if ops else "-",
+            f"{snd.get('host_reads_per_bucket', 0):.1f}, {rcv.get('host_reads_per_bucket', 0):.1f}" if ops else "-",
         )
     console = Console(width=max(Console().width, 140))
     console.print(table)
+    console.print(f"device copy bandwidth: {summary['copy_gbps']:.1f} GB/s read + written ({summary['device']})")
     console.print(
         f"FP8-param payload ratio (FP8 + scales) / BF16 = {p['payload_ratio']:.6f} "
         f"(limit {MAX_FP8_RATIO}); quantization alone {p['quantize_seconds']:.3f}s"
@@ -346,19 +401,35 @@ def _print_table(summary: dict) -> None:
         console.print(f"time ratio FP8 / BF16 over {name}: {ratio:.3f}")
 
 
+def _stream_passes(runs: list[RunResult], stream: str, use_cuda: bool, appliers: list[str]) -> int:
+    """How many times the stream was consumed by the timed runs (repeats, warm-ups, ``dict`` target specs)."""
+    n = 0
+    for r in runs:
+        if r.stream != stream:
+            continue
+        n += len(r.seconds_all) + (1 if use_cuda else 0) + (1 if r.applier == "dict" else 0)
+    return n
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[1])
     ap.add_argument("--spec", default="llama-3.1-8b", choices=sorted(SPECS))
     ap.add_argument("--layers", type=int, default=None, help="decoder layers (default: 2 on CPU, all on CUDA)")
     ap.add_argument("--shrink", type=int, default=1, help="divide widths/heads/vocab by this factor")
     ap.add_argument("--no-rest", action="store_true", help="send only the FP8 params (no embeddings/norms/lm_head)")
-    ap.add_argument("--transports", default=",".join(TRANSPORT_NAMES), help="comma-separated: inproc,gloo")
+    ap.add_argument("--device", default="auto", choices=("auto", "cpu", "cuda"), help="auto: cuda when available")
+    ap.add_argument(
+        "--transports",
+        default=None,
+        help="comma-separated: inproc,gloo (CPU), inproc,cuda_ipc (CUDA; the default there)",
+    )
+    ap.add_argument("--appliers", default=None, help="comma-separated: noop,dict (default: noop on CPU, both on CUDA)")
     ap.add_argument("--bucket-mb", type=float, default=None, help="bucket size in MiB (default: sized for the device)")
     ap.add_argument("--repeats", type=int, default=1)
     ap.add_argument("--threads", type=int, default=None, help="torch intra-op threads (default: torch's)")
     ap.add_argument("--timeout", type=float, default=600.0, help="per-wait transport deadline, seconds")
     ap.add_argument("--smoke", action="store_true", help="1 layer, widths / 8, 1 thread: seconds on a CPU")
-    ap.add_argument("--out", default=None, help="write the JSON summary here")
+    ap.add_argument("--out", default=None, help="write the JSON summary here (CUDA: bench/results/refit_cuda.json)")
     ap.add_argument(
         "--no-tiny",
         action="store_true",
@@ -374,9 +445,15 @@ def main(argv: list[str] | None = None) -> int:
     if args.threads:
         torch.set_num_threads(args.threads)
     threads = torch.get_num_threads()
-    device = "cpu"  # transports here are CPU ones (inproc, gloo)
+    use_cuda = args.device == "cuda" or (args.device == "auto" and torch.cuda.is_available() and not args.smoke)
+    device = torch.device("cuda", 0) if use_cuda else torch.device("cpu")
+    if use_cuda:
+        torch.cuda.set_device(device)
+        args.out = args.out or "bench/results/refit_cuda.json"
+    transport_names = args.transports or ("inproc,cuda_ipc" if use_cuda else ",".join(TRANSPORT_NAMES))
+    appliers = [a for a in (args.appliers or ("noop,dict" if use_cuda else "noop")).split(",") if a]
     base = get_spec(args.spec)
-    layers = args.layers if args.layers is not None else 2
+    layers = args.layers if args.layers is not None else (base.num_layers if use_cuda else 2)
     spec = base.shrunk(args.shrink, num_layers=min(layers, base.num_layers))
     bucket_bytes = int(args.bucket_mb * (1 << 20)) if args.bucket_mb else default_bucket_bytes(device)
     if args.smoke and not args.bucket_mb:
@@ -392,9 +469,23 @@ def main(argv: list[str] | None = None) -> int:
     tallies: dict[str, dict[str, int]] = {"bf16": {}, "fp8": {}}
     factories: dict[str, StreamFactory] = {
         "bf16": lambda: _tally(bf16_stream(weights), fp8_names, tallies["bf16"]),
-        "fp8": lambda: _tally(fp8_stream(weights, fp8_names), fp8_names, tallies["fp8"]),
+        "fp8": lambda: _tally(fp8_stream(weights, fp8_names, nonfinite="defer"), fp8_names, tallies["fp8"]),
     }
-    transports = [t for t in args.transports.split(",") if t]
+    transports = [t for t in transport_names.split(",") if t]
+    copy_rate = dev.copy_gbps(device, nbytes=(1 << 30) if use_cuda else (256 << 20))
+    ops = {
+        name: dev.count_ops(
+            factory,
+            bucket_bytes=bucket_bytes,
+            applier=dev.make_applier(
+                appliers[-1], dev.target_spec(factory) if appliers[-1] == "dict" else None, device
+            ),
+            device=device,
+        )
+        for name, factory in factories.items()
+    }
+    for t in tallies.values():
+        t.clear()  # the counted refits are not part of the byte accounting below
     runs = bench_stream_factories(
         factories,
         transports=transports,
@@ -402,12 +493,20 @@ def main(argv: list[str] | None = None) -> int:
         repeats=args.repeats,
         timeout=args.timeout,
         threads=threads,
+        appliers=appliers,
+        device=device,
     )
-    by = {(r.transport, r.stream): r for r in runs}
-    time_ratio = {t: by[(t, "fp8")].seconds / by[(t, "bf16")].seconds for t in transports}
+    runs = [replace(r, pct_of_copy=100 * r.gbps / copy_rate, ops=ops.get(r.stream)) for r in runs]
+    by = {(r.transport, r.applier, r.stream): r for r in runs}
+    time_ratio = {
+        f"{t}/{a}" if len(appliers) > 1 else t: by[(t, a, "fp8")].seconds / by[(t, a, "bf16")].seconds
+        for (t, a, s) in by
+        if s == "fp8" and (t, a, "bf16") in by
+    }
+    where = torch.cuda.get_device_name(device) if use_cuda else "CPU"
     what = (
         f"{args.spec}, {spec.num_layers} of {base.num_layers} layers, widths / {args.shrink}, "
-        f"{'with' if rest else 'without'} embeddings/norms/lm_head, {threads} thread(s), CPU"
+        f"{'with' if rest else 'without'} embeddings/norms/lm_head, {threads} thread(s), {where}"
     )
     summary = {
         "what_ran": what,
@@ -416,7 +515,10 @@ def main(argv: list[str] | None = None) -> int:
         "layers": spec.num_layers,
         "shrink": args.shrink,
         "smoke": args.smoke,
-        "device": device,
+        "device": where,
+        "torch": torch.__version__,
+        "copy_gbps": copy_rate,
+        "ops_per_bucket": ops,
         "threads": threads,
         "bucket_bytes": bucket_bytes,
         "repeats": args.repeats,
@@ -425,12 +527,16 @@ def main(argv: list[str] | None = None) -> int:
         "rest_bf16_bytes": rest_bytes,
         "quantize_seconds": fp8_params["quantize_seconds"],
         "streamed_fp8_param_bytes": {
-            k: v.get("fp8_params", 0) // max(args.repeats * len(transports), 1) for k, v in tallies.items()
+            k: v.get("fp8_params", 0) // max(_stream_passes(runs, k, use_cuda, appliers), 1) for k, v in tallies.items()
         },
         "runs": [asdict(r) for r in runs],
         "time_ratio_fp8_over_bf16": time_ratio,
     }
-    if not args.no_tiny:
+    missing = [m for m in ("vllm", "megatron.core") if importlib.util.find_spec(m.split(".")[0]) is None]
+    if not args.no_tiny and missing:
+        logger.warning("tiny-model part skipped: %s not installed here (it asks vLLM for the manifest)", missing)
+        summary["tiny"] = {"skipped": f"{', '.join(missing)} not installed"}
+    elif not args.no_tiny:
         summary["tiny"] = bench_tiny_model(
             transports=transports,
             bucket_bytes=bucket_bytes,
@@ -439,7 +545,7 @@ def main(argv: list[str] | None = None) -> int:
             threads=threads,
         )
     _print_table(summary)
-    if "tiny" in summary:
+    if "tiny" in summary and "skipped" not in summary["tiny"]:
         t = summary["tiny"]
         print(
             f"tiny model ({t['fp8_params']} FP8 params from vLLM's manifest): payload FP8/BF16 "

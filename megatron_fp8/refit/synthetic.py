@@ -114,19 +114,20 @@ def synthetic_weights(
     """Random BF16 weights (normal, std 0.02; norms 1.0) for ``spec``, keyed by HF name.
 
     Returns:
-        ``{hf_name: bfloat16 tensor}``: the FP8 parameters first (layer order), then the BF16 rest.
+        ``{hf_name: bfloat16 tensor}`` on ``device``: the FP8 parameters first (layer order), then the BF16 rest.
+        The values depend on the device's generator (the same seed gives other values on CUDA than on CPU).
     """
-    gen = torch.Generator(device="cpu").manual_seed(seed)
+    dev = torch.device(device)
+    gen = torch.Generator(device=dev).manual_seed(seed)  # drawn where they live: seconds, not minutes, for 8B on a GPU
     shapes: dict[str, tuple[int, ...]] = dict(linear_shapes(spec))
     if include_rest:
         shapes.update(bf16_rest_shapes(spec))
     out = {}
     for name, shape in shapes.items():
         if name.endswith("norm.weight"):
-            t = torch.ones(shape, dtype=torch.bfloat16)
+            out[name] = torch.ones(shape, dtype=torch.bfloat16, device=dev)
         else:
-            t = (torch.randn(shape, generator=gen) * 0.02).to(torch.bfloat16)
-        out[name] = t.to(device)
+            out[name] = (torch.randn(shape, generator=gen, device=dev) * 0.02).to(torch.bfloat16)
     return out
 
 

@@ -15,7 +15,8 @@ SCRIPT = ROOT / "bench" / "quant.py"
 ROW_KEYS = {
     "shape", "elements", "bytes_moved", "torch_ms", "torch_gbs", "naive_ms", "speedup_vs_naive", "bytes_equal_naive", "reference_ms", "speedup_vs_reference",
     "bytes_equal_reference", "triton_ms", "triton_gbs", "pct_of_copy", "triton_api_ms", "copy_same_size_gbs",
-    "bytes_equal_torch", "best_config",
+    "bytes_equal_torch", "best_config", "triton_api_defer_ms", "api_over_kernel", "api_defer_over_kernel",
+    "torchao_ms", "torchao_gbs",
 }  # fmt: skip
 TOP_KEYS = {
     "schema", "mode", "device", "cpu_threads", "torch_version", "triton_version", "cuda_version", "python_version",

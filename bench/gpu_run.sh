@@ -1,0 +1,57 @@
+#!/usr/bin/env bash
+# One unattended GPU run: every `gpu` test, then the quantizer and refit benchmarks, as JSON.
+#
+#   bash bench/gpu_run.sh                 # on a bare Hopper machine (torch + Triton; no vLLM, TE or Megatron)
+#   RESULTS=$OUT bash bench/gpu_run.sh    # through the device tool: results come back from $OUT
+#
+# Writes to ${RESULTS:-bench/results}: gpu_tests.xml/.log, quant_cuda.json/.log, refit_cuda.json/.log and
+# summary.json (each step's exit code and seconds). Every step runs even when an earlier one fails; the exit
+# code is the first failure's. Wheels found in .whl/ (docs/gpu.md lists them) are installed to /tmp/site first.
+# GPU_RUN_SMOKE=1 runs the same steps with seconds-long sizes, on a CPU too (what the CI test of this script does).
+set -uo pipefail
+cd "$(dirname "$0")/.." || exit 2
+results=${RESULTS:-bench/results}
+mkdir -p "$results"
+if compgen -G ".whl/*.whl" >/dev/null; then
+    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
+        || { echo "gpu_run: installing .whl/*.whl failed" >&2; exit 2; }
+    export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH}
+fi
+export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
+python=${PYTHON:-python3}
+smoke=${GPU_RUN_SMOKE:-0}
+if [ "$smoke" != 1 ] && ! "$python" -c 'import torch, sys; sys.exit(0 if torch.cuda.is_available() else 1)'; then
+    echo "gpu_run: no CUDA device here (GPU_RUN_SMOKE=1 runs the smoke sizes on a CPU)" >&2
+    exit 2
+fi
+"$python" -c 'import torch; print("torch", torch.__version__, "cuda", torch.version.cuda,
+      torch.cuda.get_device_name(0) if torch.cuda.is_available() else "no GPU")' | tee "$results/machine.txt"
+nvidia-smi --query-gpu=name,memory.total,clocks.max.memory --format=csv >>"$results/machine.txt" 2>/dev/null || true
+
+first_fail=0
+steps=()
+step() {  # step NAME CMD...: run, log, time, remember the exit code
+    local name=$1 start rc
+    shift
+    echo "== $name: $*"
+    start=$(date +%s)
+    "$@" 2>&1 | tee "$results/$name.log"
+    rc=${PIPESTATUS[0]}
+    steps+=("\"$name\": {\"rc\": $rc, \"seconds\": $(($(date +%s) - start))}")
+    [ "$rc" -ne 0 ] && [ "$first_fail" -eq 0 ] && first_fail=$rc
+    return 0
+}
+
+mapfile -t gpu_tests < <(grep -rl --include='test_*.py' 'mark.gpu' tests | sort)
+if [ "$smoke" = 1 ]; then
+    step gpu_tests "$python" -m pytest -q -p no:cacheprovider -m gpu --junitxml "$results/gpu_tests.xml" "${gpu_tests[@]}"
+    step quant_cuda "$python" bench/quant.py --smoke --out "$results/quant_cuda.json"
+    step refit_cuda "$python" bench/refit.py --smoke --no-tiny --out "$results/refit_cuda.json"
+else
+    step gpu_tests "$python" -m pytest -q -p no:cacheprovider -m gpu -rs --junitxml "$results/gpu_tests.xml" "${gpu_tests[@]}"
+    step quant_cuda "$python" bench/quant.py --device cuda --out "$results/quant_cuda.json"
+    step refit_cuda "$python" bench/refit.py --device cuda --out "$results/refit_cuda.json"
+fi
+(IFS=,; echo "{${steps[*]}, \"smoke\": $([ "$smoke" = 1 ] && echo true || echo false)}") >"$results/summary.json"
+cat "$results/summary.json"
+exit "$first_fail"

@@ -1,0 +1,39 @@
+"""bench/gpu_run.sh, the one command a GPU session runs, works end to end (smoke sizes, on this CPU)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def test_gpu_run_smoke_writes_every_result(tmp_path):
+    env = dict(os.environ, GPU_RUN_SMOKE="1", RESULTS=str(tmp_path), PYTHON=sys.executable, OMP_NUM_THREADS="1")
+    proc = subprocess.run(["bash", "bench/gpu_run.sh"], cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    summary = json.loads((tmp_path / "summary.json").read_text())
+    assert {k: v["rc"] for k, v in summary.items() if k != "smoke"} == {
+        "gpu_tests": 0,
+        "quant_cuda": 0,
+        "refit_cuda": 0,
+    }
+    refit = json.loads((tmp_path / "refit_cuda.json").read_text())
+    assert refit["copy_gbps"] > 0 and set(refit["ops_per_bucket"]) == {"bf16", "fp8"}
+    for r in refit["runs"]:
+        assert r["pct_of_copy"] > 0 and r["ops"]["sender"]["host_reads_per_bucket"] <= 1.0
+    assert (tmp_path / "quant_cuda.json").exists() and (tmp_path / "gpu_tests.xml").exists()
+
+
+def test_gpu_run_refuses_without_cuda_unless_smoke(tmp_path):
+    import torch
+
+    if torch.cuda.is_available():
+        return  # on a GPU machine the real run is what bench/gpu_run.sh does
+    env = dict(os.environ, RESULTS=str(tmp_path), PYTHON=sys.executable)
+    env.pop("GPU_RUN_SMOKE", None)
+    proc = subprocess.run(["bash", "bench/gpu_run.sh"], cwd=REPO, env=env, capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 2 and "no CUDA device here" in proc.stderr
