@@ -46,6 +46,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="explain every key of CONFIG: value, source file, effect (or 'no effect' and why)",
     )
     parser.add_argument("--json", action="store_true", help="print JSON instead of YAML (with --explain: the table)")
+    parser.add_argument(
+        "--allow-no-effect",
+        action="store_true",
+        help="run although NeMo-RL keys that change the experiment have no effect here (= grpo.allow_no_effect=true)",
+    )
     parser.add_argument("overrides", nargs="*", metavar="KEY=VALUE", help="dotted overrides, e.g. grpo.num_steps=3")
 
 
@@ -67,7 +72,8 @@ def run(args: argparse.Namespace) -> int:
     from megatron_fp8.rl.preflight import preflight, refuse_empty_config
 
     refuse_empty_config(args.explain or args.config)
-    loaded = load_config_report(args.explain or args.config, args.overrides)
+    overrides = [*args.overrides, *(["grpo.allow_no_effect=true"] if getattr(args, "allow_no_effect", False) else [])]
+    loaded = load_config_report(args.explain or args.config, overrides)
     cfg = loaded.config
     if args.explain is not None:
         rows = explain_rows(loaded)

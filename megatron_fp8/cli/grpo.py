@@ -32,6 +32,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--overwrite", action="store_true", help="replace another run's outputs in --out (refused otherwise)"
     )
+    parser.add_argument(
+        "--allow-no-effect",
+        action="store_true",
+        help="run although NeMo-RL keys that change the experiment have no effect here (= grpo.allow_no_effect=true)",
+    )
     parser.add_argument("overrides", nargs="*", metavar="KEY=VALUE", help="dotted overrides, e.g. grpo.seed=1")
 
 
@@ -44,7 +49,10 @@ def run_job(args: argparse.Namespace) -> tuple[Path, Path, Path] | None:
     from megatron_fp8.rl.preflight import refuse_empty_config
 
     refuse_empty_config(args.config)
-    loaded = load_config_report(args.config, list(getattr(args, "overrides", []) or []))
+    overrides = list(getattr(args, "overrides", []) or [])
+    if getattr(args, "allow_no_effect", False):
+        overrides.append("grpo.allow_no_effect=true")
+    loaded = load_config_report(args.config, overrides)
     config = loaded.config
     refuse_before_run(config, loaded.no_effect)
     logging.getLogger().setLevel(config.logging.level if not verbose else "DEBUG")

@@ -105,6 +105,7 @@ EFFECTS: Mapping[str, str] = {
     "grpo.val_period": "validation accuracy every N steps (rl.validation)",
     "grpo.val_at_start": "validation before the first step (rl.validation)",
     "grpo.max_val_samples": "validation problems used (rl.validation)",
+    "grpo.allow_no_effect": "accept NeMo-RL keys that change the experiment but have no effect here (config.refusals)",
     "policy.generation.colocated.enabled": "false: the last ranks only generate; refit over refit.transport (rl.remote)",
     "policy.generation.colocated.resources.gpus_per_node": "rollout ranks per node when not colocated (rl.roles)",
     "policy.generation.colocated.resources.num_nodes": "nodes of rollout ranks when not colocated (rl.roles)",

@@ -17,6 +17,7 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import logging
+import textwrap
 import types
 import typing
 from collections.abc import Mapping, Sequence
@@ -362,20 +363,24 @@ def partition_keys(data: Mapping[str, JSONValue], cls: type = RunConfig, path: s
     return implemented, no_effect
 
 
-def no_effect_message(no_effect: Mapping[str, JSONValue]) -> str:
-    """The one warning listing the keys given that have no effect (grouped by section, 80-column friendly)."""
+def no_effect_message(no_effect: Mapping[str, JSONValue], width: int = 80) -> str:
+    """The one warning listing the keys given that have no effect: a header, then one line per section with its
+    keys, wrapped to ``width`` columns."""
     groups: dict[str, list[str]] = {}
     for key in no_effect:
         head, _, rest = key.rpartition(".")
         groups.setdefault(head, []).append(rest)
-    parts = [
-        (f"{head}.{{{', '.join(names)}}}" if len(names) > 1 else f"{head}.{names[0]}") if head else ", ".join(names)
-        for head, names in groups.items()
-    ]
-    return (
+    lines = [
         f"no effect in megatron-fp8 ({len(no_effect)} NeMo-RL key(s) it does not implement; "
-        "`megatron-fp8 config --explain` says why): " + "; ".join(parts)
-    )
+        "`megatron-fp8 config --explain` says why):"
+    ]
+    for head, names in groups.items():
+        lines.extend(
+            textwrap.wrap(
+                ", ".join(names), width=width, initial_indent=f"  {head or '(top)'}: ", subsequent_indent="      "
+            )
+        )
+    return "\n".join(lines)
 
 
 def _reconcile_model_name(raw: dict[str, JSONValue]) -> None:

@@ -7,15 +7,67 @@ without effect here would make the run another experiment than the file describe
 * a layout megatron-fp8 does not run (:func:`unimplemented_layout`: context or sequence
   parallelism, expert tensor parallelism, uneven pipeline stages);
 * a Hugging Face ``data.{train,validation}.dataset_name`` without a local ``data_path``: the run would train on the
-  built-in toy task (or skip validation) instead.
+  built-in toy task (or skip validation) instead;
+* a key that changes the algorithm (KL penalty, baseline, reward shaping, sampling, learning-rate schedule, the
+  NeMo-RL TIS settings) set to anything but the value megatron-fp8 runs (:func:`other_experiment`), unless
+  ``grpo.allow_no_effect`` (``--allow-no-effect``) accepts them, with a warning.
+
+Cosmetic and infrastructure keys (Ray, cluster, logger paths, vLLM tuning) only warn.
 """
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Mapping
 
 from megatron_fp8.config.schema import JSONValue, RunConfig
 from megatron_fp8.errors import ConfigError
+
+logger = logging.getLogger(__name__)
+
+_OFF = (False, None)
+_ZERO = (0, 0.0, None)
+EXPERIMENT_KEYS: dict[str, tuple[tuple[JSONValue, ...], str]] = {
+    "loss_fn.reference_policy_kl_penalty": (
+        _ZERO,
+        "a KL penalty to the reference policy (megatron-fp8's loss has none)",
+    ),
+    "loss_fn.use_kl_in_reward": (_OFF, "a KL term in the reward"),
+    "loss_fn.use_cispo": (_OFF, "the CISPO loss"),
+    "loss_fn.disable_ppo_ratio": (_OFF, "a loss without the PPO ratio"),
+    "loss_fn.sequence_level_importance_ratios": (_OFF, "sequence-level (GSPO) ratios"),
+    "loss_fn.positive_example_nll_weight": (_ZERO, "an NLL term on positive examples"),
+    "loss_fn.ratio_clip_c": ((None,), "dual-clip PPO"),
+    "grpo.use_leave_one_out_baseline": (_OFF, "a leave-one-out baseline (megatron-fp8's is the group mean)"),
+    "grpo.normalize_rewards": ((True, None), "advantages not divided by the group's std (megatron-fp8 divides)"),
+    "grpo.adv_estimator.name": (("grpo", None), "another advantage estimator"),
+    "grpo.adv_estimator.use_leave_one_out_baseline": (_OFF, "a leave-one-out baseline (megatron-fp8's is the mean)"),
+    "grpo.adv_estimator.normalize_rewards": ((True, None), "advantages not divided by the group's std"),
+    "grpo.use_dynamic_sampling": (_OFF, "dynamic sampling (groups filtered by reward variance)"),
+    "grpo.overlong_filtering": (_OFF, "truncated responses masked out of the loss"),
+    "grpo.advantage_clip_low": ((None,), "clipped advantages"),
+    "grpo.advantage_clip_high": ((None,), "clipped advantages"),
+    "grpo.batch_multiplier": ((1, None), "oversampled prompts"),
+    "grpo.max_rollout_turns": ((1, None), "multi-turn rollouts"),
+    "grpo.async_grpo.enabled": (_OFF, "asynchronous (off-policy) GRPO"),
+    "grpo.reward_scaling.enabled": (_OFF, "scaled rewards"),
+    "grpo.reward_shaping.enabled": (_OFF, "shaped rewards (overlong penalty)"),
+    "policy.generation.top_p": ((1.0, None), "nucleus sampling (megatron-fp8 samples the full distribution)"),
+    "policy.generation.top_k": ((None, -1, 0), "top-k sampling"),
+    "policy.generation.stop_strings": ((None, ()), "stop strings"),
+    "policy.generation.stop_token_ids": ((None, ()), "extra stop tokens (megatron-fp8 stops at the tokenizer's EOS)"),
+    "policy.megatron_cfg.scheduler.lr_decay_style": (("constant", None), "a decaying learning rate"),
+    "policy.megatron_cfg.scheduler.lr_warmup_iters": (
+        (0, None),
+        "a learning-rate warm-up from lr_warmup_init (megatron-fp8's: grpo.warmup_steps, from 10% of lr)",
+    ),
+    "policy.megatron_cfg.scheduler.weight_decay_incr_style": (("constant", None), "a changing weight decay"),
+}
+"""NeMo-RL keys that change the algorithm, the values that match what megatron-fp8 runs (any other value makes the run
+another experiment), and what the key would have changed."""
+
+_TIS_TYPES = {"tis": "token_tis", "icepop": "icepop", "seq-mask-tis": "seq_mask_tis"}
+"""NeMo-RL ``loss_fn.truncated_importance_sampling_type`` -> the ``loss_fn.is_variant`` that computes the same."""
 
 UNIMPLEMENTED_LAYOUT: dict[str, tuple[JSONValue, ...]] = {
     "policy.megatron_cfg.context_parallel_size": (1, None),
@@ -56,6 +108,70 @@ def unstaged_datasets(config: RunConfig, no_effect: Mapping[str, JSONValue]) -> 
     return problems
 
 
+def _leaves(data: Mapping[str, JSONValue], prefix: str = "") -> dict[str, JSONValue]:
+    """Dotted leaf paths of a (possibly nested) mapping: ``{"a": {"b": 1}}`` -> ``{"a.b": 1}``."""
+    out: dict[str, JSONValue] = {}
+    for key, value in data.items():
+        path = f"{prefix}{key}"
+        if isinstance(value, Mapping) and value:
+            out.update(_leaves(value, path + "."))
+        else:
+            out[path] = value
+    return out
+
+
+def _same(value: JSONValue, allowed: tuple[JSONValue, ...]) -> bool:
+    if isinstance(value, list):
+        value = tuple(value)
+    return any(value == a and type(value) is not bool or value is a for a in allowed)
+
+
+def _tis_problem(config: RunConfig, leaves: Mapping[str, JSONValue]) -> str | None:
+    """NeMo-RL's TIS keys, compared with the ``loss_fn.is_variant`` / ``is_cap`` / ``is_lower`` this run uses."""
+    kind = leaves.get("loss_fn.truncated_importance_sampling_type")
+    cap = leaves.get("loss_fn.truncated_importance_sampling_ratio")
+    low = leaves.get("loss_fn.truncated_importance_sampling_ratio_min")
+    if kind is None and cap is None and low is None:
+        return None
+    loss = config.loss_fn
+    given = f"truncated_importance_sampling_type={kind!r}, ratio={cap!r}, ratio_min={low!r}"
+    variant = _TIS_TYPES.get(str(kind)) if kind is not None else "token_tis"
+    upper = loss.is_cap if variant in ("token_tis", "seq_mask_tis") else loss.is_upper
+    same = (
+        loss.correction_enabled
+        and variant == loss.is_variant
+        and (cap is None or upper is None or float(cap) == float(upper))
+        and (low is None or (loss.is_lower is not None and float(low) == float(loss.is_lower)))
+    )
+    if same:
+        return None
+    return (
+        f"loss_fn.{given}: megatron-fp8 reads loss_fn.is_variant={loss.is_variant!r}, is_cap={loss.is_cap}, "
+        f"is_lower={loss.is_lower}, is_upper={loss.is_upper} (correction {'on' if loss.correction_enabled else 'off'}); "
+        f"set those to the same correction (type 'tis' = is_variant token_tis with is_cap = ratio)"
+    )
+
+
+def other_experiment(config: RunConfig, no_effect: Mapping[str, JSONValue]) -> list[str]:
+    """A line per no-effect key whose value makes the run another experiment than the file describes."""
+    leaves = _leaves(no_effect)
+    problems = [
+        f"{key}={value!r}: asks for {what}; megatron-fp8 runs {allowed[0]!r}"
+        for key, (allowed, what) in EXPERIMENT_KEYS.items()
+        if key in leaves and not _same(value := leaves[key], allowed)
+    ]
+    sched = {k.rpartition(".")[2]: v for k, v in leaves.items() if k.startswith("policy.megatron_cfg.scheduler.")}
+    decay = config.policy.megatron_cfg.optimizer.weight_decay
+    for key in ("start_weight_decay", "end_weight_decay"):
+        if sched.get(key) is not None and float(sched[key]) != float(decay):
+            problems.append(
+                f"policy.megatron_cfg.scheduler.{key}={sched[key]!r}: asks for a weight decay other than "
+                f"policy.megatron_cfg.optimizer.weight_decay={decay} (the one megatron-fp8 uses)"
+            )
+    tis = _tis_problem(config, leaves)
+    return problems + ([tis] if tis else [])
+
+
 def refuse_before_run(config: RunConfig, no_effect: Mapping[str, JSONValue]) -> None:
     """Raise when the run would silently be another experiment (module docstring).
 
@@ -63,5 +179,21 @@ def refuse_before_run(config: RunConfig, no_effect: Mapping[str, JSONValue]) -> 
         ConfigError: ``"this run cannot start:"`` and one line per key, naming it and the way out.
     """
     problems = unimplemented_layout(no_effect) + unstaged_datasets(config, no_effect)
+    other = other_experiment(config, no_effect)
+    if other and config.grpo.allow_no_effect:
+        logger.warning(
+            "running another experiment than the file describes (grpo.allow_no_effect): %d key(s) have no effect "
+            "here:\n%s",
+            len(other),
+            "\n".join(f"  - {p}" for p in other),
+        )
+    elif other:
+        problems.append(
+            f"{len(other)} key(s) would change the experiment but have no effect in megatron-fp8 (set them to the "
+            "value shown, remove them, or accept the difference with --allow-no-effect / grpo.allow_no_effect=true):"
+        )
+        problems.extend(f"    {p}" for p in other)
     if problems:
-        raise ConfigError("this run cannot start:\n" + "\n".join(f"  - {p}" for p in problems))
+        raise ConfigError(
+            "this run cannot start:\n" + "\n".join(f"  - {p}" if not p.startswith("    ") else p for p in problems)
+        )

@@ -340,25 +340,23 @@ class LossConfig:
 
 @dataclass(frozen=True)
 class GRPOConfig:
-    """``grpo``.
-
-    Attributes:
-        num_steps: training steps per arm.
-        num_prompts_per_step: prompts per step.
-        num_generations_per_prompt: samples per prompt (the GRPO group size).
-        seed: RNG seed (prompts, sampling, init).
-        arms: which arms to run, keys of :data:`megatron_fp8.vocab.ARMS`.
-        task: the verifiable toy task, a key of :data:`megatron_fp8.rl.task.TASKS` (``addition``, ``copy``).
-        task_max_digits: operand / string length limit of the task (digits).
-        updates_per_step: optimizer updates on each step's batch (PPO epochs; the first is on-policy).
-        warmup_steps: steps of linear learning-rate warm-up from 10% (0 = constant).
-        warm_start_steps: supervised steps on task answers before the arms (shared; 0 = none): a random-init
-            model gets a policy RL can improve, as RL normally starts from a pretrained model.
-        warm_start_learning_rate: learning rate of the warm-start steps.
-        val_period: validate (accuracy on ``data.validation``, or held-out task problems) every this many
-            steps; 0 = never.
-        val_at_start: also validate before the first step.
-        max_val_samples: validation problems used (``None`` = all).
+    """``grpo``. Attributes:
+    num_steps: training steps per arm.
+    num_prompts_per_step: prompts per step.
+    num_generations_per_prompt: samples per prompt (the GRPO group size).
+    seed: RNG seed (prompts, sampling, init).
+    arms: which arms to run, keys of :data:`megatron_fp8.vocab.ARMS`.
+    task: the verifiable toy task, a key of :data:`megatron_fp8.rl.task.TASKS` (``addition``, ``copy``).
+    task_max_digits: operand / string length limit of the task (digits).
+    updates_per_step: optimizer updates on each step's batch (PPO epochs; the first is on-policy).
+    warmup_steps: steps of linear learning-rate warm-up from 10% (0 = constant).
+    warm_start_steps: supervised steps on task answers before the arms (shared; 0 = none): a random-init
+        model gets a policy RL can improve, as RL normally starts from a pretrained model.
+    warm_start_learning_rate: learning rate of the warm-start steps.
+    val_period: validate (accuracy on ``data.validation`` or held-out task problems) every N steps; 0 = never.
+    val_at_start: also validate before the first step.
+    max_val_samples: validation problems used (``None`` = all).
+    allow_no_effect: run although NeMo-RL keys that change the experiment have no effect here (warned).
     """
 
     num_steps: int = 20
@@ -375,6 +373,7 @@ class GRPOConfig:
     val_period: int = 0
     val_at_start: bool = False
     max_val_samples: int | None = None
+    allow_no_effect: bool = False
 
     ALIASES: ClassVar[dict[str, str]] = {"max_num_steps": "num_steps"}
 

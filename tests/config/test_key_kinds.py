@@ -41,7 +41,8 @@ def test_known_key_is_accepted_with_one_warning(caplog):
         "checkpointing.checkpoint_must_save_by": None,
     }
     msgs = [r.getMessage() for r in caplog.records if "no effect in megatron-fp8" in r.getMessage()]
-    assert len(msgs) == 1 and "policy.generation.top_p" in msgs[0] and "checkpointing" in msgs[0]
+    assert len(msgs) == 1 and "  policy.generation: top_p" in msgs[0] and "  checkpointing: " in msgs[0]
+    assert all(len(line) <= 80 for line in msgs[0].splitlines()[1:])  # one line per section, wrapped
 
 
 def test_default_config_loads_without_no_effect_warning(caplog):

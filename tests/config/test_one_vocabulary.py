@@ -16,6 +16,7 @@ import pytest
 from megatron_fp8.config.inheritance import leaf_paths
 from megatron_fp8.config.loader import MOVED_KEYS, load_config, load_config_report
 from megatron_fp8.config.nemo_rl_keys import known_keys
+from megatron_fp8.config.refusals import refuse_before_run
 from megatron_fp8.config.schema import RunConfig
 from megatron_fp8.errors import ConfigError
 from megatron_fp8.rl.phases import learning_rate_at
@@ -119,3 +120,64 @@ def test_a_plain_nemo_rl_bf16_config_runs_its_bf16_arm():
     """NeMo-RL's BF16 Megatron GRPO example gives no grpo.arms: its BF16 rollout runs the bf16 arm, no override."""
     cfg = load_config(DATA / "grpo_math_1B_megatron.yaml")
     assert cfg.policy.generation.vllm_cfg.precision == "bf16" and cfg.grpo.arms == ("bf16",)
+
+
+def test_keys_that_change_the_experiment_refuse_the_run_unless_allowed(caplog):
+    """NeMo-RL's 8B FP8 file asks for a KL penalty, a leave-one-out baseline and an lr warm-up from lr_warmup_init:
+    none runs here, so the run refuses with the list; --allow-no-effect runs it with a warning listing them."""
+    staged = [f"data.train.data_path={Path('data/math_tiny/train.jsonl').resolve()}"]
+    loaded = load_config_report(DATA / "grpo_math_8B_megatron_fp8.yaml", staged)
+    with pytest.raises(ConfigError) as info:
+        refuse_before_run(loaded.config, loaded.no_effect)
+    message = str(info.value)
+    assert "4 key(s) would change the experiment" in message
+    for key in (
+        "loss_fn.reference_policy_kl_penalty=0.01",
+        "grpo.use_leave_one_out_baseline=True",
+        "policy.megatron_cfg.scheduler.lr_warmup_iters=13",
+    ):
+        assert key in message, (key, message)
+    assert "--allow-no-effect" in message
+    assert "truncated_importance_sampling" not in message  # its type 'tis' + ratio 2 is this run's token_tis, cap 2
+    allowed = load_config_report(DATA / "grpo_math_8B_megatron_fp8.yaml", [*staged, "grpo.allow_no_effect=true"])
+    with caplog.at_level(logging.WARNING, logger="megatron_fp8.config.refusals"):
+        refuse_before_run(allowed.config, allowed.no_effect)
+    assert any("reference_policy_kl_penalty=0.01" in r.getMessage() for r in caplog.records)
+
+
+@pytest.mark.parametrize(
+    ("overrides", "refused"),
+    [
+        (["policy.generation.top_p=1.0", "policy.generation.top_k=null", "loss_fn.reference_policy_kl_penalty=0"], []),
+        (["policy.generation.top_p=0.9"], ["policy.generation.top_p=0.9"]),
+        (["policy.generation.top_k=50"], ["policy.generation.top_k=50"]),
+        (["grpo.use_dynamic_sampling=true"], ["grpo.use_dynamic_sampling=True"]),
+        (["loss_fn.truncated_importance_sampling_type=icepop"], ["truncated_importance_sampling_type='icepop'"]),
+        (
+            ["loss_fn.use_importance_sampling_correction=true", "loss_fn.truncated_importance_sampling_type=tis",
+             "loss_fn.truncated_importance_sampling_ratio=2.0"],
+            [],
+        ),
+        (
+            ["loss_fn.use_importance_sampling_correction=true", "loss_fn.truncated_importance_sampling_type=tis",
+             "loss_fn.truncated_importance_sampling_ratio=5.0"],
+            ["ratio=5.0"],
+        ),
+    ],
+)  # fmt: skip
+def test_each_experiment_key_is_judged_by_its_value(overrides, refused):
+    loaded = load_config_report(None, overrides)
+    if not refused:
+        refuse_before_run(loaded.config, loaded.no_effect)
+        return
+    with pytest.raises(ConfigError) as info:
+        refuse_before_run(loaded.config, loaded.no_effect)
+    for text in refused:
+        assert text in str(info.value)
+
+
+def test_the_cli_flag_accepts_the_difference(tmp_path):
+    from megatron_fp8.cli import main
+
+    assert main(["config", "policy.generation.top_p=0.5"]) == 1
+    assert main(["config", "--allow-no-effect", "policy.generation.top_p=0.5"]) == 0

@@ -265,6 +265,7 @@ TINY_NEMO_RL = (
     "logger.tensorboard_enabled=false",
     "rollout.engine=reference",
     "grpo.arms=[fp8_tis]",
+    "grpo.allow_no_effect=true",  # the recipe's KL penalty, leave-one-out baseline and warm-up (a warning)
 )
 
 
