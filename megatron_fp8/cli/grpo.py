@@ -13,6 +13,8 @@ from __future__ import annotations
 
 import argparse
 import logging
+import shlex
+import sys
 from pathlib import Path
 
 from megatron_fp8.cli._noise import quiet_third_party
@@ -82,8 +84,20 @@ def run_job(args: argparse.Namespace) -> tuple[Path, Path, Path] | None:
 
 
 def run(args: argparse.Namespace) -> int:
-    """Run the job; errors of the package propagate (exit 1 via the CLI)."""
-    paths = run_job(args)
+    """Run the job; errors of the package propagate (exit 1 via the CLI).
+
+    A run stopped at a safe point (SIGTERM / SIGUSR1 / Ctrl-C, ``checkpoint_must_save_by``) prints one line and
+    returns :data:`~megatron_fp8.rl.stopping.EXIT_STOPPED` (130 after Ctrl-C).
+    """
+    from megatron_fp8.cli import EXIT_INTERRUPTED
+    from megatron_fp8.rl.stopping import EXIT_STOPPED, RunStopped, stop_message
+
+    try:
+        paths = run_job(args)
+    except RunStopped as stopped:
+        command = " ".join(shlex.quote(a) for a in ["megatron-fp8", *sys.argv[1:]]) if sys.argv[1:] else "the same"
+        print(f"megatron-fp8 grpo: {stop_message(stopped, command=command)}", file=sys.stderr)
+        return EXIT_INTERRUPTED if stopped.reason == "SIGINT" else EXIT_STOPPED
     if paths is not None:
         metrics, summary, plot = paths
         print(f"metrics: {metrics}\nsummary: {summary}\nplot:    {plot}")

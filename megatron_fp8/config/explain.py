@@ -126,6 +126,7 @@ EFFECTS: Mapping[str, str] = {
     "checkpointing.metric_name": "metric ranking checkpoints for keep_top_k (rl.checkpoint)",
     "checkpointing.higher_is_better": "direction of checkpointing.metric_name (rl.checkpoint)",
     "checkpointing.save_consolidated": "also a Hugging Face checkpoint per save (rl.checkpoint)",
+    "checkpointing.checkpoint_must_save_by": "save and stop before this DD:HH:MM:SS after the loop starts (rl.stopping)",
     "logger.log_dir": "folder of TensorBoard / W&B files (rl.loggers)",
     "logger.tensorboard_enabled": "TensorBoard scalars beside metrics.jsonl (rl.loggers)",
     "logger.wandb_enabled": "a W&B run in offline mode (rl.loggers)",

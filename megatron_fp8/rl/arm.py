@@ -41,6 +41,7 @@ from megatron_fp8.rl.remote import ArmSetup, RemoteRollout
 from megatron_fp8.rl.results import ArmResult, StepMetrics
 from megatron_fp8.rl.roles import Groups
 from megatron_fp8.rl.runtime import environment, phase
+from megatron_fp8.rl.stopping import RunStopped, StopRequests, signal_point
 from megatron_fp8.rl.validation import ValidationResult, validate, validation_due
 from megatron_fp8.rollout.engines import RolloutEngine, build_rollout_engine, resolve_engine_name
 from megatron_fp8.vocab import ARMS, ArmSpec
@@ -60,11 +61,14 @@ class ArmHooks:
         on_validation: called with each validation result (the writer records it).
         on_resume: called with ``(arm, first step to run)`` once the arm knows where it resumes (the writer drops
             recorded steps that are redone).
+        stop: the run's stop requests (signals, ``checkpoint_must_save_by``), checked after each step and its
+            checkpoint; ``None``: never stop early.
     """
 
     on_step: Callable[..., StepMetrics]
     on_validation: Callable[[ValidationResult], None]
     on_resume: Callable[[str, int], None]
+    stop: StopRequests | None = None
 
 
 def build_engine(setup: ArmSetup, config: RunConfig) -> RolloutEngine:
@@ -231,15 +235,32 @@ def run_arm(
                 val_metrics: dict[str, float] = {}
                 if first == 0 and validation_due(config, completed_steps=0):  # grpo.val_at_start
                     val_metrics = _validate(state, ctx, hooks, completed_steps=0)
+                stop = hooks.stop
+                if stop is not None:
+                    stop.start_loop()
                 for step in range(first, steps):
+                    t_step = time.monotonic()
                     m = hooks.on_step(run_step(state, ctx, step=step), training=training)
                     results.append(m)
                     if validation_due(config, completed_steps=step + 1):
                         val_metrics = _validate(state, ctx, hooks, completed_steps=step + 1)
+                    if stop is not None:
+                        stop.timed_step(time.monotonic() - t_step)
+                    scalars = {k: float(v) for k, v in m.to_json_dict().items() if _is_number(v)} | val_metrics
+                    saved = None
                     if checkpoints is not None and checkpoints.should_save(step, last=step == steps - 1):
-                        scalars = {k: float(v) for k, v in m.to_json_dict().items() if _is_number(v)}
-                        checkpoints.save(
-                            step=step, model=model, optimizer=state.optimizer, metrics=scalars | val_metrics
+                        saved = _save(checkpoints, state, step=step, metrics=scalars, stop=stop)
+                    reason = stop.agreed_reason() if stop is not None and step < steps - 1 else None
+                    if reason is not None:  # every trainer rank agreed: save the step if it is not on disk, stop
+                        if checkpoints is not None and saved is None:
+                            saved = _save(checkpoints, state, step=step, metrics=scalars, stop=stop)
+                        raise RunStopped(
+                            f"arm {spec.name} stopped after step {step + 1} of {steps} ({reason})",
+                            reason=reason,
+                            arm=spec.name,
+                            completed_steps=step + 1,
+                            total_steps=steps,
+                            checkpoint=saved,
                         )
             finally:
                 state.refit.close()
@@ -264,6 +285,18 @@ def recompute_settings(config: RunConfig) -> RecomputeSettings | None:
     if not mcfg.activation_checkpointing:
         return None
     return RecomputeSettings(granularity=mcfg.recompute_granularity, modules=mcfg.recompute_modules)
+
+
+def _save(
+    checkpoints: CheckpointManager, state: ArmState, *, step: int, metrics: dict[str, float], stop: StopRequests | None
+) -> Path:
+    """Save the state after ``step`` (timed for ``checkpoint_must_save_by``); returns the checkpoint folder."""
+    t_save = time.monotonic()
+    signal_point("save", step)
+    path = checkpoints.save(step=step, model=state.model, optimizer=state.optimizer, metrics=metrics)
+    if stop is not None:
+        stop.timed_save(time.monotonic() - t_save)
+    return path
 
 
 def _is_number(value: object) -> bool:

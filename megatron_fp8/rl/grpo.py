@@ -97,6 +97,7 @@ from megatron_fp8.rl.results import (
 from megatron_fp8.rl.rewards import RewardFn, reward_function
 from megatron_fp8.rl.roles import Groups, Placement, join_groups, placement_from
 from megatron_fp8.rl.runtime import bar_callback, environment, phase, progress_bar
+from megatron_fp8.rl.stopping import RunStopped, StopRequests
 from megatron_fp8.rl.task import get_task
 from megatron_fp8.rl.validation import ValidationResult
 from megatron_fp8.rl.warm_start import warm_start
@@ -138,6 +139,9 @@ def run_grpo(
             an unusable ``out_dir``.
         KeyboardInterrupt: after the summary and plot were rebuilt from the completed steps (every complete
             checkpoint is kept).
+        RunStopped: a first SIGTERM / SIGUSR1 / Ctrl-C or ``checkpoint_must_save_by`` stopped the run at a safe
+            point, after the last completed step was saved (:mod:`megatron_fp8.rl.stopping`); the summary and plot
+            are rebuilt as for ``KeyboardInterrupt``.
         ManifestError: vLLM could not be asked for the FP8 manifest.
     """
     t_run = time.perf_counter()
@@ -186,20 +190,23 @@ def run_grpo(
             # a resumed arm's later points (after its checkpoint) are dropped; an arm without one starts over
             resume_step={arm: info.step for arm, info in resumed.items() if info is not None} if resuming else None,
         )
+        stop = StopRequests(config.checkpointing.checkpoint_must_save_by)
         try:
-            results, manifest_source = _run_arms(
-                config,
-                dp=dp,
-                n_steps=n_steps,
-                arm_names=arm_names,
-                out=out,
-                progress=progress,
-                model_path=checked.model_path,
-                parts=ctx_parts,
-                loggers=loggers,
-                resuming=resuming,
-            )
-        except KeyboardInterrupt:
+            with stop:
+                results, manifest_source = _run_arms(
+                    config,
+                    dp=dp,
+                    n_steps=n_steps,
+                    arm_names=arm_names,
+                    out=out,
+                    progress=progress,
+                    model_path=checked.model_path,
+                    parts=ctx_parts,
+                    loggers=loggers,
+                    resuming=resuming,
+                    stop=stop,
+                )
+        except (KeyboardInterrupt, RunStopped):
             if dp.is_writer and (out / METRICS_FILE).is_file() and (out / METRICS_FILE).stat().st_size:
                 rebuild_outputs(out, arm_order=arm_names)
                 logger.warning("interrupted: %s, %s rebuilt from the completed steps", SUMMARY_FILE, PLOT_FILE)
@@ -313,6 +320,7 @@ def _run_arms(
     parts: _RunParts,
     loggers: MetricsLogger,
     resuming: bool,
+    stop: StopRequests | None = None,
 ) -> tuple[list[ArmResult], str]:
     """Every arm in turn, on this rank; rank 0 writes ``config.yaml``, ``metrics.jsonl`` and ``validation.jsonl``.
 
@@ -368,8 +376,21 @@ def _run_arms(
             on_step=_step_recorder(dp, sink=sink, bar=bar, total_steps=total, n_steps=n_steps, loggers=loggers),
             on_validation=_validation_recorder(dp, sink=val_sink, loggers=loggers),
             on_resume=sink.drop_from if sink is not None else _ignore_resume,
+            stop=stop,
         )
-        for name in arm_names:
+        for i, name in enumerate(arm_names):
+            reason = stop.agreed_reason() if stop is not None and i > 0 else None
+            if reason is not None:  # between arms: the previous arm is complete (and saved after its last step)
+                prev = arm_names[i - 1]
+                info = parts.checkpoints[prev].latest() if prev in parts.checkpoints else None
+                raise RunStopped(
+                    f"stopped before arm {name} ({reason})",
+                    reason=reason,
+                    arm=prev,
+                    completed_steps=n_steps,
+                    total_steps=n_steps,
+                    checkpoint=info.path if info is not None else None,
+                )
             logger.info("GRPO arm %s: %s", name, ARMS[name].description)
             result = run_arm(
                 ARMS[name],

@@ -39,6 +39,7 @@ from megatron_fp8.rl.kv_calibration import KVAmaxRecorder, compute_kv_scales
 from megatron_fp8.rl.metrics import METRIC_KEYS, mismatch_metrics
 from megatron_fp8.rl.results import RefitDone, StepMetrics, finite_mean, least_checked_prefix_cache
 from megatron_fp8.rl.rewards import RewardFn, RewardResult, safe_reward
+from megatron_fp8.rl.stopping import signal_point
 from megatron_fp8.rl.task import Problem
 from megatron_fp8.rollout.engines import Rollout, RolloutEngine
 from megatron_fp8.vocab import ArmSpec
@@ -452,9 +453,12 @@ def refit_phase(state: ArmState) -> RefitDone:
 def run_step(state: ArmState, ctx: GRPOContext, *, step: int) -> StepMetrics:
     """Rollout -> score -> train -> refit for one step of one arm; this rank's metrics."""
     t_step = time.perf_counter()
+    signal_point("rollout", step)
     out = rollout_phase(state, ctx, step=step)
     scores = score_phase(out, ctx)
+    signal_point("train", step)
     train = train_phase(state, ctx, out, scores, step=step)
+    signal_point("refit", step)
     refit = refit_phase(state)
     rewards, token_ids = scores.rewards, out.rollout.token_ids
     best = int(torch.argmax(rewards))

@@ -31,14 +31,14 @@ def test_known_key_is_accepted_with_one_warning(caplog):
             None,
             [
                 "policy.generation.top_p=0.9",
-                "checkpointing.checkpoint_must_save_by=null",
+                "checkpointing.model_save_format=null",
                 "policy.megatron_cfg.sequence_parallel=true",
             ],
         )
     assert loaded.no_effect == {
         "policy.megatron_cfg.sequence_parallel": True,
         "policy.generation.top_p": 0.9,
-        "checkpointing.checkpoint_must_save_by": None,
+        "checkpointing.model_save_format": None,
     }
     msgs = [r.getMessage() for r in caplog.records if "no effect in megatron-fp8" in r.getMessage()]
     assert len(msgs) == 1 and "  policy.generation: top_p" in msgs[0] and "  checkpointing: " in msgs[0]
