@@ -33,10 +33,12 @@ Expert parallelism > 1 is refused (expert shards would need the expert-data-para
 from __future__ import annotations
 
 import datetime
+import errno
 import json
 import logging
 import math
 import pickle
+import shutil
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -98,6 +100,32 @@ NOT_FINGERPRINTED: dict[str, str] = {
 
 class CheckpointError(MegatronFP8Error, RuntimeError):
     """A checkpoint could not be written or read (the message names the folder, the file and the rank)."""
+
+
+_FULL = "no space left"
+_DISK_ERRNOS = {errno.ENOSPC: _FULL, errno.EDQUOT: "disk quota exceeded", errno.EROFS: "read-only filesystem"}
+_NEARLY_FULL = 16 << 20
+"""Free bytes under which a failed write is taken for a full disk (torch's zip writer reports ENOSPC as a
+``RuntimeError``: "unexpected pos ...")."""
+
+
+def disk_problem(exc: BaseException, where: Path, *, needed: int) -> str | None:
+    """One line for a save that failed because the filesystem is full or read-only, ``None`` for other failures."""
+    kind = _DISK_ERRNOS.get(getattr(exc, "errno", None))  # type: ignore[arg-type]
+    try:
+        free = shutil.disk_usage(where).free
+    except OSError:
+        free = None
+    if kind is None and isinstance(exc, (OSError, RuntimeError)) and free is not None and free < _NEARLY_FULL:
+        kind = _FULL
+    if kind is None:
+        return None
+    need = f"the last checkpoint took {needed} bytes" if needed else "no earlier checkpoint to size it by"
+    return (
+        f"{kind} on the filesystem of {where} ({free if free is not None else '?'} bytes free; {need}); the partial "
+        "files were removed and the previous checkpoints are untouched: free space, or set "
+        "checkpointing.checkpoint_dir to a larger filesystem, then run the same command again"
+    )
 
 
 class CheckpointCorruptError(CheckpointError):
@@ -350,16 +378,24 @@ class CheckpointManager:
             tmp.mkdir()
         barrier(place)
         outcome: dict[str, FileRecord] | str
+        needed = self._last_size()
         try:
+            self._check_space(final, needed)
             outcome = self._write_files(tmp, place, model=model, optimizer=optimizer, rng=rng)
         except Exception as exc:  # reported to every rank below, so that none waits for the failed one forever
+            full = disk_problem(exc, self.arm_dir, needed=needed)
             if place.world_size == 1:
-                raise
+                if full is None:
+                    raise
+                shutil.rmtree(tmp, ignore_errors=True)
+                raise CheckpointError(f"arm {self.arm}: saving step {step} to {final} failed: {full}") from exc
             logger.exception("rank %d: writing checkpoint %s failed", place.rank, tmp)
-            outcome = f"rank {place.rank}: {type(exc).__name__}: {exc}"
+            outcome = f"rank {place.rank}: {full or f'{type(exc).__name__}: {exc}'}"
         gathered = all_gather(outcome, place)
         failures = [g for g in gathered if isinstance(g, str)]
         if failures:
+            if self.is_writer and any(_FULL in f for f in failures):
+                shutil.rmtree(tmp, ignore_errors=True)  # every rank is past its writes (the gather)
             raise CheckpointError(
                 f"arm {self.arm}: saving step {step} to {final} failed ({'; '.join(failures)}); the previous "
                 "checkpoints are untouched"
@@ -373,10 +409,15 @@ class CheckpointManager:
                 write_metadata(tmp, self._metadata(step, place, model, metrics_json, extra_json, files))
                 publish(tmp, final)
             except Exception as exc:  # told to every rank below (one process: raised as it is)
+                full = disk_problem(exc, self.arm_dir, needed=needed)
+                if full is not None:
+                    shutil.rmtree(tmp, ignore_errors=True)
                 if place.world_size == 1:
-                    raise
+                    if full is None:
+                        raise
+                    raise CheckpointError(f"arm {self.arm}: saving step {step} to {final} failed: {full}") from exc
                 logger.exception("writing checkpoint %s failed", final)
-                error = f"rank {place.rank}: {type(exc).__name__}: {exc}"
+                error = f"rank {place.rank}: {full or f'{type(exc).__name__}: {exc}'}"
             else:
                 size = sum(r.size for r in files.values()) / 2**20
                 logger.info("arm %s: checkpoint after step %d saved to %s (%.1f MiB)", self.arm, step, final, size)
@@ -385,6 +426,17 @@ class CheckpointManager:
         if error is not None:
             raise CheckpointError(f"arm {self.arm}: saving step {step} to {final} failed ({error}); earlier ones stay")
         return final
+
+    def _last_size(self) -> int:
+        """Bytes of this arm's newest complete checkpoint (0 before the first): what the next save needs."""
+        done = self.checkpoints()
+        return sum(r.size for r in done[-1].files.values()) if done else 0
+
+    def _check_space(self, final: Path, needed: int) -> None:
+        """Refuse to start a save the filesystem cannot hold (judged from the last checkpoint's size)."""
+        free = shutil.disk_usage(self.arm_dir).free
+        if needed and free < needed:
+            raise OSError(errno.ENOSPC, f"{free} bytes free, the last checkpoint took {needed}", str(final))
 
     def _write_files(
         self, tmp: Path, place: Place, *, model: MegatronModel, optimizer: CheckpointableOptimizer, rng: object

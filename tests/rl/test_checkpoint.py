@@ -26,6 +26,7 @@ from megatron_fp8.config.schema import CheckpointingConfig, RunConfig
 from megatron_fp8.errors import ConfigError
 from megatron_fp8.rl import checkpoint as ckpt
 from megatron_fp8.rl.checkpoint import (
+    CheckpointError,
     CheckpointManager,
     CheckpointMismatchError,
     config_fingerprint,
@@ -236,6 +237,38 @@ def test_crash_mid_save_leaves_nothing_that_looks_complete(tmp_path, trainer, ca
     assert ".step_3.tmp" in caplog.text and "interrupted" in caplog.text
     _save(manager, trainer, 5)  # the next save removes the leftover
     assert sorted(p.name for p in arm.iterdir()) == ["step_1", "step_5"]
+
+
+@pytest.mark.megatron
+def test_a_full_disk_removes_the_partial_save_and_says_what_is_needed(tmp_path, trainer, monkeypatch):
+    import errno
+
+    manager = _manager(tmp_path)
+    _save(manager, trainer, 1)
+    arm = tmp_path / "bf16"
+    size = sum(f.stat().st_size for f in (arm / "step_1").rglob("*") if f.name != CHECKPOINT_FILE)
+    real_save = ckpt.save_torch
+
+    def fill_up(obj, path):  # the disk fills in the middle of a file: part of it is written, then ENOSPC
+        real_save(obj, path)
+        raise OSError(errno.ENOSPC, "No space left on device", str(path))
+
+    monkeypatch.setattr(ckpt, "save_torch", fill_up)
+    with pytest.raises(CheckpointError, match=r"no space left on the filesystem of .*bytes free; the last checkpoint "
+                       rf"took {size} bytes\); the partial files were removed"):  # fmt: skip
+        _save(manager, trainer, 3)
+    monkeypatch.undo()
+    assert sorted(p.name for p in arm.iterdir()) == ["step_1"]  # no .tmp keeps the space, step_1 intact
+    assert manager.latest().step == 1
+
+    # not enough room for another checkpoint of the last one's size: refused before a byte is written
+    monkeypatch.setattr(ckpt.shutil, "disk_usage", lambda path: SimpleNamespace(total=10**9, used=0, free=size // 2))
+    with pytest.raises(CheckpointError, match=rf"no space left .*\({size // 2} bytes free; the last checkpoint took"):
+        _save(manager, trainer, 3)
+    monkeypatch.undo()
+    assert sorted(p.name for p in arm.iterdir()) == ["step_1"]
+    _save(manager, trainer, 3)  # space again: the save goes through
+    assert sorted(p.name for p in arm.iterdir()) == ["step_1", "step_3"]
 
 
 @pytest.mark.megatron
