@@ -60,6 +60,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import IO
 
+import torch
 from rich.progress import Progress, TaskID
 
 from megatron_fp8.config.schema import RunConfig
@@ -206,10 +207,12 @@ def run_grpo(
                     resuming=resuming,
                     stop=stop,
                 )
-        except (KeyboardInterrupt, RunStopped):
+        except (KeyboardInterrupt, RunStopped) as exc:
             if dp.is_writer and (out / METRICS_FILE).is_file() and (out / METRICS_FILE).stat().st_size:
                 rebuild_outputs(out, arm_order=arm_names)
-                logger.warning("interrupted: %s, %s rebuilt from the completed steps", SUMMARY_FILE, PLOT_FILE)
+                logger.warning("stopped early: %s, %s rebuilt from the completed steps", SUMMARY_FILE, PLOT_FILE)
+            if isinstance(exc, RunStopped) and torch.distributed.is_initialized():
+                torch.distributed.barrier()  # every rank stopped at the same point: none exits before the writer
             raise
         finally:
             loggers.close()

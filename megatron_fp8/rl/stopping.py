@@ -45,9 +45,10 @@ DEADLINE = "checkpoint_must_save_by"
 _REASONS = ("", *STOP_SIGNALS, DEADLINE)  # index = the code all-reduced between ranks (0 = go on)
 
 FAULT_ENV = "MFP8_SIGNAL_AT"
-"""Fault injection for tests (hooks, not sleeps): ``"POINT:SIGNAL[:STEP],..."`` makes this process send itself
-``SIGNAL`` when the run reaches ``POINT`` (``rollout``, ``train``, ``refit`` of a step, ``save`` before a checkpoint
-is written) of 0-based step ``STEP`` (any step when omitted; each entry fires once)."""
+"""Fault injection for tests (hooks, not sleeps): ``"POINT:SIGNAL[:STEP][@RANK],..."`` makes this process send
+itself ``SIGNAL`` when the run reaches ``POINT`` (``rollout``, ``train``, ``refit`` of a step, ``save`` before a
+checkpoint is written) of 0-based step ``STEP`` (any step when omitted), on the process whose ``RANK`` environment
+variable is ``RANK`` (every process when omitted); each entry fires once."""
 
 _fired: set[str] = set()
 
@@ -58,9 +59,12 @@ def signal_point(point: str, step: int) -> None:
     if not spec:
         return
     for entry in spec.split(","):
-        where, _, rest = entry.strip().partition(":")
+        entry, _, rank = entry.strip().partition("@")
+        where, _, rest = entry.partition(":")
         name, _, at = rest.partition(":")
         if where != point or entry in _fired or (at and int(at) != step):
+            continue
+        if rank and rank != os.environ.get("RANK", "0"):
             continue
         _fired.add(entry)
         logger.warning("%s: sending %s at %s of step %d", FAULT_ENV, name, point, step)

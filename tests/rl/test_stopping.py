@@ -126,3 +126,33 @@ def test_the_deadline_is_judged_from_the_longest_step_and_save():
     assert stop.local_reason() == DEADLINE  # 30 + 80 > 100
     stop.request("SIGUSR1")
     assert stop.agreed_reason() == "SIGUSR1"  # a signal wins; one process: no collective
+
+
+@pytest.mark.slow
+def test_one_ranks_signal_stops_every_rank_at_the_same_step(tmp_path):
+    """torchrun, two data-parallel ranks (gloo): only rank 1 gets SIGTERM, inside its train step; both finish that
+    step, agree, save it once and exit 75; the same command continues to the uninterrupted two-rank run."""
+
+    def torchrun(out: Path, fault: str | None) -> subprocess.CompletedProcess:
+        env = {k: v for k, v in os.environ.items() if k not in (FAULT_ENV, "RANK", "WORLD_SIZE", "MFP8_ROLE")}
+        env.update(OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1", **({FAULT_ENV: fault} if fault else {}))
+        cmd = [
+            sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", "-m",
+            "megatron_fp8.cli", "grpo", "--steps", str(STEPS), "--arms", "bf16", "--no-progress", "--out", str(out),
+            "checkpointing.enabled=true", "checkpointing.save_period=10", f"checkpointing.checkpoint_dir={out / 'c'}",
+            "grpo.warm_start_steps=0",
+        ]  # fmt: skip
+        return subprocess.run(
+            cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=900, preexec_fn=_default_signals
+        )
+
+    ref = tmp_path / "ref"
+    assert torchrun(ref, None).returncode == 0
+    out = tmp_path / "run"
+    first = torchrun(out, "train:SIGTERM:1@1")
+    assert first.returncode != 0 and "exitcode  : 75" in first.stderr, first.stderr[-3000:]
+    assert first.stderr.count("stopped (SIGTERM) after 2 of 3 steps of arm bf16") == 2  # both ranks, same step
+    assert sorted(p.name for p in (out / "c" / "bf16").iterdir()) == ["step_1"]
+    second = torchrun(out, None)
+    assert second.returncode == 0, second.stderr[-3000:]
+    assert _steps(out) == _steps(ref)
