@@ -174,7 +174,9 @@ def run_grpo(
     if placement.trainer_rank == 0:  # the writer claims the folder before any model is built
         claim_out_dir(out, overwrite=overwrite and not resuming, resume=resuming)
     kept = _kept_records(out, resumed) if resuming else {}
-    with _trainer_ranks(placement, config) as (dp, groups):
+    # signals are handled until the outputs are written: one after the last step lets the run finish normally
+    stop = StopRequests(config.checkpointing.checkpoint_must_save_by)
+    with stop, _trainer_ranks(placement, config) as (dp, groups):
         if config.grpo.num_prompts_per_step % dp.dp_size:
             raise ConfigError(
                 f"grpo.num_prompts_per_step={config.grpo.num_prompts_per_step} is not divisible by the "
@@ -191,22 +193,20 @@ def run_grpo(
             # a resumed arm's later points (after its checkpoint) are dropped; an arm without one starts over
             resume_step={arm: info.step for arm, info in resumed.items() if info is not None} if resuming else None,
         )
-        stop = StopRequests(config.checkpointing.checkpoint_must_save_by)
         try:
-            with stop:
-                results, manifest_source = _run_arms(
-                    config,
-                    dp=dp,
-                    n_steps=n_steps,
-                    arm_names=arm_names,
-                    out=out,
-                    progress=progress,
-                    model_path=checked.model_path,
-                    parts=ctx_parts,
-                    loggers=loggers,
-                    resuming=resuming,
-                    stop=stop,
-                )
+            results, manifest_source = _run_arms(
+                config,
+                dp=dp,
+                n_steps=n_steps,
+                arm_names=arm_names,
+                out=out,
+                progress=progress,
+                model_path=checked.model_path,
+                parts=ctx_parts,
+                loggers=loggers,
+                resuming=resuming,
+                stop=stop,
+            )
         except (KeyboardInterrupt, RunStopped) as exc:
             if dp.is_writer and (out / METRICS_FILE).is_file() and (out / METRICS_FILE).stat().st_size:
                 rebuild_outputs(out, arm_order=arm_names)
@@ -216,10 +216,12 @@ def run_grpo(
             raise
         finally:
             loggers.close()
-    summary_path = plot_path = None
-    if dp.is_writer:
-        summary_path = report.write_summary(results, out / SUMMARY_FILE, config=config, manifest_source=manifest_source)
-        plot_path = report.plot_metrics(results, out / PLOT_FILE, is_cap=config.loss_fn.is_cap)
+        summary_path = plot_path = None
+        if dp.is_writer:
+            summary_path = report.write_summary(
+                results, out / SUMMARY_FILE, config=config, manifest_source=manifest_source
+            )
+            plot_path = report.plot_metrics(results, out / PLOT_FILE, is_cap=config.loss_fn.is_cap)
     return GRPOResult(
         arms=tuple(results),
         out_dir=out,

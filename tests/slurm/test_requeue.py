@@ -12,7 +12,7 @@ import pytest
 pytestmark = [pytest.mark.slurm, pytest.mark.slow]
 
 REPO = Path(__file__).resolve().parents[2]
-STEPS = 4
+STEPS = 24
 RUN = (
     "--arms", "fp8", "--no-progress", "grpo.warm_start_steps=0", "checkpointing.enabled=true",
     "checkpointing.save_period=10", "logger.tensorboard_enabled=false", "logger.wandb_enabled=false",
@@ -53,7 +53,7 @@ def _run_job(cluster, tmp_path: Path, name: str, signal: str | None) -> tuple[li
             else:  # the time limit / scancel: SIGTERM to the job's tasks
                 cluster.run("scancel", "--signal=TERM", job)
             signalled = True
-        time.sleep(1)
+        time.sleep(0.2)
     log = "\n".join(p.read_text(errors="replace") for p in sorted(logs.glob("*.out")))
     assert _state(cluster, job) == "COMPLETED", f"job {job} ended {_state(cluster, job)}\n{log[-6000:]}"
     return _rows(out / "metrics.jsonl"), log
