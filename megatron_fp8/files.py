@@ -7,6 +7,13 @@ import tempfile
 from pathlib import Path
 
 
+def _umask() -> int:
+    """The process umask (read by setting it and putting it back)."""
+    mask = os.umask(0o022)
+    os.umask(mask)
+    return mask
+
+
 def write_atomically(path: str | Path, data: str | bytes) -> Path:
     """Write ``data`` to ``path`` through a temporary file in the same folder, fsync and a rename.
 
@@ -18,6 +25,7 @@ def write_atomically(path: str | Path, data: str | bytes) -> Path:
     p = Path(path)
     fd, tmp = tempfile.mkstemp(dir=p.parent, prefix=f".{p.name}.", suffix=".tmp")
     try:
+        os.fchmod(fd, 0o666 & ~_umask())  # mkstemp makes 0600: give the file what open() would (teammates read it)
         with os.fdopen(fd, "wb") as f:
             f.write(data.encode() if isinstance(data, str) else data)
             f.flush()

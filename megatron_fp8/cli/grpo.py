@@ -59,10 +59,12 @@ def run_job(args: argparse.Namespace) -> tuple[Path, Path, Path] | None:
     refuse_before_run(config, loaded.no_effect)
     logging.getLogger().setLevel(config.logging.level if not verbose else "DEBUG")
     arms = None
-    if getattr(args, "arms", None):
-        arms = [a.strip() for a in args.arms.split(",") if a.strip()]
-        if not arms:
-            raise UsageError(f"--arms {args.arms!r} names no arm; e.g. --arms {','.join(ARMS)}")
+    if getattr(args, "arms", None) is not None:
+        arms = [a.strip() for a in args.arms.split(",")]
+        if not all(arms):
+            raise UsageError(f"--arms {args.arms!r} has an empty arm name; e.g. --arms {','.join(ARMS)}")
+    if args.out is not None and not args.out.strip():
+        raise UsageError("--out '' names no folder; give a path, or leave --out out to use the config's out_dir")
     out = Path(args.out) if args.out else Path(config.out_dir)
     steps = getattr(args, "steps", None)
     if steps is not None and steps < 1:

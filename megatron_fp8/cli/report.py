@@ -7,7 +7,9 @@ one; the summary header uses the run's ``config.yaml`` when it is there.
 from __future__ import annotations
 
 import argparse
+from pathlib import Path
 
+from megatron_fp8.errors import UsageError
 from megatron_fp8.rl.outputs import rebuild_outputs
 
 
@@ -18,6 +20,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     """Rebuild and print the summary table."""
+    given = Path(args.dir)
+    if given.is_file():
+        raise UsageError(
+            f"{given} is a file; report wants the run folder that holds metrics.jsonl: megatron-fp8 report "
+            f"{given.parent}"
+        )
     summary, plot, arms = rebuild_outputs(args.dir)
     print(summary.read_text())
     steps = sum(len(a.steps) for a in arms)

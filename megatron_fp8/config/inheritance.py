@@ -73,6 +73,10 @@ class ComposedTree:
     files: tuple[Path, ...]
 
 
+MAX_CONFIG_BYTES = 1 << 20
+"""Largest config file read (1 MiB): anything bigger is a wrong path (a checkpoint, a dataset), refused at once."""
+
+
 def register_resolvers() -> None:
     """Register :data:`RESOLVERS` with OmegaConf (idempotent; an existing resolver of the name is kept)."""
     for name, fn in RESOLVERS.items():
@@ -153,9 +157,17 @@ def _compose(path: Path, *, chain: tuple[Path, ...], files: list[Path]) -> tuple
         cycle = " -> ".join(str(c) for c in (*chain[chain.index(path) :], path))
         raise ConfigError(f"inheritance cycle in 'defaults': {cycle}; remove one of these parents")
     try:
+        size = path.stat().st_size
+        if size > MAX_CONFIG_BYTES:
+            raise ConfigError(
+                f"{path} is {size / 2**20:.1f} MiB, not a config file (the limit is {MAX_CONFIG_BYTES >> 20} MiB; "
+                "NeMo-RL's largest example is ~10 KiB): check the --config path"
+            )
         text = path.read_text()
     except OSError as exc:
         raise ConfigError(f"cannot read config {path}: {exc}") from exc
+    except UnicodeDecodeError as exc:
+        raise ConfigError(f"{path} is not a text (YAML) file: check the --config path") from exc
     own = read_yaml(text, where=str(path))
     parents = _parents(own, path)
     base: dict[str, JSONValue] = {}

@@ -112,6 +112,10 @@ def _convert(tp: object, value: object, path: str) -> object:
     if origin is Annotated:
         return _convert(typing.get_args(tp)[0], value, path)
     if origin is tuple:
+        if isinstance(value, str):  # `grpo.arms=bf16,fp8` means what `--arms bf16,fp8` means
+            value = [v.strip() for v in value.split(",")]
+            if not all(value):
+                raise ConfigError(f"{path}: {','.join(value)!r} has an empty item; give e.g. a,b or [a, b]")
         if not isinstance(value, (list, tuple)):
             raise _type_error(path, tp, value)
         (item,) = typing.get_args(tp)[:1]

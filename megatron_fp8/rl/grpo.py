@@ -209,7 +209,8 @@ def run_grpo(
             )
         except (KeyboardInterrupt, RunStopped) as exc:
             if dp.is_writer and (out / METRICS_FILE).is_file() and (out / METRICS_FILE).stat().st_size:
-                rebuild_outputs(out, arm_order=arm_names)
+                why = f"stopped by {exc.reason}" if isinstance(exc, RunStopped) else "interrupted"
+                rebuild_outputs(out, arm_order=arm_names, partial=why)
                 logger.warning("stopped early: %s, %s rebuilt from the completed steps", SUMMARY_FILE, PLOT_FILE)
             if isinstance(exc, RunStopped) and torch.distributed.is_initialized():
                 torch.distributed.barrier()  # every rank stopped at the same point: none exits before the writer

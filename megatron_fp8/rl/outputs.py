@@ -76,12 +76,15 @@ def claim_out_dir(out: str | Path, *, overwrite: bool = False, resume: bool = Fa
     return path
 
 
-def rebuild_outputs(out: str | Path, *, arm_order: Sequence[str] | None = None) -> tuple[Path, Path, list[ArmResult]]:
+def rebuild_outputs(
+    out: str | Path, *, arm_order: Sequence[str] | None = None, partial: str | None = None
+) -> tuple[Path, Path, list[ArmResult]]:
     """Rebuild ``summary.md`` and ``metrics.png`` from ``metrics.jsonl`` (and ``config.yaml`` when present).
 
     Args:
         out: a run's output folder.
         arm_order: order of the arms in the table (default: first appearance in the file).
+        partial: why the run stopped early (said at the top of the summary and in the plot's title).
 
     Returns:
         ``(summary path, plot path, arm results)``.
@@ -96,7 +99,7 @@ def rebuild_outputs(out: str | Path, *, arm_order: Sequence[str] | None = None) 
         raise ConfigError(f"{path / METRICS_FILE} holds no step yet; nothing to report")
     arms = arms_from_records(records, arm_order=arm_order, where=str(path / METRICS_FILE))
     config = load_config(path / CONFIG_FILE) if (path / CONFIG_FILE).is_file() else None
-    summary = report.write_summary(arms, path / SUMMARY_FILE, config=config)
+    summary = report.write_summary(arms, path / SUMMARY_FILE, config=config, partial=partial)
     is_cap = config.loss_fn.is_cap if config is not None else 2.0
-    plot = report.plot_metrics(arms, path / PLOT_FILE, is_cap=is_cap)
+    plot = report.plot_metrics(arms, path / PLOT_FILE, is_cap=is_cap, partial=partial)
     return summary, plot, arms

@@ -89,7 +89,12 @@ def summary_table(arms: Sequence[ArmResult]) -> str:
 
 
 def write_summary(
-    arms: Sequence[ArmResult], path: str | Path, *, config: RunConfig | None = None, manifest_source: str = ""
+    arms: Sequence[ArmResult],
+    path: str | Path,
+    *,
+    config: RunConfig | None = None,
+    manifest_source: str = "",
+    partial: str | None = None,
 ) -> Path:
     """Write ``summary.md``: a short header about the run and :func:`summary_table`.
 
@@ -98,12 +103,15 @@ def write_summary(
         path: output file.
         config: the run configuration (model, task, sizes for the header).
         manifest_source: how the FP8 manifest was obtained.
+        partial: why the run ended before its last step (the table then holds the completed steps only).
 
     Returns:
         ``path`` as a :class:`~pathlib.Path`.
     """
     p = Path(path)
     lines = ["# GRPO: BF16 vs FP8 rollout", ""]
+    if partial:
+        lines += [f"**Partial: {partial}.** The table holds the completed steps only.", ""]
     if config is not None:
         g, gen, opt = config.grpo, config.policy.generation, config.policy.megatron_cfg.optimizer
         steps = max((len(a.steps) for a in arms), default=0)
@@ -150,7 +158,9 @@ def rolling_mean(values: Sequence[float], window: int) -> list[float]:
     return out
 
 
-def plot_metrics(arms: Sequence[ArmResult], path: str | Path, *, is_cap: float = 2.0) -> Path:
+def plot_metrics(
+    arms: Sequence[ArmResult], path: str | Path, *, is_cap: float = 2.0, partial: str | None = None
+) -> Path:
     """Write ``metrics.png``, four panels per step, one line per arm.
 
     * mean reward (faint) and its trailing mean;
@@ -167,6 +177,7 @@ def plot_metrics(arms: Sequence[ArmResult], path: str | Path, *, is_cap: float =
 
     matplotlib.use("Agg", force=True)
     import matplotlib.pyplot as plt  # lazy: after choosing the Agg backend above
+    from matplotlib.ticker import MaxNLocator
 
     p = Path(path)
     fig, axes = plt.subplots(2, 2, figsize=(12, 7.5), dpi=100)
@@ -204,8 +215,12 @@ def plot_metrics(arms: Sequence[ArmResult], path: str | Path, *, is_cap: float =
         ax_t.set_yscale("log")
         for ax in (ax_r, ax_k, ax_w, ax_t):
             ax.set_xlabel("step")
+            ax.xaxis.set_major_locator(MaxNLocator(integer=True))
             ax.grid(alpha=0.3)
             ax.legend(fontsize=8)
+        steps = max((len(a.steps) for a in arms), default=0)
+        title = f"GRPO, BF16 vs FP8 rollout: {', '.join(a.arm for a in arms)}; {steps} step(s) per arm"
+        fig.suptitle(title + (f" (partial: {partial})" if partial else ""), fontsize=12)
         fig.tight_layout()
         buffer = io.BytesIO()
         fig.savefig(buffer, format="png")

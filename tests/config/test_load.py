@@ -95,7 +95,7 @@ def test_unknown_key_did_you_mean_full_path():
         ("grpo.num_steps=abc", "grpo.num_steps", "int"),
         ("policy.megatron_cfg.fp8_cfg.enabled=3", "policy.megatron_cfg.fp8_cfg.enabled", "bool"),
         ("rollout.engine=smoke", "rollout.engine", "'auto'"),
-        ("grpo.arms=fp8", "grpo.arms", "list of str"),
+        ("grpo.arms=3", "grpo.arms", "list of str"),  # a comma list string is a list (grpo.arms=bf16,fp8)
         ("loss_fn.is_variant=tis", "loss_fn.is_variant", "'token_tis'"),
     ],
 )
