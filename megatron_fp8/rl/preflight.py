@@ -39,6 +39,7 @@ from megatron_fp8.config.schema import RunConfig
 from megatron_fp8.config.validate import validate_config
 from megatron_fp8.errors import ConfigError
 from megatron_fp8.models import resolve_model
+from megatron_fp8.models.folder_check import folder_problems
 from megatron_fp8.models.tiny import HF_ID_PATTERN
 from megatron_fp8.rl.batch import eos_and_pad
 from megatron_fp8.rl.data import PromptTokenizer, load_rows, problem_source, read_prompt_template
@@ -137,6 +138,9 @@ def preflight(
         if data_note:
             notes.append(data_note)
     if model_path is not None:
+        folder = folder_problems(model_path)  # config.json against the safetensors headers, before any dimension
+        if folder:
+            raise ConfigError("this run cannot start:\n  - " + "\n  - ".join(folder))
         config = _with_model_dims(config, model_path)
         try:
             validate_config(config)  # every cross-field rule again, on the model's real dimensions
