@@ -50,8 +50,15 @@ _ENV_ROWS: tuple[tuple[str, str], ...] = (
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    """Register ``--json``, ``--imports`` and ``--out``."""
+    """Register ``--json``, ``--all``, ``--imports``, ``--out`` and ``--config``."""
     parser.add_argument("--json", action="store_true", help="print one JSON object instead of tables")
+    parser.add_argument(
+        "--all",
+        "--verbose",
+        dest="all_reasons",
+        action="store_true",
+        help="every reason a recipe does not run here (default: the first, one line per recipe)",
+    )
     parser.add_argument(
         "--imports",
         action="store_true",
@@ -64,6 +71,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="also print the trainer layout (TP/PP/DP, micro-batches) and per-GPU memory estimate of this run config "
         "on this machine's GPU (WORLD_SIZE, else 8 processes, sets DP)",
     )
+
+
+def _first_clause(reason: str, width: int = 60) -> str:
+    """The head of a reason, before its first ``;`` or parenthesis, at most ``width`` characters (one-screen table)."""
+    head = reason.split(";")[0].split(" (")[0].strip()
+    return head if len(head) <= width else head[: width - 3].rstrip() + "..."
 
 
 def run(args: argparse.Namespace) -> int:
@@ -99,18 +112,20 @@ def run(args: argparse.Namespace) -> int:
         env_table.add_row(label, "[dim]-[/dim]" if value in (None, "") else str(value))
     console.print(Panel(env_table, title="this machine", expand=False))
 
-    table = Table(title="FP8 recipes on this machine", show_lines=True)
+    every = getattr(args, "all_reasons", False)
+    table = Table(title="FP8 recipes on this machine", show_lines=every)
     table.add_column("recipe", style="bold", no_wrap=True)
     table.add_column("runs here", no_wrap=True)
     table.add_column("TE recipe", no_wrap=True)
-    table.add_column("why not", ratio=1)
+    table.add_column("why not" if every else "why not (the first reason; --all for every one)", ratio=1)
     for verdict in verdicts:
         recipe = RECIPES[verdict.name]
+        reasons = verdict.reasons if every else verdict.reasons[:1]
         table.add_row(
             verdict.name,
             "[green]yes[/green]" if verdict.supported else "[red]no[/red]",
             recipe.te_recipe_class or "-",
-            "\n".join(f"- {r}" for r in verdict.reasons) or "-",
+            "\n".join(f"- {r}" for r in reasons) if every else (_first_clause(reasons[0]) if reasons else "-"),
         )
     console.print(table)
     if not env.has_gpu:

@@ -64,3 +64,11 @@ def test_outputs_are_written_with_the_users_umask(tmp_path):
     finally:
         os.umask(old)
     assert stat.S_IMODE(path.stat().st_mode) == 0o644  # mkstemp alone would leave 0600, unreadable to teammates
+
+
+def test_doctor_fits_one_screen_and_all_gives_every_reason():
+    short = _cli("doctor")
+    full = _cli("doctor", "--all")
+    assert short.returncode == 0 and full.returncode == 0, short.stderr[-2000:]
+    assert len(short.stdout.splitlines()) <= 45, short.stdout  # a row per recipe, its first blocking reason
+    assert len(full.stdout.splitlines()) > len(short.stdout.splitlines())
