@@ -116,6 +116,8 @@ class VllmApplier:
             )
             for d in specs
         }
+        if any(e.kind == "kv_scale" for e in self.expected.values()):  # FP8 KV cache: refitted every step
+            llm.collective_rpc("mfp8_check_kv_scales", kwargs={"per_step": True})
         self._serving, self._serving_version = True, 0
         self._refresh_status()
 

@@ -48,6 +48,7 @@ from collections.abc import Mapping
 import torch
 
 from megatron_fp8.layout import ceil_div, is_blockable
+from megatron_fp8.rollout.vllm.kv_backends import old_scales, refresh_derived_kv_scales
 from megatron_fp8.vocab import KV_SCALE_KINDS
 
 logger = logging.getLogger(__name__)
@@ -426,13 +427,15 @@ def write_kv_scales(module: torch.nn.Module, scales: Mapping[str, torch.Tensor])
 
     With every scale positive: ``_k_scale``/``_v_scale`` (and their ``*_float``) are set unless the
     cache is ``auto`` or scales are computed on the fly; ``_q_scale``/``_q_scale_float`` are set and
-    ``calculate_kv_scales`` turned off.
+    ``calculate_kv_scales`` turned off. Host floats the layer's backend derived from the old scales
+    (FlashInfer's ``bmm1_scale``/``bmm2_scale``) are recomputed (:mod:`~megatron_fp8.rollout.vllm.kv_backends`).
 
     Args:
         module: the attention layer (layout ``processed``).
         scales: ``{"q": t, "k": t, "v": t}`` float32 scalars.
     """
     k, v, q = (float(scales[x].reshape(())) for x in ("k", "v", "q"))
+    old = old_scales(module)
     with torch.no_grad():
         if getattr(module, "kv_cache_dtype", "auto") != "auto" and not getattr(module, "calculate_kv_scales", False):
             module._k_scale.copy_(k)
@@ -441,6 +444,7 @@ def write_kv_scales(module: torch.nn.Module, scales: Mapping[str, torch.Tensor])
         module._q_scale.copy_(q)
         module._q_scale_float = q
         module.calculate_kv_scales = False
+    refresh_derived_kv_scales(module, old)  # FlashInfer keeps bmm1/bmm2 scales derived on its first forward
 
 
 def engine_scale_format(model: torch.nn.Module) -> str:

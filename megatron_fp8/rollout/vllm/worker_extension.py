@@ -57,6 +57,7 @@ from megatron_fp8.errors import EngineNotServingError, RefitError, RefitRolledBa
 from megatron_fp8.quant import dequantize_blockwise, quantize_blockwise
 from megatron_fp8.rollout.vllm import adapter, layouts, reload_state
 from megatron_fp8.rollout.vllm.expected import ExpectedTensor, expected_refit_set, validate_version
+from megatron_fp8.rollout.vllm.kv_backends import refuse_stale_kv_scales
 from megatron_fp8.rollout.vllm.verify_exact import verify_exact
 from megatron_fp8.vocab import SCALE_SUFFIX
 
@@ -163,6 +164,11 @@ class FP8RefitWorkerExtension:
             partial=bool(partial),
             expected=None,
         )
+
+    def mfp8_check_kv_scales(self, per_step: bool) -> None:
+        """Refuse per-step KV scales where a backend's kernel cannot see them (FlashInfer in full decode graphs)."""
+        mode = getattr(self.vllm_config.compilation_config, "cudagraph_mode", None)
+        refuse_stale_kv_scales(self.model_runner.model, mode, per_step=per_step)
 
     def mfp8_expected(self) -> list[dict]:
         """The refit set: ``[{"name", "shape", "dtypes", "kind", "group", "required"}]``."""
