@@ -126,33 +126,9 @@ class _Filling:
         self._dst: list[torch.Tensor] = []
         self._src: list[torch.Tensor] = []
         self._gaps: list[torch.Tensor] = []
-        self._held: dict[int, list[tuple[int, int]]] = {}  # storage -> byte ranges of pending sources
 
     def fits(self, nbytes: int) -> bool:
         return align_up(self.used) + nbytes <= self.capacity
-
-    def check_not_refilled(self, name: str, tensor: torch.Tensor) -> None:
-        """Refuse a tensor whose bytes overlap those of one still pending in this bucket.
-
-        Raises:
-            RefitError: the stream refills a buffer it already yielded, so the earlier value is gone before the
-                bucket is copied.
-        """
-        if not tensor.numel():
-            return
-        storage = tensor.untyped_storage().data_ptr()
-        lo = tensor.data_ptr() - storage
-        hi = lo + tensor.numel() * tensor.element_size()  # a non-contiguous view: its whole extent, conservatively
-        if tensor.dim() and not tensor.is_contiguous():
-            hi = lo + (sum((n - 1) * st for n, st in zip(tensor.shape, tensor.stride(), strict=True)) + 1) * (
-                tensor.element_size()
-            )
-        if any(a < hi and lo < b for a, b in self._held.get(storage, ())):
-            raise RefitError(
-                f"refit stream item {name!r} of version {self.version} shares its memory with a tensor yielded "
-                "earlier: the stream refills a buffer it already yielded, and that value would be gone before its "
-                "bucket is copied; yield a fresh tensor per item (e.g. .clone())"
-            )
 
     def add(self, name: str, tensor: torch.Tensor, dt: str, nbytes: int) -> None:
         """Record ``tensor`` at the next aligned offset; its bytes are read when the bucket is finished."""
@@ -160,13 +136,8 @@ class _Filling:
         if offset > self.used:
             self._gaps.append(self.buffer[self.used : offset])
         if nbytes:
-            src = tensor.detach().contiguous()
-            if src.data_ptr() == tensor.data_ptr():  # read at finish (a non-contiguous one was copied just now)
-                storage = tensor.untyped_storage().data_ptr()
-                lo = tensor.data_ptr() - storage
-                self._held.setdefault(storage, []).append((lo, lo + nbytes))
             self._dst.append(self.buffer[offset : offset + nbytes])
-            self._src.append(src.reshape(-1).view(torch.uint8))
+            self._src.append(tensor.detach().contiguous().reshape(-1).view(torch.uint8))
         self.metas.append(TensorMeta(name=name, shape=tuple(tensor.shape), dtype=dt, offset=offset, nbytes=nbytes))
         self.used = offset + nbytes
 
@@ -174,7 +145,7 @@ class _Filling:
         """One multi-tensor copy of the sources recorded so far into their places in the bucket."""
         if self._dst:
             torch._foreach_copy_(self._dst, self._src)
-        self._dst, self._src, self._held = [], [], {}
+        self._dst, self._src = [], []
 
     def finish(self, *, trailer: VersionTrailer | None, check_finite_values: bool) -> Bucket:
         end = align_up(self.used)
@@ -239,8 +210,9 @@ def pack_buckets(
     own sized to it. A bucket's bytes are copied when it is finished (one
     multi-tensor copy), so a stream item's tensor is read then, not when it is
     yielded: a stream must not change a yielded tensor before its bucket is
-    handed out. Yielding a refilled buffer again is refused (overlapping bytes of
-    one storage); disjoint views of one buffer are fine. Zero-size tensors are carried (metadata only). A fresh
+    handed out (yielding a buffer and then refilling it for the next item would
+    send the refilled bytes: yield fresh tensors; one tensor under two names, as
+    for tied embeddings, is fine). Zero-size tensors are carried (metadata only). A fresh
     buffer is allocated per bucket, so a yielded bucket stays valid while a
     transport still sends it.
 
@@ -260,8 +232,7 @@ def pack_buckets(
 
     Raises:
         NonFiniteError: a tensor holds NaN/Inf (raised before its bucket is yielded).
-        RefitError: duplicate name, unsupported dtype, bad argument, an empty stream, or a refilled buffer
-            yielded twice within a bucket.
+        RefitError: duplicate name, unsupported dtype, bad argument, or an empty stream.
     """
     if not isinstance(version, int) or version < 0:
         raise RefitError(f"refit version must be a non-negative int, got {version!r}")
@@ -292,8 +263,6 @@ def pack_buckets(
         seen.add(name)
         dt = dtype_name(tensor.dtype, tensor_name=name)
         nbytes = tensor.numel() * tensor.element_size()
-        if current is not None:
-            current.check_not_refilled(name, tensor)
         if current is not None and not current.fits(nbytes):
             bucket = current.finish(trailer=None, check_finite_values=check_finite_values)
             current = None
