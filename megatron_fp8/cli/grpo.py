@@ -89,9 +89,10 @@ def run(args: argparse.Namespace) -> int:
     """Run the job; errors of the package propagate (exit 1 via the CLI).
 
     A run stopped at a safe point (SIGTERM / SIGUSR1 / Ctrl-C, ``checkpoint_must_save_by``) prints one line and
-    returns :data:`~megatron_fp8.rl.stopping.EXIT_STOPPED` (130 after Ctrl-C).
+    returns :data:`~megatron_fp8.rl.stopping.EXIT_STOPPED` when a checkpoint holds its last step (1 when
+    checkpointing is off: nothing to continue from; 130 after Ctrl-C).
     """
-    from megatron_fp8.cli import EXIT_INTERRUPTED
+    from megatron_fp8.cli import EXIT_ERROR, EXIT_INTERRUPTED
     from megatron_fp8.rl.stopping import EXIT_STOPPED, RunStopped, stop_message
 
     try:
@@ -99,7 +100,9 @@ def run(args: argparse.Namespace) -> int:
     except RunStopped as stopped:
         command = " ".join(shlex.quote(a) for a in ["megatron-fp8", *sys.argv[1:]]) if sys.argv[1:] else "the same"
         print(f"megatron-fp8 grpo: {stop_message(stopped, command=command)}", file=sys.stderr)
-        return EXIT_INTERRUPTED if stopped.reason == "SIGINT" else EXIT_STOPPED
+        if stopped.reason == "SIGINT":
+            return EXIT_INTERRUPTED
+        return EXIT_STOPPED if stopped.checkpoint is not None else EXIT_ERROR  # nothing to continue from
     if paths is not None:
         metrics, summary, plot = paths
         print(f"metrics: {metrics}\nsummary: {summary}\nplot:    {plot}")

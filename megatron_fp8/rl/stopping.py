@@ -34,7 +34,7 @@ logger = logging.getLogger(__name__)
 
 EXIT_STOPPED = 75
 """Exit code of a run stopped early at a safe point with its last step saved (EX_TEMPFAIL: run the same command
-again to continue). ``slurm/grpo.sbatch`` requeues the job on it."""
+again to continue). ``slurm/grpo.sbatch`` requeues the job on it. Stopped without checkpointing: exit 1."""
 
 STOP_SIGNALS: tuple[str, ...] = ("SIGTERM", "SIGUSR1", "SIGINT")
 """The signals that ask a run to save and stop (first one) or stop at once (second one)."""

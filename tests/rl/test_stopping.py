@@ -101,10 +101,13 @@ def test_a_second_signal_stops_at_once_without_saving(tmp_path):
 @pytest.mark.slow
 def test_checkpoint_must_save_by_saves_and_stops_before_the_limit(tmp_path):
     out = tmp_path / "run"
-    proc = _grpo(out, "checkpointing.checkpoint_must_save_by=00:00:00:01")  # one step already takes longer
+    # a 1 s budget: the run stops once a step plus a save could cross it (after step 0 or 1, as the machine runs)
+    proc = _grpo(out, "checkpointing.checkpoint_must_save_by=00:00:00:01")
     assert proc.returncode == EXIT_STOPPED, proc.stderr[-3000:]
-    assert "checkpoint_must_save_by is near" in proc.stderr and "after 1 of 3 steps" in proc.stderr
-    assert sorted(p.name for p in (out / "ckpt" / "fp8").iterdir()) == ["step_0"]
+    done = next(n for n in (1, 2) if f"after {n} of 3 steps" in proc.stderr)
+    assert "checkpoint_must_save_by is near" in proc.stderr
+    assert sorted(p.name for p in (out / "ckpt" / "fp8").iterdir()) == [f"step_{done - 1}"]
+    assert len(_steps(out)) == done
 
 
 def test_durations_are_nemo_rl_dd_hh_mm_ss():
@@ -156,3 +159,11 @@ def test_one_ranks_signal_stops_every_rank_at_the_same_step(tmp_path):
     second = torchrun(out, None)
     assert second.returncode == 0, second.stderr[-3000:]
     assert _steps(out) == _steps(ref)
+
+
+@pytest.mark.slow
+def test_without_checkpointing_a_stopped_run_exits_1_nothing_to_continue_from(tmp_path):
+    out = tmp_path / "run"
+    proc = _grpo(out, "checkpointing.enabled=false", fault="rollout:SIGTERM:0")
+    assert proc.returncode == 1, proc.stderr[-3000:]  # not 75: grpo.sbatch must not requeue a run that saved nothing
+    assert "nothing was saved (checkpointing.enabled=false)" in proc.stderr
