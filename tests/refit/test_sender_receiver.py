@@ -246,11 +246,14 @@ def test_200_refits_flat_rss():
     receiver = RefitReceiver(transport, apply=applier)
     sender = RefitSender(transport, bucket_bytes=BUCKET)
     proc = psutil.Process()
-    rss = {}
+    early, late = [], []  # RSS after each of refits 21..40 and 181..200
     for version in range(1, 201):
         _refit(sender, receiver, items, version)
-        if version in (20, 200):
+        if 20 < version <= 40 or version > 180:
             gc.collect()
-            rss[version] = proc.memory_info().rss
+            (early if version <= 40 else late).append(proc.memory_info().rss)
     assert applier.version == 200 and _holds(applier, items)
-    assert rss[200] - rss[20] < 8 << 20, f"RSS grew by {(rss[200] - rss[20]) / 2**20:.1f} MiB over 180 refits"
+    # the floor, not one sample: the allocator keeps or returns a freed bucket-sized block from one refit to the
+    # next (+-13 MiB here), while a leak raises the floor refit after refit
+    grew = min(late) - min(early)
+    assert grew < 8 << 20, f"RSS floor grew by {grew / 2**20:.1f} MiB over 160 refits"
