@@ -93,6 +93,18 @@ def align_up(n: int, alignment: int = ALIGN) -> int:
     return ceil_div(n, alignment) * alignment
 
 
+def header_digest_of(bucket: Bucket) -> int:
+    """:func:`header_digest` of a bucket's own header fields, metadata and trailer."""
+    return header_digest(
+        version=bucket.version,
+        index=bucket.index,
+        is_last=bucket.is_last,
+        stream_id=bucket.stream_id,
+        metas=bucket.metas,
+        trailer=bucket.trailer,
+    )
+
+
 def checksum_of(bucket: Bucket) -> int:
     """:func:`bucket_checksum` recomputed from a bucket's fields and payload (what the receiver compares)."""
     return bucket_checksum(

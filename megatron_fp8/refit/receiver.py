@@ -46,8 +46,8 @@ from megatron_fp8.errors import (
     TransportTimeoutError,
 )
 from megatron_fp8.refit.applier import CallableApplier, RefitApplier
-from megatron_fp8.refit.buckets import checksum_error, unpack_bucket
-from megatron_fp8.refit.checksum import checksum_partials, finish_checksum, header_digest
+from megatron_fp8.refit.buckets import checksum_error, header_digest_of, unpack_bucket
+from megatron_fp8.refit.checksum import checksum_partials, finish_checksum
 from megatron_fp8.refit.transport.base import Transport
 from megatron_fp8.refit.wire import Bucket, RefitOutcome, RefitVersion, TensorMeta, VersionDigest, VersionTrailer
 
@@ -196,14 +196,7 @@ class _Version:
             nb = p.numel()
             got = finish_checksum(host[at : at + nb], host[at + nb : at + 2 * nb], nbytes=bucket.nbytes)
             at += 2 * nb
-            got ^= header_digest(
-                version=bucket.version,
-                index=bucket.index,
-                is_last=bucket.is_last,
-                stream_id=bucket.stream_id,
-                metas=bucket.metas,
-                trailer=bucket.trailer,
-            )
+            got ^= header_digest_of(bucket)
             if got == bucket.checksum:
                 self._accept(bucket)
             else:
