@@ -153,6 +153,19 @@ IS_VARIANTS: Final = MappingProxyType(
 IS_VARIANTS_WITH_CAP: Final = frozenset({"token_tis", "seq_is", "seq_mask_tis"})
 """IS variants that read ``is_cap``."""
 
+LR_DECAY_STYLES: Final = ("constant", "linear", "cosine", "inverse-square-root")
+"""``policy.megatron_cfg.scheduler.lr_decay_style`` values: Megatron-Core ``OptimizerParamScheduler`` styles megatron-fp8
+runs (its ``WSD`` needs keys NeMo-RL's configs do not give)."""
+
+KL_ESTIMATORS: Final = MappingProxyType(
+    {
+        "k1": "log(pi / pi_ref), unbiased, can be negative per token",
+        "k2": "(log(pi / pi_ref))**2 / 2",
+        "k3": "pi_ref / pi - 1 - log(pi_ref / pi), unbiased and >= 0 (NeMo-RL's default)",
+    }
+)
+"""``loss_fn.reference_policy_kl_type`` values (Schulman's estimators of KL(pi || pi_ref) per sampled token)."""
+
 TRANSPORTS: Final = MappingProxyType(
     {
         "inproc": "same process: hand tensors over directly",

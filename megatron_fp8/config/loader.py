@@ -225,6 +225,7 @@ MOVED_KEYS: dict[str, str] = {
     "grpo.learning_rate": "policy.megatron_cfg.optimizer.lr",
     "grpo.max_new_tokens": "policy.generation.max_new_tokens",
     "grpo.temperature": "policy.generation.temperature",
+    "grpo.warmup_steps": "policy.megatron_cfg.scheduler.lr_warmup_iters",
 }
 """megatron-fp8's former keys for settings NeMo-RL has a key for: read for one more release (each source's value
 moves to NeMo-RL's key, with a warning naming it), never written out. NeMo-RL's key is the one vocabulary."""

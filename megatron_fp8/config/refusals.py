@@ -8,8 +8,8 @@ without effect here would make the run another experiment than the file describe
   parallelism, expert tensor parallelism, uneven pipeline stages);
 * a Hugging Face ``data.{train,validation}.dataset_name`` without a local ``data_path``: the run would train on the
   built-in toy task (or skip validation) instead;
-* a key that changes the algorithm (KL penalty, baseline, reward shaping, sampling, learning-rate schedule, the
-  NeMo-RL TIS settings) set to anything but the value megatron-fp8 runs (:func:`other_experiment`), unless
+* a key that changes the algorithm (another advantage estimator, reward shaping, sampling, learning-rate schedule,
+  the NeMo-RL TIS settings, an ``adv_estimator`` baseline that contradicts ``grpo``'s) set to anything but the value megatron-fp8 runs (:func:`other_experiment`), unless
   ``grpo.allow_no_effect`` (``--allow-no-effect``) accepts them, with a warning.
 
 Cosmetic and infrastructure keys (Ray, cluster, logger paths, vLLM tuning) only warn.
@@ -28,21 +28,13 @@ logger = logging.getLogger(__name__)
 _OFF = (False, None)
 _ZERO = (0, 0.0, None)
 EXPERIMENT_KEYS: dict[str, tuple[tuple[JSONValue, ...], str]] = {
-    "loss_fn.reference_policy_kl_penalty": (
-        _ZERO,
-        "a KL penalty to the reference policy (megatron-fp8's loss has none)",
-    ),
     "loss_fn.use_kl_in_reward": (_OFF, "a KL term in the reward"),
     "loss_fn.use_cispo": (_OFF, "the CISPO loss"),
     "loss_fn.disable_ppo_ratio": (_OFF, "a loss without the PPO ratio"),
     "loss_fn.sequence_level_importance_ratios": (_OFF, "sequence-level (GSPO) ratios"),
     "loss_fn.positive_example_nll_weight": (_ZERO, "an NLL term on positive examples"),
     "loss_fn.ratio_clip_c": ((None,), "dual-clip PPO"),
-    "grpo.use_leave_one_out_baseline": (_OFF, "a leave-one-out baseline (megatron-fp8's is the group mean)"),
-    "grpo.normalize_rewards": ((True, None), "advantages not divided by the group's std (megatron-fp8 divides)"),
     "grpo.adv_estimator.name": (("grpo", None), "another advantage estimator"),
-    "grpo.adv_estimator.use_leave_one_out_baseline": (_OFF, "a leave-one-out baseline (megatron-fp8's is the mean)"),
-    "grpo.adv_estimator.normalize_rewards": ((True, None), "advantages not divided by the group's std"),
     "grpo.use_dynamic_sampling": (_OFF, "dynamic sampling (groups filtered by reward variance)"),
     "grpo.overlong_filtering": (_OFF, "truncated responses masked out of the loss"),
     "grpo.advantage_clip_low": ((None,), "clipped advantages"),
@@ -56,11 +48,6 @@ EXPERIMENT_KEYS: dict[str, tuple[tuple[JSONValue, ...], str]] = {
     "policy.generation.top_k": ((None, -1, 0), "top-k sampling"),
     "policy.generation.stop_strings": ((None, ()), "stop strings"),
     "policy.generation.stop_token_ids": ((None, ()), "extra stop tokens (megatron-fp8 stops at the tokenizer's EOS)"),
-    "policy.megatron_cfg.scheduler.lr_decay_style": (("constant", None), "a decaying learning rate"),
-    "policy.megatron_cfg.scheduler.lr_warmup_iters": (
-        (0, None),
-        "a learning-rate warm-up from lr_warmup_init (megatron-fp8's: grpo.warmup_steps, from 10% of lr)",
-    ),
     "policy.megatron_cfg.scheduler.weight_decay_incr_style": (("constant", None), "a changing weight decay"),
 }
 """NeMo-RL keys that change the algorithm, the values that match what megatron-fp8 runs (any other value makes the run
@@ -167,6 +154,12 @@ def other_experiment(config: RunConfig, no_effect: Mapping[str, JSONValue]) -> l
             problems.append(
                 f"policy.megatron_cfg.scheduler.{key}={sched[key]!r}: asks for a weight decay other than "
                 f"policy.megatron_cfg.optimizer.weight_decay={decay} (the one megatron-fp8 uses)"
+            )
+    for key in ("normalize_rewards", "use_leave_one_out_baseline"):  # NeMo-RL's newer spelling of the grpo keys
+        given, used = leaves.get(f"grpo.adv_estimator.{key}"), getattr(config.grpo, key)
+        if given is not None and given != used:
+            problems.append(
+                f"grpo.adv_estimator.{key}={given!r}: megatron-fp8 reads grpo.{key}={used!r}; give both the same value"
             )
     tis = _tis_problem(config, leaves)
     return problems + ([tis] if tis else [])

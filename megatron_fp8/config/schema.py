@@ -8,7 +8,9 @@ Layout (dotted paths)::
     policy.megatron_cfg.{enabled, tensor_model_parallel_size, pipeline_model_parallel_size, expert_model_parallel_size,
                          activation_checkpointing, recompute_granularity, recompute_modules}
     policy.megatron_cfg.fp8_cfg.{enabled, fp8, fp8_recipe, fp8_param, num_first_layers_in_bf16, num_last_layers_in_bf16}
-    policy.megatron_cfg.optimizer.{lr, weight_decay, adam_beta1, adam_beta2, adam_eps, clip_grad, use_distributed_optimizer}
+    policy.megatron_cfg.optimizer.{lr, min_lr, weight_decay, adam_beta1, adam_beta2, adam_eps, clip_grad,
+                                   use_distributed_optimizer}
+    policy.megatron_cfg.scheduler.{lr_warmup_iters, lr_warmup_init, lr_decay_style, lr_decay_iters}
     policy.megatron_cfg.env_vars.{NAME: value}                     (null = none)
     policy.generation.vllm_cfg.{precision, use_deep_gemm, gpu_memory_utilization,
                                 num_first_layers_in_bf16, num_last_layers_in_bf16,
@@ -16,10 +18,13 @@ Layout (dotted paths)::
                                 kv_cache_dtype, tensor_parallel_size, max_model_len,
                                 quantization_ignored_layer_kws, is_mx, quantization_config}
     loss_fn.{use_importance_sampling_correction, is_variant, is_cap, is_lower, is_upper,
-             ratio_clip_min, ratio_clip_max, log_ratio_clamp}
+             ratio_clip_min, ratio_clip_max, log_ratio_clamp, reference_policy_kl_penalty,
+             reference_policy_kl_type, kl_input_clamp_value, kl_output_clamp_value,
+             use_on_policy_kl_approximation, token_level_loss}
     policy.generation.{max_new_tokens, temperature}; policy.generation.colocated.{enabled, resources.{...}}
     grpo.{num_steps, num_prompts_per_step, num_generations_per_prompt, seed, arms, task, task_max_digits, updates_per_step,
-          warmup_steps, warm_start_steps, warm_start_learning_rate, val_period, val_at_start, max_val_samples}
+          warm_start_steps, warm_start_learning_rate, val_period, val_at_start, max_val_samples,
+          normalize_rewards, use_leave_one_out_baseline}
     data.{max_input_seq_length, shuffle, train.{data_path, input_key, output_key, max_samples},
           validation.{...as train}, default.{prompt_file, system_prompt_file, env_name}}
     checkpointing.{enabled, checkpoint_dir, save_period, keep_top_k, metric_name, higher_is_better, save_consolidated}
@@ -71,6 +76,9 @@ RolloutPrecision = Annotated[str, OneOf(vocab.ROLLOUT_PRECISIONS)]
 
 ISVariant = Annotated[str, OneOf(tuple(vocab.IS_VARIANTS))]
 """Importance-sampling variant, a key of :data:`megatron_fp8.vocab.IS_VARIANTS`."""
+
+KLEstimator = Annotated[str, OneOf(tuple(vocab.KL_ESTIMATORS))]
+"""KL estimator of the reference-policy penalty, a key of :data:`megatron_fp8.vocab.KL_ESTIMATORS`."""
 
 RefitTransport = Annotated[str, OneOf(("auto", *vocab.TRANSPORTS))]
 """Refit transport between separate ranks: ``"auto"`` or a key of :data:`megatron_fp8.vocab.TRANSPORTS`."""
@@ -128,19 +136,40 @@ class OptimizerConfig:
     """``policy.megatron_cfg.optimizer``.
 
     Attributes:
-        lr: learning rate (``grpo.warmup_steps`` ramps it from 10%); weight_decay: decoupled, not on 1-D params.
+        lr: peak learning rate (``policy.megatron_cfg.scheduler`` warms up to it and decays from it).
+        min_lr: the learning rate a decaying schedule ends at.
+        weight_decay: decoupled, not on 1-D params.
         adam_beta1, adam_beta2, adam_eps: Adam's coefficients.
         clip_grad: gradient-norm clip (L2).
         use_distributed_optimizer: shard the FP32 main weights and Adam moments over the data-parallel ranks.
     """
 
     lr: float = 1e-5
+    min_lr: float = 0.0
     weight_decay: float = 0.0
     adam_beta1: float = 0.9
     adam_beta2: float = 0.999
     adam_eps: float = 1e-8
     clip_grad: float = 1.0
     use_distributed_optimizer: bool = False
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    """``policy.megatron_cfg.scheduler``: Megatron-Core's learning-rate schedule, one tick per GRPO step (NeMo-RL's
+    meaning: step ``s`` trains at the rate Megatron-Core's ``OptimizerParamScheduler`` gives after ``s`` ticks).
+
+    Attributes:
+        lr_warmup_iters: steps of linear warm-up from ``lr_warmup_init`` to ``optimizer.lr`` (0 = none).
+        lr_warmup_init: the rate of step 0 of a warm-up (``None``: 10% of ``optimizer.lr``; NeMo-RL's configs set it).
+        lr_decay_style: one of :data:`megatron_fp8.vocab.LR_DECAY_STYLES`; after the warm-up, from ``optimizer.lr`` to ``optimizer.min_lr``.
+        lr_decay_iters: the step the decay reaches ``min_lr`` (``None``: ``grpo.max_num_steps``).
+    """
+
+    lr_warmup_iters: int = 0
+    lr_warmup_init: float | None = None
+    lr_decay_style: Annotated[str, OneOf(vocab.LR_DECAY_STYLES)] = "constant"
+    lr_decay_iters: int | None = None
 
 
 @dataclass(frozen=True)
@@ -157,6 +186,7 @@ class MegatronConfig:
         recompute_modules: the modules of ``"selective"`` (Megatron-Core's names; ``None`` = ``["core_attn"]``).
         fp8_cfg: FP8 training settings.
         optimizer: optimizer settings.
+        scheduler: learning-rate schedule.
         env_vars: environment variables set for the training workers (values as strings; ``null`` = none).
     """
 
@@ -169,6 +199,7 @@ class MegatronConfig:
     recompute_modules: tuple[str, ...] | None = None
     fp8_cfg: FP8TrainConfig = field(default_factory=FP8TrainConfig)
     optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)
+    scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     env_vars: dict[str, str] = field(default_factory=dict)
 
 
@@ -323,6 +354,16 @@ class LossConfig:
         ratio_clip_min: PPO clip epsilon below 1 (ratio >= 1 - eps).
         ratio_clip_max: PPO clip epsilon above 1 (ratio <= 1 + eps).
         log_ratio_clamp: clamp |log ratio| to this before exponentiating (overflow guard).
+        reference_policy_kl_penalty: weight beta of the KL penalty to the reference policy (the arm's initial
+            weights) added to the loss; 0 = no penalty and no reference forward.
+        reference_policy_kl_type: the per-token KL estimator, a key of :data:`megatron_fp8.vocab.KL_ESTIMATORS`.
+        kl_input_clamp_value: clamp ``|log(pi_ref / pi)|`` to this before the estimator (``None``: no clamp).
+        kl_output_clamp_value: clamp the per-token estimate to ``[-v, v]`` (``None``: no clamp).
+        use_on_policy_kl_approximation: weight the per-token KL by ``pi / pi_rollout`` (the samples come from the
+            rollout policy), with its gradient; otherwise by ``exp(logp - sg(logp))`` (value 1, the score-function
+            gradient of the on-policy estimate).
+        token_level_loss: average the loss over every response token of the update (``True``), or per sequence
+            first, then over sequences (``False``).
     """
 
     use_importance_sampling_correction: bool = False
@@ -333,6 +374,22 @@ class LossConfig:
     ratio_clip_min: float = 0.2
     ratio_clip_max: float = 0.2
     log_ratio_clamp: float = 20.0
+    reference_policy_kl_penalty: float = 0.0
+    reference_policy_kl_type: KLEstimator = "k3"
+    kl_input_clamp_value: float | None = 20.0
+    kl_output_clamp_value: float | None = 10.0
+    use_on_policy_kl_approximation: bool = False
+    token_level_loss: bool = True
+
+    @property
+    def kl_enabled(self) -> bool:
+        """Whether the loss has a KL penalty to the reference policy (and the step a reference forward)."""
+        return self.reference_policy_kl_penalty != 0
+
+    @property
+    def aggregation(self) -> str:
+        """The loss aggregation of ``token_level_loss``, a key of :data:`megatron_fp8.rl.correction.LOSS_AGGREGATIONS`."""
+        return "token-mean" if self.token_level_loss else "seq-mean-token-mean"
 
     @property
     def correction_enabled(self) -> bool:
@@ -351,13 +408,15 @@ class GRPOConfig:
     task: the verifiable toy task, a key of :data:`megatron_fp8.rl.task.TASKS` (``addition``, ``copy``).
     task_max_digits: operand / string length limit of the task (digits).
     updates_per_step: optimizer updates on each step's batch (PPO epochs; the first is on-policy).
-    warmup_steps: steps of linear learning-rate warm-up from 10% (0 = constant).
     warm_start_steps: supervised steps on task answers before the arms (shared; 0 = none): a random-init
         model gets a policy RL can improve, as RL normally starts from a pretrained model.
     warm_start_learning_rate: learning rate of the warm-start steps.
     val_period: validate (accuracy on ``data.validation`` or held-out task problems) every N steps; 0 = never.
     val_at_start: also validate before the first step.
     max_val_samples: validation problems used (``None`` = all).
+    normalize_rewards: divide each advantage by its group's reward standard deviation (where it is not 0).
+    use_leave_one_out_baseline: each response's baseline (and standard deviation) is taken over the other
+        responses of its group (RLOO) instead of the whole group.
     allow_no_effect: run although NeMo-RL keys that change the experiment have no effect here (warned).
     """
 
@@ -369,12 +428,13 @@ class GRPOConfig:
     task: str = "addition"
     task_max_digits: int = 1
     updates_per_step: int = 1
-    warmup_steps: int = 0
     warm_start_steps: int = 0
     warm_start_learning_rate: float = 1.0e-3
     val_period: int = 0
     val_at_start: bool = False
     max_val_samples: int | None = None
+    normalize_rewards: bool = True
+    use_leave_one_out_baseline: bool = False
     allow_no_effect: bool = False
 
     ALIASES: ClassVar[dict[str, str]] = {"max_num_steps": "num_steps"}

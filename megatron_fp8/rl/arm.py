@@ -23,6 +23,7 @@ from megatron_fp8.config.schema import RunConfig
 from megatron_fp8.config.wiring import megatron_parallel_args, vllm_engine_args, vllm_env
 from megatron_fp8.megatron import build_megatron_model, make_optimizer, megatron_parallel
 from megatron_fp8.megatron.build import RecomputeSettings
+from megatron_fp8.megatron.reference import ReferenceWeights
 from megatron_fp8.rl.checkpoint import CheckpointManager
 from megatron_fp8.rl.distributed import DataParallel, check_against_megatron
 from megatron_fp8.rl.kv_calibration import KVAmaxRecorder, attach_kv_amax_hooks
@@ -219,6 +220,8 @@ def run_arm(
                 # FP8 KV cache: q/k/v amax of every training forward -> per-layer scales sent with each refit
                 kv_recorder=KVAmaxRecorder() if fp8_kv else None,
                 kv_settings=config.kv_cache,
+                # the KL penalty's reference: the weights the arm starts from, captured before any resume
+                reference=ReferenceWeights.capture(model) if config.loss_fn.kl_enabled else None,
             )
             kv_hooks = (
                 attach_kv_amax_hooks(model.model[0], state.kv_recorder, kind="megatron")

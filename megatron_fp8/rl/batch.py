@@ -83,11 +83,20 @@ def make_batch(prompts: Sequence[Sequence[int]], rollout: Rollout, pad_id: int) 
     return Batch(input_ids=input_ids, attention_mask=attention, response_mask=mask, logp_rollout=logp)
 
 
-def group_advantages(rewards: torch.Tensor) -> torch.Tensor:
-    """GRPO advantages ``(r - mean) / (std + 1e-6)`` within each group.
+def group_advantages(rewards: torch.Tensor, *, leave_one_out: bool = False, normalize: bool = True) -> torch.Tensor:
+    """GRPO advantages within each group, with NeMo-RL's meaning of its two switches.
+
+    Per response ``i`` of a group of ``n``: the baseline ``b_i`` is the mean reward of the group, or with
+    ``leave_one_out`` of the other ``n - 1`` responses (RLOO); ``s_i`` is the sample standard deviation
+    (Bessel-corrected) over the same responses, 0 where it is undefined (one response left). The advantage is
+    ``r_i - b_i``, divided by ``s_i + 1e-6`` when ``normalize`` and ``s_i > 0`` (a group without variation is not
+    sharpened). This is ``grpo.normalize_rewards`` / ``grpo.use_leave_one_out_baseline`` as NeMo-RL computes them
+    (``calculate_baseline_and_std_per_prompt`` and its GRPO estimator), every response valid.
 
     Args:
         rewards: float ``[num_prompts, num_generations]``.
+        leave_one_out: baseline and deviation over the group without the response itself.
+        normalize: divide by the deviation.
 
     Returns:
         float32 ``[num_prompts * num_generations]`` (row-major: prompt-major), 0 for groups whose
@@ -98,9 +107,21 @@ def group_advantages(rewards: torch.Tensor) -> torch.Tensor:
     """
     if rewards.dim() != 2 or rewards.shape[1] < 2:
         raise ConfigError(f"group_advantages needs [prompts, generations >= 2] rewards, got {tuple(rewards.shape)}")
-    r = rewards.to(torch.float32)
-    adv = (r - r.mean(dim=1, keepdim=True)) / (r.std(dim=1, unbiased=False, keepdim=True) + ADVANTAGE_EPS)
-    return adv.reshape(-1)
+    r = rewards.to(torch.float64)  # sums of squares below: float64 keeps the deviation exact for 0/1 rewards
+    n = r.shape[1]
+    total, total_sq = r.sum(dim=1, keepdim=True), (r * r).sum(dim=1, keepdim=True)
+    if leave_one_out:
+        count = n - 1
+        mean, mean_sq = (total - r) / count, (total_sq - r * r) / count
+    else:
+        count = n
+        mean, mean_sq = total / count, total_sq / count
+    adv = r - mean
+    if normalize:
+        var = (mean_sq - mean * mean).clamp(min=0.0) * (count / (count - 1) if count > 1 else 0.0)
+        std = var.sqrt()
+        adv = torch.where(std > 0, adv / (std + ADVANTAGE_EPS), adv)
+    return adv.to(torch.float32).reshape(-1)
 
 
 def decode_response(tokenizer: Tokenizer, ids: Sequence[int]) -> str:

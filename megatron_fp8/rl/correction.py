@@ -322,6 +322,8 @@ class PPOStats:
         ratio_mean: mean of ``pi_new / pi_old`` over real tokens.
         is_weight_mean: mean IS weight over real tokens (1 when none given).
         tokens: number of real tokens.
+        kl_penalty: the penalty term added to the loss (``beta`` x the aggregated per-token KL to the reference
+            policy; 0 without a penalty).
     """
 
     clip_fraction: torch.Tensor
@@ -329,6 +331,7 @@ class PPOStats:
     ratio_mean: torch.Tensor
     is_weight_mean: torch.Tensor
     tokens: torch.Tensor
+    kl_penalty: torch.Tensor
 
     def as_floats(self) -> dict[str, float]:
         """Plain floats keyed by field name (one host sync)."""
@@ -346,11 +349,14 @@ def ppo_loss(
     is_weights: torch.Tensor | ISResult | None = None,
     aggregation: str = "token-mean",
     log_ratio_clamp: float = DEFAULT_LOG_RATIO_CLAMP,
+    penalty: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, PPOStats]:
-    """PPO clipped surrogate per token, times the IS weight, averaged over real tokens.
+    """PPO clipped surrogate per token, times the IS weight, averaged over real tokens, plus a penalty.
 
     Per real token with ``r = exp(clamp(logp_new - logp_old, -c, c))`` and advantage ``A``:
-    ``loss_t = w_t * max(-A r, -A clip(r, 1 - clip_low, 1 + clip_high))`` (to minimize).
+    ``loss_t = w_t * max(-A r, -A clip(r, 1 - clip_low, 1 + clip_high))`` (to minimize). ``penalty`` (the KL to
+    the reference policy, :func:`megatron_fp8.rl.kl.per_token_kl` times ``beta``) is aggregated the same way
+    and added without the IS weight.
 
     Args:
         logp_new: ``[B, T]`` log-probs under the policy being trained (carries the gradient).
@@ -362,6 +368,7 @@ def ppo_loss(
         is_weights: ``[B, T]`` weights, an :class:`ISResult`, or None (all ones).
         aggregation: one of :data:`LOSS_AGGREGATIONS`.
         log_ratio_clamp: bound on ``|logp_new - logp_old|`` before ``exp``.
+        penalty: ``[B, T]`` per-token penalty (0 on padding), or ``None``.
 
     Returns:
         ``(loss, stats)``: a 0-d float32 tensor with a gradient w.r.t. ``logp_new``,
@@ -404,6 +411,13 @@ def ppo_loss(
     clipped = -adv * ratio.clamp(1.0 - clip_low, 1.0 + clip_high)
     per_token = torch.maximum(unclipped, clipped) * weights
     loss = LOSS_AGGREGATIONS[aggregation](per_token, real_f)
+    if penalty is not None:
+        if penalty.shape != logp_new.shape:
+            raise ConfigError(f"penalty shape {tuple(penalty.shape)} != logp_new shape {tuple(logp_new.shape)}")
+        penalty_term = LOSS_AGGREGATIONS[aggregation](torch.where(real, penalty, torch.zeros_like(real_f)), real_f)
+        loss = loss + penalty_term
+    else:
+        penalty_term = torch.zeros((), dtype=torch.float32, device=loss.device)
 
     with torch.no_grad():
         n = real_f.sum().clamp(min=1.0)
@@ -415,5 +429,6 @@ def ppo_loss(
             ratio_mean=((r * real_f).sum() / n),
             is_weight_mean=((weights * real_f).sum() / n),
             tokens=real_f.sum(),
+            kl_penalty=penalty_term.detach(),
         )
     return loss, stats

@@ -64,7 +64,15 @@ _MISMATCH_KEYS = (
     "mismatch",  # the nested StepMetrics field, when a record holds it unflattened
 )
 _GROUP_KEYS: dict[str, tuple[str, ...]] = {
-    "train": ("loss", "grad_norm", "update_successful", "learning_rate", "ppo_clip_fraction", "ppo_approx_kl"),
+    "train": (
+        "loss",
+        "grad_norm",
+        "update_successful",
+        "learning_rate",
+        "ppo_clip_fraction",
+        "ppo_approx_kl",
+        "kl_penalty",
+    ),
     "rollout": ("reward_mean", "reward_std", "reward_max", "exact_match", "response_tokens_mean", "reward_errors"),
     "refit": (
         "refit_version",

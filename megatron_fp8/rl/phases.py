@@ -29,12 +29,14 @@ from bridge_mappings.quantized_export import ExportSettings, checked_stream, qua
 from megatron_fp8.config.schema import KVCacheConfig, RunConfig
 from megatron_fp8.errors import ConfigError, ManifestError
 from megatron_fp8.megatron import MegatronModel, StepOptimizer, export_hf_weights, sequence_logprobs, train_step
+from megatron_fp8.megatron.reference import ReferenceWeights
 from megatron_fp8.megatron.schedule import from_last_stage
 from megatron_fp8.refit.pipeline import ColocatedRefit
 from megatron_fp8.rl.batch import Tokenizer, decode_response, group_advantages, make_batch, pad_to_length
 from megatron_fp8.rl.correction import ISConfig, ISResult, PPOStats, compute_is_weights, ppo_loss
 from megatron_fp8.rl.data import ProblemSource
 from megatron_fp8.rl.distributed import DataParallel, longest_over_replicas, same_within_replica
+from megatron_fp8.rl.kl import KLSettings, per_token_kl
 from megatron_fp8.rl.kv_calibration import KVAmaxRecorder, compute_kv_scales
 from megatron_fp8.rl.metrics import METRIC_KEYS, mismatch_metrics
 from megatron_fp8.rl.results import RefitDone, StepMetrics, finite_mean, least_checked_prefix_cache
@@ -134,6 +136,7 @@ class ArmState:
         dp: this process's data-parallel place.
         kv_recorder: q/k/v amax of the training forwards, for FP8 KV-cache scales (``None``: no FP8 KV cache).
         kv_settings: percentile and margin of those scales.
+        reference: the reference policy of the KL penalty (``None``: ``loss_fn.reference_policy_kl_penalty`` 0).
     """
 
     spec: ArmSpec
@@ -146,6 +149,7 @@ class ArmState:
     dp: DataParallel
     kv_recorder: KVAmaxRecorder | None = None
     kv_settings: KVCacheConfig = KVCacheConfig()
+    reference: ReferenceWeights | None = None
 
 
 # ----------------------------------------------------------------------------- trainer precision
@@ -259,19 +263,82 @@ def score_phase(out: RolloutOutcome, ctx: GRPOContext) -> Scores:
         texts.append(text)
         breakdowns.append(safe_reward(ctx.reward, problem, text, finished=finished))
     rewards = torch.tensor([s.reward for s in breakdowns], dtype=torch.float32)
-    advantages = group_advantages(rewards.view(-1, ctx.config.grpo.num_generations_per_prompt))
+    g = ctx.config.grpo
+    advantages = group_advantages(
+        rewards.view(-1, g.num_generations_per_prompt),
+        leave_one_out=g.use_leave_one_out_baseline,
+        normalize=g.normalize_rewards,
+    )
     return Scores(tuple(texts), tuple(breakdowns), rewards, advantages)
 
 
 # ----------------------------------------------------------------------------- train
 
 
+class _Groups:
+    """What Megatron-Core's scheduler writes the rate into: one parameter group (read back by :func:`learning_rate_at`)."""
+
+    def __init__(self) -> None:
+        self.param_groups: list[dict[str, float]] = [{}]
+
+
 def learning_rate_at(step: int, config: RunConfig) -> float:
-    """``policy.megatron_cfg.optimizer.lr``, ramped linearly from 10% over ``grpo.warmup_steps``."""
-    g, lr = config.grpo, config.policy.megatron_cfg.optimizer.lr
-    if g.warmup_steps <= 0 or step >= g.warmup_steps:
-        return lr
-    return lr * (0.1 + 0.9 * step / g.warmup_steps)
+    """The learning rate of GRPO step ``step`` (0-based): Megatron-Core's ``OptimizerParamScheduler`` after ``step``
+    ticks, from ``policy.megatron_cfg.scheduler`` and ``optimizer.{lr, min_lr}`` (NeMo-RL ticks it once per step)."""
+    from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler  # lazy: Megatron-Core is optional
+
+    opt, sched = config.policy.megatron_cfg.optimizer, config.policy.megatron_cfg.scheduler
+    warmup = sched.lr_warmup_iters
+    decay = sched.lr_decay_iters if sched.lr_decay_iters is not None else config.grpo.num_steps
+    init = sched.lr_warmup_init if sched.lr_warmup_init is not None else 0.1 * opt.lr
+    groups = _Groups()
+    scheduler = OptimizerParamScheduler(
+        groups,  # type: ignore[arg-type]  # it only reads and writes param_groups
+        init_lr=init if warmup > 0 else opt.lr,
+        max_lr=opt.lr,
+        min_lr=opt.min_lr,
+        lr_warmup_steps=warmup,
+        lr_decay_steps=max(decay, warmup + 1),  # constant: unused, but Megatron-Core asserts warm-up < decay
+        lr_decay_style=sched.lr_decay_style,
+        start_wd=opt.weight_decay,
+        end_wd=opt.weight_decay,
+        wd_incr_steps=1,
+        wd_incr_style="constant",
+    )
+    scheduler.step(step)
+    return float(groups.param_groups[0]["lr"])
+
+
+def kl_settings(config: RunConfig) -> KLSettings | None:
+    """The KL penalty of ``loss_fn`` (``None`` when ``reference_policy_kl_penalty`` is 0)."""
+    loss = config.loss_fn
+    if not loss.kl_enabled:
+        return None
+    return KLSettings(
+        coef=loss.reference_policy_kl_penalty,
+        kind=loss.reference_policy_kl_type,
+        input_clamp=loss.kl_input_clamp_value,
+        output_clamp=loss.kl_output_clamp_value,
+        on_policy_approximation=loss.use_on_policy_kl_approximation,
+    )
+
+
+def reference_logprobs(state: ArmState, batch_ids: torch.Tensor, mask: torch.Tensor, config: RunConfig) -> torch.Tensor:
+    """Log-probs of the batch under the reference policy (its weights swapped in; no FP8 KV-scale recording)."""
+    if state.reference is None:
+        raise ConfigError(
+            "loss_fn.reference_policy_kl_penalty is set but the arm holds no reference policy (it is captured when "
+            "the arm's trainer is built)"
+        )
+    pause = state.kv_recorder.paused() if state.kv_recorder is not None else contextlib.nullcontext()
+    with torch.no_grad(), pause, state.reference.swapped_in(state.model):
+        return sequence_logprobs(
+            state.model,
+            batch_ids,
+            temperature=config.policy.generation.temperature,
+            attention_mask=mask,
+            batch_size=config.policy.logprob_batch_size,
+        )
 
 
 def is_config(config: RunConfig) -> ISConfig:
@@ -324,6 +391,8 @@ def train_phase(state: ArmState, ctx: GRPOContext, out: RolloutOutcome, scores: 
             attention_mask=batch.attention_mask,
             batch_size=config.policy.logprob_batch_size,
         )
+    kl = kl_settings(config)
+    logp_ref = reference_logprobs(state, batch.input_ids, batch.attention_mask, config) if kl is not None else None
     is_cfg = is_config(config)
     # statistics of the configured variant for every arm; only arms that correct put the weights in the loss
     diag_cfg = is_cfg if is_cfg.variant != "none" else ISConfig(log_ratio_clamp=is_cfg.log_ratio_clamp)
@@ -338,13 +407,21 @@ def train_phase(state: ArmState, ctx: GRPOContext, out: RolloutOutcome, scores: 
         group["lr"] = lr
     update_stats: list[PPOStats] = []  # the last update's, one per micro-batch
 
+    aggregation = config.loss_fn.aggregation
+
     def update_loss(update: slice) -> Callable[..., torch.Tensor]:
-        """The PPO token mean over one update's rows; a micro-batch (``rows`` within them) returns its share."""
-        tokens = batch.response_mask[update].float().sum().clamp(min=1.0)
+        """The loss over one update's rows (token mean, or sequence mean of token means); a micro-batch (``rows``
+        within them) returns its share: its own mean times its fraction of the update's tokens (sequences)."""
+        units = _loss_units(batch.response_mask[update], aggregation).clamp(min=1.0)
         update_stats.clear()
 
         def loss_fn(logp_new: torch.Tensor, rows: slice | None = None) -> torch.Tensor:
             part = update if rows is None else slice(update.start + rows.start, update.start + rows.stop)
+            penalty = None
+            if kl is not None and logp_ref is not None:
+                penalty = kl.coef * per_token_kl(
+                    logp_new, logp_ref[part], kl, mask=batch.response_mask[part], logp_rollout=batch.logp_rollout[part]
+                )
             loss, stats = ppo_loss(
                 logp_new,
                 logp_old[part],
@@ -353,10 +430,14 @@ def train_phase(state: ArmState, ctx: GRPOContext, out: RolloutOutcome, scores: 
                 clip_low=config.loss_fn.ratio_clip_min,
                 clip_high=config.loss_fn.ratio_clip_max,
                 is_weights=weights.weights[part] if isinstance(weights, ISResult) else None,
+                aggregation=aggregation,
                 log_ratio_clamp=config.loss_fn.log_ratio_clamp,
+                penalty=penalty,
             )
             update_stats.append(stats)
-            return loss if rows is None else loss * (stats.tokens / tokens)
+            if rows is None:
+                return loss
+            return loss * (_loss_units(batch.response_mask[part], aggregation) / units)
 
         return loss_fn
 
@@ -384,6 +465,13 @@ def train_phase(state: ArmState, ctx: GRPOContext, out: RolloutOutcome, scores: 
         mismatch=mismatch,
         seconds=time.perf_counter() - t0,
     )
+
+
+def _loss_units(response_mask: torch.Tensor, aggregation: str) -> torch.Tensor:
+    """What a loss aggregation averages over: real tokens (``token-mean``) or sequences with at least one."""
+    real = response_mask.bool()
+    units = real.sum() if aggregation == "token-mean" else real.any(dim=-1).sum()
+    return units.float()
 
 
 def update_rows(rows: int, config: RunConfig, dp: DataParallel) -> list[slice]:
@@ -493,4 +581,5 @@ def run_step(state: ArmState, ctx: GRPOContext, *, step: int) -> StepMetrics:
         step_seconds=time.perf_counter() - t_step,
         sample=f"{out.problems[best].prompt}{scores.texts[best]!r} (answer {out.problems[best].answer})",
         reward_errors=sum(1 for s in scores.breakdowns if s.error is not None),
+        kl_penalty=train.ppo.get("kl_penalty", 0.0),
     )

@@ -111,6 +111,8 @@ class StepMetrics:
         step_seconds: whole step, seconds.
         sample: one prompt and response of the step, for reading.
         reward_errors: responses whose reward function raised (scored 0, reported in the log).
+        kl_penalty: the KL-to-reference term of the loss, ``beta`` x the mean per-token estimate (last update; 0
+            without ``loss_fn.reference_policy_kl_penalty``; NeMo-RL logs the same quantity as ``kl_penalty``).
     """
 
     arm: str
@@ -143,6 +145,7 @@ class StepMetrics:
     sample: str = ""
     reward_errors: int = 0
     refit_prefix_cache: str = ""
+    kl_penalty: float = 0.0
 
     @property
     def gen_kl(self) -> float:

@@ -270,7 +270,16 @@ def test_rerun_refused_overwrite_allowed_and_sigint_keeps_completed_steps(tmp_pa
     out = tmp_path / "interrupted"
     env = dict(os.environ, PYTHONUNBUFFERED="1")
     cmd = [*CLI, "grpo", "--steps", "50", "--arms", "bf16", "--out", str(out), *small, "grpo.warm_start_steps=0"]
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+    proc = subprocess.Popen(
+        cmd,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=env,
+        # default SIGINT handling in the child: a background shell (nohup, `&`) leaves SIGINT ignored, and Python
+        # then installs no KeyboardInterrupt handler
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
+    )
     metrics = out / METRICS_FILE
     deadline = time.monotonic() + 400
     while time.monotonic() < deadline and proc.poll() is None:

@@ -31,12 +31,38 @@ def test_nemo_rl_8b_fp8_config_runs_with_its_own_optimizer_lengths_and_sampling(
     opt, gen = cfg.policy.megatron_cfg.optimizer, cfg.policy.generation
     assert (opt.lr, opt.weight_decay, opt.adam_beta1, opt.adam_beta2, opt.adam_eps) == (3e-7, 0.01, 0.9, 0.999, 1e-8)
     assert (gen.max_new_tokens, gen.temperature) == (4096, 1.0)
-    assert learning_rate_at(0, cfg) == 3e-7  # the rate the first update is taken with
+    # Megatron-Core's schedule from the file's policy.megatron_cfg.scheduler: 13 steps of warm-up from 3e-8
+    sched = cfg.policy.megatron_cfg.scheduler
+    assert (sched.lr_warmup_iters, sched.lr_warmup_init, sched.lr_decay_style, sched.lr_decay_iters) == (
+        13,
+        3e-8,
+        "constant",
+        1000,
+    )
+    assert learning_rate_at(0, cfg) == pytest.approx(3e-8, rel=1e-12)  # the rate the first update is taken with
+    assert learning_rate_at(6, cfg) == pytest.approx(3e-8 + (3e-7 - 3e-8) * 6 / 13, rel=1e-12)
+    assert learning_rate_at(13, cfg) == learning_rate_at(500, cfg) == pytest.approx(3e-7, rel=1e-12)
+    # the loss and the advantages of its parents (grpo_math_1B.yaml): KL penalty to the reference, RLOO baseline
+    loss, g = cfg.loss_fn, cfg.grpo
+    assert (loss.reference_policy_kl_penalty, loss.reference_policy_kl_type) == (0.01, "k3")
+    assert (loss.kl_input_clamp_value, loss.kl_output_clamp_value, loss.use_on_policy_kl_approximation) == (
+        20.0,
+        10.0,
+        False,
+    )
+    assert (loss.ratio_clip_min, loss.ratio_clip_max, loss.token_level_loss) == (0.2, 0.2, True)
+    assert (g.normalize_rewards, g.use_leave_one_out_baseline) == (True, True)
     for key in (
         "policy.megatron_cfg.optimizer.lr",
         "policy.megatron_cfg.optimizer.weight_decay",
+        "policy.megatron_cfg.scheduler.lr_warmup_iters",
+        "policy.megatron_cfg.scheduler.lr_warmup_init",
         "policy.generation.max_new_tokens",
         "policy.generation.temperature",
+        "loss_fn.reference_policy_kl_penalty",
+        "loss_fn.reference_policy_kl_type",
+        "grpo.use_leave_one_out_baseline",
+        "grpo.normalize_rewards",
     ):
         assert key not in loaded.no_effect, key
     assert Path(loaded.sources["policy.megatron_cfg.optimizer.lr"]).name == "grpo_math_8B_megatron.yaml"
@@ -44,8 +70,13 @@ def test_nemo_rl_8b_fp8_config_runs_with_its_own_optimizer_lengths_and_sampling(
 
 def test_former_keys_move_to_nemo_rl_keys_with_a_warning(caplog):
     with caplog.at_level(logging.WARNING, logger="megatron_fp8.config.loader"):
-        cfg = load_config(None, ["grpo.learning_rate=0.25", "grpo.max_new_tokens=7", "grpo.temperature=0.5"])
+        cfg = load_config(
+            None, ["grpo.learning_rate=0.25", "grpo.max_new_tokens=7", "grpo.temperature=0.5", "grpo.warmup_steps=4"]
+        )
     assert cfg.policy.megatron_cfg.optimizer.lr == 0.25
+    assert cfg.policy.megatron_cfg.scheduler.lr_warmup_iters == 4
+    # the former warm-up (from 10% of lr, linear) is what Megatron-Core's scheduler gives with lr_warmup_init unset
+    assert [learning_rate_at(s, cfg) for s in (0, 2, 4, 9)] == pytest.approx([0.025, 0.1375, 0.25, 0.25], rel=1e-12)
     assert (cfg.policy.generation.max_new_tokens, cfg.policy.generation.temperature) == (7, 0.5)
     for old, new in MOVED_KEYS.items():
         assert f"{old} is read as NeMo-RL's {new}; write that key" in caplog.text
@@ -122,33 +153,41 @@ def test_a_plain_nemo_rl_bf16_config_runs_its_bf16_arm():
     assert cfg.policy.generation.vllm_cfg.precision == "bf16" and cfg.grpo.arms == ("bf16",)
 
 
-def test_keys_that_change_the_experiment_refuse_the_run_unless_allowed(caplog):
+def test_nemo_rls_8b_fp8_file_runs_as_it_is_once_its_data_is_staged(caplog):
     """NeMo-RL's 8B FP8 file asks for a KL penalty, a leave-one-out baseline and an lr warm-up from lr_warmup_init:
-    none runs here, so the run refuses with the list; --allow-no-effect runs it with a warning listing them."""
+    megatron-fp8 runs all three, so with its dataset staged the run starts without --allow-no-effect; a key it does
+    not run still refuses the run with the list, and --allow-no-effect runs it with a warning listing them."""
     staged = [f"data.train.data_path={Path('data/math_tiny/train.jsonl').resolve()}"]
     loaded = load_config_report(DATA / "grpo_math_8B_megatron_fp8.yaml", staged)
+    refuse_before_run(loaded.config, loaded.no_effect)  # nothing refused
+    changed = load_config_report(DATA / "grpo_math_8B_megatron_fp8.yaml", [*staged, "grpo.use_dynamic_sampling=true"])
     with pytest.raises(ConfigError) as info:
-        refuse_before_run(loaded.config, loaded.no_effect)
+        refuse_before_run(changed.config, changed.no_effect)
     message = str(info.value)
-    assert "4 key(s) would change the experiment" in message
-    for key in (
-        "loss_fn.reference_policy_kl_penalty=0.01",
-        "grpo.use_leave_one_out_baseline=True",
-        "policy.megatron_cfg.scheduler.lr_warmup_iters=13",
-    ):
-        assert key in message, (key, message)
+    assert "1 key(s) would change the experiment" in message and "grpo.use_dynamic_sampling=True" in message
     assert "--allow-no-effect" in message
     assert "truncated_importance_sampling" not in message  # its type 'tis' + ratio 2 is this run's token_tis, cap 2
-    allowed = load_config_report(DATA / "grpo_math_8B_megatron_fp8.yaml", [*staged, "grpo.allow_no_effect=true"])
+    allowed = load_config_report(
+        DATA / "grpo_math_8B_megatron_fp8.yaml",
+        [*staged, "grpo.use_dynamic_sampling=true", "grpo.allow_no_effect=true"],
+    )
     with caplog.at_level(logging.WARNING, logger="megatron_fp8.config.refusals"):
         refuse_before_run(allowed.config, allowed.no_effect)
-    assert any("reference_policy_kl_penalty=0.01" in r.getMessage() for r in caplog.records)
+    assert any("use_dynamic_sampling=True" in r.getMessage() for r in caplog.records)
+
+
+def test_the_newer_adv_estimator_spelling_must_agree_with_the_grpo_keys():
+    ok = load_config_report(None, ["grpo.adv_estimator.use_leave_one_out_baseline=false"])
+    refuse_before_run(ok.config, ok.no_effect)
+    bad = load_config_report(None, ["grpo.adv_estimator.use_leave_one_out_baseline=true"])
+    with pytest.raises(ConfigError, match="grpo.use_leave_one_out_baseline=False; give both the same value"):
+        refuse_before_run(bad.config, bad.no_effect)
 
 
 @pytest.mark.parametrize(
     ("overrides", "refused"),
     [
-        (["policy.generation.top_p=1.0", "policy.generation.top_k=null", "loss_fn.reference_policy_kl_penalty=0"], []),
+        (["policy.generation.top_p=1.0", "policy.generation.top_k=null", "loss_fn.reference_policy_kl_penalty=0.1"], []),
         (["policy.generation.top_p=0.9"], ["policy.generation.top_p=0.9"]),
         (["policy.generation.top_k=50"], ["policy.generation.top_k=50"]),
         (["grpo.use_dynamic_sampling=true"], ["grpo.use_dynamic_sampling=True"]),

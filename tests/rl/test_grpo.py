@@ -29,8 +29,9 @@ def test_arm_specs_match_config_arms():
 def test_group_advantages_by_hand():
     rewards = torch.tensor([[1.0, 0.0, 0.0, 1.0], [0.5, 0.5, 0.5, 0.5]])
     adv = group_advantages(rewards)
-    # group 0: mean 0.5, population std 0.5 -> +-1; group 1: all equal -> 0
-    torch.testing.assert_close(adv, torch.tensor([1.0, -1.0, -1.0, 1.0, 0.0, 0.0, 0.0, 0.0]), atol=1e-5, rtol=0)
+    # group 0: mean 0.5, sample std sqrt(1/3) -> +-sqrt(3)/2 (NeMo-RL's Bessel-corrected std); group 1: all equal -> 0
+    h = 3**0.5 / 2
+    torch.testing.assert_close(adv, torch.tensor([h, -h, -h, h, 0.0, 0.0, 0.0, 0.0]), atol=1e-5, rtol=0)
     with pytest.raises(ConfigError, match="generations >= 2"):
         group_advantages(torch.ones(3, 1))
 

@@ -2,7 +2,8 @@
 with gloo, on the embedded tiny model.
 
 Each layout runs the real ``megatron-fp8 grpo`` command (BF16 and FP8 arms, 2 steps, tensorwise training
-recipe) and is compared with the run that has the same data-parallel size and no model parallelism:
+recipe, NeMo-RL's KL penalty to the reference policy and leave-one-out baseline) and is compared with the run that
+has the same data-parallel size and no model parallelism:
 
 * TP=2 (2 processes, one replica) against one process;
 * PP=2 (2 stages of 2 layers; micro-batches of 16 through Megatron-Core's 1F1B schedule, scoring in forward-only
@@ -35,7 +36,14 @@ import pytest
 pytestmark = [pytest.mark.slow]
 
 REPO = Path(__file__).resolve().parents[2]
-COMMON = ("--arms", "bf16,fp8", "policy.megatron_cfg.fp8_cfg.fp8_recipe=tensorwise")
+COMMON = (
+    "--arms",
+    "bf16,fp8",
+    "policy.megatron_cfg.fp8_cfg.fp8_recipe=tensorwise",
+    # NeMo-RL's loss and baseline: every layout also swaps its shards of the reference policy in and out
+    "loss_fn.reference_policy_kl_penalty=0.1",
+    "grpo.use_leave_one_out_baseline=true",
+)
 REL = 1e-5
 """Relative tolerance of losses and gradient norms (float32 reductions in another order)."""
 ABS_KL, REL_KL = 1e-7, 1e-2
@@ -70,10 +78,12 @@ def _assert_same_run(got: list[dict], ref: list[dict], *, engines_per_replica: i
         assert g["loss"] == pytest.approx(r["loss"], rel=REL), where
         assert g["grad_norm"] == pytest.approx(r["grad_norm"], rel=REL), where
         assert g["gen_kl"] == pytest.approx(r["gen_kl"], abs=ABS_KL, rel=REL_KL), where
+        assert g["kl_penalty"] == pytest.approx(r["kl_penalty"], abs=ABS_KL, rel=REL_KL), where
         assert g["refit_max_rel_error"] == r["refit_max_rel_error"] == 0.0, where
         for cls in ("fp8", "scales", "bf16"):  # each TP rank's engine got what the reference's engine got
             assert g[f"refit_{cls}_bytes"] == engines_per_replica * r[f"refit_{cls}_bytes"], (where, cls)
     assert any(r["refit_fp8_bytes"] > 0 for r in ref)  # the FP8 arm moved FP8 bytes
+    assert all(r["kl_penalty"] > 0 for r in ref if r["step"] > 0)  # the policy left the reference after step 0
 
 
 @pytest.fixture(scope="module")
