@@ -37,7 +37,7 @@ import torch.distributed as dist
 from safetensors import safe_open
 
 from megatron_fp8.errors import ManifestError
-from megatron_fp8.files import write_atomically
+from megatron_fp8.files import CACHE_ENV_VAR, cache_root, ensure_dir, write_atomically
 from megatron_fp8.rollout.vllm import adapter as vllm_adapter
 
 if TYPE_CHECKING:  # vLLM's engine, for annotations only (named by the vLLM adapter, vLLM's one room)
@@ -308,8 +308,7 @@ def _is_fp8_engine(llm: LLM) -> bool:
 
 
 def default_store_dir() -> Path:
-    root = os.environ.get("MEGATRON_FP8_CACHE") or os.path.join(Path.home(), ".cache", "megatron-fp8")
-    return Path(root) / "manifests"
+    return cache_root() / "manifests"
 
 
 def content_digest(data: dict) -> str:
@@ -329,7 +328,7 @@ class StoredManifest:
 @contextlib.contextmanager
 def _file_lock(path: Path) -> Iterator[None]:
     """An exclusive advisory lock on ``path`` (created if missing), held for the ``with`` block."""
-    path.parent.mkdir(parents=True, exist_ok=True)
+    ensure_dir(path.parent, what="the manifest cache", root_from_env=bool(os.environ.get(CACHE_ENV_VAR)))
     with path.open("a") as handle:
         fcntl.flock(handle.fileno(), fcntl.LOCK_EX)
         try:
@@ -400,7 +399,7 @@ class ManifestStore:
     def save(self, model_path: str | Path, manifest: Manifest) -> Path:
         """Write ``manifest`` atomically to its setup's file (a reader sees the old file or the new one)."""
         path = self.path_for(model_path, manifest.fingerprint)
-        path.parent.mkdir(parents=True, exist_ok=True)
+        ensure_dir(path.parent, what="the manifest cache", root_from_env=bool(os.environ.get(CACHE_ENV_VAR)))
         data = manifest.to_json()
         data["content_sha256"] = content_digest(data)
         write_atomically(path, json.dumps(data, indent=1))

@@ -1,10 +1,45 @@
-"""One home for writing files safely: :func:`write_atomically` (no torch)."""
+"""One home for writing files safely: :func:`write_atomically`, the cache root and its folders (no torch)."""
 
 from __future__ import annotations
 
 import os
 import tempfile
 from pathlib import Path
+
+from megatron_fp8.errors import ConfigError
+
+CACHE_ENV_VAR = "MEGATRON_FP8_CACHE"
+"""Environment variable naming the megatron-fp8 cache root (tiny models in ``<root>/models``, vLLM's FP8 manifests
+in ``<root>/manifests``); default ``~/.cache/megatron-fp8``."""
+
+
+def cache_root() -> Path:
+    """``$MEGATRON_FP8_CACHE`` (``~`` expanded), else ``~/.cache/megatron-fp8``."""
+    root = os.environ.get(CACHE_ENV_VAR, "").strip()
+    return Path(root).expanduser() if root else Path.home() / ".cache" / "megatron-fp8"
+
+
+def ensure_dir(path: Path, *, what: str, root_from_env: bool = False) -> Path:
+    """Create ``path`` (and its parents) if missing and check that a file can be written in it.
+
+    Raises:
+        ConfigError: naming ``what``, the path and the reason (``MEGATRON_FP8_CACHE`` when ``root_from_env``).
+    """
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+        with tempfile.NamedTemporaryFile(dir=path, prefix=".write-test-"):
+            pass
+    except OSError as exc:
+        reason = exc.strerror or str(exc)
+        if root_from_env:
+            raise ConfigError(
+                f"{CACHE_ENV_VAR}={os.environ.get(CACHE_ENV_VAR)}: {what} folder {path} cannot be created or written "
+                f"({reason}); set {CACHE_ENV_VAR} to a writable folder, or unset it for ~/.cache/megatron-fp8"
+            ) from None
+        raise ConfigError(
+            f"{what} folder {path} cannot be created or written ({reason}); set {CACHE_ENV_VAR} to a writable folder"
+        ) from None
+    return path
 
 
 def _umask() -> int:

@@ -105,7 +105,61 @@ def read_yaml(text: str, *, where: str) -> dict[str, JSONValue]:
     if not OmegaConf.is_dict(cfg):
         raise ConfigError(f"{where}: the top level must be a YAML mapping, got a list")
     plain = OmegaConf.to_container(cfg, resolve=False)
-    return {str(k): v for k, v in plain.items()} if isinstance(plain, dict) else {}
+    return nest_dotted_keys(plain, where=where) if isinstance(plain, dict) else {}
+
+
+def nest_dotted_keys(data: dict, *, where: str, prefix: str = "") -> dict[str, JSONValue]:
+    """A mapping whose dotted keys are read as nesting, as on the command line: ``{"grpo.num_steps": 3}`` ->
+    ``{"grpo": {"num_steps": 3}}`` (at any depth; merged with the nested spelling of the same section).
+
+    Raises:
+        ConfigError: one setting given twice (dotted and nested), or a dotted key through a value that is not a
+            mapping; the message names the file and both spellings.
+    """
+    out: dict[str, JSONValue] = {}
+    spelled: dict[str, str] = {}  # dotted path in out -> how the file spelled it
+    for raw_key, value in data.items():
+        key = str(raw_key)
+        parts = key.split(".")
+        if any(not p for p in parts):
+            raise ConfigError(f"{where}: key {prefix + key!r} has an empty part; write nested mappings or a.b.c")
+        if isinstance(value, dict):
+            value = nest_dotted_keys(value, where=where, prefix=f"{prefix}{key}.")
+        target = out
+        for i, part in enumerate(parts[:-1]):
+            nxt = target.setdefault(part, {})
+            if not isinstance(nxt, dict):
+                path = prefix + ".".join(parts[: i + 1])
+                raise ConfigError(
+                    f"{where}: {prefix + key!r} goes through {path!r}, which {spelled.get(path, path)!r} sets to a "
+                    "value, not a mapping; keep one of them"
+                )
+            target = nxt
+        leaf = parts[-1]
+        path = prefix + key
+        if leaf in target:
+            old, new = target[leaf], value
+            if isinstance(old, dict) and isinstance(new, dict):
+                _merge_disjoint(old, new, where=where, path=path, spelled=spelled, by=path)
+                continue
+            raise ConfigError(
+                f"{where}: {path!r} is given twice (as {spelled.get(path, path)!r} and as {key!r} under "
+                f"{prefix.rstrip('.') or 'the top level'}); keep one of them"
+            )
+        target[leaf] = value
+        spelled[path] = path
+    return out
+
+
+def _merge_disjoint(old: dict, new: dict, *, where: str, path: str, spelled: dict[str, str], by: str) -> None:
+    """Merge ``new`` into ``old`` (the same section spelled two ways); a leaf in both is refused."""
+    for k, v in new.items():
+        if k in old and isinstance(old[k], dict) and isinstance(v, dict):
+            _merge_disjoint(old[k], v, where=where, path=f"{path}.{k}", spelled=spelled, by=by)
+        elif k in old:
+            raise ConfigError(f"{where}: '{path}.{k}' is given twice (nested and dotted, via {by!r}); keep one of them")
+        else:
+            old[k] = v
 
 
 def compose_file(path: str | Path) -> ComposedTree:

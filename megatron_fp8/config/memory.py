@@ -20,6 +20,7 @@ from dataclasses import dataclass
 
 from megatron_fp8.config.models import ModelDims, known_dims
 from megatron_fp8.config.schema import RunConfig
+from megatron_fp8.launch_env import launch_place
 
 TRAINER_BYTES_PER_PARAM = 2 + 4 + 8 + 4
 """BF16 weights + FP32 main weights + two FP32 Adam moments + FP32 gradients (bytes per parameter)."""
@@ -115,8 +116,9 @@ def estimate_memory(
     engine = int(cfg.policy.generation.vllm_cfg.gpu_memory_utilization * gpu_bytes) if colocated else 0
     if processes is not None:
         where = f"{processes} processes"
-    elif os.environ.get("WORLD_SIZE"):
-        processes, where = int(os.environ["WORLD_SIZE"]), f"WORLD_SIZE {os.environ['WORLD_SIZE']}"
+    elif os.environ.get("WORLD_SIZE", "").strip():
+        processes = launch_place().world_size
+        where = f"WORLD_SIZE {processes}"
     else:
         processes, where = ASSUMED_PROCESSES, f"{ASSUMED_PROCESSES} GPUs assumed"
     replicas = max(processes // model_parallel, 1)

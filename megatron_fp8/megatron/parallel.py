@@ -27,6 +27,7 @@ import torch.distributed as dist
 
 from bridge_mappings.adapter import reset_rng_tracker, use_cpu_rng_tracker
 from megatron_fp8.errors import ConfigError
+from megatron_fp8.launch_env import env_int, launch_place
 
 logger = logging.getLogger(__name__)
 
@@ -65,16 +66,6 @@ def find_free_port(host: str = "127.0.0.1") -> int:
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         sock.bind((host, 0))
         return int(sock.getsockname()[1])
-
-
-def _env_int(name: str) -> int | None:
-    value = os.environ.get(name)
-    if value is None or value == "":
-        return None
-    try:
-        return int(value)
-    except ValueError:
-        raise ConfigError(f"environment variable {name}={value!r} is not an integer") from None
 
 
 @contextlib.contextmanager
@@ -119,8 +110,9 @@ def megatron_parallel(
     if dist.is_initialized():  # an existing default group (e.g. the trainers' world of a split run) decides
         rank = rank if rank is not None else dist.get_rank()
         world_size = world_size if world_size is not None else dist.get_world_size()
-    rank = rank if rank is not None else (_env_int("RANK") or 0)
-    world_size = world_size if world_size is not None else (_env_int("WORLD_SIZE") or 1)
+    place = launch_place() if rank is None or world_size is None else None
+    rank = rank if rank is not None else place.rank
+    world_size = world_size if world_size is not None else place.world_size
     model_parallel = tensor_parallel_size * pipeline_parallel_size
     if min(tensor_parallel_size, pipeline_parallel_size, expert_parallel_size, world_size) < 1:
         raise ConfigError("parallel sizes and world_size must be >= 1")
@@ -140,7 +132,7 @@ def megatron_parallel(
     owns_pg = not dist.is_initialized()
     if owns_pg:
         addr = master_addr or os.environ.get("MASTER_ADDR") or "127.0.0.1"
-        port = master_port or _env_int("MASTER_PORT")
+        port = master_port or (env_int("MASTER_PORT", default=0, minimum=1) or None)
         if port is None:
             if world_size > 1:
                 raise ConfigError(

@@ -39,6 +39,7 @@ import torch
 from safetensors import safe_open
 
 from megatron_fp8.errors import ConfigError
+from megatron_fp8.files import CACHE_ENV_VAR, cache_root, ensure_dir
 from megatron_fp8.models.tokenizer import (
     EOS_TOKEN,
     TOKENIZER_SIZE,
@@ -50,8 +51,6 @@ from megatron_fp8.vocab import DEFAULT_BLOCK
 
 logger = logging.getLogger(__name__)
 
-CACHE_ENV_VAR = "MEGATRON_FP8_CACHE"
-"""Environment variable naming the megatron-fp8 cache root (models live in ``<root>/models``)."""
 
 FORMAT_VERSION = 1
 """Bumped whenever the on-disk layout written by this module changes."""
@@ -206,10 +205,7 @@ def get_spec(kind: str) -> TinyModelSpec:
 
 def default_cache_dir() -> Path:
     """Folder holding the generated checkpoints (see the module docstring)."""
-    root = os.environ.get(CACHE_ENV_VAR)
-    if root:
-        return Path(root).expanduser() / "models"
-    return Path.home() / ".cache" / "megatron-fp8" / "models"
+    return cache_root() / "models"
 
 
 def _hash_inputs(spec: TinyModelSpec) -> dict[str, object]:
@@ -297,7 +293,9 @@ def tiny_model_path(kind: str = "dense", *, cache_dir: Path | None = None) -> Pa
     final = (root / f"{spec.name}-{spec_hash(spec)}").resolve()
     if (final / "model.safetensors").is_file():
         return final
-    root.mkdir(parents=True, exist_ok=True)
+    ensure_dir(
+        root, what="the tiny-model cache", root_from_env=cache_dir is None and bool(os.environ.get(CACHE_ENV_VAR))
+    )
     tmp = Path(tempfile.mkdtemp(prefix=f".tmp-{spec.name}-", dir=root))
     try:
         logger.info("generating tiny model %r into %s", spec.name, final)

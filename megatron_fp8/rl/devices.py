@@ -22,6 +22,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import asdict, dataclass
 
 from megatron_fp8.errors import ConfigError
+from megatron_fp8.launch_env import launch_place
 
 logger = logging.getLogger(__name__)
 
@@ -134,8 +135,8 @@ def local_assignment(env: Mapping[str, str] | None = None) -> DeviceAssignment:
     (a CPU run has none).
     """
     env = os.environ if env is None else env
-    rank = int(env.get("RANK", "0") or 0)
-    local_rank = int(env.get("LOCAL_RANK", "0") or 0)
+    place = launch_place(env)
+    rank, local_rank = place.rank, place.local_rank
     visible = _torch_visible()
     if visible is None:
         visible = visible_from_env(env) or ()

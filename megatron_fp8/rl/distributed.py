@@ -28,6 +28,7 @@ import torch
 import torch.distributed as dist
 
 from megatron_fp8.errors import ConfigError
+from megatron_fp8.launch_env import launch_place
 from megatron_fp8.rl.devices import bind_device, gather_with_process_group
 from megatron_fp8.rl.results import StepMetrics
 from megatron_fp8.rl.roles import Placement
@@ -175,8 +176,8 @@ def data_parallel_from_env(*, timeout_s: float = 1800.0) -> Iterator[DataParalle
         ConfigError: ``MFP8_ROLE`` other than ``colocated`` (a separate placement), ``WORLD_SIZE > 1`` without a
             rendezvous, or two ranks of a node on one GPU.
     """
-    world = int(os.environ.get("WORLD_SIZE", "1") or 1)
-    rank = int(os.environ.get("RANK", "0") or 0)
+    place = launch_place()
+    world, rank = place.world_size, place.rank
     role = os.environ.get("MFP8_ROLE", "colocated") or "colocated"
     if role != "colocated":
         raise ConfigError(

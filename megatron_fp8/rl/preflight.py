@@ -26,7 +26,6 @@ from __future__ import annotations
 import dataclasses
 import json
 import logging
-import os
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -38,6 +37,7 @@ from safetensors import safe_open
 from megatron_fp8.config.schema import RunConfig
 from megatron_fp8.config.validate import validate_config
 from megatron_fp8.errors import ConfigError
+from megatron_fp8.launch_env import launch_place
 from megatron_fp8.models import resolve_model
 from megatron_fp8.models.folder_check import folder_problems
 from megatron_fp8.models.tiny import HF_ID_PATTERN
@@ -257,7 +257,7 @@ def _expert_problems(config: RunConfig) -> list[str]:
 def _world_problems(config: RunConfig, world_size: int | None) -> list[str]:
     """Trainer TP x PP must divide the process count; each GRPO process rolls out whole prompt groups."""
     if world_size is None:
-        world_size = int(os.environ.get("WORLD_SIZE", "1") or 1)
+        world_size = launch_place().world_size
     mcfg = config.policy.megatron_cfg
     model_parallel = mcfg.tensor_model_parallel_size * mcfg.pipeline_model_parallel_size
     problems = []

@@ -42,6 +42,7 @@ import torch.distributed as dist
 
 from megatron_fp8.config.schema import RunConfig
 from megatron_fp8.errors import ConfigError, RefitError, TransportClosedError, TransportTimeoutError
+from megatron_fp8.launch_env import env_int, launch_place
 from megatron_fp8.refit.transport.torch_dist import TorchDistTransport
 from megatron_fp8.rl.devices import DeviceAssignment, bind_device
 
@@ -139,16 +140,6 @@ class Placement:
         )
 
 
-def _env_int(env: Mapping[str, str], name: str, default: int) -> int:
-    raw = env.get(name, "")
-    if raw == "":
-        return default
-    try:
-        return int(raw)
-    except ValueError:
-        raise ConfigError(f"environment variable {name}={raw!r} is not an integer") from None
-
-
 def _configured_rollout_ranks(config: RunConfig) -> int | None:
     """Rollout ranks the config asks for (``None``: colocated, or resources left unset)."""
     col = config.policy.generation.colocated
@@ -188,8 +179,8 @@ def placement_from(config: RunConfig, env: Mapping[str, str] = os.environ) -> Pl
             would be left, a role other than :data:`ROLES`, or ``grpo.num_prompts_per_step`` not divisible by the
             trainer ranks; each message names the rank and the fix.
     """
-    world = _env_int(env, "WORLD_SIZE", 1)
-    rank = _env_int(env, "RANK", 0)
+    place = launch_place(env)
+    world, rank = place.world_size, place.rank
     if world < 1 or not 0 <= rank < world:
         raise ConfigError(f"RANK={rank} is outside [0, WORLD_SIZE={world})")
     env_role = env.get("MFP8_ROLE") or None
@@ -206,7 +197,7 @@ def placement_from(config: RunConfig, env: Mapping[str, str] = os.environ) -> Pl
             "(MFP8_ROLE=colocated: slurm/grpo.sbatch without ROLLOUT_TASKS). Set ROLLOUT_TASKS to the number of "
             "rollout ranks, or set policy.generation.colocated.enabled=true"
         )
-    from_env = (_env_int(env, "ROLLOUT_TASKS", 0) or None) if env_split else None
+    from_env = (env_int("ROLLOUT_TASKS", default=0, env=env) or None) if env_split else None
     if from_config is not None and from_env is not None and from_config != from_env:
         raise ConfigError(
             f"rank {rank}: policy.generation.colocated.resources ask for {from_config} rollout rank(s) "
@@ -388,7 +379,7 @@ def join_groups(
     timeout = datetime.timedelta(seconds=timeout_s)
     store = dist.TCPStore(
         env["MASTER_ADDR"],
-        _env_int(env, "MASTER_PORT", 0),
+        env_int("MASTER_PORT", default=0, env=env),
         placement.world_size,
         is_master=placement.rank == 0,
         timeout=timeout,

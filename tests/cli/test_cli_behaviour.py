@@ -17,9 +17,16 @@ from megatron_fp8.files import write_atomically
 REPO = Path(__file__).resolve().parents[2]
 
 
-def _cli(*args: str, cwd: Path = REPO) -> subprocess.CompletedProcess:
+def _cli(*args: str, cwd: Path = REPO, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
+    launch = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MEGATRON_FP8_CACHE")
+    environ = {k: v for k, v in os.environ.items() if k not in launch} | (env or {})
     return subprocess.run(
-        [sys.executable, "-m", "megatron_fp8.cli", *args], cwd=cwd, capture_output=True, text=True, timeout=300
+        [sys.executable, "-m", "megatron_fp8.cli", *args],
+        cwd=cwd,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env=environ,
     )
 
 
@@ -41,6 +48,44 @@ def test_careless_input_gets_one_line_and_the_right_exit_code(args, code, messag
     assert proc.returncode == code, proc.stderr[-2000:]
     assert message in proc.stderr and "Traceback" not in proc.stderr
     assert "please report it" not in proc.stderr
+
+
+@pytest.mark.parametrize(
+    ("args", "env", "message"),
+    [
+        (("config",), {"WORLD_SIZE": "abc"}, "environment variable WORLD_SIZE='abc' is not a whole number"),
+        (("config",), {"WORLD_SIZE": "0"}, "environment variable WORLD_SIZE=0 must be >= 1"),
+        (("config",), {"WORLD_SIZE": "2", "RANK": "5"}, "RANK=5 and WORLD_SIZE=2: a rank must be below"),
+        (("config",), {"WORLD_SIZE": "2", "RANK": "x"}, "environment variable RANK='x' is not a whole number"),
+        (("config",), {"LOCAL_RANK": "-1", "WORLD_SIZE": "1"}, "environment variable LOCAL_RANK=-1 must be >= 0"),
+        (
+            ("manifest", "--model", "tiny"),
+            {"MEGATRON_FP8_CACHE": "/proc/no-such-folder"},
+            "MEGATRON_FP8_CACHE=/proc/no-such-folder: the tiny-model cache folder",
+        ),
+    ],
+    ids=["world-not-a-number", "world-zero", "rank-too-big", "rank-not-a-number", "local-rank-negative", "cache"],
+)
+def test_a_bad_environment_variable_gets_one_line_naming_it(args, env, message):
+    proc = _cli(*args, env=env)
+    assert proc.returncode == 1, proc.stderr[-2000:]
+    assert message in proc.stderr and "Traceback" not in proc.stderr and "please report it" not in proc.stderr
+    assert len([line for line in proc.stderr.splitlines() if "error" in line]) == 1, proc.stderr
+
+
+def test_a_dotted_key_in_a_yaml_file_is_nesting_and_a_clash_is_refused(tmp_path):
+    dotted = tmp_path / "dotted.yaml"
+    dotted.write_text("grpo.num_steps: 3\npolicy.megatron_cfg.optimizer:\n  lr: 0.5\ngrpo:\n  seed: 7\n")
+    cfg = load_config(dotted)
+    assert (cfg.grpo.num_steps, cfg.grpo.seed, cfg.policy.megatron_cfg.optimizer.lr) == (3, 7, 0.5)
+    twice = tmp_path / "twice.yaml"
+    twice.write_text("grpo.num_steps: 3\ngrpo:\n  num_steps: 4\n")
+    proc = _cli("config", "--config", str(twice))
+    assert proc.returncode == 1 and "'grpo.num_steps' is given twice" in proc.stderr, proc.stderr
+    through = tmp_path / "through.yaml"
+    through.write_text("grpo: 3\ngrpo.num_steps: 4\n")
+    proc = _cli("config", "--config", str(through))
+    assert proc.returncode == 1 and "which 'grpo' sets to a value, not a mapping" in proc.stderr, proc.stderr
 
 
 def test_a_huge_config_file_is_refused_at_once(tmp_path):
