@@ -4,7 +4,8 @@
 runs :func:`megatron_fp8.rl.grpo.run_grpo` (embedded default: the tiny model on the
 ``addition`` toy task; ``data.train.data_path=F.jsonl`` trains on a file) and writes ``metrics.jsonl``,
 ``summary.md``, ``metrics.png`` and ``config.yaml`` (and ``warm_start/``, ``validation.jsonl``, ``logs/``)
-into ``--out`` (default: the config's ``out_dir``); a folder holding another run's outputs is refused
+into ``--out`` (default: the config's ``out_dir``, else a new ``out/grpo-<time>`` per run; a run resumed from its
+checkpoints continues in their folder); a folder holding another run's outputs is refused
 unless ``--overwrite``, or unless the run resumes from ``checkpointing.checkpoint_dir``. A progress bar
 runs on stderr; the summary table is printed at the end.
 """
@@ -28,7 +29,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     """Register ``--config``, ``--steps``, ``--out``, ``--arms``, ``--no-progress``, ``--overwrite``, overrides."""
     parser.add_argument("--config", default=None, help="YAML file (default: the embedded tiny_cpu.yaml)")
     parser.add_argument("--steps", type=int, default=None, metavar="N", help="steps per arm (default: grpo.num_steps)")
-    parser.add_argument("--out", default=None, metavar="DIR", help="output folder (default: the config's out_dir)")
+    parser.add_argument(
+        "--out",
+        default=None,
+        metavar="DIR",
+        help="output folder (default: the config's out_dir, else a new out/grpo-<time>; a resumed run continues in its "
+        "checkpoint's folder)",
+    )
     parser.add_argument("--arms", default=None, metavar="a,b,c", help=f"comma-separated arms: {', '.join(ARMS)}")
     parser.add_argument("--no-progress", action="store_true", help="no progress bar")
     parser.add_argument(
@@ -64,8 +71,8 @@ def run_job(args: argparse.Namespace) -> tuple[Path, Path, Path] | None:
         if not all(arms):
             raise UsageError(f"--arms {args.arms!r} has an empty arm name; e.g. --arms {','.join(ARMS)}")
     if args.out is not None and not args.out.strip():
-        raise UsageError("--out '' names no folder; give a path, or leave --out out to use the config's out_dir")
-    out = Path(args.out) if args.out else Path(config.out_dir)
+        raise UsageError("--out '' names no folder; give a path, or leave --out out for a new folder per run")
+    out = Path(args.out) if args.out else (Path(config.out_dir) if config.out_dir else None)
     steps = getattr(args, "steps", None)
     if steps is not None and steps < 1:
         raise UsageError(f"--steps must be >= 1, got {steps}")
@@ -78,7 +85,7 @@ def run_job(args: argparse.Namespace) -> tuple[Path, Path, Path] | None:
         overwrite=getattr(args, "overwrite", False),
     )
     if result.summary_path is None:  # a rank other than 0 of a multi-process run: rank 0 writes
-        print(f"rank done in {result.seconds:.0f} s; rank 0 writes the outputs to {out}")
+        print(f"rank done in {result.seconds:.0f} s; rank 0 writes the outputs to {result.out_dir}")
         return None
     print(result.summary_path.read_text())  # the markdown table as is: readable in any terminal width
     print(f"finished in {result.seconds:.0f} s")

@@ -554,7 +554,7 @@ class RunConfig:
     data: DataConfig = field(default_factory=DataConfig)
     checkpointing: CheckpointingConfig = field(default_factory=CheckpointingConfig)
     logger: LoggerConfig = field(default_factory=LoggerConfig)
-    out_dir: str = "out"
+    out_dir: str | None = None
 
     @property
     def training_recipe(self) -> str:

@@ -262,6 +262,7 @@ class CheckpointManager:
         self.arm = arm
         self.fingerprint = dict(fingerprint)
         self.is_writer = is_writer
+        self.run_extra: dict[str, JSONValue] = {}  # saved in every checkpoint's ``extra`` (e.g. the run's out folder)
 
     @property
     def arm_dir(self) -> Path:
@@ -370,7 +371,7 @@ class CheckpointManager:
         place = current_place()
         self._check_place(place)
         metrics_json = metrics_to_json(metrics)
-        extra_json = json.loads(json.dumps(dict(extra or {}), allow_nan=False))
+        extra_json = json.loads(json.dumps({**self.run_extra, **dict(extra or {})}, allow_nan=False))
         tmp, final = self.arm_dir / tmp_dir_name(step), self.arm_dir / step_dir_name(step)
         if self.is_writer:
             self.arm_dir.mkdir(parents=True, exist_ok=True)

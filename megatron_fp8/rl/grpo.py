@@ -80,7 +80,7 @@ from megatron_fp8.rl.distributed import (
 )
 from megatron_fp8.rl.fp8_rollout import fp8_manifest, rollout_quantization_config
 from megatron_fp8.rl.loggers import MetricsLogger, build_loggers, step_scalars
-from megatron_fp8.rl.outputs import claim_out_dir, rebuild_outputs
+from megatron_fp8.rl.outputs import OUT_DIR_KEY, claim_out_dir, new_run_dir, rebuild_outputs, resumed_run_dir
 from megatron_fp8.rl.phases import GRPOContext
 from megatron_fp8.rl.preflight import preflight
 from megatron_fp8.rl.remote import serve_rollout
@@ -112,7 +112,7 @@ logger = logging.getLogger(__name__)
 def run_grpo(
     config: RunConfig,
     *,
-    out_dir: str | Path,
+    out_dir: str | Path | None = None,
     steps: int | None = None,
     arms: Sequence[str] | None = None,
     progress: bool = True,
@@ -124,7 +124,8 @@ def run_grpo(
         config: the run configuration (:func:`megatron_fp8.config.load_config`).
         out_dir: output folder (created); one that holds another run's outputs is refused unless
             ``overwrite`` (:func:`megatron_fp8.rl.outputs.claim_out_dir`), or unless this run resumes from
-            ``checkpointing.checkpoint_dir`` (then its metrics are kept up to each arm's checkpoint).
+            ``checkpointing.checkpoint_dir`` (then its metrics are kept up to each arm's checkpoint). ``None``: the
+            folder the resumed checkpoint names, else a new one (:func:`megatron_fp8.rl.outputs.new_run_dir`).
         steps: steps per arm; ``None`` = ``config.grpo.num_steps``.
         arms: arm names (keys of :data:`megatron_fp8.vocab.ARMS`); ``None`` = ``config.grpo.arms``.
         progress: show a progress bar on stderr.
@@ -151,8 +152,9 @@ def run_grpo(
     placement = placement_from(config)
     checked = preflight(config, arms=arms, steps=steps, scan_weights=True, world_size=len(placement.trainer_ranks))
     config, n_steps, arm_names = checked.config, checked.steps, checked.arms
-    out = Path(out_dir)
+    out = Path(out_dir) if out_dir is not None else None
     if placement.role == "rollout":
+        out = out if out is not None else new_run_dir()
         with join_groups(placement, timeout_s=_link_timeout(config), transport=config.refit.transport) as groups:
             serve_rollout(config, placement, groups, build_engine=lambda setup: build_engine(setup, config))
         return GRPOResult(
@@ -171,6 +173,14 @@ def run_grpo(
     checkpoints = _checkpoints(config, arm_names, is_writer=placement.trainer_rank == 0)
     resumed = {arm: c.latest() for arm, c in checkpoints.items()}
     resuming = any(info is not None for info in resumed.values())
+    if out is None:  # no --out / out_dir: a resumed run continues in its checkpoint's folder, else a new one
+        out = resumed_run_dir(info for info in resumed.values() if info is not None) if resuming else None
+        out = out if out is not None else new_run_dir()
+        logger.info(
+            "outputs go to %s (no --out given%s)", out, ": the folder of the checkpoint resumed" if resuming else ""
+        )
+    for manager in checkpoints.values():
+        manager.run_extra[OUT_DIR_KEY] = str(out.resolve())
     if placement.trainer_rank == 0:  # the writer claims the folder before any model is built
         claim_out_dir(out, overwrite=overwrite and not resuming, resume=resuming)
     kept = _kept_records(out, resumed) if resuming else {}

@@ -5,19 +5,23 @@ file, cannot be written, or already holds another run's outputs (:data:`RUN_OUTP
 ``overwrite=True``, in which case those outputs are removed first, so a folder never holds a new
 ``metrics.jsonl`` beside an old summary or plot. :func:`rebuild_outputs`
 rebuilds ``summary.md`` and ``metrics.png`` from ``metrics.jsonl`` (``megatron-fp8 report DIR``, and
-the driver after Ctrl-C).
+the driver after Ctrl-C). Without ``--out`` or ``out_dir`` a run gets a new folder (:func:`new_run_dir`), and a run
+resumed from checkpoints continues in the folder its checkpoint names (:func:`resumed_run_dir`).
 """
 
 from __future__ import annotations
 
 import logging
+import os
 import shutil
 import tempfile
-from collections.abc import Sequence
+import time
+from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
 
 from megatron_fp8.config import load_config
 from megatron_fp8.errors import ConfigError, UsageError
+from megatron_fp8.launch_env import launch_place
 from megatron_fp8.rl import report
 from megatron_fp8.rl.results import (
     CONFIG_FILE,
@@ -34,6 +38,53 @@ logger = logging.getLogger(__name__)
 
 RUN_OUTPUTS: tuple[str, ...] = (METRICS_FILE, VALIDATION_FILE, SUMMARY_FILE, PLOT_FILE, CONFIG_FILE, WARM_START_DIR)
 """What a run writes into its folder."""
+
+RUNS_ROOT = Path("out")
+"""Where :func:`new_run_dir` puts a run's folder (relative to the working directory)."""
+
+OUT_DIR_KEY = "out_dir"
+"""The key of ``checkpoint.json``'s ``extra`` that names the run's output folder (absolute)."""
+
+
+def new_run_dir(env: Mapping[str, str] | None = None, *, root: Path = RUNS_ROOT) -> Path:
+    """A new output folder for a run given no ``--out`` / ``out_dir``, the same on every rank.
+
+    ``out/grpo-slurm-<job>.<step>`` under Slurm (a requeued job continues in its folder), ``out/grpo-<run id>``
+    under torchrun (its ``TORCHELASTIC_RUN_ID``), else ``out/grpo-<YYYYmmdd-HHMMSS>`` (``-2``, ``-3``, ... when taken).
+
+    Raises:
+        UsageError: several processes launched without Slurm or torchrun (nothing tells them one common name).
+    """
+    env = os.environ if env is None else env
+    job = env.get("SLURM_JOB_ID", "").strip()
+    if job:
+        return root / f"grpo-slurm-{job}.{env.get('SLURM_STEP_ID', '').strip() or 'batch'}"
+    run_id = env.get("TORCHELASTIC_RUN_ID", "").strip()
+    if run_id and run_id != "none":
+        return root / f"grpo-{run_id[:16]}"
+    if launch_place(env).world_size > 1:
+        raise UsageError(
+            "several processes (WORLD_SIZE > 1) without Slurm or torchrun have no common run name: give --out (or "
+            "out_dir) so that every rank writes to the same folder"
+        )
+    base = root / f"grpo-{time.strftime('%Y%m%d-%H%M%S')}"
+    path, n = base, 1
+    while path.exists():
+        n += 1
+        path = base.with_name(f"{base.name}-{n}")
+    return path
+
+
+def resumed_run_dir(resumed: Iterable[object]) -> Path | None:
+    """The output folder the newest of the checkpoints a run resumes from names (``None``: none names one)."""
+    best: tuple[int, str] | None = None
+    for info in resumed:
+        extra = getattr(info, "extra", None) or {}
+        out = extra.get(OUT_DIR_KEY) if isinstance(extra, Mapping) else None
+        if isinstance(out, str) and out:
+            key = (int(getattr(info, "step", -1)), out)
+            best = key if best is None or key > best else best
+    return Path(best[1]) if best is not None else None
 
 
 def claim_out_dir(out: str | Path, *, overwrite: bool = False, resume: bool = False) -> Path:
