@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import importlib
 import logging
+import os
 import sys
 from types import ModuleType
 
@@ -66,6 +67,8 @@ def main(argv: list[str] | None = None) -> int:
     after Ctrl-C (what was complete is kept: e.g. GRPO rebuilds its summary from the finished steps).
     """
     argv = list(sys.argv[1:] if argv is None else argv)
+    if not {"-v", "--verbose"} & set(argv):  # read by torch's C++ logging when torch loads (build_parser may load it)
+        os.environ.setdefault("TORCH_CPP_LOG_LEVEL", "ERROR")
     parser = build_parser(argv)
     args, extra = parser.parse_known_args(argv)
     # overrides may stand anywhere among the options: argparse takes the first run of them, the rest come back here

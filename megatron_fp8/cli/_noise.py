@@ -40,5 +40,6 @@ def quiet_third_party(*, verbose: bool = False) -> None:
         logging.getLogger(name).setLevel(logging.ERROR)
     os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")
     os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
+    os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")  # transformers' bars too (e.g. "Writing model shards")
     for category in (UserWarning, FutureWarning, DeprecationWarning):
         warnings.filterwarnings("ignore", category=category, module=NOISY_WARNING_MODULES)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import logging
 
 from rich.console import Console
 from rich.table import Table
@@ -14,6 +15,8 @@ from megatron_fp8.cli._io import stdout_to_stderr
 from megatron_fp8.errors import UsageError
 from megatron_fp8.megatron import build_megatron_model, export_hf_weights, megatron_parallel
 from megatron_fp8.models import resolve_model
+
+logger = logging.getLogger(__name__)
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -36,6 +39,9 @@ def run(args: argparse.Namespace) -> int:
         raise UsageError(f"--repeats must be >= 1, got {args.repeats}")
     if args.num_first_layers_in_bf16 < 0 or args.num_last_layers_in_bf16 < 0:
         raise UsageError("--num-first-layers-in-bf16 / --num-last-layers-in-bf16 must be >= 0")
+    from megatron_fp8.rl.phases import quiet_stdout
+    from megatron_fp8.rl.runtime import phase
+
     path = resolve_model(args.model)
     runs = {}
     with stdout_to_stderr(args.json):
@@ -54,14 +60,18 @@ def run(args: argparse.Namespace) -> int:
         precisions = ("fp8", "bf16") if args.compare_bf16 else ("fp8",)
         if args.transport == "inproc":
             with megatron_parallel():
-                m = build_megatron_model(path, recipe="blockwise")
+                with phase("building the Megatron-Core model (blockwise recipe)"), quiet_stdout():
+                    m = build_megatron_model(path, recipe="blockwise")
                 for precision in precisions:
-                    runs[precision] = run_refits(m, path, manifest, precision=precision, repeats=args.repeats)
+                    with phase(f"{args.repeats} {precision.upper()} refit(s) in process, verified"):
+                        runs[precision] = run_refits(m, path, manifest, precision=precision, repeats=args.repeats)
         else:
             with megatron_parallel():
-                m = build_megatron_model(path, recipe="blockwise")
+                with phase("building the Megatron-Core model (blockwise recipe)"), quiet_stdout():
+                    m = build_megatron_model(path, recipe="blockwise")
                 weights = dict(export_hf_weights(m))
             for precision in precisions:
+                logger.info("%d %s refit(s) over gloo to a receiver process, verified ...", args.repeats, precision)
                 runs[precision] = run_refits_over_gloo(
                     weights,
                     path,

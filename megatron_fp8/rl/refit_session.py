@@ -83,7 +83,8 @@ def _max_rel_error(held: dict[str, torch.Tensor], trainer: dict[str, torch.Tenso
         if h.dtype == torch.float8_e4m3fn:
             h = dequantize_blockwise(h, held[name + SCALE_SUFFIX])
         ref = trainer[name].float()
-        worst = max(worst, float((h.float() - ref).norm()) / max(float(ref.norm()), 1e-30))
+        ref = ref.detach()
+        worst = max(worst, float((h.detach().float() - ref).norm()) / max(float(ref.norm()), 1e-30))
     return worst
 
 

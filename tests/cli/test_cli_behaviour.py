@@ -117,3 +117,24 @@ def test_doctor_fits_one_screen_and_all_gives_every_reason():
     assert short.returncode == 0 and full.returncode == 0, short.stderr[-2000:]
     assert len(short.stdout.splitlines()) <= 45, short.stdout  # a row per recipe, its first blocking reason
     assert len(full.stdout.splitlines()) > len(short.stdout.splitlines())
+
+
+@pytest.mark.slow
+def test_refit_and_manifest_refresh_show_progress_and_no_third_party_noise(tmp_path):
+    """Without -v: our phase lines, no Megatron parameter count or loading bar, no vLLM loading bar, no C++ warning
+    of torch/vLLM, no Python warning (issue 21, item 6)."""
+    noise = ("number of parameters", "Loading", "NUMA", "Warning:", "UserWarning", "it/s]")
+    env = {"MEGATRON_FP8_CACHE": str(tmp_path / "cache")}
+    manifest = _cli("manifest", "--model", "tiny", "--refresh", env=env)
+    assert manifest.returncode == 0, manifest.stderr[-3000:]
+    assert "building vLLM" in manifest.stderr and "in FP8" in manifest.stderr
+    refit = _cli("refit", "--model", "tiny", "--repeats", "1", env=env)
+    assert refit.returncode == 0, refit.stderr[-3000:]
+    assert (
+        "building the Megatron-Core model" in refit.stderr and "FP8 refit(s) in process, verified: done" in refit.stderr
+    )
+    for proc in (manifest, refit):
+        output = proc.stdout + proc.stderr
+        assert not [n for n in noise if n in output], output[-3000:]
+    verbose = _cli("-v", "refit", "--model", "tiny", "--repeats", "1", env=env)
+    assert "number of parameters" in verbose.stdout + verbose.stderr  # -v shows the Megatron stack's own output

@@ -259,6 +259,8 @@ def build_llm(
         "seed": seed,
         "skip_tokenizer_init": skip_tokenizer_init,
         "kv_cache_dtype": kv_cache_dtype,
+        # vLLM's weight-loading bar only with debug logging (-v): the commands log their own phases
+        "use_tqdm_on_load": logging.getLogger().isEnabledFor(logging.DEBUG),
     }
     if worker_extension_cls:
         args["worker_extension_cls"] = worker_extension_cls
