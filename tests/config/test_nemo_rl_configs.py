@@ -76,3 +76,70 @@ def test_kv_cache_and_ignored_layer_keywords():
     vllm = ds.config.policy.generation.vllm_cfg
     assert vllm.quantization_ignored_layer_kws == ("a_proj", "b_proj")
     assert vllm.tensor_parallel_size == 16
+
+
+EXPERIMENT_KEYS = (
+    "policy.megatron_cfg.optimizer.lr",
+    "policy.megatron_cfg.optimizer.min_lr",
+    "policy.megatron_cfg.optimizer.weight_decay",
+    "policy.megatron_cfg.optimizer.adam_beta1",
+    "policy.megatron_cfg.optimizer.adam_beta2",
+    "policy.megatron_cfg.optimizer.adam_eps",
+    "policy.megatron_cfg.optimizer.clip_grad",
+    "policy.megatron_cfg.scheduler.lr_warmup_iters",
+    "policy.megatron_cfg.scheduler.lr_warmup_init",
+    "policy.megatron_cfg.scheduler.lr_decay_style",
+    "policy.megatron_cfg.scheduler.lr_decay_iters",
+    "policy.generation.max_new_tokens",
+    "policy.generation.temperature",
+    "policy.train_global_batch_size",
+    "policy.train_micro_batch_size",
+    "policy.logprob_batch_size",
+    "loss_fn.ratio_clip_min",
+    "loss_fn.ratio_clip_max",
+    "loss_fn.reference_policy_kl_penalty",
+    "loss_fn.reference_policy_kl_type",
+    "loss_fn.kl_input_clamp_value",
+    "loss_fn.kl_output_clamp_value",
+    "loss_fn.use_on_policy_kl_approximation",
+    "loss_fn.token_level_loss",
+    "grpo.num_prompts_per_step",
+    "grpo.num_generations_per_prompt",
+    "grpo.normalize_rewards",
+    "grpo.use_leave_one_out_baseline",
+    "grpo.val_period",
+    "grpo.max_val_samples",
+    "grpo.seed",
+)
+"""NeMo-RL keys that decide the experiment (optimizer, schedule, lengths, sampling, batches, loss, advantages)."""
+
+
+def _get(tree: object, path: str) -> object:
+    for part in path.split("."):
+        if not isinstance(tree, dict) or part not in tree:
+            return KeyError
+        tree = tree[part]
+    return tree
+
+
+@pytest.mark.parametrize("rel", [r for r in FP8_CONFIGS if "mxfp8" not in r], ids=lambda r: Path(r).stem)
+def test_every_experiment_key_a_nemo_rl_file_sets_is_the_value_the_run_uses(rel):
+    """Key by key: what the file (with its parents, interpolations resolved) says is what the typed config holds,
+    and none of these keys is in the no-effect list; a key the file leaves out keeps megatron-fp8's default."""
+    path = DATA / rel
+    raw = resolve(compose_file(path))
+    loaded = load_config_report(path)
+    typed = loaded.config.to_dict()
+    given = 0
+    for key in EXPERIMENT_KEYS:
+        want = _get(raw, key)
+        assert key not in loaded.no_effect, key
+        if want is KeyError:
+            continue
+        given += 1
+        got = _get(typed, key)
+        assert got == want or (isinstance(want, float) and got == pytest.approx(want, rel=1e-12)), (key, got, want)
+    steps = _get(raw, "grpo.max_num_steps")
+    if steps is not KeyError:
+        assert loaded.config.grpo.num_steps == steps
+    assert given >= 20, given  # the files set most of them (through grpo_math_1B.yaml)
