@@ -217,6 +217,9 @@ def explain_rows(loaded: LoadedConfig) -> list[ExplainRow]:
         if key == "model.name_or_path" and source == DEFAULT_SOURCE:
             source = _source("policy.model_name", loaded.sources, default=DEFAULT_SOURCE)
         rows.append(ExplainRow(key, _value_at(data, key), source, True, effect_of(key) or "(undeclared)"))
+    for key, value in loaded.translated.items():
+        effect = "read as loss_fn.is_variant / is_cap / is_lower / is_upper (config.nemo_rl_is)"
+        rows.append(ExplainRow(key, value, _source(key, loaded.sources, default=DEFAULT_SOURCE), True, effect))
     known = known_keys()
     for top, value in loaded.no_effect.items():
         leaves = [top] if not (isinstance(value, dict) and value) else [f"{top}.{k}" for k in leaf_paths(value)]

@@ -21,7 +21,7 @@ import textwrap
 import types
 import typing
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from importlib import resources
 from pathlib import Path
 from typing import Annotated, Literal, TypeVar
@@ -31,6 +31,7 @@ from omegaconf.errors import OmegaConfBaseException
 
 from megatron_fp8.config.inheritance import ComposedTree, compose_file, compose_text, merge_trees, resolve
 from megatron_fp8.config.models import known_dims
+from megatron_fp8.config.nemo_rl_is import translate_is_keys
 from megatron_fp8.config.nemo_rl_keys import known_keys
 from megatron_fp8.config.schema import JSONValue, OneOf, RunConfig
 from megatron_fp8.config.validate import validate_config
@@ -213,12 +214,14 @@ class LoadedConfig:
         sources: dotted leaf path -> the file (or ``<override>``) that set it; keys not listed kept the
             schema default.
         files: every config file read, parents before children (empty for the embedded default).
+        translated: NeMo-RL keys read through megatron-fp8's own (its IS keys, :mod:`.nemo_rl_is`) -> value.
     """
 
     config: RunConfig
     no_effect: dict[str, JSONValue]
     sources: dict[str, str]
     files: tuple[Path, ...]
+    translated: dict[str, JSONValue] = field(default_factory=dict)
 
 
 MOVED_KEYS: dict[str, str] = {
@@ -470,12 +473,15 @@ def load_config_report(path: str | Path | None = None, overrides: Sequence[str] 
         ConfigError: as :func:`load_config`.
     """
     raw, composed = _compose(path, list(overrides))
+    read = translate_is_keys(raw, composed.sources, composed.files)  # NeMo-RL's IS keys -> the correction run
     implemented, no_effect = partition_keys(raw)
     if no_effect:
         logger.warning("%s", no_effect_message(no_effect))
     config = _build(implemented)
     _warn_dataset_names(config, no_effect)
-    return LoadedConfig(config=config, no_effect=no_effect, sources=composed.sources, files=composed.files)
+    return LoadedConfig(
+        config=config, no_effect=no_effect, sources=composed.sources, files=composed.files, translated=read
+    )
 
 
 def _warn_dataset_names(config: RunConfig, no_effect: Mapping[str, JSONValue]) -> None:

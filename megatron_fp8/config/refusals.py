@@ -8,9 +8,10 @@ without effect here would make the run another experiment than the file describe
   parallelism, expert tensor parallelism, uneven pipeline stages);
 * a Hugging Face ``data.{train,validation}.dataset_name`` without a local ``data_path``: the run would train on the
   built-in toy task (or skip validation) instead;
-* a key that changes the algorithm (another advantage estimator, reward shaping, sampling, learning-rate schedule,
-  the NeMo-RL TIS settings, an ``adv_estimator`` baseline that contradicts ``grpo``'s) set to anything but the value megatron-fp8 runs (:func:`other_experiment`), unless
-  ``grpo.allow_no_effect`` (``--allow-no-effect``) accepts them, with a warning.
+* a key that changes the algorithm (another advantage estimator, reward shaping, sampling, a weight-decay schedule,
+  an ``adv_estimator`` baseline that contradicts ``grpo``'s) set to anything but the value megatron-fp8 runs
+  (:func:`other_experiment`), unless ``grpo.allow_no_effect`` (``--allow-no-effect``) accepts them, with a warning.
+  NeMo-RL's TIS keys are not among them: they are read (:mod:`megatron_fp8.config.nemo_rl_is`).
 
 Cosmetic and infrastructure keys (Ray, cluster, logger paths, vLLM tuning) only warn.
 """
@@ -52,9 +53,6 @@ EXPERIMENT_KEYS: dict[str, tuple[tuple[JSONValue, ...], str]] = {
 }
 """NeMo-RL keys that change the algorithm, the values that match what megatron-fp8 runs (any other value makes the run
 another experiment), and what the key would have changed."""
-
-_TIS_TYPES = {"tis": "token_tis", "icepop": "icepop", "seq-mask-tis": "seq_mask_tis"}
-"""NeMo-RL ``loss_fn.truncated_importance_sampling_type`` -> the ``loss_fn.is_variant`` that computes the same."""
 
 UNIMPLEMENTED_LAYOUT: dict[str, tuple[JSONValue, ...]] = {
     "policy.megatron_cfg.context_parallel_size": (1, None),
@@ -113,32 +111,6 @@ def _same(value: JSONValue, allowed: tuple[JSONValue, ...]) -> bool:
     return any(value == a and type(value) is not bool or value is a for a in allowed)
 
 
-def _tis_problem(config: RunConfig, leaves: Mapping[str, JSONValue]) -> str | None:
-    """NeMo-RL's TIS keys, compared with the ``loss_fn.is_variant`` / ``is_cap`` / ``is_lower`` this run uses."""
-    kind = leaves.get("loss_fn.truncated_importance_sampling_type")
-    cap = leaves.get("loss_fn.truncated_importance_sampling_ratio")
-    low = leaves.get("loss_fn.truncated_importance_sampling_ratio_min")
-    if kind is None and cap is None and low is None:
-        return None
-    loss = config.loss_fn
-    given = f"truncated_importance_sampling_type={kind!r}, ratio={cap!r}, ratio_min={low!r}"
-    variant = _TIS_TYPES.get(str(kind)) if kind is not None else "token_tis"
-    upper = loss.is_cap if variant in ("token_tis", "seq_mask_tis") else loss.is_upper
-    same = (
-        loss.correction_enabled
-        and variant == loss.is_variant
-        and (cap is None or upper is None or float(cap) == float(upper))
-        and (low is None or (loss.is_lower is not None and float(low) == float(loss.is_lower)))
-    )
-    if same:
-        return None
-    return (
-        f"loss_fn.{given}: megatron-fp8 reads loss_fn.is_variant={loss.is_variant!r}, is_cap={loss.is_cap}, "
-        f"is_lower={loss.is_lower}, is_upper={loss.is_upper} (correction {'on' if loss.correction_enabled else 'off'}); "
-        f"set those to the same correction (type 'tis' = is_variant token_tis with is_cap = ratio)"
-    )
-
-
 def other_experiment(config: RunConfig, no_effect: Mapping[str, JSONValue]) -> list[str]:
     """A line per no-effect key whose value makes the run another experiment than the file describes."""
     leaves = _leaves(no_effect)
@@ -161,8 +133,7 @@ def other_experiment(config: RunConfig, no_effect: Mapping[str, JSONValue]) -> l
             problems.append(
                 f"grpo.adv_estimator.{key}={given!r}: megatron-fp8 reads grpo.{key}={used!r}; give both the same value"
             )
-    tis = _tis_problem(config, leaves)
-    return problems + ([tis] if tis else [])
+    return problems
 
 
 def refuse_before_run(config: RunConfig, no_effect: Mapping[str, JSONValue]) -> None:

@@ -348,7 +348,8 @@ class LossConfig:
         use_importance_sampling_correction: NeMo-RL switch; the correction runs when this is true and
             ``is_variant`` is not ``"none"``.
         is_variant: a key of :data:`megatron_fp8.vocab.IS_VARIANTS`.
-        is_cap: truncation cap C of the IS weight (token TIS default 2.0).
+        is_cap: truncation cap C of the IS weight (token TIS default 2.0; ``None``: no truncation, NeMo-RL's
+            importance sampling without a truncation type).
         is_lower: lower ratio bound of the masking variants (``None`` = variant default).
         is_upper: upper ratio bound of the masking variants (``None`` = variant default).
         ratio_clip_min: PPO clip epsilon below 1 (ratio >= 1 - eps).
@@ -368,7 +369,7 @@ class LossConfig:
 
     use_importance_sampling_correction: bool = False
     is_variant: ISVariant = "token_tis"
-    is_cap: float = 2.0
+    is_cap: float | None = 2.0
     is_lower: float | None = None
     is_upper: float | None = None
     ratio_clip_min: float = 0.2

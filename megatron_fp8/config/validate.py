@@ -467,8 +467,8 @@ def loss_rules(cfg: RunConfig) -> list[str]:
     a non-negative KL penalty with positive clamps."""
     loss = cfg.loss_fn
     problems: list[str] = []
-    if loss.is_cap <= 0:
-        problems.append(f"loss_fn.is_cap must be > 0, got {loss.is_cap}")
+    if loss.is_cap is not None and loss.is_cap <= 0:
+        problems.append(f"loss_fn.is_cap must be > 0 (or null: no truncation), got {loss.is_cap}")
     if loss.is_lower is not None and loss.is_lower < 0:
         problems.append(f"loss_fn.is_lower must be >= 0, got {loss.is_lower}")
     if loss.is_lower is not None and loss.is_upper is not None and loss.is_lower >= loss.is_upper:

@@ -261,8 +261,7 @@ class CheckpointManager:
         self.cfg = cfg
         self.arm = arm
         self.fingerprint = dict(fingerprint)
-        self.is_writer = is_writer
-        self.run_extra: dict[str, JSONValue] = {}  # saved in every checkpoint's ``extra`` (e.g. the run's out folder)
+        self.is_writer, self.run_extra = is_writer, {}  # run_extra: in every checkpoint's ``extra`` (the out folder)
 
     @property
     def arm_dir(self) -> Path:

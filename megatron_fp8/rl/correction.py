@@ -53,7 +53,7 @@ from dataclasses import dataclass
 import torch
 
 from megatron_fp8.errors import ConfigError
-from megatron_fp8.vocab import IS_VARIANTS, IS_VARIANTS_WITH_CAP
+from megatron_fp8.vocab import IS_VARIANTS
 
 DEFAULT_LOG_RATIO_CLAMP: float = 20.0
 """Bound on ``|logp_train - logp_rollout|`` before ``exp``; exp(20) ~ 4.9e8 stays finite in float32."""
@@ -83,13 +83,8 @@ class ISConfig:
     def __post_init__(self) -> None:
         if self.variant not in IS_VARIANTS:
             raise ConfigError(f"unknown IS variant {self.variant!r}; valid names: {sorted(IS_VARIANTS)}")
-        if self.cap is None:
-            if self.variant != "seq_is" and self.variant in IS_VARIANTS_WITH_CAP:
-                raise ConfigError(
-                    f"IS variant {self.variant!r} needs a truncation cap; set cap to a positive number such as 2.0"
-                )
-        elif not (math.isfinite(self.cap) and self.cap > 0):
-            raise ConfigError(f"IS cap must be a positive finite number (or None for seq_is), got {self.cap!r}")
+        if self.cap is not None and not (math.isfinite(self.cap) and self.cap > 0):
+            raise ConfigError(f"IS cap must be a positive finite number (or None: no truncation), got {self.cap!r}")
         if not (math.isfinite(self.lo) and math.isfinite(self.hi) and 0 < self.lo < self.hi):
             raise ConfigError(f"IS band needs 0 < lo < hi (finite), got lo={self.lo!r}, hi={self.hi!r}")
         if not (math.isfinite(self.log_ratio_clamp) and self.log_ratio_clamp > 0):
@@ -147,7 +142,9 @@ def _none(b: _Batch) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
 
 def _token_tis(b: _Batch) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     w = b.token_w()
-    cap = float(b.config.cap)  # type: ignore[arg-type]  # validated non-None
+    if b.config.cap is None:  # plain token-level IS (NeMo-RL's correction without a truncation type)
+        return w, b.real.clone(), torch.zeros_like(b.real)
+    cap = float(b.config.cap)
     return w.clamp(max=cap), b.real.clone(), (w > cap) & b.real
 
 
@@ -191,7 +188,9 @@ def _seq_mask_geo(b: _Batch) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
 def _seq_mask_tis(b: _Batch) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     kept = _seq_keep_geo(b)[:, None] & b.real
     w = b.token_w()
-    cap = float(b.config.cap)  # type: ignore[arg-type]
+    if b.config.cap is None:  # NeMo-RL's seq-mask-tis: kept sequences keep their raw token weights
+        return w * kept, kept, torch.zeros_like(b.real)
+    cap = float(b.config.cap)
     return w.clamp(max=cap) * kept, kept, (w > cap) & kept
 
 

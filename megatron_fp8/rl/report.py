@@ -119,7 +119,8 @@ def write_summary(
             f"- model: `{config.model.name_or_path}`; {_problems_line(config)}",
             f"- {steps} steps x {g.num_prompts_per_step} prompts x {g.num_generations_per_prompt} generations, "
             f"max {gen.max_new_tokens} new tokens, temperature {gen.temperature}, lr {opt.lr:g}, seed {g.seed}",
-            f"- correction of arm fp8_tis: `{config.loss_fn.is_variant}` with cap C={config.loss_fn.is_cap:g}",
+            f"- correction of arm fp8_tis: `{config.loss_fn.is_variant}` with "
+            + (f"cap C={config.loss_fn.is_cap:g}" if config.loss_fn.is_cap is not None else "no truncation cap"),
         ]
     if manifest_source:
         lines.append(f"- FP8 manifest: {manifest_source}")
@@ -159,7 +160,7 @@ def rolling_mean(values: Sequence[float], window: int) -> list[float]:
 
 
 def plot_metrics(
-    arms: Sequence[ArmResult], path: str | Path, *, is_cap: float = 2.0, partial: str | None = None
+    arms: Sequence[ArmResult], path: str | Path, *, is_cap: float | None = 2.0, partial: str | None = None
 ) -> Path:
     """Write ``metrics.png``, four panels per step, one line per arm.
 
@@ -210,7 +211,8 @@ def plot_metrics(
         ax_k.set_yscale("log")
         ax_w.set_title("IS-weight spread: mean |log w| per token, w = p_train / p_rollout")
         ax_w.set_yscale("log")
-        ax_t.axhline(math.log(is_cap), color="black", ls=":", lw=1.2, label=f"log C (TIS cap C={is_cap:g})")
+        if is_cap is not None:
+            ax_t.axhline(math.log(is_cap), color="black", ls=":", lw=1.2, label=f"log C (TIS cap C={is_cap:g})")
         ax_t.set_title("largest |log w| of the step vs the TIS cap")
         ax_t.set_yscale("log")
         for ax in (ax_r, ax_k, ax_w, ax_t):

@@ -191,17 +191,6 @@ def test_the_newer_adv_estimator_spelling_must_agree_with_the_grpo_keys():
         (["policy.generation.top_p=0.9"], ["policy.generation.top_p=0.9"]),
         (["policy.generation.top_k=50"], ["policy.generation.top_k=50"]),
         (["grpo.use_dynamic_sampling=true"], ["grpo.use_dynamic_sampling=True"]),
-        (["loss_fn.truncated_importance_sampling_type=icepop"], ["truncated_importance_sampling_type='icepop'"]),
-        (
-            ["loss_fn.use_importance_sampling_correction=true", "loss_fn.truncated_importance_sampling_type=tis",
-             "loss_fn.truncated_importance_sampling_ratio=2.0"],
-            [],
-        ),
-        (
-            ["loss_fn.use_importance_sampling_correction=true", "loss_fn.truncated_importance_sampling_type=tis",
-             "loss_fn.truncated_importance_sampling_ratio=5.0"],
-            ["ratio=5.0"],
-        ),
     ],
 )  # fmt: skip
 def test_each_experiment_key_is_judged_by_its_value(overrides, refused):
@@ -213,6 +202,65 @@ def test_each_experiment_key_is_judged_by_its_value(overrides, refused):
         refuse_before_run(loaded.config, loaded.no_effect)
     for text in refused:
         assert text in str(info.value)
+
+
+_TIS = ("loss_fn.use_importance_sampling_correction=true",)
+
+
+@pytest.mark.parametrize(
+    ("overrides", "want"),
+    [
+        ([*_TIS, "loss_fn.truncated_importance_sampling_type=tis", "loss_fn.truncated_importance_sampling_ratio=5.0"],
+         ("token_tis", 5.0, None, None)),
+        ([*_TIS, "loss_fn.truncated_importance_sampling_type=icepop", "loss_fn.truncated_importance_sampling_ratio=5",
+          "loss_fn.truncated_importance_sampling_ratio_min=0.5"],
+         ("icepop", 2.0, 0.5, 5)),
+        ([*_TIS, "loss_fn.truncated_importance_sampling_type=seq-mask-tis",
+          "loss_fn.truncated_importance_sampling_ratio=1.002", "loss_fn.truncated_importance_sampling_ratio_min=0.999"],
+         ("seq_mask_tis", None, 0.999, 1.002)),
+    ],
+    ids=["tis", "icepop", "seq-mask-tis"],
+)  # fmt: skip
+def test_nemo_rls_tis_keys_are_read_as_the_correction_they_name(overrides, want):
+    """NeMo-RL's truncated-IS keys decide the correction (an override beats the file's is_variant / is_cap), and
+    the run starts without --allow-no-effect."""
+    loaded = load_config_report(None, overrides)
+    loss = loaded.config.loss_fn
+    assert (loss.is_variant, loss.is_cap, loss.is_lower, loss.is_upper) == want
+    assert not any(k.startswith("loss_fn.truncated") for k in loaded.no_effect)
+    refuse_before_run(loaded.config, loaded.no_effect)
+
+
+def test_nemo_rls_correction_without_a_type_is_untruncated_token_is():
+    """NeMo-RL's files switch the correction on and leave the type null (grpo_math_1B.yaml): NeMo-RL then weights
+    every token by its raw ratio; so does megatron-fp8 (token_tis without a cap), not its own C=2 default."""
+    cfg = load_config(DATA / "grpo_math_8B_megatron_fp8.yaml")
+    assert cfg.loss_fn.use_importance_sampling_correction
+    assert (cfg.loss_fn.is_variant, cfg.loss_fn.is_cap) == ("token_tis", None)
+    own = load_config(DATA / "grpo_math_8B_megatron_fp8.yaml", ["loss_fn.is_cap=2.0"])
+    assert (own.loss_fn.is_variant, own.loss_fn.is_cap) == ("token_tis", 2.0)  # megatron-fp8's key, given: it decides
+
+
+@pytest.mark.parametrize(
+    ("overrides", "message"),
+    [
+        (["loss_fn.use_importance_sampling_correction=false", "loss_fn.truncated_importance_sampling_type=tis",
+          "loss_fn.truncated_importance_sampling_ratio=2"],
+         "needs loss_fn.use_importance_sampling_correction: true"),
+        ([*_TIS, "loss_fn.truncated_importance_sampling_type=icepop", "loss_fn.truncated_importance_sampling_ratio=2"],
+         "needs loss_fn.truncated_importance_sampling_ratio_min"),
+        ([*_TIS, "loss_fn.truncated_importance_sampling_type=tis", "loss_fn.truncated_importance_sampling_ratio=2",
+          "loss_fn.truncated_importance_sampling_ratio_min=0.5"],
+         "clamps the token weight from below"),
+        ([*_TIS, "loss_fn.truncated_importance_sampling_type=tis", "loss_fn.truncated_importance_sampling_ratio=3",
+          "loss_fn.is_cap=2.0"],
+         "keep one spelling"),
+    ],
+    ids=["correction-off", "icepop-without-min", "tis-lower-clamp", "both-spellings"],
+)  # fmt: skip
+def test_nemo_rls_tis_keys_that_cannot_be_run_are_refused(overrides, message):
+    with pytest.raises(ConfigError, match=message):
+        load_config_report(None, overrides)
 
 
 def test_the_cli_flag_accepts_the_difference(tmp_path):

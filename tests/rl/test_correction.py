@@ -140,7 +140,8 @@ def test_config_errors_name_the_valid_choices():
     with pytest.raises(ConfigError, match="token_tis"):
         ISConfig(variant="tis")
     with pytest.raises(ConfigError, match="cap"):
-        ISConfig(variant="token_tis", cap=None)
+        ISConfig(variant="token_tis", cap=-1.0)
+    assert ISConfig(variant="token_tis", cap=None).cap is None  # no truncation: NeMo-RL's plain token IS
     with pytest.raises(ConfigError, match="lo < hi"):
         ISConfig(variant="token_mask", lo=2.0, hi=1.0)
     with pytest.raises(ConfigError, match="same"):
