@@ -87,7 +87,9 @@ def run_job(args: argparse.Namespace) -> tuple[Path, Path, Path] | None:
     if result.summary_path is None:  # a rank other than 0 of a multi-process run: rank 0 writes
         print(f"rank done in {result.seconds:.0f} s; rank 0 writes the outputs to {result.out_dir}")
         return None
-    print(result.summary_path.read_text())  # the markdown table as is: readable in any terminal width
+    from megatron_fp8.rl.report import terminal_table  # lazy, as run_grpo
+
+    print(terminal_table(result.arms))  # 80 columns; summary.md has every column and the run's settings
     print(f"finished in {result.seconds:.0f} s")
     return result.metrics_path, result.summary_path, result.plot_path
 

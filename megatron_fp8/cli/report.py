@@ -11,6 +11,7 @@ from pathlib import Path
 
 from megatron_fp8.errors import UsageError
 from megatron_fp8.rl.outputs import rebuild_outputs
+from megatron_fp8.rl.report import terminal_table
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -27,7 +28,7 @@ def run(args: argparse.Namespace) -> int:
             f"{given.parent}"
         )
     summary, plot, arms = rebuild_outputs(args.dir)
-    print(summary.read_text())
+    print(terminal_table(arms))  # 80 columns; summary.md has every column
     steps = sum(len(a.steps) for a in arms)
     print(f"rebuilt from {steps} step(s) of {len(arms)} arm(s).\n  table: {summary}\n  plot:  {plot}")
     return 0

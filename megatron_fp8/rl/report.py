@@ -88,6 +88,21 @@ def summary_table(arms: Sequence[ArmResult]) -> str:
     return "\n".join(lines) + "\n"
 
 
+def terminal_table(arms: Sequence[ArmResult], *, partial: str | None = None) -> str:
+    """The per-arm headline in 80 columns, for the terminal (``summary.md`` holds every column): rewards first,
+    last and best, mean gen_kl, refit MiB (FP8 part and total) and seconds per step."""
+    lines = [f"partial: {partial}"] if partial else []
+    lines += ["| arm | reward first/last/best | mean gen_kl | refit MiB fp8/total | refit s |", "|---|---|---|---|---|"]
+    for a in arms:
+        b = a.mean_refit_bytes
+        rewards = " / ".join(_fmt(v, ".3f") for v in (a.first_reward, a.last_reward, a.best_reward))
+        lines.append(
+            f"| {a.arm} | {rewards} | {_fmt(a.mean_gen_kl, '.2e')} | "
+            f"{_fmt(b['fp8'] / MIB, '.2f')} / {_fmt(b['total'] / MIB, '.2f')} | {_fmt(a.mean_refit_seconds, '.3f')} |"
+        )
+    return "\n".join(lines)
+
+
 def write_summary(
     arms: Sequence[ArmResult],
     path: str | Path,

@@ -66,6 +66,8 @@ def test_readme_commands_in_order(tmp_path):
         assert (out / name).is_file(), name
     assert (out / "warm_start" / "model.safetensors").is_file()
     assert "| fp8_tis |" in grpo.stdout and "finished in" in grpo.stdout
+    table = [line for line in grpo.stdout.splitlines() if line.startswith("|")]
+    assert len(table) == 5 and max(len(line) for line in table) <= 80, table  # the terminal summary fits 80 columns
     assert "Params for bucket" not in grpo.stderr and "Apex" not in grpo.stderr  # third-party noise at DEBUG
     assert len((out / "metrics.jsonl").read_text().splitlines()) == 3
 
