@@ -51,7 +51,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         action="store_true",
         help="run although NeMo-RL keys that change the experiment have no effect here (= grpo.allow_no_effect=true)",
     )
-    parser.add_argument("overrides", nargs="*", metavar="KEY=VALUE", help="dotted overrides, e.g. grpo.num_steps=3")
+    parser.add_argument("overrides", nargs="*", metavar="KEY=VALUE", help="dotted overrides, e.g. grpo.max_num_steps=3")
 
 
 def _layout_lines(cfg: RunConfig) -> list[str]:

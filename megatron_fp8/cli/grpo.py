@@ -28,7 +28,9 @@ from megatron_fp8.vocab import ARMS
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """Register ``--config``, ``--steps``, ``--out``, ``--arms``, ``--no-progress``, ``--overwrite``, overrides."""
     parser.add_argument("--config", default=None, help="YAML file (default: the embedded tiny_cpu.yaml)")
-    parser.add_argument("--steps", type=int, default=None, metavar="N", help="steps per arm (default: grpo.num_steps)")
+    parser.add_argument(
+        "--steps", type=int, default=None, metavar="N", help="steps per arm (default: grpo.max_num_steps)"
+    )
     parser.add_argument(
         "--out",
         default=None,

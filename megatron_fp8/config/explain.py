@@ -102,7 +102,7 @@ EFFECTS: Mapping[str, str] = {
     "loss_fn.kl_output_clamp_value": "clamp of the per-token KL estimate (rl.kl)",
     "loss_fn.use_on_policy_kl_approximation": "weight the KL by pi / pi_rollout (rl.kl)",
     "loss_fn.token_level_loss": "token mean (true) or sequence mean of token means (false) (rl.correction)",
-    "grpo.num_steps": "training steps per arm (rl.grpo)",
+    "grpo.max_num_steps": "training steps per arm (rl.grpo)",
     "grpo.num_prompts_per_step": "prompts per step (rl.phases)",
     "grpo.num_generations_per_prompt": "samples per prompt, the GRPO group (rl.phases)",
     "grpo.seed": "seed of prompts, sampling and init (rl.grpo)",

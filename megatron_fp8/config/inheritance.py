@@ -109,8 +109,8 @@ def read_yaml(text: str, *, where: str) -> dict[str, JSONValue]:
 
 
 def nest_dotted_keys(data: dict, *, where: str, prefix: str = "") -> dict[str, JSONValue]:
-    """A mapping whose dotted keys are read as nesting, as on the command line: ``{"grpo.num_steps": 3}`` ->
-    ``{"grpo": {"num_steps": 3}}`` (at any depth; merged with the nested spelling of the same section).
+    """A mapping whose dotted keys are read as nesting, as on the command line: ``{"grpo.max_num_steps": 3}`` ->
+    ``{"grpo": {"max_num_steps": 3}}`` (at any depth; merged with the nested spelling of the same section).
 
     Raises:
         ConfigError: one setting given twice (dotted and nested), or a dotted key through a value that is not a

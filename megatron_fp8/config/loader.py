@@ -229,6 +229,7 @@ MOVED_KEYS: dict[str, str] = {
     "grpo.max_new_tokens": "policy.generation.max_new_tokens",
     "grpo.temperature": "policy.generation.temperature",
     "grpo.warmup_steps": "policy.megatron_cfg.scheduler.lr_warmup_iters",
+    "grpo.num_steps": "grpo.max_num_steps",
 }
 """megatron-fp8's former keys for settings NeMo-RL has a key for: read for one more release (each source's value
 moves to NeMo-RL's key, with a warning naming it), never written out. NeMo-RL's key is the one vocabulary."""
@@ -274,7 +275,7 @@ def _parse_overrides(overrides: Sequence[str]) -> dict[str, JSONValue]:
     for item in overrides:
         text = item.lstrip("+")
         if "=" not in text or text.startswith("="):
-            raise ConfigError(f"override {item!r} is not of the form dotted.key=value (e.g. grpo.num_steps=3)")
+            raise ConfigError(f"override {item!r} is not of the form dotted.key=value (e.g. grpo.max_num_steps=3)")
         cleaned.append(text)
     try:
         plain = OmegaConf.to_container(OmegaConf.from_dotlist(cleaned), resolve=False)
@@ -515,7 +516,7 @@ def load_config(path: str | Path | None = None, overrides: Sequence[str] = ()) -
 
     Args:
         path: a YAML file; ``None`` loads the embedded default (``tiny_cpu.yaml``, package data).
-        overrides: dotted ``key=value`` strings applied after the file (``grpo.num_steps=3``); values are
+        overrides: dotted ``key=value`` strings applied after the file (``grpo.max_num_steps=3``); values are
             parsed as YAML scalars / flow lists (``grpo.arms=[bf16,fp8]``); interpolations in the file
             see the overridden values.
 

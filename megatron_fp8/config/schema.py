@@ -22,7 +22,7 @@ Layout (dotted paths)::
              reference_policy_kl_type, kl_input_clamp_value, kl_output_clamp_value,
              use_on_policy_kl_approximation, token_level_loss}
     policy.generation.{max_new_tokens, temperature}; policy.generation.colocated.{enabled, resources.{...}}
-    grpo.{num_steps, num_prompts_per_step, num_generations_per_prompt, seed, arms, task, task_max_digits, updates_per_step,
+    grpo.{max_num_steps, num_prompts_per_step, num_generations_per_prompt, seed, arms, task, task_max_digits, updates_per_step,
           warm_start_steps, warm_start_learning_rate, val_period, val_at_start, max_val_samples,
           normalize_rewards, use_leave_one_out_baseline}
     data.{max_input_seq_length, shuffle, train.{data_path, input_key, output_key, max_samples},
@@ -37,7 +37,7 @@ Every other NeMo-RL key is accepted with no effect (listed in a warning at load;
 Aliases (older or NeMo-RL spellings, accepted on input, never written out) are
 declared per section in ``ALIASES``: ``use_weight_pow2_scale`` ->
 ``pow2_weight_scaling_factors``, ``use_activation_pow2_scale`` ->
-``pow2_activation_scaling_factors``, ``grpo.max_num_steps`` -> ``grpo.num_steps``. Value aliases
+``pow2_activation_scaling_factors``. Value aliases
 (NeMo-RL spellings of a value) are declared per section in ``VALUE_ALIASES``: ``vllm_cfg.precision: bfloat16``
 -> ``bf16``, ``vllm_cfg.kv_cache_dtype: fp8_e4m3`` -> ``fp8``."""
 
@@ -401,7 +401,7 @@ class LossConfig:
 @dataclass(frozen=True)
 class GRPOConfig:
     """``grpo``. Attributes:
-    num_steps: training steps per arm.
+    max_num_steps: training steps per arm (NeMo-RL's key; ``grpo.num_steps`` is its former spelling).
     num_prompts_per_step: prompts per step.
     num_generations_per_prompt: samples per prompt (the GRPO group size).
     seed: RNG seed (prompts, sampling, init).
@@ -421,7 +421,7 @@ class GRPOConfig:
     allow_no_effect: run although NeMo-RL keys that change the experiment have no effect here (warned).
     """
 
-    num_steps: int = 20
+    max_num_steps: int = 20
     num_prompts_per_step: int = 8
     num_generations_per_prompt: int = 4
     seed: int = 0
@@ -437,8 +437,6 @@ class GRPOConfig:
     normalize_rewards: bool = True
     use_leave_one_out_baseline: bool = False
     allow_no_effect: bool = False
-
-    ALIASES: ClassVar[dict[str, str]] = {"max_num_steps": "num_steps"}
 
 
 @dataclass(frozen=True)

@@ -507,7 +507,7 @@ def scheduler_rules(cfg: RunConfig) -> list[str]:
         problems.append(f"{key}.lr_warmup_iters must be >= 0, got {sched.lr_warmup_iters}")
     if sched.lr_warmup_init is not None and not 0 <= sched.lr_warmup_init <= opt.lr:
         problems.append(f"{key}.lr_warmup_init must be in [0, lr={opt.lr}], got {sched.lr_warmup_init}")
-    decay = sched.lr_decay_iters if sched.lr_decay_iters is not None else cfg.grpo.num_steps
+    decay = sched.lr_decay_iters if sched.lr_decay_iters is not None else cfg.grpo.max_num_steps
     if decay < 1 or sched.lr_warmup_iters >= max(decay, 1) and sched.lr_decay_style != "constant":
         problems.append(
             f"{key}.lr_decay_iters ({decay}{' = grpo.max_num_steps' if sched.lr_decay_iters is None else ''}) must be "
@@ -520,7 +520,7 @@ def grpo_rules(cfg: RunConfig) -> list[str]:
     """``grpo``: positive counts and rates, known distinct arms, groups of at least 2 generations."""
     g = cfg.grpo
     counts = (
-        "num_steps",
+        "max_num_steps",
         "num_prompts_per_step",
         "num_generations_per_prompt",
         "task_max_digits",

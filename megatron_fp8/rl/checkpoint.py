@@ -27,7 +27,6 @@ the folder, writes ``checkpoint.json`` and ``hf/``, prunes, and chooses the chec
 the others). The model and optimizer files of each ``(tp, pp)`` are written by its data-parallel rank 0 (DP replicas
 are identical); every rank writes its own RNG file. Barriers keep any rank from reading before the writer is done,
 and a failure on any rank fails the save on all of them. The folder must be on a file system every rank sees.
-Expert parallelism > 1 is refused (expert shards would need the expert-data-parallel layout).
 """
 
 from __future__ import annotations
@@ -84,7 +83,8 @@ _FINGERPRINT_SECTIONS: tuple[str, ...] = ("model", "policy", "loss_fn", "grpo", 
 transport), ``logging``, ``logger``, ``checkpointing`` and ``out_dir`` do not, and are left out."""
 
 NOT_FINGERPRINTED: dict[str, str] = {
-    "grpo.num_steps": "a rerun with more steps resumes where the last one stopped",
+    "grpo.max_num_steps": "a rerun with more steps resumes where the last one stopped",
+    "grpo.num_steps": "its former spelling (checkpoints written before the rename)",
     "grpo.arms": "each arm has its own folder",
     "grpo.val_period": "validation reads the policy, never changes it",
     "grpo.val_at_start": "validation reads the policy, never changes it",

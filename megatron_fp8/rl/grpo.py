@@ -126,7 +126,7 @@ def run_grpo(
             ``overwrite`` (:func:`megatron_fp8.rl.outputs.claim_out_dir`), or unless this run resumes from
             ``checkpointing.checkpoint_dir`` (then its metrics are kept up to each arm's checkpoint). ``None``: the
             folder the resumed checkpoint names, else a new one (:func:`megatron_fp8.rl.outputs.new_run_dir`).
-        steps: steps per arm; ``None`` = ``config.grpo.num_steps``.
+        steps: steps per arm; ``None`` = ``config.grpo.max_num_steps``.
         arms: arm names (keys of :data:`megatron_fp8.vocab.ARMS`); ``None`` = ``config.grpo.arms``.
         progress: show a progress bar on stderr.
         overwrite: replace another run's outputs in ``out_dir`` (checkpoints are never deleted).

@@ -289,7 +289,7 @@ def learning_rate_at(step: int, config: RunConfig) -> float:
 
     opt, sched = config.policy.megatron_cfg.optimizer, config.policy.megatron_cfg.scheduler
     warmup = sched.lr_warmup_iters
-    decay = sched.lr_decay_iters if sched.lr_decay_iters is not None else config.grpo.num_steps
+    decay = sched.lr_decay_iters if sched.lr_decay_iters is not None else config.grpo.max_num_steps
     init = sched.lr_warmup_init if sched.lr_warmup_init is not None else 0.1 * opt.lr
     groups = _Groups()
     scheduler = OptimizerParamScheduler(

@@ -92,7 +92,7 @@ def preflight(
     Args:
         config: a loaded config (:func:`megatron_fp8.config.load_config` ran its cross-field rules).
         arms: the arms (``None``: ``grpo.arms``).
-        steps: steps per arm (``None``: ``grpo.num_steps``).
+        steps: steps per arm (``None``: ``grpo.max_num_steps``).
         world_size: GRPO processes (``None``: ``$WORLD_SIZE``, else 1).
         launch_checks: check the process count (``config`` checks it only when ``WORLD_SIZE`` is set: the
             launch is not known yet; a note says what it needs).
@@ -107,7 +107,7 @@ def preflight(
             or the model's own error (unknown name, damaged folder, not staged) when ``download`` is true.
     """
     arm_names = tuple(config.grpo.arms if arms is None else arms)
-    n_steps = config.grpo.num_steps if steps is None else int(steps)
+    n_steps = config.grpo.max_num_steps if steps is None else int(steps)
     problems = _argument_problems(config, n_steps=n_steps, arm_names=arm_names)
     notes: list[str] = []
     if launch_checks:

@@ -35,7 +35,7 @@ def _previous_run(folder: Path) -> Path:
     folder.mkdir(parents=True, exist_ok=True)
     (folder / "metrics.jsonl").write_text('{"arm": "bf16"}\n')
     (folder / "summary.md").write_text("# an earlier run\n")
-    (folder / "config.yaml").write_text("grpo: {num_steps: 1}\n")
+    (folder / "config.yaml").write_text("grpo: {max_num_steps: 1}\n")
     return folder
 
 

@@ -75,13 +75,13 @@ def test_a_bad_environment_variable_gets_one_line_naming_it(args, env, message):
 
 def test_a_dotted_key_in_a_yaml_file_is_nesting_and_a_clash_is_refused(tmp_path):
     dotted = tmp_path / "dotted.yaml"
-    dotted.write_text("grpo.num_steps: 3\npolicy.megatron_cfg.optimizer:\n  lr: 0.5\ngrpo:\n  seed: 7\n")
+    dotted.write_text("grpo.max_num_steps: 3\npolicy.megatron_cfg.optimizer:\n  lr: 0.5\ngrpo:\n  seed: 7\n")
     cfg = load_config(dotted)
-    assert (cfg.grpo.num_steps, cfg.grpo.seed, cfg.policy.megatron_cfg.optimizer.lr) == (3, 7, 0.5)
+    assert (cfg.grpo.max_num_steps, cfg.grpo.seed, cfg.policy.megatron_cfg.optimizer.lr) == (3, 7, 0.5)
     twice = tmp_path / "twice.yaml"
-    twice.write_text("grpo.num_steps: 3\ngrpo:\n  num_steps: 4\n")
+    twice.write_text("grpo.max_num_steps: 3\ngrpo:\n  max_num_steps: 4\n")
     proc = _cli("config", "--config", str(twice))
-    assert proc.returncode == 1 and "'grpo.num_steps' is given twice" in proc.stderr, proc.stderr
+    assert proc.returncode == 1 and "'grpo.max_num_steps' is given twice" in proc.stderr, proc.stderr
     through = tmp_path / "through.yaml"
     through.write_text("grpo: 3\ngrpo.num_steps: 4\n")
     proc = _cli("config", "--config", str(through))
@@ -96,9 +96,9 @@ def test_a_huge_config_file_is_refused_at_once(tmp_path):
 
 
 def test_overrides_may_stand_anywhere_and_a_comma_list_is_a_list():
-    proc = _cli("config", "grpo.num_steps=3", "--json", "grpo.seed=4", "grpo.arms=bf16,fp8")
+    proc = _cli("config", "grpo.max_num_steps=3", "--json", "grpo.seed=4", "grpo.arms=bf16,fp8")
     assert proc.returncode == 0, proc.stderr[-2000:]
-    assert '"num_steps": 3' in proc.stdout and '"seed": 4' in proc.stdout
+    assert '"max_num_steps": 3' in proc.stdout and '"seed": 4' in proc.stdout
     assert load_config(None, ["grpo.arms=bf16,fp8"]).grpo.arms == load_config(None, ["grpo.arms=[bf16, fp8]"]).grpo.arms
 
 

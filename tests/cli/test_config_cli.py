@@ -19,10 +19,10 @@ def _run(*args: str) -> subprocess.CompletedProcess:
 
 
 def test_config_json_with_override():
-    proc = _run("--config", str(ROOT / "configs" / "llama31_8b_fp8_nemorl_keys.yaml"), "grpo.num_steps=3", "--json")
+    proc = _run("--config", str(ROOT / "configs" / "llama31_8b_fp8_nemorl_keys.yaml"), "grpo.max_num_steps=3", "--json")
     assert proc.returncode == 0, proc.stderr
     data = json.loads(proc.stdout)
-    assert data["grpo"]["num_steps"] == 3
+    assert data["grpo"]["max_num_steps"] == 3
     assert data["policy"]["megatron_cfg"]["fp8_cfg"]["fp8_recipe"] == "blockwise"
     assert data["model"]["name_or_path"] == "meta-llama/Llama-3.1-8B-Instruct"
 
@@ -37,7 +37,7 @@ def test_config_yaml_default():
 def test_config_bad_key_exits_1():
     proc = _run("grpo.num_step=3")
     assert proc.returncode == 1
-    assert "grpo.num_step" in proc.stderr and "did you mean 'grpo.num_steps'" in proc.stderr
+    assert "grpo.num_step" in proc.stderr and "did you mean 'grpo.max_num_steps'" in proc.stderr
 
 
 NEMO_RL = ROOT / "tests" / "config" / "data" / "nemo_rl" / "examples" / "configs"
@@ -58,12 +58,12 @@ def test_explain_nemo_rl_config_in_80_columns():
 
 
 def test_explain_json_full_table():
-    proc = _run("--explain", str(NEMO_RL / "grpo_math_8B_megatron_fp8.yaml"), "grpo.num_steps=7", "--json")
+    proc = _run("--explain", str(NEMO_RL / "grpo_math_8B_megatron_fp8.yaml"), "grpo.max_num_steps=7", "--json")
     assert proc.returncode == 0, proc.stderr
     data = json.loads(proc.stdout)
     rows = {r["key"]: r for r in data["keys"]}
     assert len(data["files"]) == 4
-    assert rows["grpo.num_steps"]["value"] == 7 and rows["grpo.num_steps"]["source"] == "<override>"
+    assert rows["grpo.max_num_steps"]["value"] == 7 and rows["grpo.max_num_steps"]["source"] == "<override>"
     assert rows["policy.generation.vllm_cfg.gpu_memory_utilization"]["implemented"] is True
     assert rows["data.shuffle"]["implemented"] is True and "rl.data" in rows["data.shuffle"]["effect"]
     assert rows["data.num_workers"]["implemented"] is False and rows["data.num_workers"]["effect"].startswith(

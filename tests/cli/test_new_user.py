@@ -49,9 +49,9 @@ def test_readme_commands_in_order(tmp_path):
     verdicts = json.loads(doctor.stdout)
     assert "blockwise" in json.dumps(verdicts)  # recipes x this machine
 
-    config = _run("config", "--config", "configs/llama31_8b_fp8_nemorl_keys.yaml", "grpo.num_steps=3")
+    config = _run("config", "--config", "configs/llama31_8b_fp8_nemorl_keys.yaml", "grpo.max_num_steps=3")
     data = yaml.safe_load(config.stdout)
-    assert data["grpo"]["num_steps"] == 3 and data["policy"]["megatron_cfg"]["fp8_cfg"]["fp8_recipe"] == "blockwise"
+    assert data["grpo"]["max_num_steps"] == 3 and data["policy"]["megatron_cfg"]["fp8_cfg"]["fp8_recipe"] == "blockwise"
     assert "# preflight:" in config.stdout and "approved" in config.stdout
 
     manifest = json.loads(_run("manifest", "--model", "tiny", "--json").stdout)

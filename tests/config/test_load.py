@@ -52,14 +52,14 @@ def test_dotted_overrides():
     cfg = load_config(
         None,
         [
-            "grpo.num_steps=3",
+            "grpo.max_num_steps=3",
             "grpo.arms=[bf16,fp8_tis]",
             "policy.generation.vllm_cfg.gpu_memory_utilization=0.3",
             "+refit.bucket_size_mb=64",
             "policy.megatron_cfg.env_vars.MY_FLAG=7",
         ],
     )
-    assert cfg.grpo.num_steps == 3 and cfg.grpo.arms == ("bf16", "fp8_tis")
+    assert cfg.grpo.max_num_steps == 3 and cfg.grpo.arms == ("bf16", "fp8_tis")
     assert cfg.policy.generation.vllm_cfg.gpu_memory_utilization == 0.3
     assert cfg.refit.bucket_size_mb == 64
     assert cfg.policy.megatron_cfg.env_vars["MY_FLAG"] == "7"
@@ -68,7 +68,7 @@ def test_dotted_overrides():
 def test_older_pow2_spellings_are_aliases():
     cfg = load_config(None, ["policy.generation.vllm_cfg.use_weight_pow2_scale=true", "grpo.max_num_steps=5"])
     assert cfg.policy.generation.vllm_cfg.pow2_weight_scaling_factors is True
-    assert cfg.grpo.num_steps == 5
+    assert cfg.grpo.max_num_steps == 5
     with pytest.raises(ConfigError, match="alias"):
         load_config(
             None,
@@ -92,7 +92,7 @@ def test_unknown_key_did_you_mean_full_path():
 @pytest.mark.parametrize(
     ("override", "key", "expected"),
     [
-        ("grpo.num_steps=abc", "grpo.num_steps", "int"),
+        ("grpo.max_num_steps=abc", "grpo.max_num_steps", "int"),
         ("policy.megatron_cfg.fp8_cfg.enabled=3", "policy.megatron_cfg.fp8_cfg.enabled", "bool"),
         ("rollout.engine=smoke", "rollout.engine", "'auto'"),
         ("grpo.arms=3", "grpo.arms", "list of str"),  # a comma list string is a list (grpo.arms=bf16,fp8)

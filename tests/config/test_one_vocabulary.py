@@ -71,8 +71,16 @@ def test_nemo_rl_8b_fp8_config_runs_with_its_own_optimizer_lengths_and_sampling(
 def test_former_keys_move_to_nemo_rl_keys_with_a_warning(caplog):
     with caplog.at_level(logging.WARNING, logger="megatron_fp8.config.loader"):
         cfg = load_config(
-            None, ["grpo.learning_rate=0.25", "grpo.max_new_tokens=7", "grpo.temperature=0.5", "grpo.warmup_steps=4"]
+            None,
+            [
+                "grpo.learning_rate=0.25",
+                "grpo.max_new_tokens=7",
+                "grpo.temperature=0.5",
+                "grpo.warmup_steps=4",
+                "grpo.num_steps=6",
+            ],
         )
+    assert cfg.grpo.max_num_steps == 6
     assert cfg.policy.megatron_cfg.optimizer.lr == 0.25
     assert cfg.policy.megatron_cfg.scheduler.lr_warmup_iters == 4
     # the former warm-up (from 10% of lr, linear) is what Megatron-Core's scheduler gives with lr_warmup_init unset

@@ -75,12 +75,12 @@ def test_bad_settings_are_refused(tmp_path):
 
 def test_fingerprint_ignores_steps_validation_arms_and_transport():
     base = config_fingerprint(_config())
-    longer = _config(num_steps=500, val_period=5, val_at_start=True, max_val_samples=3, arms=("bf16",))
+    longer = _config(max_num_steps=500, val_period=5, val_at_start=True, max_val_samples=3, arms=("bf16",))
     longer = dataclasses.replace(longer, refit=dataclasses.replace(longer.refit, transport="gloo", bucket_size_mb=8))
     assert config_fingerprint(longer) == base
     diffs = ckpt.fingerprint_differences(base, config_fingerprint(_with_lr(3e-4)))
     assert diffs == (("policy.megatron_cfg.optimizer.lr", 1e-5, 3e-4),)
-    assert "refit" not in base and "checkpointing" not in base and "num_steps" not in base["grpo"]
+    assert "refit" not in base and "checkpointing" not in base and "max_num_steps" not in base["grpo"]
 
 
 # ----------------------------------------------------------------------------- the real tiny model
@@ -300,7 +300,7 @@ def test_digest_mismatch_falls_back_to_the_previous(tmp_path, trainer, fresh, ca
 @pytest.mark.megatron
 def test_another_config_is_refused_naming_every_key(tmp_path, trainer, fresh):
     _save(_manager(tmp_path), trainer, 2)
-    more_steps = _manager(tmp_path, config=_config(num_steps=400))
+    more_steps = _manager(tmp_path, config=_config(max_num_steps=400))
     assert more_steps.latest().step == 2
     other = _with_lr(3e-4)
     other = dataclasses.replace(other, model=dataclasses.replace(other.model, name_or_path="tiny-llama"))

@@ -32,13 +32,13 @@ def _write(path: Path, text: str) -> Path:
 def test_default_config_passes_and_resolves_the_model():
     report = preflight(load_config(None), download=False)
     assert report.model_path is not None and (report.model_path / "config.json").is_file()
-    assert report.arms == ("bf16", "fp8", "fp8_tis") and report.steps == load_config(None).grpo.num_steps
+    assert report.arms == ("bf16", "fp8", "fp8_tis") and report.steps == load_config(None).grpo.max_num_steps
     assert report.config.model.num_attention_heads == 4  # read from the resolved model
 
 
 def test_a_minimal_config_runs_its_bf16_arm_and_fp8_arms_need_an_fp8_rollout(tmp_path):
     """Issue 21: without grpo.arms the arms follow the rollout precision (BF16 rollout: the bf16 arm)."""
-    cfg = load_config(_write(tmp_path / "min.yaml", "grpo:\n  num_steps: 3\n"))
+    cfg = load_config(_write(tmp_path / "min.yaml", "grpo:\n  max_num_steps: 3\n"))
     assert cfg.grpo.arms == ("bf16",) and preflight(cfg, download=False).arms == ("bf16",)
     proc = _cli("config", "--config", str(tmp_path / "min.yaml"))
     assert proc.returncode == 0 and "approved" in proc.stdout and "arms: bf16;" in proc.stdout, proc.stderr
