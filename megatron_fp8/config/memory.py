@@ -10,7 +10,8 @@ Adam moments (8 B) and the FP32 gradient buffer (4 B, ``grad_reduce_in_fp32``), 
 over the DP replicas: ``params x (6 B + 12 B / DP) / (TP x PP)``, DP = processes / (TP x PP), the processes taken
 from ``WORLD_SIZE`` or else one node of 8 GPUs. With expert parallelism a GPU holds 1/EP of the routed experts'
 parameters (their optimizer state sharded over DP / EP). A colocated vLLM engine takes ``gpu_memory_utilization x`` the
-GPU's memory besides.
+GPU's memory besides. A KL penalty to the reference policy (``loss_fn.reference_policy_kl_penalty``) keeps
+this rank's parameter shard twice more in host memory, not on the GPU (:func:`reference_host_bytes`).
 """
 
 from __future__ import annotations
@@ -158,6 +159,17 @@ def describe_layout(cfg: RunConfig) -> str:
     )
 
 
+def reference_host_bytes(cfg: RunConfig, dims: ModelDims) -> int:
+    """Host bytes per rank the KL penalty's reference policy takes: its BF16 parameter shard and the swap copy
+    (``2 x 2 B x params / (TP x PP)``, experts / EP); 0 without a penalty."""
+    if not cfg.loss_fn.kl_enabled:
+        return 0
+    mcfg = cfg.policy.megatron_cfg
+    experts = dims.num_expert_parameters if mcfg.expert_model_parallel_size > 1 else 0
+    params = dims.num_parameters - experts + experts // mcfg.expert_model_parallel_size
+    return 2 * 2 * params // (mcfg.tensor_model_parallel_size * mcfg.pipeline_model_parallel_size)
+
+
 def layout_report(cfg: RunConfig) -> tuple[list[str], str | None]:
     """The lines ``config`` and ``doctor --config`` print (``layout: ...``, ``memory per GPU ...``), and a warning
     when the estimate exceeds the GPU (``None`` when it fits or the model is unknown)."""
@@ -170,6 +182,12 @@ def layout_report(cfg: RunConfig) -> tuple[list[str], str | None]:
         return lines, None
     estimate = estimate_memory(cfg, dims)
     lines.append(f"memory per GPU (estimate): {estimate.describe()}")
+    host = reference_host_bytes(cfg, dims)
+    if host:
+        lines.append(
+            f"host memory per rank for the KL penalty's reference policy: {host / 1e9:.1f} GB (2 x 2 B x params / "
+            "(TP x PP): its BF16 shard and the swap copy)"
+        )
     if estimate.fits:
         return lines, None
     return lines, (

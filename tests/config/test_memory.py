@@ -95,3 +95,22 @@ def test_expert_parallelism_divides_the_routed_experts():
     no_ep_cfg = _replaced(cfg, "policy.megatron_cfg", expert_model_parallel_size=1)
     no_ep = estimate_memory(no_ep_cfg, dims, gpu=H100, processes=16)
     assert no_ep.trainer_bytes > 3 * est.trainer_bytes
+
+
+def test_the_kl_reference_policy_is_counted_in_host_memory():
+    from megatron_fp8.config.memory import layout_report, reference_host_bytes
+
+    dims = KNOWN_MODELS["qwen3-8b"]
+    plain = load_config(None, ["model.name_or_path=Qwen/Qwen3-8B", "policy.megatron_cfg.tensor_model_parallel_size=2"])
+    kl = load_config(
+        None,
+        [
+            "model.name_or_path=Qwen/Qwen3-8B",
+            "policy.megatron_cfg.tensor_model_parallel_size=2",
+            "loss_fn.reference_policy_kl_penalty=0.01",
+        ],
+    )
+    assert reference_host_bytes(plain, dims) == 0
+    assert reference_host_bytes(kl, dims) == 2 * 2 * dims.num_parameters // 2
+    lines, _ = layout_report(kl)
+    assert any("host memory per rank for the KL penalty's reference policy" in line for line in lines)
