@@ -488,6 +488,13 @@ def loss_rules(cfg: RunConfig) -> list[str]:
             "loss_fn.reference_policy_kl_penalty is the weight of the KL penalty to the reference policy: must be "
             f">= 0 (0 = none), got {loss.reference_policy_kl_penalty}"
         )
+    fp8 = cfg.policy.megatron_cfg.fp8_cfg
+    if loss.kl_enabled and fp8.enabled and fp8.fp8_param:
+        problems.append(
+            "loss_fn.reference_policy_kl_penalty with policy.megatron_cfg.fp8_cfg.fp8_param: the reference policy is "
+            "swapped into the trainer by copying parameters, which would requantize FP8 primary weights; set "
+            "fp8_param: false or reference_policy_kl_penalty: 0"
+        )
     for key in ("kl_input_clamp_value", "kl_output_clamp_value"):
         value = getattr(loss, key)
         if value is not None and value <= 0:

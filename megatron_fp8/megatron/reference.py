@@ -60,6 +60,12 @@ class ReferenceWeights:
     def capture(cls, model: MegatronModel) -> ReferenceWeights:
         """Copy the model's current parameters (call it right after the model is built, before any resume)."""
         named = _parameters(model)
+        odd = [n for n, p in named if type(p.data) is not torch.Tensor]
+        if odd:
+            raise RuntimeError(
+                f"the reference policy copies plain parameter tensors; {odd[0]} is a {type(dict(named)[odd[0]].data).__name__} "
+                "(FP8 primary weights?): set policy.megatron_cfg.fp8_cfg.fp8_param false or reference_policy_kl_penalty 0"
+            )
         tensors = _host_copy([p for _, p in named])
         ref = cls(tuple(n for n, _ in named), tuple(tensors))
         logger.info(

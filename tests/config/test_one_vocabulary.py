@@ -129,6 +129,42 @@ def test_bad_values_name_the_nemo_rl_key(override, message):
         load_config(None, [override])
 
 
+@pytest.mark.parametrize(
+    ("overrides", "message"),
+    [
+        (["loss_fn.reference_policy_kl_penalty=-0.1"], "must be >= 0 (0 = none)"),
+        (["loss_fn.reference_policy_kl_type=k4"], "reference_policy_kl_type"),
+        (["loss_fn.kl_output_clamp_value=0"], "kl_output_clamp_value must be > 0"),
+        (["loss_fn.reference_policy_kl_penalty=0.1", "policy.megatron_cfg.fp8_cfg.fp8_param=true"], "requantize FP8"),
+        (["policy.megatron_cfg.scheduler.lr_decay_style=WSD"], "lr_decay_style"),
+        (["policy.megatron_cfg.optimizer.min_lr=1.0"], "min_lr must be in [0, lr="),
+        (["policy.megatron_cfg.scheduler.lr_warmup_init=1.0"], "lr_warmup_init must be in [0, lr="),
+        (["policy.megatron_cfg.scheduler.lr_decay_style=cosine", "policy.megatron_cfg.scheduler.lr_warmup_iters=50",
+          "policy.megatron_cfg.scheduler.lr_decay_iters=10"], "above lr_warmup_iters"),
+    ],
+)  # fmt: skip
+def test_bad_loss_and_schedule_values_are_refused_naming_the_key(overrides, message):
+    with pytest.raises(ConfigError, match=message.replace("[", r"\[").replace("(", r"\(").replace(")", r"\)")):
+        load_config(None, overrides)
+
+
+def test_a_decaying_schedule_is_megatron_cores():
+    cfg = load_config(
+        None,
+        [
+            "policy.megatron_cfg.optimizer.lr=1.0",
+            "policy.megatron_cfg.optimizer.min_lr=0.1",
+            "policy.megatron_cfg.scheduler.lr_warmup_iters=2",
+            "policy.megatron_cfg.scheduler.lr_warmup_init=0.0",
+            "policy.megatron_cfg.scheduler.lr_decay_style=cosine",
+            "policy.megatron_cfg.scheduler.lr_decay_iters=12",
+        ],
+    )
+    got = [learning_rate_at(s, cfg) for s in (0, 1, 2, 7, 12, 20)]
+    # warm-up 0 -> 1 over 2 steps, cosine from 1 to 0.1 over steps 2..12 (half-way at 7), min_lr after
+    assert got == pytest.approx([0.0, 0.5, 1.0, 0.55, 0.1, 0.1], abs=1e-12)
+
+
 def test_a_dataset_name_without_a_local_file_refuses_the_run_instead_of_the_toy_task(tmp_path):
     """NeMo-RL's 8B FP8 file names OpenMathInstruct-2 (a Hugging Face dataset): it loads, but a run of it does not
     start on the built-in task; staged as a local file, it runs."""
