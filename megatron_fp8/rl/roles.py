@@ -179,10 +179,8 @@ def placement_from(config: RunConfig, env: Mapping[str, str] = os.environ) -> Pl
             would be left, a role other than :data:`ROLES`, or ``grpo.num_prompts_per_step`` not divisible by the
             trainer ranks; each message names the rank and the fix.
     """
-    place = launch_place(env)
+    place = launch_place(env)  # RANK in [0, WORLD_SIZE), WORLD_SIZE >= 1, or a one-line error naming them
     world, rank = place.world_size, place.rank
-    if world < 1 or not 0 <= rank < world:
-        raise ConfigError(f"RANK={rank} is outside [0, WORLD_SIZE={world})")
     env_role = env.get("MFP8_ROLE") or None
     if env_role is not None and env_role not in ROLES:
         raise ConfigError(f"rank {rank}: MFP8_ROLE={env_role!r} is not one of {', '.join(ROLES)} (slurm/common.sh)")

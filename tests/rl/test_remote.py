@@ -227,7 +227,7 @@ def test_placement_separate(config, env, expected):
         (dict(enabled=False, nodes=2), _env(0, 3), "gpus_per_node is not"),
         (dict(enabled=False, gpus=0), _env(0, 3), "must be >= 1"),
         (dict(), _env(0, 2, MFP8_ROLE="writer"), "MFP8_ROLE='writer' is not one of"),
-        (dict(), _env(2, 2), r"RANK=2 is outside"),
+        (dict(), _env(2, 2), r"RANK=2 and WORLD_SIZE=2: a rank must be below the process count"),
     ],
 )
 def test_placement_refuses_bad_counts_and_disagreement(config, env, message):
