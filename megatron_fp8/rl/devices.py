@@ -22,7 +22,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import asdict, dataclass
 
 from megatron_fp8.errors import ConfigError
-from megatron_fp8.launch_env import launch_place
+from megatron_fp8.launch_env import env_int
 
 logger = logging.getLogger(__name__)
 
@@ -135,8 +135,8 @@ def local_assignment(env: Mapping[str, str] | None = None) -> DeviceAssignment:
     (a CPU run has none).
     """
     env = os.environ if env is None else env
-    place = launch_place(env)
-    rank, local_rank = place.rank, place.local_rank
+    rank = env_int("RANK", default=0, env=env)  # the device binding needs no WORLD_SIZE
+    local_rank = env_int("LOCAL_RANK", default=0, env=env)
     visible = _torch_visible()
     if visible is None:
         visible = visible_from_env(env) or ()
