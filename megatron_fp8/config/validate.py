@@ -17,6 +17,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from megatron_fp8 import vocab
+from megatron_fp8.config.algorithm_rules import loss_rules, scheduler_rules
 from megatron_fp8.config.models import ModelDims
 from megatron_fp8.config.schema import FP8TrainConfig, RunConfig, VllmConfig
 from megatron_fp8.errors import ConfigError
@@ -462,67 +463,6 @@ def vllm_engine_rules(cfg: RunConfig) -> list[str]:
     return problems
 
 
-def loss_rules(cfg: RunConfig) -> list[str]:
-    """``loss_fn``: positive IS cap, ordered IS bounds, PPO clip epsilons in range, positive log-ratio clamp,
-    a non-negative KL penalty with positive clamps."""
-    loss = cfg.loss_fn
-    problems: list[str] = []
-    if loss.is_cap is not None and loss.is_cap <= 0:
-        problems.append(f"loss_fn.is_cap must be > 0 (or null: no truncation), got {loss.is_cap}")
-    if loss.is_lower is not None and loss.is_lower < 0:
-        problems.append(f"loss_fn.is_lower must be >= 0, got {loss.is_lower}")
-    if loss.is_lower is not None and loss.is_upper is not None and loss.is_lower >= loss.is_upper:
-        problems.append(f"loss_fn.is_lower ({loss.is_lower}) must be below loss_fn.is_upper ({loss.is_upper})")
-    if not 0.0 <= loss.ratio_clip_min < 1.0:
-        problems.append(
-            f"loss_fn.ratio_clip_min is the PPO clip epsilon below 1: must be in [0, 1), got {loss.ratio_clip_min}"
-        )
-    if loss.ratio_clip_max < 0.0:
-        problems.append(
-            f"loss_fn.ratio_clip_max is the PPO clip epsilon above 1: must be >= 0, got {loss.ratio_clip_max}"
-        )
-    if loss.log_ratio_clamp <= 0:
-        problems.append(f"loss_fn.log_ratio_clamp must be > 0, got {loss.log_ratio_clamp}")
-    if loss.reference_policy_kl_penalty < 0:
-        problems.append(
-            "loss_fn.reference_policy_kl_penalty is the weight of the KL penalty to the reference policy: must be "
-            f">= 0 (0 = none), got {loss.reference_policy_kl_penalty}"
-        )
-    fp8 = cfg.policy.megatron_cfg.fp8_cfg
-    if loss.kl_enabled and fp8.enabled and fp8.fp8_param:
-        problems.append(
-            "loss_fn.reference_policy_kl_penalty with policy.megatron_cfg.fp8_cfg.fp8_param: the reference policy is "
-            "swapped into the trainer by copying parameters, which would requantize FP8 primary weights; set "
-            "fp8_param: false or reference_policy_kl_penalty: 0"
-        )
-    for key in ("kl_input_clamp_value", "kl_output_clamp_value"):
-        value = getattr(loss, key)
-        if value is not None and value <= 0:
-            problems.append(f"loss_fn.{key} must be > 0 (or null for no clamp), got {value}")
-    return problems
-
-
-def scheduler_rules(cfg: RunConfig) -> list[str]:
-    """``policy.megatron_cfg.scheduler`` and ``optimizer.min_lr``: what Megatron-Core's ``OptimizerParamScheduler``
-    asserts (``0 <= min_lr <= lr``, ``lr_warmup_init <= lr``, warm-up shorter than the decay), said with the keys."""
-    opt, sched = cfg.policy.megatron_cfg.optimizer, cfg.policy.megatron_cfg.scheduler
-    key = "policy.megatron_cfg.scheduler"
-    problems: list[str] = []
-    if not 0 <= opt.min_lr <= opt.lr:
-        problems.append(f"policy.megatron_cfg.optimizer.min_lr must be in [0, lr={opt.lr}], got {opt.min_lr}")
-    if sched.lr_warmup_iters < 0:
-        problems.append(f"{key}.lr_warmup_iters must be >= 0, got {sched.lr_warmup_iters}")
-    if sched.lr_warmup_init is not None and not 0 <= sched.lr_warmup_init <= opt.lr:
-        problems.append(f"{key}.lr_warmup_init must be in [0, lr={opt.lr}], got {sched.lr_warmup_init}")
-    decay = sched.lr_decay_iters if sched.lr_decay_iters is not None else cfg.grpo.max_num_steps
-    if decay < 1 or sched.lr_warmup_iters >= max(decay, 1) and sched.lr_decay_style != "constant":
-        problems.append(
-            f"{key}.lr_decay_iters ({decay}{' = grpo.max_num_steps' if sched.lr_decay_iters is None else ''}) must be "
-            f">= 1 and above lr_warmup_iters ({sched.lr_warmup_iters}) for lr_decay_style {sched.lr_decay_style!r}"
-        )
-    return problems
-
-
 def grpo_rules(cfg: RunConfig) -> list[str]:
     """``grpo``: positive counts and rates, known distinct arms, groups of at least 2 generations."""
     g = cfg.grpo
@@ -555,7 +495,6 @@ def grpo_rules(cfg: RunConfig) -> list[str]:
     if len(set(g.arms)) != len(g.arms):
         problems.append(f"grpo.arms lists an arm twice: {list(g.arms)}")
     problems += _at_least("grpo", g, ("warm_start_steps",), 0)
-    problems += scheduler_rules(cfg)
     if g.warm_start_learning_rate <= 0:
         problems.append(f"grpo.warm_start_learning_rate must be > 0, got {g.warm_start_learning_rate}")
     if g.num_generations_per_prompt < 2:
@@ -586,6 +525,7 @@ RULES: tuple[Rule, ...] = (
     mxfp8_rules,
     vllm_engine_rules,
     loss_rules,
+    scheduler_rules,
     grpo_rules,
     refit_rules,
 )
