@@ -8,6 +8,8 @@
 # summary.json (each step's exit code and seconds). Every step runs even when an earlier one fails; the exit
 # code is the first failure's. Wheels found in .whl/ (docs/gpu.md lists them) are installed to /tmp/site first.
 # GPU_RUN_SMOKE=1 runs the same steps with seconds-long sizes, on a CPU too (what the CI test of this script does).
+# GPU_RUN_STEP_TIMEOUT=S stops a step after S seconds (exit 124 in summary.json) so that the later steps still run
+# inside a lease: `step_name:S` pairs override it per step, e.g. "150 refit_cuda:240".
 set -uo pipefail
 cd "$(dirname "$0")/.." || exit 2
 results=${RESULTS:-bench/results}
@@ -30,11 +32,24 @@ nvidia-smi --query-gpu=name,memory.total,clocks.max.memory --format=csv >>"$resu
 
 first_fail=0
 steps=()
+step_timeout() {  # step_timeout NAME: the seconds GPU_RUN_STEP_TIMEOUT gives this step (empty: none)
+    local word limit=""
+    for word in ${GPU_RUN_STEP_TIMEOUT:-}; do
+        case $word in
+            "$1":*) limit=${word#*:} ;;
+            *:*) ;;
+            *) [ -z "$limit" ] && limit=$word ;;
+        esac
+    done
+    echo "$limit"
+}
 step() {  # step NAME CMD...: run, log, time, remember the exit code
-    local name=$1 start rc
+    local name=$1 start rc limit
     shift
-    echo "== $name: $*"
+    limit=$(step_timeout "$name")
+    echo "== $name: $*${limit:+ (at most ${limit}s)}"
     start=$(date +%s)
+    if [ -n "$limit" ]; then set -- timeout -k 10 "$limit" "$@"; fi
     "$@" 2>&1 | tee "$results/$name.log"
     rc=${PIPESTATUS[0]}
     steps+=("\"$name\": {\"rc\": $rc, \"seconds\": $(($(date +%s) - start))}")
