@@ -2,9 +2,11 @@
 # One unattended GPU run: every `gpu` test, then the quantizer and refit benchmarks, as JSON.
 #
 #   bash bench/gpu_run.sh                 # on a bare Hopper machine (torch + Triton; no vLLM, TE or Megatron)
-#   RESULTS=$OUT bash bench/gpu_run.sh    # through the device tool: results come back from $OUT
+#   RESULTS=/tmp/r bash bench/gpu_run.sh; tar czf $OUT/gpu_run.tgz -C /tmp/r .   # through the device tool
+#                                         (it returns at most 8 files from $OUT; this writes 12)
 #
-# Writes to ${RESULTS:-bench/results}: gpu_tests.xml/.log, quant_cuda.json/.log, refit_cuda.json/.log and
+# Writes to ${RESULTS:-bench/results}: gpu_tests.xml/.log, quant_cuda.json/.log, refit_cuda.json/.log,
+# refit_profile_cuda.json/.log (where one refit's GPU and host time goes) and
 # summary.json (each step's exit code and seconds). Every step runs even when an earlier one fails; the exit
 # code is the first failure's. Wheels found in .whl/ (docs/gpu.md lists them) are installed to /tmp/site first.
 # GPU_RUN_SMOKE=1 runs the same steps with seconds-long sizes, on a CPU too (what the CI test of this script does).
@@ -62,10 +64,12 @@ if [ "$smoke" = 1 ]; then
     step gpu_tests "$python" -m pytest -q -p no:cacheprovider -m gpu --junitxml "$results/gpu_tests.xml" "${gpu_tests[@]}"
     step quant_cuda "$python" bench/quant.py --smoke --out "$results/quant_cuda.json"
     step refit_cuda "$python" bench/refit.py --smoke --no-tiny --out "$results/refit_cuda.json"
+    step refit_profile_cuda "$python" bench/profile_refit.py --device cpu --smoke --out "$results/refit_profile_cuda.json"
 else
     step gpu_tests "$python" -m pytest -q -p no:cacheprovider -m gpu -rs --junitxml "$results/gpu_tests.xml" "${gpu_tests[@]}"
     step quant_cuda "$python" bench/quant.py --device cuda --out "$results/quant_cuda.json"
-    step refit_cuda "$python" bench/refit.py --device cuda --out "$results/refit_cuda.json"
+    step refit_cuda "$python" bench/refit.py --device cuda --repeats 3 --out "$results/refit_cuda.json"
+    step refit_profile_cuda "$python" bench/profile_refit.py --out "$results/refit_profile_cuda.json"
 fi
 (IFS=,; echo "{${steps[*]}, \"smoke\": $([ "$smoke" = 1 ] && echo true || echo false)}") >"$results/summary.json"
 cat "$results/summary.json"

@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import gc
 import importlib.util
 import json
 import logging
@@ -291,6 +292,9 @@ def bench_stream_factories(
                 kwargs = {"threads": threads}
             else:
                 kwargs = {"applier_kind": applier, "device": device}
+            if device.type == "cuda":  # the last run's targets and buckets stay reserved in the caching allocator:
+                gc.collect()  # a CUDA IPC receiver (another process) would find the GPU full (seen on an H100)
+                torch.cuda.empty_cache()
             out += BENCHES[name](factories, bucket_bytes=bucket_bytes, repeats=repeats, timeout=timeout, **kwargs)
     return out
 

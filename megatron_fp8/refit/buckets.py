@@ -43,6 +43,7 @@ from megatron_fp8.refit.checksum import (
     finish_checksum,
     header_digest,
     payload_checksum,
+    read_host_int64,
 )
 from megatron_fp8.refit.finite import FiniteProbe, check_finite
 from megatron_fp8.refit.wire import (
@@ -177,12 +178,10 @@ class _Filling:
             probe = FiniteProbe(views)
         p, q = checksum_partials(payload)
         flags = probe.values if probe is not None else None
-        host = torch.cat([p, q] if flags is None else [p, q, flags.view(torch.int32)]).tolist()  # the one host read
+        host = read_host_int64(torch.cat([p, q] if flags is None else [p, q, flags.view(torch.int32)]))  # one read
         nb = p.numel()
         if probe is not None:
-            probe.check(
-                np.asarray(host[2 * nb :], dtype=np.int64).astype(np.int32).view(np.float32), version=self.version
-            )
+            probe.check(host[2 * nb :].astype(np.int32).view(np.float32), version=self.version)
         is_last = trailer is not None
         checksum = finish_checksum(host[:nb], host[nb : 2 * nb], nbytes=end) ^ header_digest(
             version=self.version,

@@ -20,12 +20,31 @@ def test_gpu_run_smoke_writes_every_result(tmp_path):
         "gpu_tests": 0,
         "quant_cuda": 0,
         "refit_cuda": 0,
+        "refit_profile_cuda": 0,
     }
     refit = json.loads((tmp_path / "refit_cuda.json").read_text())
     assert refit["copy_gbps"] > 0 and set(refit["ops_per_bucket"]) == {"bf16", "fp8"}
     for r in refit["runs"]:
         assert r["pct_of_copy"] > 0 and r["ops"]["sender"]["host_reads_per_bucket"] <= 1.0
     assert (tmp_path / "quant_cuda.json").exists() and (tmp_path / "gpu_tests.xml").exists()
+    profile = json.loads((tmp_path / "refit_profile_cuda.json").read_text())
+    assert set(profile) >= {"bf16", "fp8"} and profile["fp8"]["wall_s"] > 0 and profile["fp8"]["top_host"]
+
+
+def test_gpu_run_step_timeout_stops_a_step_and_runs_the_next(tmp_path):
+    """GPU_RUN_STEP_TIMEOUT bounds a step (exit 124 in summary.json) and the later steps still run."""
+    env = dict(
+        os.environ,
+        GPU_RUN_SMOKE="1",
+        RESULTS=str(tmp_path),
+        PYTHON=sys.executable,
+        OMP_NUM_THREADS="1",
+        GPU_RUN_STEP_TIMEOUT="300 gpu_tests:1",
+    )
+    proc = subprocess.run(["bash", "bench/gpu_run.sh"], cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
+    summary = json.loads((tmp_path / "summary.json").read_text())
+    assert summary["gpu_tests"]["rc"] == 124 and proc.returncode == 124, proc.stdout[-2000:]
+    assert summary["refit_cuda"]["rc"] == 0 and summary["quant_cuda"]["rc"] == 0
 
 
 def test_gpu_run_refuses_without_cuda_unless_smoke(tmp_path):

@@ -1,0 +1,137 @@
+"""Where one refit's time goes on a GPU: a torch profile of one BF16 and one FP8 inproc refit of the 8B set.
+
+    python bench/profile_refit.py --out bench/results/refit_profile_cuda.json   # on a CUDA machine
+
+Per stream it prints wall seconds, the GPU's busy time (sum of kernel and memcpy times), the number of launches,
+and the kernels and host-side ops that cost most; the JSON holds the same. On CPU (``--device cpu --smoke``) it
+runs the same code on the 1-layer /8 shapes so that the script is checked without a GPU.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import sys
+import threading
+import time
+from pathlib import Path
+
+import _refit_device as dev  # bench/ is the script's own folder
+import torch
+from torch.profiler import ProfilerActivity, profile
+
+from megatron_fp8.refit import InProcTransport, RefitReceiver, RefitSender, default_bucket_bytes
+from megatron_fp8.refit.synthetic import (
+    bf16_stream,
+    fp8_stream,
+    get_spec,
+    linear_shapes,
+    synthetic_weights,
+)
+
+log = logging.getLogger("bench.profile_refit")
+
+
+def _one_refit(factory, *, device: torch.device, bucket_bytes: int, applier, version: int) -> float:
+    transport = InProcTransport(maxsize=2, timeout=600)
+    receiver = RefitReceiver(transport, apply=applier)
+    sender = RefitSender(transport, bucket_bytes=bucket_bytes, device=device)
+    errors: list[BaseException] = []
+
+    def receive() -> None:
+        try:
+            receiver.receive(first_timeout=600)
+        except BaseException as exc:  # surfaced below
+            errors.append(exc)
+
+    th = threading.Thread(target=receive)
+    dev.sync(device)
+    start = time.perf_counter()
+    th.start()
+    sender.send(factory(), version=version)
+    th.join()
+    dev.sync(device)
+    if errors:
+        raise errors[0]
+    return time.perf_counter() - start
+
+
+def _summarize(prof, wall: float, use_cuda: bool, top: int) -> dict:
+    events = prof.key_averages()
+    device_rows, host_rows = [], []
+    busy_us, launches = 0.0, 0
+    for e in events:
+        dev_us = getattr(e, "self_device_time_total", 0.0) or 0.0
+        if use_cuda and e.device_type == torch.autograd.DeviceType.CUDA:
+            busy_us += dev_us
+            launches += e.count
+            device_rows.append({"name": e.key[:90], "count": e.count, "ms": dev_us / 1e3})
+        elif e.device_type == torch.autograd.DeviceType.CPU:
+            host_rows.append({"name": e.key[:90], "count": e.count, "self_cpu_ms": e.self_cpu_time_total / 1e3})
+    device_rows.sort(key=lambda r: -r["ms"])
+    host_rows.sort(key=lambda r: -r["self_cpu_ms"])
+    return {
+        "wall_s": wall,
+        "gpu_busy_ms": busy_us / 1e3,
+        "device_launches": launches,
+        "top_device": device_rows[:top],
+        "top_host": host_rows[:top],
+    }
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--device", default="cuda", choices=("cpu", "cuda"))
+    ap.add_argument("--layers", type=int, default=32)
+    ap.add_argument("--smoke", action="store_true", help="1 layer, widths / 8 (CPU check of the script)")
+    ap.add_argument("--applier", default="noop", choices=("noop", "dict"))
+    ap.add_argument("--top", type=int, default=12)
+    ap.add_argument("--trace", default=None, help="also write a Chrome trace of the FP8 refit here")
+    ap.add_argument("--out", default=None)
+    args = ap.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(message)s")
+    device = torch.device(args.device, 0) if args.device == "cuda" else torch.device("cpu")
+    use_cuda = device.type == "cuda"
+    spec = get_spec("llama-3.1-8b")
+    spec = spec.shrunk(8, num_layers=1) if args.smoke else spec.shrunk(1, num_layers=args.layers)
+    bucket_bytes = (1 << 20) if args.smoke else default_bucket_bytes(device)
+    weights = synthetic_weights(spec, seed=0, include_rest=True, device=device)
+    fp8_names = set(linear_shapes(spec))
+    factories = {
+        "bf16": lambda: bf16_stream(weights),
+        "fp8": lambda: fp8_stream(weights, fp8_names, nonfinite="defer"),
+    }
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if use_cuda else [])
+    out: dict = {"device": torch.cuda.get_device_name(0) if use_cuda else "cpu", "layers": spec.num_layers}
+    for name, factory in factories.items():
+        applier = dev.make_applier(args.applier, dev.target_spec(factory) if args.applier == "dict" else None, device)
+        _one_refit(factory, device=device, bucket_bytes=bucket_bytes, applier=applier, version=1)  # warm-up
+        plain = _one_refit(factory, device=device, bucket_bytes=bucket_bytes, applier=applier, version=2)
+        with profile(activities=activities) as prof:
+            wall = _one_refit(factory, device=device, bucket_bytes=bucket_bytes, applier=applier, version=3)
+        if args.trace and name == "fp8":
+            prof.export_chrome_trace(args.trace)
+        out[name] = {"unprofiled_wall_s": plain, **_summarize(prof, wall, use_cuda, args.top)}
+        s = out[name]
+        log.info(
+            "== %s: %.4f s unprofiled, %.4f s profiled, GPU busy %.2f ms, %d launches",
+            name,
+            plain,
+            wall,
+            s["gpu_busy_ms"],
+            s["device_launches"],
+        )
+        for r in s["top_device"]:
+            log.info("   dev %8.3f ms x%-5d %s", r["ms"], r["count"], r["name"])
+        for r in s["top_host"]:
+            log.info("   cpu %8.3f ms x%-5d %s", r["self_cpu_ms"], r["count"], r["name"])
+    if args.out:
+        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.out).write_text(json.dumps(out, indent=1))
+        log.info("wrote %s", args.out)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
