@@ -3,15 +3,19 @@
     python bench/profile_refit.py --out bench/results/refit_profile_cuda.json   # on a CUDA machine
 
 Per stream it prints wall seconds, the GPU's busy time (sum of kernel and memcpy times), the number of launches,
-and the kernels and host-side ops that cost most; the JSON holds the same. On CPU (``--device cpu --smoke``) it
+the kernels and host-side ops that cost most, and (a fourth refit under cProfile) the Python functions that take
+the sender's and the receiver's thread time; the JSON holds the same. On CPU (``--device cpu --smoke``) it
 runs the same code on the 1-layer /8 shapes so that the script is checked without a GPU.
 """
 
 from __future__ import annotations
 
 import argparse
+import cProfile
+import io
 import json
 import logging
+import pstats
 import sys
 import threading
 import time
@@ -33,28 +37,53 @@ from megatron_fp8.refit.synthetic import (
 log = logging.getLogger("bench.profile_refit")
 
 
-def _one_refit(factory, *, device: torch.device, bucket_bytes: int, applier, version: int) -> float:
+def _top_functions(prof: cProfile.Profile, top: int) -> list[str]:
+    """The ``top`` Python functions by own time (pstats lines)."""
+    buf = io.StringIO()
+    pstats.Stats(prof, stream=buf).sort_stats("tottime").print_stats(top)
+    lines = buf.getvalue().splitlines()
+    start = next((i for i, line in enumerate(lines) if line.lstrip().startswith("ncalls")), 0)
+    return [line.rstrip() for line in lines[start:] if line.strip()]
+
+
+def _one_refit(
+    factory, *, device: torch.device, bucket_bytes: int, applier, version: int, python: dict | None = None
+) -> float:
     transport = InProcTransport(maxsize=2, timeout=600)
     receiver = RefitReceiver(transport, apply=applier)
     sender = RefitSender(transport, bucket_bytes=bucket_bytes, device=device)
     errors: list[BaseException] = []
 
+    profs = {"sender": cProfile.Profile(), "receiver": cProfile.Profile()} if python is not None else {}
+
     def receive() -> None:
+        if profs:
+            profs["receiver"].enable()
         try:
             receiver.receive(first_timeout=600)
         except BaseException as exc:  # surfaced below
             errors.append(exc)
+        finally:
+            if profs:
+                profs["receiver"].disable()
 
     th = threading.Thread(target=receive)
     dev.sync(device)
     start = time.perf_counter()
     th.start()
+    if profs:
+        profs["sender"].enable()
     sender.send(factory(), version=version)
+    if profs:
+        profs["sender"].disable()
     th.join()
     dev.sync(device)
+    wall = time.perf_counter() - start
     if errors:
         raise errors[0]
-    return time.perf_counter() - start
+    for side, prof in profs.items():
+        python[side] = _top_functions(prof, 15)
+    return wall
 
 
 def _summarize(prof, wall: float, use_cuda: bool, top: int) -> dict:
@@ -112,7 +141,12 @@ def main(argv: list[str] | None = None) -> int:
             wall = _one_refit(factory, device=device, bucket_bytes=bucket_bytes, applier=applier, version=3)
         if args.trace and name == "fp8":
             prof.export_chrome_trace(args.trace)
+        python: dict = {}
+        py_wall = _one_refit(
+            factory, device=device, bucket_bytes=bucket_bytes, applier=applier, version=4, python=python
+        )
         out[name] = {"unprofiled_wall_s": plain, **_summarize(prof, wall, use_cuda, args.top)}
+        out[name]["python"] = {"wall_s": py_wall, **python}
         s = out[name]
         log.info(
             "== %s: %.4f s unprofiled, %.4f s profiled, GPU busy %.2f ms, %d launches",
@@ -126,6 +160,10 @@ def main(argv: list[str] | None = None) -> int:
             log.info("   dev %8.3f ms x%-5d %s", r["ms"], r["count"], r["name"])
         for r in s["top_host"]:
             log.info("   cpu %8.3f ms x%-5d %s", r["self_cpu_ms"], r["count"], r["name"])
+        for side in ("sender", "receiver"):
+            log.info("   python, %s thread (cProfile, %.4f s refit):", side, s["python"]["wall_s"])
+            for line in s["python"][side][:16]:
+                log.info("     %s", line[:150])
     if args.out:
         Path(args.out).parent.mkdir(parents=True, exist_ok=True)
         Path(args.out).write_text(json.dumps(out, indent=1))
