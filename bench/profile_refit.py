@@ -54,29 +54,46 @@ def _one_refit(
     sender = RefitSender(transport, bucket_bytes=bucket_bytes, device=device)
     errors: list[BaseException] = []
 
-    profs = {"sender": cProfile.Profile(), "receiver": cProfile.Profile()} if python is not None else {}
+    # Python < 3.12: a cProfile.Profile sees the thread that enabled it, so each side gets its own. From 3.12 one
+    # profiler at a time is allowed and it sees every thread (sys.monitoring): one profile of the process.
+    per_thread = sys.version_info < (3, 12)
+    profs: dict[str, cProfile.Profile] = {}
+    if python is not None:
+        profs = (
+            {"sender": cProfile.Profile(), "receiver": cProfile.Profile()}
+            if per_thread
+            else {"process": cProfile.Profile()}
+        )
+    mine = profs.get("receiver") if per_thread else None
 
     def receive() -> None:
-        if profs:
-            profs["receiver"].enable()
+        if mine is not None:
+            mine.enable()
         try:
             receiver.receive(first_timeout=600)
         except BaseException as exc:  # surfaced below
             errors.append(exc)
         finally:
-            if profs:
-                profs["receiver"].disable()
+            if mine is not None:
+                mine.disable()
 
     th = threading.Thread(target=receive)
     dev.sync(device)
+    main_prof = profs.get("sender" if per_thread else "process")
     start = time.perf_counter()
+    if main_prof is not None and not per_thread:
+        main_prof.enable()
     th.start()
-    if profs:
-        profs["sender"].enable()
-    sender.send(factory(), version=version)
-    if profs:
-        profs["sender"].disable()
-    th.join()
+    if main_prof is not None and per_thread:
+        main_prof.enable()
+    try:
+        sender.send(factory(), version=version)
+    finally:
+        if main_prof is not None and per_thread:
+            main_prof.disable()
+        th.join()
+        if main_prof is not None and not per_thread:
+            main_prof.disable()
     dev.sync(device)
     wall = time.perf_counter() - start
     if errors:
@@ -160,8 +177,8 @@ def main(argv: list[str] | None = None) -> int:
             log.info("   dev %8.3f ms x%-5d %s", r["ms"], r["count"], r["name"])
         for r in s["top_host"]:
             log.info("   cpu %8.3f ms x%-5d %s", r["self_cpu_ms"], r["count"], r["name"])
-        for side in ("sender", "receiver"):
-            log.info("   python, %s thread (cProfile, %.4f s refit):", side, s["python"]["wall_s"])
+        for side in [k for k in ("sender", "receiver", "process") if k in s["python"]]:
+            log.info("   python, %s (cProfile, %.4f s refit):", side, s["python"]["wall_s"])
             for line in s["python"][side][:16]:
                 log.info("     %s", line[:150])
     if args.out:
