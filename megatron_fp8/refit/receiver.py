@@ -47,7 +47,7 @@ from megatron_fp8.errors import (
 )
 from megatron_fp8.refit.applier import CallableApplier, RefitApplier
 from megatron_fp8.refit.buckets import checksum_error, header_digest_of, unpack_bucket
-from megatron_fp8.refit.checksum import checksum_partials, finish_checksum
+from megatron_fp8.refit.checksum import checksum_partials, finish_checksum, read_host_int64
 from megatron_fp8.refit.transport.base import Transport
 from megatron_fp8.refit.wire import Bucket, RefitOutcome, RefitVersion, TensorMeta, VersionDigest, VersionTrailer
 
@@ -190,7 +190,7 @@ class _Version:
         if not self.pending:
             return
         pending, self.pending = self.pending, []
-        host = torch.cat([t for _, (p, q) in pending for t in (p, q)]).tolist()  # the one host read
+        host = read_host_int64(torch.cat([t for _, (p, q) in pending for t in (p, q)]))  # the one host read
         at = 0
         for bucket, (p, _q) in pending:
             nb = p.numel()
