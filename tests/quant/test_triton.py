@@ -259,3 +259,38 @@ def test_gpu_auto_backend_picks_triton_and_handles_non_contiguous():
     q, s = quantize_blockwise(x)  # auto -> triton on CUDA
     qr, sr = quantize_blockwise(x.cpu().contiguous(), backend="torch")
     assert torch.equal(s.cpu(), sr) and torch.equal(q.cpu().view(torch.uint8), qr.view(torch.uint8))
+
+
+def _first_difference(got: tuple[torch.Tensor, torch.Tensor], want: tuple[torch.Tensor, torch.Tensor], x) -> str:
+    """Where two (q, scale) results differ: counts, the first differing element, its block's scale and input."""
+    (q, s), (qr, sr) = (t.cpu() for t in got), want
+    bad_s = (s != sr).nonzero()
+    bad_q = (q.view(torch.uint8) != qr.view(torch.uint8)).nonzero()
+    msg = f"{len(bad_s)} scales and {len(bad_q)} FP8 bytes differ"
+    if len(bad_s):
+        i = tuple(bad_s[0].tolist())
+        msg += f"; first scale at block {i}: {s[i].item()!r} vs {sr[i].item()!r}"
+    if len(bad_q):
+        i = tuple(bad_q[0].tolist())
+        b = (i[0] // 128, i[1] // 128)
+        msg += (
+            f"; first byte at {i}: {q.view(torch.uint8)[i].item():#04x} vs {qr.view(torch.uint8)[i].item():#04x}"
+            f" (input {x[i].item()!r}, block scale {sr[b].item()!r})"
+        )
+    return msg
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("shape", [(4096, 4096), (1024, 4096), (6144, 4096)])
+def test_gpu_torch_backend_on_cuda_gives_the_cpu_bytes(shape):
+    """The torch backend is exact on every device: on CUDA it gives what it gives on a CPU (and Triton gives).
+
+    The first H100 run of bench/quant.py (2026-11-25) printed "same bytes: NO" for torch-on-CUDA vs Triton-on-CUDA
+    at every shape, while Triton-on-CUDA equals torch-on-CPU (the test above): the message says where they differ.
+    """
+    g = torch.Generator().manual_seed(zlib.crc32(repr(shape).encode()))
+    x = torch.randn(shape, generator=g, dtype=torch.float32).to(torch.bfloat16)
+    got = quantize_blockwise(x.cuda(), backend="torch")
+    want = quantize_blockwise(x, backend="torch")
+    same = torch.equal(got[1].cpu(), want[1]) and torch.equal(got[0].cpu().view(torch.uint8), want[0].view(torch.uint8))
+    assert same, _first_difference(got, want, x)
