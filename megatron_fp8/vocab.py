@@ -1,7 +1,7 @@
 """The vocabulary: every closed set and every name megatron-fp8 and its peers agree on, declared once.
 
 Pure data (no torch import; only :mod:`megatron_fp8.errors`), read by the config schema, the registries that
-implement each set (IS rules in :mod:`megatron_fp8.rl.correction`, transports in
+implement each set (IS rules in :mod:`megatron_fp8.rl.algorithm.correction`, transports in
 :mod:`megatron_fp8.refit.transport`, engines in :mod:`megatron_fp8.rollout.engines`)
 and every module that spells a parameter name. A registry's keys equal the set
 declared here (checked by ``tests/test_architecture.py``); to add a member, add it
@@ -148,7 +148,7 @@ IS_VARIANTS: Final = MappingProxyType(
         "none": "no importance-sampling correction",
     }
 )
-"""``loss_fn.is_variant`` values -> description (rules in :mod:`megatron_fp8.rl.correction`)."""
+"""``loss_fn.is_variant`` values -> description (rules in :mod:`megatron_fp8.rl.algorithm.correction`)."""
 
 IS_VARIANTS_WITH_CAP: Final = frozenset({"token_tis", "seq_is", "seq_mask_tis"})
 """IS variants that read ``is_cap``."""
@@ -207,7 +207,7 @@ MISMATCH_METRICS: Final = (
     "tokens",
     "sequences",
 )
-"""Keys always present in ``rl.metrics.mismatch_metrics``' result (``is_*`` keys are added with an ISResult)."""
+"""Keys always present in ``rl.algorithm.metrics.mismatch_metrics``' result (``is_*`` keys are added with an ISResult)."""
 
 FINISH_REASONS: Final = ("stop", "length")
 """``"stop"``: an EOS token was produced (and is included); ``"length"``: ``max_new_tokens`` reached."""

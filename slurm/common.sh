@@ -31,7 +31,7 @@
 #   REQUIRE_HOPPER      1: fail unless every GPU is Hopper, compute capability 9.x (blockwise FP8); default 0
 #   GPU_BIND            task (default): multi-task steps of a GPU job run with srun --gpus-per-task=1 (one GPU
 #                       per rank); none: every task sees the node's GPUs and selects cuda:LOCAL_RANK. Either way
-#                       megatron_fp8.rl.devices checks that no two ranks of a node use the same GPU
+#                       megatron_fp8.rl.cluster.devices checks that no two ranks of a node use the same GPU
 #   MODEL_PATH          model folder checked on every node (grpo.sbatch derives it from model.name_or_path)
 #   MASTER_ADDR         default: first host of SLURM_JOB_NODELIST;  MASTER_PORT  default: 10000 + job id % 10000
 #                       (below Linux's ephemeral range 32768-60999, so no outgoing connection holds it)
@@ -310,7 +310,7 @@ mfp8_preflight() {
 
 # mfp8_rank_binding NAME: the srun options giving each rank of a multi-task step its own GPU, into array NAME:
 # --gpus-per-task=1 when the job asked Slurm for GPUs and GPU_BIND=task (default), else none (then every task sees
-# the node's GPUs and megatron_fp8.rl.devices selects cuda:LOCAL_RANK). Either way the ranks check at start-up
+# the node's GPUs and megatron_fp8.rl.cluster.devices selects cuda:LOCAL_RANK). Either way the ranks check at start-up
 # that no two of them on a node use the same GPU.
 mfp8_rank_binding() {
     local -n _mfp8_bind=$1

@@ -7,7 +7,7 @@ Run by ``slurm/grpo.sbatch`` in every task (``srun``) before the expensive job, 
 * all ``WORLD_SIZE`` ranks meet at ``MASTER_ADDR:MASTER_PORT`` within ``--timeout-s``;
 * a sum all-reduce of ``rank + 1`` (int64) gives ``WORLD_SIZE * (WORLD_SIZE + 1) / 2``;
 * an all-gather of (rank, host) returns every rank exactly once;
-* every rank has its own GPU: the device each rank would use (``megatron_fp8.rl.devices``: the one GPU Slurm bound
+* every rank has its own GPU: the device each rank would use (``megatron_fp8.rl.cluster.devices``: the one GPU Slurm bound
   to the task, else ``cuda:LOCAL_RANK``; identified by UUID, or by its ``CUDA_VISIBLE_DEVICES`` entry without CUDA)
   differs from every other rank's on the same host.
 
@@ -57,7 +57,7 @@ def run_check(*, timeout_s: float, out: Path | None) -> dict[str, object]:
     import torch.distributed as dist
 
     from megatron_fp8.errors import ConfigError
-    from megatron_fp8.rl.devices import check_distinct, local_assignment
+    from megatron_fp8.rl.cluster.devices import check_distinct, local_assignment
 
     rank, world = _env_int("RANK"), _env_int("WORLD_SIZE")
     if not 0 <= rank < world:

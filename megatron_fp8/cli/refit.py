@@ -33,14 +33,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     """Refit an engine from a Megatron model of ``--model`` and print payload, time and error (exit 1 if unverified)."""
     # lazy: the RL stack (engines, trainer) loads only when a run starts, not for `refit --help`
-    from megatron_fp8.rl.refit_session import run_refits, run_refits_over_gloo
+    from megatron_fp8.rl.driver.refit_session import run_refits, run_refits_over_gloo
 
     if args.repeats < 1:
         raise UsageError(f"--repeats must be >= 1, got {args.repeats}")
     if args.num_first_layers_in_bf16 < 0 or args.num_last_layers_in_bf16 < 0:
         raise UsageError("--num-first-layers-in-bf16 / --num-last-layers-in-bf16 must be >= 0")
-    from megatron_fp8.rl.phases import quiet_stdout
-    from megatron_fp8.rl.runtime import phase
+    from megatron_fp8.rl.driver.phases import quiet_stdout
+    from megatron_fp8.rl.driver.runtime import phase
 
     path = resolve_model(args.model)
     runs = {}

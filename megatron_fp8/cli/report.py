@@ -10,8 +10,8 @@ import argparse
 from pathlib import Path
 
 from megatron_fp8.errors import UsageError
-from megatron_fp8.rl.outputs import rebuild_outputs
-from megatron_fp8.rl.report import terminal_table
+from megatron_fp8.rl.state.outputs import rebuild_outputs
+from megatron_fp8.rl.state.report import terminal_table
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:

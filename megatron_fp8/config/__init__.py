@@ -3,9 +3,9 @@
 ``load_config(None)`` gives the embedded default (``configs/tiny_cpu.yaml``,
 shipped as package data); NeMo-RL config files load as they are (``defaults:``
 parents, ``_override_``, interpolations and NeMo-RL's resolvers:
-:mod:`megatron_fp8.config.inheritance`), NeMo-RL keys megatron-fp8 does not
+:mod:`megatron_fp8.config.nemo_rl.inheritance`), NeMo-RL keys megatron-fp8 does not
 implement are accepted with one "no effect" warning
-(:mod:`megatron_fp8.config.nemo_rl_keys`), and :mod:`megatron_fp8.config.explain`
+(:mod:`megatron_fp8.config.nemo_rl.keys`), and :mod:`megatron_fp8.config.explain`
 says what every key does. See
 :mod:`megatron_fp8.config.schema` for the layout and
 :mod:`megatron_fp8.config.validate` for the cross-field rules.

@@ -2,7 +2,7 @@
 
 :data:`EFFECTS` declares, for every key the schema implements, where its value goes (the longest
 matching dotted prefix wins); a test checks that every schema key has one. Keys megatron-fp8 does not
-implement are explained by :mod:`megatron_fp8.config.nemo_rl_keys` ("no effect: <reason>").
+implement are explained by :mod:`megatron_fp8.config.nemo_rl.keys` ("no effect: <reason>").
 """
 
 from __future__ import annotations
@@ -14,9 +14,9 @@ from collections.abc import Mapping
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from megatron_fp8.config.inheritance import OVERRIDE_SOURCE, leaf_paths
+from megatron_fp8.config.nemo_rl.inheritance import OVERRIDE_SOURCE, leaf_paths
 from megatron_fp8.config.loader import LoadedConfig
-from megatron_fp8.config.nemo_rl_keys import known_keys
+from megatron_fp8.config.nemo_rl.keys import known_keys
 from megatron_fp8.config.schema import JSONValue
 
 _DIMS = "model dimension, for validation only (TP divisibility, BF16 layers)"
@@ -35,11 +35,11 @@ EFFECTS: Mapping[str, str] = {
     "model.num_experts": _DIMS,
     "policy.model_name": "NeMo-RL spelling of model.name_or_path (the checkpoint)",
     "policy.train_global_batch_size": "sequences per optimizer update over all ranks: a step's samples are "
-    "that many updates (rl.phases.train_phase)",
+    "that many updates (rl.driver.phases.train_phase)",
     "policy.logprob_batch_size": "sequences per no-grad forward when the trainer scores a rollout "
-    "(rl.phases.train_phase)",
+    "(rl.driver.phases.train_phase)",
     "policy.train_micro_batch_size": "sequences per forward/backward; gradients accumulated into each update "
-    "(rl.phases.train_phase -> megatron.step.train_step)",
+    "(rl.driver.phases.train_phase -> megatron.step.train_step)",
     "policy.megatron_cfg.enabled": "must be true: megatron-fp8 always trains through Megatron-Core",
     "policy.megatron_cfg.tensor_model_parallel_size": "Megatron tensor parallel size (config.wiring.megatron_parallel_args)",
     "policy.megatron_cfg.pipeline_model_parallel_size": "Megatron pipeline stages: Megatron-Core's 1F1B schedule "
@@ -71,13 +71,13 @@ EFFECTS: Mapping[str, str] = {
     "policy.megatron_cfg.optimizer.clip_grad": "global gradient-norm clip of the Adam (megatron.optim)",
     "policy.megatron_cfg.optimizer.use_distributed_optimizer": "FP32 main weights and Adam moments sharded over the "
     "data-parallel ranks: Megatron-Core's DistributedOptimizer on GPU, megatron.dist_optim.ShardedDDPAdam on CPU",
-    "policy.megatron_cfg.env_vars": "environment of the run (set for its duration by rl.grpo)",
+    "policy.megatron_cfg.env_vars": "environment of the run (set for its duration by rl.driver.grpo)",
     "policy.generation.backend": "must be 'vllm' (the engine itself is rollout.engine)",
     "policy.generation.vllm_cfg.precision": "FP8 rollout on/off for the FP8 arms; quantization config and manifest",
     "policy.generation.vllm_cfg.use_deep_gemm": "env VLLM_USE_DEEP_GEMM of the vLLM engine (config.wiring.vllm_env)",
     "policy.generation.vllm_cfg.gpu_memory_utilization": _VLLM_ARG.format("gpu_memory_utilization"),
-    "policy.generation.vllm_cfg.num_first_layers_in_bf16": "first layers in ignored_layers -> manifest (rl.fp8_rollout)",
-    "policy.generation.vllm_cfg.num_last_layers_in_bf16": "last layers in ignored_layers -> manifest (rl.fp8_rollout)",
+    "policy.generation.vllm_cfg.num_first_layers_in_bf16": "first layers in ignored_layers -> manifest (rl.driver.fp8_rollout)",
+    "policy.generation.vllm_cfg.num_last_layers_in_bf16": "last layers in ignored_layers -> manifest (rl.driver.fp8_rollout)",
     "policy.generation.vllm_cfg.pow2_weight_scaling_factors": (
         "UE8M0 weight scales in the refit export (null: the engine's own format)"
     ),
@@ -88,69 +88,69 @@ EFFECTS: Mapping[str, str] = {
     "policy.generation.vllm_cfg.quantization_ignored_layer_kws": "modules named so -> ignored_layers -> manifest",
     "policy.generation.vllm_cfg.is_mx": "MXFP8 rollout: refused (needs Blackwell; the refit is blockwise)",
     "policy.generation.vllm_cfg.quantization_config": "the explicit vLLM quantization_config (hf_overrides)",
-    "loss_fn.use_importance_sampling_correction": "IS correction of the rollout mismatch on/off (rl.phases)",
-    "loss_fn.is_variant": "IS correction rule (rl.correction.RULES)",
-    "loss_fn.is_cap": "truncation cap of the IS weight (rl.correction)",
-    "loss_fn.is_lower": "lower IS ratio bound of the masking variants (rl.phases)",
-    "loss_fn.is_upper": "upper IS ratio bound of the masking variants (rl.phases)",
-    "loss_fn.ratio_clip_min": "PPO clip epsilon below 1 (rl.phases)",
-    "loss_fn.ratio_clip_max": "PPO clip epsilon above 1 (rl.phases)",
-    "loss_fn.log_ratio_clamp": "clamp of |log ratio| before exp (rl.phases)",
-    "loss_fn.reference_policy_kl_penalty": "weight of the KL penalty to the arm's initial weights (rl.kl)",
-    "loss_fn.reference_policy_kl_type": "KL estimator k1, k2 or k3 (rl.kl)",
-    "loss_fn.kl_input_clamp_value": "clamp of |log(pi_ref / pi)| before the KL estimator (rl.kl)",
-    "loss_fn.kl_output_clamp_value": "clamp of the per-token KL estimate (rl.kl)",
-    "loss_fn.use_on_policy_kl_approximation": "weight the KL by pi / pi_rollout (rl.kl)",
-    "loss_fn.token_level_loss": "token mean (true) or sequence mean of token means (false) (rl.correction)",
-    "grpo.max_num_steps": "training steps per arm (rl.grpo)",
-    "grpo.num_prompts_per_step": "prompts per step (rl.phases)",
-    "grpo.num_generations_per_prompt": "samples per prompt, the GRPO group (rl.phases)",
-    "grpo.seed": "seed of prompts, sampling and init (rl.grpo)",
-    "grpo.arms": "the arms run, in order (rl.grpo)",
-    "grpo.task": "the verifiable toy task (rl.task)",
-    "grpo.task_max_digits": "operand length of the task (rl.task)",
-    "grpo.updates_per_step": "PPO updates per step (rl.phases)",
-    "grpo.warm_start_steps": "supervised warm-start steps before the arms (rl.warm_start)",
-    "grpo.warm_start_learning_rate": "learning rate of the warm start (rl.warm_start)",
-    "grpo.val_period": "validation accuracy every N steps (rl.validation)",
-    "grpo.val_at_start": "validation before the first step (rl.validation)",
-    "grpo.max_val_samples": "validation problems used (rl.validation)",
-    "grpo.normalize_rewards": "divide advantages by the group's reward deviation (rl.batch)",
-    "grpo.use_leave_one_out_baseline": "baseline of each response over the rest of its group, RLOO (rl.batch)",
+    "loss_fn.use_importance_sampling_correction": "IS correction of the rollout mismatch on/off (rl.driver.phases)",
+    "loss_fn.is_variant": "IS correction rule (rl.algorithm.correction.RULES)",
+    "loss_fn.is_cap": "truncation cap of the IS weight (rl.algorithm.correction)",
+    "loss_fn.is_lower": "lower IS ratio bound of the masking variants (rl.driver.phases)",
+    "loss_fn.is_upper": "upper IS ratio bound of the masking variants (rl.driver.phases)",
+    "loss_fn.ratio_clip_min": "PPO clip epsilon below 1 (rl.driver.phases)",
+    "loss_fn.ratio_clip_max": "PPO clip epsilon above 1 (rl.driver.phases)",
+    "loss_fn.log_ratio_clamp": "clamp of |log ratio| before exp (rl.driver.phases)",
+    "loss_fn.reference_policy_kl_penalty": "weight of the KL penalty to the arm's initial weights (rl.algorithm.kl)",
+    "loss_fn.reference_policy_kl_type": "KL estimator k1, k2 or k3 (rl.algorithm.kl)",
+    "loss_fn.kl_input_clamp_value": "clamp of |log(pi_ref / pi)| before the KL estimator (rl.algorithm.kl)",
+    "loss_fn.kl_output_clamp_value": "clamp of the per-token KL estimate (rl.algorithm.kl)",
+    "loss_fn.use_on_policy_kl_approximation": "weight the KL by pi / pi_rollout (rl.algorithm.kl)",
+    "loss_fn.token_level_loss": "token mean (true) or sequence mean of token means (false) (rl.algorithm.correction)",
+    "grpo.max_num_steps": "training steps per arm (rl.driver.grpo)",
+    "grpo.num_prompts_per_step": "prompts per step (rl.driver.phases)",
+    "grpo.num_generations_per_prompt": "samples per prompt, the GRPO group (rl.driver.phases)",
+    "grpo.seed": "seed of prompts, sampling and init (rl.driver.grpo)",
+    "grpo.arms": "the arms run, in order (rl.driver.grpo)",
+    "grpo.task": "the verifiable toy task (rl.data.task)",
+    "grpo.task_max_digits": "operand length of the task (rl.data.task)",
+    "grpo.updates_per_step": "PPO updates per step (rl.driver.phases)",
+    "grpo.warm_start_steps": "supervised warm-start steps before the arms (rl.driver.warm_start)",
+    "grpo.warm_start_learning_rate": "learning rate of the warm start (rl.driver.warm_start)",
+    "grpo.val_period": "validation accuracy every N steps (rl.driver.validation)",
+    "grpo.val_at_start": "validation before the first step (rl.driver.validation)",
+    "grpo.max_val_samples": "validation problems used (rl.driver.validation)",
+    "grpo.normalize_rewards": "divide advantages by the group's reward deviation (rl.algorithm.batch)",
+    "grpo.use_leave_one_out_baseline": "baseline of each response over the rest of its group, RLOO (rl.algorithm.batch)",
     "grpo.allow_no_effect": "accept NeMo-RL keys that change the experiment but have no effect here (config.refusals)",
-    "policy.generation.colocated.enabled": "false: the last ranks only generate; refit over refit.transport (rl.remote)",
-    "policy.generation.colocated.resources.gpus_per_node": "rollout ranks per node when not colocated (rl.roles)",
-    "policy.generation.colocated.resources.num_nodes": "nodes of rollout ranks when not colocated (rl.roles)",
-    "data.train.data_path": "the training problems: a JSONL/Parquet file (rl.data)",
-    "data.train.input_key": "column of the problem text (rl.data)",
-    "data.train.output_key": "column of the expected answer (rl.data)",
-    "data.train.max_samples": "training rows used (rl.data)",
-    "data.validation": "the validation problems (rl.data, rl.validation)",
-    "data.default.prompt_file": "prompt template, then the tokenizer's chat template (rl.data)",
-    "data.default.system_prompt_file": "system message of the chat template (rl.data)",
-    "data.default.env_name": "the reward: math (math-verify) or module:function (rl.rewards)",
-    "data.max_input_seq_length": "longer prompts skipped and counted (rl.data)",
-    "data.shuffle": "training rows shuffled with grpo.seed, per epoch (rl.data)",
-    "checkpointing.enabled": "checkpoints and resume from the latest complete one (rl.checkpoint)",
-    "checkpointing.checkpoint_dir": "checkpoint folder, one subfolder per arm (rl.checkpoint)",
-    "checkpointing.save_period": "save every N steps and after the last (rl.checkpoint)",
-    "checkpointing.keep_top_k": "checkpoints kept per arm (rl.checkpoint)",
-    "checkpointing.metric_name": "metric ranking checkpoints for keep_top_k (rl.checkpoint)",
-    "checkpointing.higher_is_better": "direction of checkpointing.metric_name (rl.checkpoint)",
-    "checkpointing.save_consolidated": "also a Hugging Face checkpoint per save (rl.checkpoint)",
-    "checkpointing.checkpoint_must_save_by": "save and stop before this DD:HH:MM:SS after the loop starts (rl.stopping)",
-    "logger.log_dir": "folder of TensorBoard / W&B files (rl.loggers)",
-    "logger.tensorboard_enabled": "TensorBoard scalars beside metrics.jsonl (rl.loggers)",
-    "logger.wandb_enabled": "a W&B run in offline mode (rl.loggers)",
-    "logger.wandb.project": "W&B project (rl.loggers)",
-    "logger.wandb.name": "W&B run name (rl.loggers)",
+    "policy.generation.colocated.enabled": "false: the last ranks only generate; refit over refit.transport (rl.cluster.remote)",
+    "policy.generation.colocated.resources.gpus_per_node": "rollout ranks per node when not colocated (rl.cluster.roles)",
+    "policy.generation.colocated.resources.num_nodes": "nodes of rollout ranks when not colocated (rl.cluster.roles)",
+    "data.train.data_path": "the training problems: a JSONL/Parquet file (rl.data.problems)",
+    "data.train.input_key": "column of the problem text (rl.data.problems)",
+    "data.train.output_key": "column of the expected answer (rl.data.problems)",
+    "data.train.max_samples": "training rows used (rl.data.problems)",
+    "data.validation": "the validation problems (rl.data.problems, rl.driver.validation)",
+    "data.default.prompt_file": "prompt template, then the tokenizer's chat template (rl.data.problems)",
+    "data.default.system_prompt_file": "system message of the chat template (rl.data.problems)",
+    "data.default.env_name": "the reward: math (math-verify) or module:function (rl.data.rewards)",
+    "data.max_input_seq_length": "longer prompts skipped and counted (rl.data.problems)",
+    "data.shuffle": "training rows shuffled with grpo.seed, per epoch (rl.data.problems)",
+    "checkpointing.enabled": "checkpoints and resume from the latest complete one (rl.state.checkpoint)",
+    "checkpointing.checkpoint_dir": "checkpoint folder, one subfolder per arm (rl.state.checkpoint)",
+    "checkpointing.save_period": "save every N steps and after the last (rl.state.checkpoint)",
+    "checkpointing.keep_top_k": "checkpoints kept per arm (rl.state.checkpoint)",
+    "checkpointing.metric_name": "metric ranking checkpoints for keep_top_k (rl.state.checkpoint)",
+    "checkpointing.higher_is_better": "direction of checkpointing.metric_name (rl.state.checkpoint)",
+    "checkpointing.save_consolidated": "also a Hugging Face checkpoint per save (rl.state.checkpoint)",
+    "checkpointing.checkpoint_must_save_by": "save and stop before this DD:HH:MM:SS after the loop starts (rl.driver.stopping)",
+    "logger.log_dir": "folder of TensorBoard / W&B files (rl.state.loggers)",
+    "logger.tensorboard_enabled": "TensorBoard scalars beside metrics.jsonl (rl.state.loggers)",
+    "logger.wandb_enabled": "a W&B run in offline mode (rl.state.loggers)",
+    "logger.wandb.project": "W&B project (rl.state.loggers)",
+    "logger.wandb.name": "W&B run name (rl.state.loggers)",
     "refit.transport": "refit transport to separate rollout ranks (refit.transport.registry)",
     "rollout.engine": "the rollout engine (rollout.engines.ENGINES)",
     "refit.bucket_size_mb": "refit bucket size (refit.pipeline.ColocatedRefit)",
     "refit.timeout_s": "per-wait refit timeout (refit.pipeline.ColocatedRefit)",
     "refit.verify": "read back and compare after each refit (engine applier)",
-    "kv_cache.percentile": "FP8 KV-cache scale calibration percentile (rl.kv_calibration)",
-    "kv_cache.margin": "FP8 KV-cache scale margin (rl.kv_calibration)",
+    "kv_cache.percentile": "FP8 KV-cache scale calibration percentile (rl.algorithm.kv_calibration)",
+    "kv_cache.margin": "FP8 KV-cache scale margin (rl.algorithm.kv_calibration)",
     "logging.level": "log level of `megatron-fp8 grpo` (cli.grpo)",
     "out_dir": "output folder of `megatron-fp8 grpo` without --out (cli.grpo)",
 }
@@ -218,7 +218,7 @@ def explain_rows(loaded: LoadedConfig) -> list[ExplainRow]:
             source = _source("policy.model_name", loaded.sources, default=DEFAULT_SOURCE)
         rows.append(ExplainRow(key, _value_at(data, key), source, True, effect_of(key) or "(undeclared)"))
     for key, value in loaded.translated.items():
-        effect = "read as loss_fn.is_variant / is_cap / is_lower / is_upper (config.nemo_rl_is)"
+        effect = "read as loss_fn.is_variant / is_cap / is_lower / is_upper (config.nemo_rl.importance_sampling)"
         rows.append(ExplainRow(key, value, _source(key, loaded.sources, default=DEFAULT_SOURCE), True, effect))
     known = known_keys()
     for top, value in loaded.no_effect.items():

@@ -1,12 +1,12 @@
 """Load a :class:`~megatron_fp8.config.schema.RunConfig` from YAML plus dotted overrides.
 
 The file is composed as NeMo-RL composes it (``defaults:`` parents, ``_override_``; see
-:mod:`megatron_fp8.config.inheritance`), the overrides
+:mod:`megatron_fp8.config.nemo_rl.inheritance`), the overrides
 (``policy.generation.vllm_cfg.precision=fp8``) are merged on top, then interpolations and
 NeMo-RL's resolvers resolve against the whole tree. The keys are then of three kinds:
 those the schema implements (converted strictly: type errors name the key and the
 expected type), NeMo-RL keys megatron-fp8 does not implement (dropped, listed once in a
-warning; :mod:`megatron_fp8.config.nemo_rl_keys`), and unknown keys (rejected with a
+warning; :mod:`megatron_fp8.config.nemo_rl.keys`), and unknown keys (rejected with a
 did-you-mean that names the full dotted path). Keys not given keep the schema defaults.
 Then the model dimensions are filled from :mod:`megatron_fp8.config.models` and the
 cross-field rules of :mod:`megatron_fp8.config.validate` run.
@@ -29,10 +29,10 @@ from typing import Annotated, Literal, TypeVar
 from omegaconf import OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
-from megatron_fp8.config.inheritance import ComposedTree, compose_file, compose_text, merge_trees, resolve
+from megatron_fp8.config.nemo_rl.inheritance import ComposedTree, compose_file, compose_text, merge_trees, resolve
 from megatron_fp8.config.models import known_dims
-from megatron_fp8.config.nemo_rl_is import translate_is_keys
-from megatron_fp8.config.nemo_rl_keys import known_keys
+from megatron_fp8.config.nemo_rl.importance_sampling import translate_is_keys
+from megatron_fp8.config.nemo_rl.keys import known_keys
 from megatron_fp8.config.schema import JSONValue, OneOf, RunConfig
 from megatron_fp8.config.validate import validate_config
 from megatron_fp8.errors import ConfigError
@@ -214,7 +214,7 @@ class LoadedConfig:
         sources: dotted leaf path -> the file (or ``<override>``) that set it; keys not listed kept the
             schema default.
         files: every config file read, parents before children (empty for the embedded default).
-        translated: NeMo-RL keys read through megatron-fp8's own (its IS keys, :mod:`.nemo_rl_is`) -> value.
+        translated: NeMo-RL keys read through megatron-fp8's own (its IS keys, :mod:`.nemo_rl.importance_sampling`) -> value.
     """
 
     config: RunConfig
@@ -511,8 +511,8 @@ def load_config(path: str | Path | None = None, overrides: Sequence[str] = ()) -
     """Load, override, fill in and validate a run config.
 
     The file may be a NeMo-RL config as it is: ``defaults:`` parents, ``_override_``, interpolations and
-    NeMo-RL's resolvers (:mod:`megatron_fp8.config.inheritance`). NeMo-RL keys megatron-fp8 does not
-    implement are accepted and listed once in a warning (:mod:`megatron_fp8.config.nemo_rl_keys`).
+    NeMo-RL's resolvers (:mod:`megatron_fp8.config.nemo_rl.inheritance`). NeMo-RL keys megatron-fp8 does not
+    implement are accepted and listed once in a warning (:mod:`megatron_fp8.config.nemo_rl.keys`).
 
     Args:
         path: a YAML file; ``None`` loads the embedded default (``tiny_cpu.yaml``, package data).

@@ -23,7 +23,7 @@ class CheckpointingConfig:
         save_consolidated: also write the policy as a Hugging Face checkpoint (``hf/``, via Megatron-Bridge).
         checkpoint_must_save_by: NeMo-RL's ``DD:HH:MM:SS`` after the training loop starts by which the last
             checkpoint must be on disk (``None`` = no limit): once the next step plus a save could cross it (as
-            timed so far), the run saves and stops, as on SIGTERM (:mod:`megatron_fp8.rl.stopping`).
+            timed so far), the run saves and stops, as on SIGTERM (:mod:`megatron_fp8.rl.driver.stopping`).
     """
 
     enabled: bool = False

@@ -11,7 +11,7 @@ without effect here would make the run another experiment than the file describe
 * a key that changes the algorithm (another advantage estimator, reward shaping, sampling, a weight-decay schedule,
   an ``adv_estimator`` baseline that contradicts ``grpo``'s) set to anything but the value megatron-fp8 runs
   (:func:`other_experiment`), unless ``grpo.allow_no_effect`` (``--allow-no-effect``) accepts them, with a warning.
-  NeMo-RL's TIS keys are not among them: they are read (:mod:`megatron_fp8.config.nemo_rl_is`).
+  NeMo-RL's TIS keys are not among them: they are read (:mod:`megatron_fp8.config.nemo_rl.importance_sampling`).
 
 Cosmetic and infrastructure keys (Ray, cluster, logger paths, vLLM tuning) only warn.
 """

@@ -32,7 +32,7 @@ Layout (dotted paths)::
     rollout.{engine}; refit.{bucket_size_mb, timeout_s, verify, transport}
     kv_cache.{percentile, margin}; logging.{level}; out_dir
 Every other NeMo-RL key is accepted with no effect (listed in a warning at load; the key set is data:
-``megatron_fp8/config/nemo_rl_keys.yaml``); a key in neither is rejected with a did-you-mean.
+``megatron_fp8/config/nemo_rl/keys.yaml``); a key in neither is rejected with a did-you-mean.
 
 Aliases (older or NeMo-RL spellings, accepted on input, never written out) are
 declared per section in ``ALIASES``: ``use_weight_pow2_scale`` ->
@@ -389,7 +389,7 @@ class LossConfig:
 
     @property
     def aggregation(self) -> str:
-        """The loss aggregation of ``token_level_loss``, a key of :data:`megatron_fp8.rl.correction.LOSS_AGGREGATIONS`."""
+        """The loss aggregation of ``token_level_loss``, a key of :data:`megatron_fp8.rl.algorithm.correction.LOSS_AGGREGATIONS`."""
         return "token-mean" if self.token_level_loss else "seq-mean-token-mean"
 
     @property
@@ -406,7 +406,7 @@ class GRPOConfig:
     num_generations_per_prompt: samples per prompt (the GRPO group size).
     seed: RNG seed (prompts, sampling, init).
     arms: which arms to run, keys of :data:`megatron_fp8.vocab.ARMS`.
-    task: the verifiable toy task, a key of :data:`megatron_fp8.rl.task.TASKS` (``addition``, ``copy``).
+    task: the verifiable toy task, a key of :data:`megatron_fp8.rl.data.task.TASKS` (``addition``, ``copy``).
     task_max_digits: operand / string length limit of the task (digits).
     updates_per_step: optimizer updates on each step's batch (PPO epochs; the first is on-policy).
     warm_start_steps: supervised steps on task answers before the arms (shared; 0 = none): a random-init

@@ -62,7 +62,7 @@ NonFinitePolicy = Literal["raise", "sanitize", "defer"]
 """What a quantizer does with NaN/Inf input: raise :class:`~megatron_fp8.errors.NonFiniteError` (one host read of
 the per-block amax), replace by 0, or ``defer``: no check and no host sync; a block holding NaN/Inf gets a ``+inf``
 scale (both backends), so the caller finds it in the scales later, batched with other checks (the refit packer's
-:class:`~megatron_fp8.refit.finite.FiniteProbe` does, naming the scale tensor and the block's index)."""
+:class:`~megatron_fp8.refit.integrity.finite.FiniteProbe` does, naming the scale tensor and the block's index)."""
 
 SCALE_SUFFIX: str = vocab.SCALE_SUFFIX
 """Re-exported from :mod:`megatron_fp8.vocab`."""

@@ -16,8 +16,8 @@ Modules: :mod:`.wire` (bucket format, dtype names, versions), :mod:`.checksum`,
 
 from megatron_fp8.refit.applier import CallableApplier, DictApplier, RefitApplier
 from megatron_fp8.refit.buckets import default_bucket_bytes, pack_buckets, unpack_bucket
-from megatron_fp8.refit.checksum import payload_checksum
-from megatron_fp8.refit.finite import check_finite
+from megatron_fp8.refit.integrity.checksum import payload_checksum
+from megatron_fp8.refit.integrity.finite import check_finite
 from megatron_fp8.refit.receiver import ReceiveReport, RefitReceiver
 from megatron_fp8.refit.sender import PAYLOAD_CLASSES, RefitSender, SendReport, payload_class
 from megatron_fp8.refit.transport import (

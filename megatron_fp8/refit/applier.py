@@ -35,7 +35,7 @@ import torch
 
 from megatron_fp8.errors import EngineNotServingError, RefitError, RefitRolledBackError, WeightStreamError
 from megatron_fp8.refit import multi
-from megatron_fp8.refit.finite import FiniteProbe
+from megatron_fp8.refit.integrity.finite import FiniteProbe
 from megatron_fp8.refit.wire import TensorMeta, torch_dtype
 from megatron_fp8.vocab import SCALE_SUFFIX, is_kv_scale_name
 

@@ -11,7 +11,7 @@ Validation happens on both ends:
 * as a tensor is taken: known dtype, unique name; before its bucket is yielded:
   finite values (float tensors via an infinity norm, FP8 tensors through their
   NaN/Inf bit patterns, e.g. ``0x7f``/``0xff`` for ``float8_e4m3fn``; see
-  :class:`~megatron_fp8.refit.finite.FiniteProbe`), read back with the checksum
+  :class:`~megatron_fp8.refit.integrity.finite.FiniteProbe`), read back with the checksum
   in the bucket's one host sync;
 * when a bucket is unpacked (:func:`unpack_bucket`): version, checksum (over the
   payload *and* the header and metadata), every ``offset + nbytes`` inside the
@@ -37,7 +37,7 @@ import torch
 
 from megatron_fp8.errors import RefitError
 from megatron_fp8.layout import ceil_div
-from megatron_fp8.refit.checksum import (
+from megatron_fp8.refit.integrity.checksum import (
     bucket_checksum,
     checksum_partials,
     finish_checksum,
@@ -45,7 +45,7 @@ from megatron_fp8.refit.checksum import (
     payload_checksum,
     read_host_int64,
 )
-from megatron_fp8.refit.finite import FiniteProbe, check_finite
+from megatron_fp8.refit.integrity.finite import FiniteProbe, check_finite
 from megatron_fp8.refit.wire import (
     ALIGN,
     DTYPES,

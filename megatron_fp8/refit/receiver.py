@@ -47,7 +47,7 @@ from megatron_fp8.errors import (
 )
 from megatron_fp8.refit.applier import CallableApplier, RefitApplier
 from megatron_fp8.refit.buckets import checksum_error, header_digest_of, unpack_bucket
-from megatron_fp8.refit.checksum import checksum_partials, finish_checksum, read_host_int64
+from megatron_fp8.refit.integrity.checksum import checksum_partials, finish_checksum, read_host_int64
 from megatron_fp8.refit.transport.base import Transport
 from megatron_fp8.refit.wire import Bucket, RefitOutcome, RefitVersion, TensorMeta, VersionDigest, VersionTrailer
 

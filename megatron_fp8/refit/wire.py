@@ -15,8 +15,8 @@ strictly increase (:class:`RefitVersion`). After each version the receiver
 answers with a :class:`RefitOutcome`.
 
 Packing and unpacking live in :mod:`megatron_fp8.refit.buckets`, the payload
-checksum in :mod:`megatron_fp8.refit.checksum`, the NaN/Inf refusal in
-:mod:`megatron_fp8.refit.finite`.
+checksum in :mod:`megatron_fp8.refit.integrity.checksum`, the NaN/Inf refusal in
+:mod:`megatron_fp8.refit.integrity.finite`.
 """
 
 from __future__ import annotations
@@ -325,7 +325,7 @@ class Bucket:
         is_last: whether this is the final bucket of the version.
         metas: tensors inside ``payload``, in stream order.
         payload: 1-D ``torch.uint8`` tensor; its length is a multiple of :data:`ALIGN`.
-        checksum: :func:`~megatron_fp8.refit.checksum.bucket_checksum` computed by the sender: the payload
+        checksum: :func:`~megatron_fp8.refit.integrity.checksum.bucket_checksum` computed by the sender: the payload
             checksum mixed with a digest of the header (version, index, is_last, stream_id, trailer) and metas.
         stream_id: random id of the sending this bucket belongs to (``0 <= id < 2**62``), echoed in the outcome.
         trailer: the version's announced set; present exactly on the last bucket.

@@ -17,8 +17,8 @@ from pathlib import Path
 
 import pytest
 
-from megatron_fp8.rl.outputs import RUN_OUTPUTS, claim_out_dir, rebuild_outputs
-from megatron_fp8.rl.results import METRICS_FILE, ArmResult, StepMetrics, arms_from_records
+from megatron_fp8.rl.state.outputs import RUN_OUTPUTS, claim_out_dir, rebuild_outputs
+from megatron_fp8.rl.state.results import METRICS_FILE, ArmResult, StepMetrics, arms_from_records
 
 CLI = [sys.executable, "-m", "megatron_fp8.cli"]
 

@@ -65,7 +65,7 @@ def test_explain_json_full_table():
     assert len(data["files"]) == 4
     assert rows["grpo.max_num_steps"]["value"] == 7 and rows["grpo.max_num_steps"]["source"] == "<override>"
     assert rows["policy.generation.vllm_cfg.gpu_memory_utilization"]["implemented"] is True
-    assert rows["data.shuffle"]["implemented"] is True and "rl.data" in rows["data.shuffle"]["effect"]
+    assert rows["data.shuffle"]["implemented"] is True and "rl.data.problems" in rows["data.shuffle"]["effect"]
     assert rows["data.num_workers"]["implemented"] is False and rows["data.num_workers"]["effect"].startswith(
         "no effect"
     )

@@ -8,7 +8,7 @@ import sys
 
 import pytest
 
-from megatron_fp8.rl.metrics import METRIC_KEYS
+from megatron_fp8.rl.algorithm.metrics import METRIC_KEYS
 
 REQUIRED_KEYS = {
     "arm",

@@ -13,13 +13,13 @@ from pathlib import Path
 
 import pytest
 
-from megatron_fp8.config.inheritance import leaf_paths
+from megatron_fp8.config.nemo_rl.inheritance import leaf_paths
 from megatron_fp8.config.loader import MOVED_KEYS, load_config, load_config_report
-from megatron_fp8.config.nemo_rl_keys import known_keys
+from megatron_fp8.config.nemo_rl.keys import known_keys
 from megatron_fp8.config.refusals import refuse_before_run
 from megatron_fp8.config.schema import RunConfig
 from megatron_fp8.errors import ConfigError
-from megatron_fp8.rl.phases import learning_rate_at
+from megatron_fp8.rl.driver.phases import learning_rate_at
 
 DATA = Path(__file__).parent / "data" / "nemo_rl" / "examples" / "configs"
 

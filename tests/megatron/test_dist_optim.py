@@ -1,6 +1,6 @@
 """The CPU distributed optimizer (``ShardedDDPAdam``) against the unsharded Adam, and its checkpoint state.
 
-Across two data-parallel ranks it is compared bit for bit in ``tests/rl/test_model_parallel.py`` (GRPO under
+Across two data-parallel ranks it is compared bit for bit in ``tests/rl/driver/test_model_parallel.py`` (GRPO under
 torchrun); here, in one process, the update arithmetic and the DP-independent state layout.
 """
 

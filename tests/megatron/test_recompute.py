@@ -15,7 +15,7 @@ from megatron_fp8.errors import ConfigError
 from megatron_fp8.megatron import build_megatron_model, make_optimizer, megatron_parallel, train_step
 from megatron_fp8.megatron.build import RecomputeSettings
 from megatron_fp8.models import tiny_model_path
-from megatron_fp8.rl.arm import recompute_settings
+from megatron_fp8.rl.driver.arm import recompute_settings
 
 IDS = torch.randint(4, 360, (4, 12), generator=torch.Generator().manual_seed(1))
 

@@ -17,7 +17,7 @@ import pytest
 import torch
 
 from megatron_fp8.refit import payload_checksum
-from megatron_fp8.refit.checksum import BLOCK_WORDS, checksum_partials
+from megatron_fp8.refit.integrity.checksum import BLOCK_WORDS, checksum_partials
 
 pytest.importorskip("triton")
 
@@ -25,8 +25,8 @@ _SCRIPT = textwrap.dedent(
     r"""
     import json
     import torch
-    from megatron_fp8.refit import kernels
-    from megatron_fp8.refit.checksum import BLOCK_WORDS, checksum_partials
+    from megatron_fp8.refit.integrity import kernels
+    from megatron_fp8.refit.integrity.checksum import BLOCK_WORDS, checksum_partials
 
     assert kernels.interpreter_active()
     rows = []

@@ -1,11 +1,11 @@
-"""One GPU per rank: the pure selection/check logic of megatron_fp8.rl.devices (no GPU needed)."""
+"""One GPU per rank: the pure selection/check logic of megatron_fp8.rl.cluster.devices (no GPU needed)."""
 
 from __future__ import annotations
 
 import pytest
 
 from megatron_fp8.errors import ConfigError
-from megatron_fp8.rl.devices import (
+from megatron_fp8.rl.cluster.devices import (
     DeviceAssignment,
     assign_device,
     bind_device,

@@ -131,7 +131,7 @@ class TorchDistTransport(Transport):
         self.name = self.backend
         self.src = int(src)
         # with a group: this process's rank as the group's rank map names it (a group built over processes that
-        # share no default group, megatron_fp8.rl.roles.identity_group, names its members by their group ranks)
+        # share no default group, megatron_fp8.rl.cluster.roles.identity_group, names its members by their group ranks)
         self.rank = dist.get_global_rank(group, group.rank()) if group is not None else dist.get_rank()
         ranks = dist.get_process_group_ranks(group if group is not None else dist.group.WORLD)
         if self.src not in ranks:

@@ -1,0 +1,263 @@
+"""Data-parallel GRPO ranks: the process group from the environment and the rank-0 helpers.
+
+Colocated (the default) or, with separate rollout ranks (:mod:`megatron_fp8.rl.cluster.roles`), over the trainer ranks
+only: there the trainers' world is the default process group of a trainer rank, so every collective here (and
+Megatron-Core's) spans the trainers and never a rollout rank (:func:`trainer_data_parallel`).
+
+Under Slurm (``slurm/grpo.sbatch``) every task runs ``megatron-fp8 grpo`` with ``RANK``,
+``WORLD_SIZE``, ``MASTER_ADDR`` and ``MASTER_PORT`` set. Each rank rolls out its share of the
+step's prompts on its own colocated engine (whole groups, so advantages stay group-local),
+Megatron-Core's DDP averages the gradients over ranks, every rank refits its own engine, and
+rank 0 (the writer) averages the step metrics over ranks and writes the outputs. Every rank takes its own GPU
+first (:mod:`megatron_fp8.rl.cluster.devices`: ``cuda:LOCAL_RANK``, or the one GPU Slurm bound to the task, checked
+against the other ranks of its node).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import datetime
+import logging
+import os
+from collections.abc import Iterator, Mapping, Sequence
+from dataclasses import dataclass
+from typing import TypeVar
+
+import torch
+import torch.distributed as dist
+
+from megatron_fp8.errors import ConfigError
+from megatron_fp8.launch_env import launch_place
+from megatron_fp8.rl.cluster.devices import bind_device, gather_with_process_group
+from megatron_fp8.rl.cluster.roles import Placement
+from megatron_fp8.rl.state.results import StepMetrics
+
+logger = logging.getLogger(__name__)
+
+T = TypeVar("T")
+
+
+@dataclass(frozen=True)
+class DataParallel:
+    """This process's place in a multi-process GRPO run (``torch.distributed`` from the environment).
+
+    Ranks are placed in Megatron-Core's default order (``tp-cp-ep-dp-pp``: tensor-parallel ranks adjacent, then
+    data-parallel replicas, pipeline stages outermost), so ``rank = tp_rank + TP x (dp_rank + DP x pp_rank)``. The
+    ``TP x PP`` ranks of one model replica see the same samples; data is sharded by the data-parallel rank only.
+    :func:`check_against_megatron` checks this against Megatron-Core's ``parallel_state`` once it is initialised.
+
+    Attributes:
+        rank: this process's rank among the trainers, ``0 <= rank < world_size``.
+        world_size: number of GRPO trainer processes.
+        tensor_parallel_size: ``policy.megatron_cfg.tensor_model_parallel_size``.
+        pipeline_parallel_size: ``policy.megatron_cfg.pipeline_model_parallel_size``.
+
+    Raises:
+        ConfigError: ``world_size`` is not a multiple of ``TP x PP``.
+    """
+
+    rank: int = 0
+    world_size: int = 1
+    tensor_parallel_size: int = 1
+    pipeline_parallel_size: int = 1
+
+    def __post_init__(self) -> None:
+        mp = self.tensor_parallel_size * self.pipeline_parallel_size
+        if min(self.tensor_parallel_size, self.pipeline_parallel_size) < 1 or self.world_size % mp:
+            raise ConfigError(
+                f"{self.world_size} trainer processes cannot hold whole model replicas of {mp} ranks "
+                f"(policy.megatron_cfg.tensor_model_parallel_size={self.tensor_parallel_size} x "
+                f"pipeline_model_parallel_size={self.pipeline_parallel_size}): launch a multiple of {mp} processes"
+            )
+
+    @property
+    def model_parallel_size(self) -> int:
+        """Ranks holding one model replica (``TP x PP``)."""
+        return self.tensor_parallel_size * self.pipeline_parallel_size
+
+    @property
+    def is_writer(self) -> bool:
+        """Rank 0 asks vLLM for the manifest, averages the metrics and writes the outputs."""
+        return self.rank == 0
+
+    @property
+    def dp_size(self) -> int:
+        """Number of model replicas (data-parallel size)."""
+        return self.world_size // self.model_parallel_size
+
+    @property
+    def dp_rank(self) -> int:
+        """This rank's data-parallel rank (its model replica's index)."""
+        return (self.rank // self.tensor_parallel_size) % self.dp_size
+
+    @property
+    def pp_rank(self) -> int:
+        """This rank's pipeline stage."""
+        return self.rank // (self.tensor_parallel_size * self.dp_size)
+
+    @property
+    def replica_first_rank(self) -> int:
+        """The global rank of the first rank of this model replica (tensor-parallel rank 0 of the first stage)."""
+        return self.dp_rank * self.tensor_parallel_size
+
+    @property
+    def is_replica_first(self) -> bool:
+        """The first rank of its model replica (the one that counts the replica's samples once)."""
+        return self.rank == self.replica_first_rank
+
+    def shard(self, items: Sequence[T]) -> list[T]:
+        """This replica's items: every ``dp_size``-th, starting at ``dp_rank`` (the same on its model-parallel ranks)."""
+        return list(items[self.dp_rank :: self.dp_size])
+
+
+def same_within_replica(value: T, dp: DataParallel) -> T:
+    """``value`` as the first rank of this model replica has it, on every rank of the replica.
+
+    The model-parallel ranks of one replica (its TP ranks and pipeline stages) must train on the same samples bit
+    for bit; each rolls out the same prompts with the same seeds, and this makes the first rank's result
+    authoritative (collective over Megatron-Core's model-parallel group; a no-op without model parallelism).
+    """
+    if dp.model_parallel_size == 1:
+        return value
+    from megatron.core import parallel_state  # lazy: Megatron-Core is optional (the GPU test box has torch only)
+
+    box: list[T] = [value]
+    dist.broadcast_object_list(box, src=dp.replica_first_rank, group=parallel_state.get_model_parallel_group())
+    return box[0]
+
+
+def longest_over_replicas(length: int, dp: DataParallel) -> int:
+    """The largest ``length`` over the data-parallel replicas (an all-reduce over Megatron-Core's data-parallel group;
+    ``length`` itself with one replica)."""
+    if dp.dp_size == 1:
+        return length
+    from megatron.core import parallel_state  # lazy: Megatron-Core is optional (the GPU test box has torch only)
+
+    box = torch.tensor([length], dtype=torch.int64)
+    dist.all_reduce(box, op=dist.ReduceOp.MAX, group=parallel_state.get_data_parallel_group())
+    return int(box)
+
+
+def check_against_megatron(dp: DataParallel) -> None:
+    """Refuse a data-parallel place that disagrees with Megatron-Core's ``parallel_state`` (once initialised).
+
+    Raises:
+        ConfigError: naming both places.
+    """
+    from megatron.core import parallel_state  # lazy: Megatron-Core is optional
+
+    got = (
+        parallel_state.get_data_parallel_rank(),
+        parallel_state.get_data_parallel_world_size(),
+        parallel_state.get_pipeline_model_parallel_rank(),
+        parallel_state.get_model_parallel_src_rank(),
+    )
+    want = (dp.dp_rank, dp.dp_size, dp.pp_rank, dp.replica_first_rank)
+    if got != want:
+        raise ConfigError(
+            f"rank {dp.rank}: Megatron-Core places it at (data-parallel rank, size, pipeline stage, replica's first "
+            f"rank) = {got}, the GRPO driver at {want}; the GRPO driver supports Megatron-Core's default rank order "
+            "(tp-cp-ep-dp-pp)"
+        )
+
+
+@contextlib.contextmanager
+def data_parallel_from_env(*, timeout_s: float = 1800.0) -> Iterator[DataParallel]:
+    """Join the ``WORLD_SIZE`` processes of this run (gloo) for its whole length; one process: no group.
+
+    Each rank selects its GPU (``torch.cuda.set_device``) before anything touches CUDA, and fails when another
+    rank of its node already holds it (:func:`megatron_fp8.rl.cluster.devices.bind_device`).
+
+    Separate trainer and rollout ranks (:func:`megatron_fp8.rl.cluster.roles.placement_from`) join with
+    :func:`megatron_fp8.rl.cluster.roles.join_groups` instead; a trainer rank's place is :func:`trainer_data_parallel`.
+
+    Raises:
+        ConfigError: ``MFP8_ROLE`` other than ``colocated`` (a separate placement), ``WORLD_SIZE > 1`` without a
+            rendezvous, or two ranks of a node on one GPU.
+    """
+    place = launch_place()
+    world, rank = place.world_size, place.rank
+    role = os.environ.get("MFP8_ROLE", "colocated") or "colocated"
+    if role != "colocated":
+        raise ConfigError(
+            f"rank {rank}: MFP8_ROLE={role!r} (slurm/grpo.sbatch with ROLLOUT_TASKS set) is a separate trainer / "
+            "rollout placement, which joins its groups with megatron_fp8.rl.cluster.roles.join_groups (placement_from "
+            "decides); data_parallel_from_env joins colocated ranks only. Unset ROLLOUT_TASKS to run colocated"
+        )
+    if world <= 1:
+        bind_device()
+        yield DataParallel()
+        return
+    missing = [v for v in ("MASTER_ADDR", "MASTER_PORT") if not os.environ.get(v)]
+    if missing:
+        raise ConfigError(
+            f"WORLD_SIZE={world} but {', '.join(missing)} not set: launch through slurm/grpo.sbatch "
+            "(or torchrun), which set the rendezvous"
+        )
+    dist.init_process_group(
+        "gloo", init_method="env://", rank=rank, world_size=world, timeout=datetime.timedelta(seconds=timeout_s)
+    )
+    logger.info("GRPO data parallel: rank %d of %d", rank, world)
+    try:
+        bind_device(gather_with_process_group)
+        yield DataParallel(rank=rank, world_size=world)
+    finally:
+        dist.destroy_process_group()
+
+
+def trainer_data_parallel(placement: Placement) -> DataParallel:
+    """A trainer rank's data-parallel place among the trainer ranks only (separate or colocated placement).
+
+    With separate rollout ranks the trainers' world is the default process group on a trainer rank
+    (:func:`megatron_fp8.rl.cluster.roles.join_groups`), so :func:`share_from_writer`, :func:`average_over_ranks` and
+    Megatron-Core work over the trainers unchanged.
+
+    Raises:
+        ConfigError: ``placement`` is a rollout rank's.
+    """
+    if placement.trainer_rank is None:
+        raise ConfigError(f"rank {placement.rank} is a rollout rank: it has no place among the trainers")
+    return DataParallel(rank=placement.trainer_rank, world_size=len(placement.trainer_ranks))
+
+
+def share_from_writer(value: T | None, dp: DataParallel) -> T:
+    """``value`` as computed on rank 0, on every rank (pickled broadcast; other ranks pass ``None``)."""
+    box: list[T | None] = [value]
+    if dp.world_size > 1:
+        dist.broadcast_object_list(box, src=0)
+    shared = box[0]
+    if shared is None:
+        raise ConfigError("rank 0 shared nothing: call share_from_writer with a value on rank 0")
+    return shared
+
+
+_SUM_FIELDS = ("refit_bytes",)
+"""Per-rank payloads add up; every other float is averaged, other values are taken from rank 0."""
+_RANK0_FIELDS = ("arm", "step", "engine", "sample")
+
+
+def _combine(key: str, values: Sequence[object]) -> object:
+    """One field over ranks: bools all-true, floats averaged (``_SUM_FIELDS`` summed), else rank 0's."""
+    first = values[0]
+    if isinstance(first, bool):
+        return all(values)
+    if isinstance(first, Mapping):
+        return {k: _combine(f"{key}.{k}", [v[k] for v in values if isinstance(v, Mapping)]) for k in first}
+    if not isinstance(first, (int, float)):
+        return first
+    numbers = [v for v in values if isinstance(v, (int, float))]
+    if key.split(".")[0] in _SUM_FIELDS:
+        return sum(numbers)
+    return float(sum(numbers) / len(numbers)) if isinstance(first, float) else first
+
+
+def average_over_ranks(m: StepMetrics, dp: DataParallel) -> StepMetrics:
+    """Average a step's numeric metrics over ranks (refit bytes summed); collective, rank 0 uses the result."""
+    if dp.world_size == 1:
+        return m
+    gathered: list[dict[str, object] | None] = [None] * dp.world_size
+    dist.all_gather_object(gathered, dataclasses.asdict(m))
+    records = [g for g in gathered if g is not None]
+    merged = {k: _combine(k, [r[k] for r in records]) for k in records[0] if k not in _RANK0_FIELDS}
+    return dataclasses.replace(m, **merged)

@@ -1,0 +1,528 @@
+"""The GRPO driver: BF16 vs FP8 vs FP8+TIS rollout on one model, one seed, one task.
+
+:func:`run_grpo` runs each arm of ``config.grpo.arms`` (:data:`megatron_fp8.vocab.ARMS`) from the same
+initial weights, the same prompts and the same sampling seeds. One step of one arm:
+
+1. take the step's ``num_prompts_per_step`` problems (:mod:`megatron_fp8.rl.data.problems`: the rows of
+   ``data.train`` in a seeded order, or the built-in toy task ``grpo.task``), the same for every arm;
+2. roll out ``num_generations_per_prompt`` responses per prompt with the arm's engine
+   (:mod:`megatron_fp8.rollout.engines`; BF16 or FP8 weights) and keep the engine's per-token
+   log-probabilities ``logp_rollout``;
+3. score the responses (:mod:`megatron_fp8.rl.data.rewards`: ``math`` via math-verify, a user's
+   ``module:function``, or the task's partial credit) and normalise within each group:
+   ``A = (r - mean_group) / (std_group + 1e-6)``;
+4. score the same tokens with the Megatron-Core trainer (no grad): ``logp_train_old``;
+   log :func:`~megatron_fp8.rl.algorithm.metrics.mismatch_metrics` between the two;
+5. importance weights: none for ``bf16`` and ``fp8``; ``loss_fn.is_variant`` (token TIS,
+   C = ``loss_fn.is_cap``) for ``fp8_tis``; the token-TIS statistics are logged for every
+   arm (``is_applied`` says whether they entered the loss);
+6. ``grpo.updates_per_step`` optimizer steps on the PPO clipped loss
+   (:func:`~megatron_fp8.rl.algorithm.correction.ppo_loss`, old policy = ``logp_train_old``);
+7. refit: the trainer's HF-named weights (Megatron-Bridge export) go to the engine, for the
+   FP8 arms quantized to FP8 + 128x128 block scales exactly for the weights in vLLM's FP8
+   manifest (asked of vLLM once per run, before the arms), through the bucketed refit
+   pipeline with a verified two-phase commit. The payload bytes (fp8 / scales / bf16) and
+   the time are logged.
+
+Every step appends one JSON line per arm to ``metrics.jsonl`` (and the same scalars to TensorBoard / W&B
+offline, :mod:`megatron_fp8.rl.state.loggers`); validations go to ``validation.jsonl``; at the end ``summary.md``
+and ``metrics.png`` are written (:mod:`megatron_fp8.rl.state.report`). With ``checkpointing.enabled`` each arm
+saves to ``checkpoint_dir/<arm>/step_N`` (:mod:`megatron_fp8.rl.state.checkpoint`) and a rerun resumes every arm
+from its latest complete checkpoint, keeping the metrics of the steps it does not redo.
+
+Placement (:mod:`megatron_fp8.rl.cluster.roles`): colocated by default (every rank trains and rolls out on its
+own engine, refit in process); with ``policy.generation.colocated.enabled: false`` (or ``ROLLOUT_TASKS``
+in ``slurm/grpo.sbatch``) the last ranks only generate (:func:`megatron_fp8.rl.cluster.remote.serve_rollout`)
+and trainer rank 0 sends each refit through ``refit.transport``.
+
+This module is the driver (arguments -> arms -> outputs); the pieces live beside it:
+:mod:`~megatron_fp8.rl.driver.arm` (one arm: engine, trainer, resume, steps, validation, checkpoints),
+:mod:`~megatron_fp8.rl.driver.phases` (steps 1-7 as rollout / score / train / refit phases),
+:mod:`~megatron_fp8.rl.algorithm.batch` (token batches, advantages), :mod:`~megatron_fp8.rl.state.results`
+(metrics and result types, file names), :mod:`~megatron_fp8.rl.cluster.distributed` (data-parallel
+ranks), :mod:`~megatron_fp8.rl.driver.fp8_rollout` (quantization config and manifest) and
+:mod:`~megatron_fp8.rl.driver.warm_start`.
+
+On CPU machines all arms default to the reference engine (an emulator of vLLM's FP8
+numerics, BF16 for the ``bf16`` arm) and the FP8 *training* recipe is validated and
+recorded while the training math runs in BF16 (see :mod:`megatron_fp8.megatron.build`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import json
+import logging
+import time
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import IO
+
+import torch
+from rich.progress import Progress, TaskID
+
+from megatron_fp8.config.schema import RunConfig
+from megatron_fp8.errors import ConfigError
+from megatron_fp8.files import write_atomically
+from megatron_fp8.rl.algorithm.batch import Tokenizer, eos_and_pad
+from megatron_fp8.rl.cluster.distributed import (
+    DataParallel,
+    average_over_ranks,
+    data_parallel_from_env,
+    share_from_writer,
+    trainer_data_parallel,
+)
+from megatron_fp8.rl.cluster.remote import serve_rollout
+from megatron_fp8.rl.cluster.roles import Groups, Placement, join_groups, placement_from
+from megatron_fp8.rl.data.problems import ProblemSource, problem_source
+from megatron_fp8.rl.data.rewards import RewardFn, reward_function
+from megatron_fp8.rl.data.task import get_task
+from megatron_fp8.rl.driver.arm import ArmHooks, build_engine, run_arm
+from megatron_fp8.rl.driver.fp8_rollout import fp8_manifest, rollout_quantization_config
+from megatron_fp8.rl.driver.phases import GRPOContext
+from megatron_fp8.rl.driver.preflight import preflight
+from megatron_fp8.rl.driver.runtime import bar_callback, environment, phase, progress_bar
+from megatron_fp8.rl.driver.stopping import RunStopped, StopRequests
+from megatron_fp8.rl.driver.validation import ValidationResult
+from megatron_fp8.rl.driver.warm_start import warm_start
+from megatron_fp8.rl.state import report
+from megatron_fp8.rl.state.checkpoint import CheckpointManager, config_fingerprint
+from megatron_fp8.rl.state.loggers import MetricsLogger, build_loggers, step_scalars
+from megatron_fp8.rl.state.outputs import OUT_DIR_KEY, claim_out_dir, new_run_dir, rebuild_outputs, resumed_run_dir
+from megatron_fp8.rl.state.results import (
+    CONFIG_FILE,
+    METRICS_FILE,
+    PLOT_FILE,
+    SUMMARY_FILE,
+    VALIDATION_FILE,
+    WARM_START_DIR,
+    ArmResult,
+    GRPOResult,
+    StepMetrics,
+)
+from megatron_fp8.vocab import ARMS
+
+__all__ = ["run_grpo"]
+
+logger = logging.getLogger(__name__)
+
+
+def run_grpo(
+    config: RunConfig,
+    *,
+    out_dir: str | Path | None = None,
+    steps: int | None = None,
+    arms: Sequence[str] | None = None,
+    progress: bool = True,
+    overwrite: bool = False,
+) -> GRPOResult:
+    """Run GRPO for each arm and write ``metrics.jsonl``, ``summary.md``, ``metrics.png`` and ``config.yaml``.
+
+    Args:
+        config: the run configuration (:func:`megatron_fp8.config.load_config`).
+        out_dir: output folder (created); one that holds another run's outputs is refused unless
+            ``overwrite`` (:func:`megatron_fp8.rl.state.outputs.claim_out_dir`), or unless this run resumes from
+            ``checkpointing.checkpoint_dir`` (then its metrics are kept up to each arm's checkpoint). ``None``: the
+            folder the resumed checkpoint names, else a new one (:func:`megatron_fp8.rl.state.outputs.new_run_dir`).
+        steps: steps per arm; ``None`` = ``config.grpo.max_num_steps``.
+        arms: arm names (keys of :data:`megatron_fp8.vocab.ARMS`); ``None`` = ``config.grpo.arms``.
+        progress: show a progress bar on stderr.
+        overwrite: replace another run's outputs in ``out_dir`` (checkpoints are never deleted).
+
+    Returns:
+        The :class:`GRPOResult` (on rollout-only ranks: an empty one, the trainer rank 0 writes).
+
+    Raises:
+        ConfigError: any pre-flight problem (:func:`megatron_fp8.rl.driver.preflight.preflight`: arms, steps, task, FP8
+            rollout settings, processes, the model, its dimensions vs TP, its tokenizer, a NaN/Inf weight named;
+            the dataset and the reward; a checkpoint of another config), found before ``out_dir`` is touched;
+            an unusable ``out_dir``.
+        KeyboardInterrupt: after the summary and plot were rebuilt from the completed steps (every complete
+            checkpoint is kept).
+        RunStopped: a first SIGTERM / SIGUSR1 / Ctrl-C or ``checkpoint_must_save_by`` stopped the run at a safe
+            point, after the last completed step was saved (:mod:`megatron_fp8.rl.driver.stopping`); the summary and plot
+            are rebuilt as for ``KeyboardInterrupt``.
+        ManifestError: vLLM could not be asked for the FP8 manifest.
+    """
+    t_run = time.perf_counter()
+    # every check before any model is built or --out is touched (the same checks as `megatron-fp8 config`)
+    logger.info("preflight: checking the config, the model %r and its tokenizer", config.model.name_or_path)
+    placement = placement_from(config)
+    checked = preflight(config, arms=arms, steps=steps, scan_weights=True, world_size=len(placement.trainer_ranks))
+    config, n_steps, arm_names = checked.config, checked.steps, checked.arms
+    out = Path(out_dir) if out_dir is not None else None
+    if placement.role == "rollout":
+        out = out if out is not None else new_run_dir()
+        with join_groups(placement, timeout_s=_link_timeout(config), transport=config.refit.transport) as groups:
+            serve_rollout(config, placement, groups, build_engine=lambda setup: build_engine(setup, config))
+        return GRPOResult(
+            arms=(),
+            out_dir=out,
+            metrics_path=out / METRICS_FILE,
+            summary_path=None,
+            plot_path=None,
+            manifest_source="",
+            seconds=time.perf_counter() - t_run,
+        )
+    tokenizer = _tokenizer(checked.model_path)
+    problems = problem_source(config, tokenizer)
+    task = None if config.data.train.data_path else get_task(config.grpo.task, max_digits=config.grpo.task_max_digits)
+    reward = reward_function(config, task)
+    checkpoints = _checkpoints(config, arm_names, is_writer=placement.trainer_rank == 0)
+    resumed = {arm: c.latest() for arm, c in checkpoints.items()}
+    resuming = any(info is not None for info in resumed.values())
+    if out is None:  # no --out / out_dir: a resumed run continues in its checkpoint's folder, else a new one
+        out = resumed_run_dir(info for info in resumed.values() if info is not None) if resuming else None
+        out = out if out is not None else new_run_dir()
+        logger.info(
+            "outputs go to %s (no --out given%s)", out, ": the folder of the checkpoint resumed" if resuming else ""
+        )
+    for manager in checkpoints.values():
+        manager.run_extra[OUT_DIR_KEY] = str(out.resolve())
+    if placement.trainer_rank == 0:  # the writer claims the folder before any model is built
+        claim_out_dir(out, overwrite=overwrite and not resuming, resume=resuming)
+    kept = _kept_records(out, resumed) if resuming else {}
+    # signals are handled until the outputs are written: one after the last step lets the run finish normally
+    stop = StopRequests(config.checkpointing.checkpoint_must_save_by)
+    with stop, _trainer_ranks(placement, config) as (dp, groups):
+        if config.grpo.num_prompts_per_step % dp.dp_size:
+            raise ConfigError(
+                f"grpo.num_prompts_per_step={config.grpo.num_prompts_per_step} is not divisible by the "
+                f"{dp.dp_size} data-parallel model replicas; each replica rolls out whole prompt groups"
+            )
+        ctx_parts = _RunParts(
+            tokenizer=tokenizer, problems=problems, reward=reward, checkpoints=checkpoints, kept=kept, groups=groups
+        )
+        loggers = build_loggers(
+            config.logger,
+            out_dir=out,
+            run_config=config.to_dict(),
+            is_writer=dp.is_writer,
+            # a resumed arm's later points (after its checkpoint) are dropped; an arm without one starts over
+            resume_step={arm: info.step for arm, info in resumed.items() if info is not None} if resuming else None,
+        )
+        try:
+            results, manifest_source = _run_arms(
+                config,
+                dp=dp,
+                n_steps=n_steps,
+                arm_names=arm_names,
+                out=out,
+                progress=progress,
+                model_path=checked.model_path,
+                parts=ctx_parts,
+                loggers=loggers,
+                resuming=resuming,
+                stop=stop,
+            )
+        except (KeyboardInterrupt, RunStopped) as exc:
+            if dp.is_writer and (out / METRICS_FILE).is_file() and (out / METRICS_FILE).stat().st_size:
+                why = f"stopped by {exc.reason}" if isinstance(exc, RunStopped) else "interrupted"
+                rebuild_outputs(out, arm_order=arm_names, partial=why)
+                logger.warning("stopped early: %s, %s rebuilt from the completed steps", SUMMARY_FILE, PLOT_FILE)
+            if isinstance(exc, RunStopped) and torch.distributed.is_initialized():
+                torch.distributed.barrier()  # every rank stopped at the same point: none exits before the writer
+            raise
+        finally:
+            loggers.close()
+        summary_path = plot_path = None
+        if dp.is_writer:
+            summary_path = report.write_summary(
+                results, out / SUMMARY_FILE, config=config, manifest_source=manifest_source
+            )
+            plot_path = report.plot_metrics(results, out / PLOT_FILE, is_cap=config.loss_fn.is_cap)
+    return GRPOResult(
+        arms=tuple(results),
+        out_dir=out,
+        metrics_path=out / METRICS_FILE,
+        summary_path=summary_path,
+        plot_path=plot_path,
+        manifest_source=manifest_source,
+        seconds=time.perf_counter() - t_run,
+    )
+
+
+def _link_timeout(config: RunConfig) -> float:
+    """How long a rollout rank waits for the trainer's next request (a whole training step, or the warm start and
+    the FP8 manifest before the first arm), seconds: 30 min, or 10 refit timeouts when longer."""
+    return max(1800.0, 10 * config.refit.timeout_s)
+
+
+@dataclass(frozen=True, kw_only=True)
+class _RunParts:
+    """What the arms of one run share besides the config (built once by :func:`run_grpo`).
+
+    Attributes:
+        tokenizer: the model's tokenizer.
+        problems: the run's problem source.
+        reward: the reward function.
+        checkpoints: arm -> its checkpoint manager (empty: checkpointing off).
+        kept: arm -> the metrics of the steps a resumed run does not redo.
+        groups: the separate rollout ranks' groups (``None``: colocated).
+    """
+
+    tokenizer: Tokenizer
+    problems: ProblemSource
+    reward: RewardFn
+    checkpoints: dict[str, CheckpointManager]
+    kept: dict[str, tuple[StepMetrics, ...]]
+    groups: Groups | None
+
+
+def _tokenizer(model_path: Path) -> Tokenizer:
+    from transformers import AutoTokenizer  # lazy: transformers is optional (not a core dependency)
+
+    return AutoTokenizer.from_pretrained(str(model_path))
+
+
+def _checkpoints(config: RunConfig, arm_names: Sequence[str], *, is_writer: bool) -> dict[str, CheckpointManager]:
+    """One checkpoint manager per arm (none when checkpointing is off)."""
+    if not config.checkpointing.enabled:
+        return {}
+    fingerprint = config_fingerprint(config)
+    return {
+        arm: CheckpointManager(cfg=config.checkpointing, arm=arm, fingerprint=fingerprint, is_writer=is_writer)
+        for arm in arm_names
+    }
+
+
+def _kept_records(out: Path, resumed: dict[str, object]) -> dict[str, tuple[StepMetrics, ...]]:
+    """The metrics of the steps a resumed run keeps (up to each arm's checkpoint); rewrites ``metrics.jsonl``."""
+    path = out / METRICS_FILE
+    if not path.is_file():
+        return {}
+    kept_lines: list[str] = []
+    kept: dict[str, list[StepMetrics]] = {}
+    for number, record in enumerate(report.read_metrics(path), start=1):
+        info = resumed.get(str(record.get("arm")))
+        last = getattr(info, "step", -1) if info is not None else -1
+        step = record.get("step")
+        if isinstance(step, int) and step <= last:
+            kept.setdefault(str(record["arm"]), []).append(StepMetrics.from_json_dict(record, where=f"{path}:{number}"))
+            kept_lines.append(json.dumps(record))
+    write_atomically(path, "".join(line + "\n" for line in kept_lines))
+    dropped = {a: len(v) for a, v in kept.items()}
+    logger.info("resuming: kept the metrics of the checkpointed steps in %s (%s)", path, dropped or "none")
+    return {a: tuple(v) for a, v in kept.items()}
+
+
+@contextlib.contextmanager
+def _trainer_ranks(placement: Placement, config: RunConfig) -> Iterator[tuple[DataParallel, Groups | None]]:
+    """This trainer rank's data-parallel place, and the rollout ranks' groups when not colocated."""
+    mcfg = config.policy.megatron_cfg
+    sizes = {
+        "tensor_parallel_size": mcfg.tensor_model_parallel_size,
+        "pipeline_parallel_size": mcfg.pipeline_model_parallel_size,
+    }
+    if placement.role == "colocated":
+        with data_parallel_from_env() as dp:
+            yield dataclasses.replace(dp, **sizes), None
+        return
+    with join_groups(placement, timeout_s=_link_timeout(config), transport=config.refit.transport) as groups:
+        yield dataclasses.replace(trainer_data_parallel(placement), **sizes), groups
+
+
+def _run_arms(
+    config: RunConfig,
+    *,
+    dp: DataParallel,
+    n_steps: int,
+    arm_names: tuple[str, ...],
+    out: Path,
+    progress: bool,
+    model_path: Path,
+    parts: _RunParts,
+    loggers: MetricsLogger,
+    resuming: bool,
+    stop: StopRequests | None = None,
+) -> tuple[list[ArmResult], str]:
+    """Every arm in turn, on this rank; rank 0 writes ``config.yaml``, ``metrics.jsonl`` and ``validation.jsonl``.
+
+    Returns:
+        ``(arm results, how the FP8 manifest was obtained)`` (``""`` without FP8 arms).
+    """
+    if dp.is_writer:
+        write_atomically(out / CONFIG_FILE, config.dump_yaml())
+    eos_id, pad_id = eos_and_pad(parts.tokenizer, where=model_path)
+    ctx = GRPOContext(
+        config=config,
+        problems=parts.problems,
+        reward=parts.reward,
+        tokenizer=parts.tokenizer,
+        eos_id=eos_id,
+        pad_id=pad_id,
+    )
+    results: list[ArmResult] = []
+    manifest, qcfg = None, None
+    mode = "a" if resuming else "w"
+    sink_cm = _MetricsSink(out / METRICS_FILE, mode=mode) if dp.is_writer else contextlib.nullcontext(None)
+    val_cm = (out / VALIDATION_FILE).open(mode) if dp.is_writer else contextlib.nullcontext(None)
+    with (
+        environment(config.policy.megatron_cfg.env_vars),
+        sink_cm as sink,
+        val_cm as val_sink,
+        progress_bar(progress and dp.is_writer) as bar,
+    ):
+        if any(ARMS[a].rollout_precision == "fp8" for a in arm_names):
+            with phase("FP8 manifest (asked of vLLM once per setup, then reused)"):
+                qcfg = rollout_quantization_config(config, model_path)
+                # asked of vLLM once, on rank 0, and shared
+                manifest = share_from_writer(fp8_manifest(config, model_path, qcfg) if dp.is_writer else None, dp)
+            logger.info("FP8 manifest: %d weights in FP8 (%s)", len(manifest.fp8_params), manifest.source)
+        if config.grpo.warm_start_steps > 0:
+            # Same architecture and names as the base checkpoint: the manifest above applies unchanged.
+            done = out / WARM_START_DIR / "model.safetensors"
+            if resuming and done.is_file():
+                logger.info("warm start: reusing %s (resumed run)", done.parent)
+                model_path = done.parent
+            else:
+                with phase(f"warm start ({config.grpo.warm_start_steps} supervised steps, shared by the arms)"):
+                    model_path, _ = warm_start(
+                        config,
+                        model_path,
+                        problems=parts.problems,
+                        tokenizer=parts.tokenizer,
+                        out_dir=out,
+                        on_step=bar_callback(bar),
+                    )
+        total = n_steps * len(arm_names) - sum(len(v) for v in parts.kept.values())
+        hooks = ArmHooks(
+            on_step=_step_recorder(dp, sink=sink, bar=bar, total_steps=total, n_steps=n_steps, loggers=loggers),
+            on_validation=_validation_recorder(dp, sink=val_sink, loggers=loggers),
+            on_resume=sink.drop_from if sink is not None else _ignore_resume,
+            stop=stop,
+        )
+        for i, name in enumerate(arm_names):
+            reason = stop.agreed_reason() if stop is not None and i > 0 else None
+            if reason is not None:  # between arms: the previous arm is complete (and saved after its last step)
+                prev = arm_names[i - 1]
+                info = parts.checkpoints[prev].latest() if prev in parts.checkpoints else None
+                raise RunStopped(
+                    f"stopped before arm {name} ({reason})",
+                    reason=reason,
+                    arm=prev,
+                    completed_steps=n_steps,
+                    total_steps=n_steps,
+                    checkpoint=info.path if info is not None else None,
+                )
+            logger.info("GRPO arm %s: %s", name, ARMS[name].description)
+            result = run_arm(
+                ARMS[name],
+                ctx,
+                steps=n_steps,
+                model_path=model_path,
+                manifest=manifest,
+                qcfg=qcfg,
+                dp=dp,
+                hooks=hooks,
+                checkpoints=parts.checkpoints.get(name),
+                groups=parts.groups,
+                resumed_steps=parts.kept.get(name, ()),
+            )
+            results.append(result)
+            logger.info(
+                "GRPO arm %s done in %.0f s: reward %.3f -> %.3f, mean gen_kl %.2e",
+                name,
+                result.seconds,
+                result.first_reward,
+                result.last_reward,
+                result.mean_gen_kl,
+            )
+    return results, manifest.source if manifest is not None else ""
+
+
+class _MetricsSink:
+    """``metrics.jsonl`` of the writer: one line appended and flushed per step; a resumed arm's lines from the step
+    it really resumes at are dropped (a damaged newest checkpoint makes it resume earlier than planned)."""
+
+    def __init__(self, path: Path, *, mode: str):
+        self.path = path
+        self._file: IO[str] = path.open(mode)
+
+    def __enter__(self) -> _MetricsSink:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._file.close()
+
+    def append(self, record: dict[str, object]) -> None:
+        """Append one step record (flushed: a crash keeps every completed step)."""
+        self._file.write(json.dumps(record, sort_keys=False) + "\n")
+        self._file.flush()
+
+    def drop_from(self, arm: str, first: int) -> None:
+        """Remove ``arm``'s records of steps ``>= first`` (they are about to be redone), if any."""
+        records = report.read_metrics(self.path)
+        kept = [r for r in records if r.get("arm") != arm or not isinstance(r.get("step"), int) or r["step"] < first]
+        if len(kept) == len(records):
+            return
+        self._file.close()
+        write_atomically(self.path, "".join(json.dumps(r, sort_keys=False) + "\n" for r in kept))
+        self._file = self.path.open("a")
+        logger.info(
+            "arm %s: %d metrics record(s) from step %d on dropped (redone)", arm, len(records) - len(kept), first + 1
+        )
+
+
+def _ignore_resume(arm: str, first: int) -> None:
+    """Ranks that write no metrics have nothing to drop."""
+
+
+def _step_recorder(
+    dp: DataParallel,
+    *,
+    sink: _MetricsSink | None,
+    bar: Progress | None,
+    total_steps: int,
+    n_steps: int,
+    loggers: MetricsLogger,
+) -> Callable[..., StepMetrics]:
+    """What happens after every step: average over ranks, append to ``metrics.jsonl`` and the loggers, advance the bar."""
+    bar_task: TaskID | None = bar.add_task("GRPO", total=total_steps, info="") if bar is not None else None
+
+    def on_step(local: StepMetrics, *, training: tuple[str, str] = ("n/a", "n/a")) -> StepMetrics:
+        m = average_over_ranks(local, dp)
+        if sink is not None:  # appended and flushed per step: a crash keeps every completed step
+            record = m.to_json_dict() | {"training_recipe": training[0], "training_math": training[1]}
+            sink.append(record)
+            loggers.log(step_scalars(record), step=m.step, arm=m.arm)
+        if m.reward_errors:
+            logger.warning("GRPO arm %s step %d: %d reward(s) raised (scored 0)", m.arm, m.step + 1, m.reward_errors)
+        log = logger.debug if bar is not None else logger.info  # without a bar: one line per step
+        log("GRPO arm %s step %d/%d: reward %.3f gen_kl %.2e", m.arm, m.step + 1, n_steps, m.reward_mean, m.gen_kl)
+        if bar is not None and bar_task is not None:
+            bar.update(
+                bar_task,
+                advance=1,
+                description=f"GRPO {m.arm}",
+                info=f"step {m.step + 1}/{n_steps} reward {m.reward_mean:.3f} gen_kl {m.gen_kl:.1e}",
+            )
+        return m
+
+    return on_step
+
+
+def _validation_recorder(
+    dp: DataParallel, *, sink: IO[str] | None, loggers: MetricsLogger
+) -> Callable[[ValidationResult], None]:
+    """After every validation: one line in ``validation.jsonl``, the loggers, and the log."""
+
+    def on_validation(result: ValidationResult) -> None:
+        logger.info(
+            "validation arm %s after %d step(s): accuracy %.3f (%d problems), reward %.3f",
+            result.arm,
+            result.step,
+            result.accuracy,
+            result.problems,
+            result.reward_mean,
+        )
+        if sink is not None:
+            sink.write(json.dumps(result.to_json_dict()) + "\n")
+            sink.flush()
+            loggers.log_validation(
+                result.accuracy, step=result.step, arm=result.arm, extra={"reward_mean": result.reward_mean}
+            )
+
+    return on_validation

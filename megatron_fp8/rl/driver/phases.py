@@ -1,0 +1,585 @@
+"""One GRPO step of one arm, as four phases: rollout -> score -> train -> refit.
+
+* :func:`rollout_phase`: this rank's share of the step's problems, ``num_generations_per_prompt``
+  responses each from the arm's engine, with the engine's per-token log-probabilities;
+* :func:`score_phase`: verifiable partial-credit rewards and group-normalised advantages;
+* :func:`train_phase`: the trainer's log-probabilities of the same tokens (no grad, the old
+  policy), the mismatch metrics and IS weights, ``grpo.updates_per_step`` PPO updates;
+* :func:`refit_phase`: the updated weights to the engine (FP8 + block scales for the manifest's
+  weights on the FP8 arms, plus FP8 KV-cache scales when recorded), verified two-phase commit.
+
+:func:`run_step` runs them in order and returns the step's :class:`~megatron_fp8.rl.state.results.StepMetrics`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import itertools
+import logging
+import time
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Protocol
+
+import torch
+
+from bridge_mappings.manifest import Manifest
+from bridge_mappings.quantized_export import ExportSettings, checked_stream, quantized_stream, refit_stream
+from megatron_fp8.config.schema import KVCacheConfig, RunConfig
+from megatron_fp8.errors import ConfigError, ManifestError
+from megatron_fp8.megatron import MegatronModel, StepOptimizer, export_hf_weights, sequence_logprobs, train_step
+from megatron_fp8.megatron.reference import ReferenceWeights
+from megatron_fp8.megatron.schedule import from_last_stage
+from megatron_fp8.refit.pipeline import ColocatedRefit
+from megatron_fp8.rl.algorithm.batch import Tokenizer, decode_response, group_advantages, make_batch, pad_to_length
+from megatron_fp8.rl.algorithm.correction import ISConfig, ISResult, PPOStats, compute_is_weights, ppo_loss
+from megatron_fp8.rl.algorithm.kl import KLSettings, per_token_kl
+from megatron_fp8.rl.algorithm.kv_calibration import KVAmaxRecorder, compute_kv_scales
+from megatron_fp8.rl.algorithm.metrics import METRIC_KEYS, mismatch_metrics
+from megatron_fp8.rl.cluster.distributed import DataParallel, longest_over_replicas, same_within_replica
+from megatron_fp8.rl.data.problems import ProblemSource
+from megatron_fp8.rl.data.rewards import RewardFn, RewardResult, safe_reward
+from megatron_fp8.rl.data.task import Problem
+from megatron_fp8.rl.driver.stopping import signal_point
+from megatron_fp8.rl.state.results import RefitDone, StepMetrics, finite_mean, least_checked_prefix_cache
+from megatron_fp8.rollout.engines import Rollout, RolloutEngine
+from megatron_fp8.vocab import ArmSpec
+
+
+class RefitTarget(Protocol):
+    """Where an arm's refits go: its colocated engine (:class:`ColocatedTarget`) or separate rollout ranks
+    (:class:`megatron_fp8.rl.cluster.remote.RemoteRollout`)."""
+
+    def refit(self, stream: Iterable[tuple[str, torch.Tensor]]) -> RefitDone:
+        """Send one version; return when every engine committed it (raises when one refused)."""
+        ...
+
+    def close(self) -> None:
+        """Release the transport."""
+        ...
+
+
+class ColocatedTarget:
+    """The colocated refit: in process, into ``engine``'s applier, verified two-phase commit.
+
+    Args:
+        engine: the arm's engine (its ``applier`` receives; its ``last_verify`` gives the error).
+        bucket_bytes: bucket size, bytes.
+        timeout: per-wait timeout, seconds.
+    """
+
+    def __init__(self, engine: RolloutEngine, *, bucket_bytes: int, timeout: float):
+        self._engine = engine
+        self._refit = ColocatedRefit(engine.applier, bucket_bytes=bucket_bytes, timeout=timeout)
+
+    def refit(self, stream: Iterable[tuple[str, torch.Tensor]]) -> RefitDone:
+        """One verified refit of the engine (see :class:`~megatron_fp8.refit.pipeline.ColocatedRefit`)."""
+        result = self._refit.refit(stream)
+        verify = self._engine.applier.last_verify
+        err = float(verify.max_rel_error) if verify is not None else float("nan")
+        return RefitDone(
+            dict(result.send.payload_bytes),
+            float(result.seconds),
+            int(result.version),
+            err,
+            prefix_cache=least_checked_prefix_cache([self._engine.applier.last_prefix_cache]),
+        )
+
+    def close(self) -> None:
+        """Close the in-process transport."""
+        self._refit.close()
+
+
+class Optimizer(StepOptimizer, Protocol):
+    """:func:`megatron_fp8.megatron.make_optimizer`'s optimizer, with the parameter groups the step sets the lr of."""
+
+    @property
+    def param_groups(self) -> list[dict[str, object]]:
+        """Parameter groups; each has an ``"lr"`` entry the step sets."""
+        ...
+
+
+@dataclass(frozen=True)
+class GRPOContext:
+    """What every step of every arm shares.
+
+    Attributes:
+        config: the run configuration.
+        problems: the training problems (a dataset or the built-in task), a pure function of the step.
+        reward: the reward of a response (math-verify, a user's function, or the task's partial credit).
+        tokenizer: the model's tokenizer.
+        eos_id: end-of-sequence id (stops responses).
+        pad_id: padding id of the trainer's batches.
+    """
+
+    config: RunConfig
+    problems: ProblemSource
+    reward: RewardFn
+    tokenizer: Tokenizer
+    eos_id: int
+    pad_id: int
+
+
+@dataclass(frozen=True)
+class ArmState:
+    """One arm's trainer, engine and refit session, built once per arm.
+
+    Attributes:
+        spec: the arm.
+        model: the Megatron-Core policy.
+        optimizer: its optimizer.
+        engine: the arm's rollout engine (or the proxy of separate rollout ranks).
+        refit: where the refits go (:class:`ColocatedTarget` or the remote rollout ranks).
+        manifest: vLLM's FP8 manifest (``None`` for BF16 arms).
+        export_settings: how FP8 weights and scales are produced.
+        dp: this process's data-parallel place.
+        kv_recorder: q/k/v amax of the training forwards, for FP8 KV-cache scales (``None``: no FP8 KV cache).
+        kv_settings: percentile and margin of those scales.
+        reference: the reference policy of the KL penalty (``None``: ``loss_fn.reference_policy_kl_penalty`` 0).
+    """
+
+    spec: ArmSpec
+    model: MegatronModel
+    optimizer: Optimizer
+    engine: RolloutEngine
+    refit: RefitTarget
+    manifest: Manifest | None
+    export_settings: ExportSettings
+    dp: DataParallel
+    kv_recorder: KVAmaxRecorder | None = None
+    kv_settings: KVCacheConfig = KVCacheConfig()
+    reference: ReferenceWeights | None = None
+
+
+# ----------------------------------------------------------------------------- trainer precision
+
+
+def trainer_dtype() -> torch.dtype:
+    """The trainer's parameter / compute dtype: BF16 on a GPU, float32 on a CPU machine.
+
+    CPUs without AVX512-BF16 / AMX have no fast BF16 GEMM in torch (on the 2-core CI machine a BF16
+    ``[640, 256] x [256, 512]`` matmul takes ~50x the float32 time), and the trainer's GEMMs are most of a
+    GRPO step; so on CPU the trainer keeps float32 weights and the refit sends them as the rollout holds
+    them: BF16, or FP8 quantized from the BF16 values (:func:`rollout_dtype_stream`), exactly as on a GPU.
+    """
+    return torch.bfloat16 if torch.cuda.is_available() else torch.float32
+
+
+@contextlib.contextmanager
+def quiet_stdout() -> Iterator[None]:
+    """Hide what the Megatron stack prints on stdout while it builds a model (its loading bar, parameter counts);
+    shown when the root logger is at DEBUG (``-v``)."""
+    if logging.getLogger().isEnabledFor(logging.DEBUG):
+        yield
+        return
+    with contextlib.redirect_stdout(io.StringIO()):
+        yield
+
+
+def training_math_label(math: str, dtype: torch.dtype) -> str:
+    """What the trainer's math really was: the recipe's ``math`` (``bf16``, ``bf16-emulated``, ``fp8``) or, with a
+    float32 trainer (:func:`trainer_dtype`), ``fp32`` / ``fp32-emulated`` (FP8 recipe validated and recorded)."""
+    if dtype != torch.float32:
+        return math
+    return "fp32" if math == "bf16" else "fp32-emulated" if math == "bf16-emulated" else f"{math} (fp32 weights)"
+
+
+def rollout_dtype_stream(stream: Iterable[tuple[str, torch.Tensor]]) -> Iterator[tuple[str, torch.Tensor]]:
+    """HF weights as the rollout holds them: float32 weights (a CPU trainer) cast to BF16; others as they are."""
+    for name, tensor in stream:
+        yield name, tensor.to(torch.bfloat16) if tensor.dtype == torch.float32 else tensor
+
+
+# ----------------------------------------------------------------------------- rollout
+
+
+@dataclass(frozen=True)
+class RolloutOutcome:
+    """This rank's responses of one step.
+
+    Attributes:
+        problems: per response, its problem (each problem repeated ``num_generations_per_prompt`` times).
+        prompt_ids: per response, the prompt token ids.
+        rollout: the engine's responses and log-probabilities.
+        seconds: generation time, seconds.
+    """
+
+    problems: tuple[Problem, ...]
+    prompt_ids: tuple[list[int], ...]
+    rollout: Rollout
+    seconds: float
+
+
+def rollout_phase(state: ArmState, ctx: GRPOContext, *, step: int) -> RolloutOutcome:
+    """Sample this rank's problems of ``step`` (the same for every arm) and roll out every group."""
+    g = ctx.config.grpo
+    problems = state.dp.shard(ctx.problems.step_problems(step=step, count=g.num_prompts_per_step))
+    prompt_ids = [ctx.tokenizer.encode(p.prompt, add_special_tokens=False) for p in problems]
+    flat_prompts = tuple(ids for ids in prompt_ids for _ in range(g.num_generations_per_prompt))
+    flat_problems = tuple(p for p in problems for _ in range(g.num_generations_per_prompt))
+    t0 = time.perf_counter()
+    rollout = state.engine.generate(
+        flat_prompts,
+        max_new_tokens=ctx.config.policy.generation.max_new_tokens,
+        temperature=ctx.config.policy.generation.temperature,
+        seed=g.seed * 1_000_003 + step * 10_007,
+        eos_token_id=ctx.eos_id,
+    )
+    rollout = same_within_replica(rollout, state.dp)  # the replica's ranks train on the same samples
+    return RolloutOutcome(flat_problems, flat_prompts, rollout, time.perf_counter() - t0)
+
+
+# ----------------------------------------------------------------------------- score
+
+
+@dataclass(frozen=True)
+class Scores:
+    """The rewards of one step's responses.
+
+    Attributes:
+        texts: per response, the decoded text (EOS dropped).
+        breakdowns: per response, the reward's result (``error`` set where the reward function raised).
+        rewards: float32 ``[num_responses]``.
+        advantages: float32 ``[num_responses]``, normalised within each prompt's group.
+    """
+
+    texts: tuple[str, ...]
+    breakdowns: tuple[RewardResult, ...]
+    rewards: torch.Tensor
+    advantages: torch.Tensor
+
+
+def score_phase(out: RolloutOutcome, ctx: GRPOContext) -> Scores:
+    """Decode and score every response, then the GRPO advantages within each group.
+
+    A reward function that raises scores 0 for that response and is reported with the sample
+    (:func:`~megatron_fp8.rl.data.rewards.safe_reward`); the step counts such responses (``reward_errors``).
+    """
+    texts, breakdowns = [], []
+    for problem, ids, finished in zip(out.problems, out.rollout.token_ids, out.rollout.finished, strict=True):
+        body = ids[:-1] if finished and ids and ids[-1] == ctx.eos_id else ids
+        text = decode_response(ctx.tokenizer, body)
+        texts.append(text)
+        breakdowns.append(safe_reward(ctx.reward, problem, text, finished=finished))
+    rewards = torch.tensor([s.reward for s in breakdowns], dtype=torch.float32)
+    g = ctx.config.grpo
+    advantages = group_advantages(
+        rewards.view(-1, g.num_generations_per_prompt),
+        leave_one_out=g.use_leave_one_out_baseline,
+        normalize=g.normalize_rewards,
+    )
+    return Scores(tuple(texts), tuple(breakdowns), rewards, advantages)
+
+
+# ----------------------------------------------------------------------------- train
+
+
+class _Groups:
+    """What Megatron-Core's scheduler writes the rate into: one parameter group (read back by :func:`learning_rate_at`)."""
+
+    def __init__(self) -> None:
+        self.param_groups: list[dict[str, float]] = [{}]
+
+
+def learning_rate_at(step: int, config: RunConfig) -> float:
+    """The learning rate of GRPO step ``step`` (0-based): Megatron-Core's ``OptimizerParamScheduler`` after ``step``
+    ticks, from ``policy.megatron_cfg.scheduler`` and ``optimizer.{lr, min_lr}`` (NeMo-RL ticks it once per step)."""
+    from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler  # lazy: Megatron-Core is optional
+
+    opt, sched = config.policy.megatron_cfg.optimizer, config.policy.megatron_cfg.scheduler
+    warmup = sched.lr_warmup_iters
+    decay = sched.lr_decay_iters if sched.lr_decay_iters is not None else config.grpo.max_num_steps
+    init = sched.lr_warmup_init if sched.lr_warmup_init is not None else 0.1 * opt.lr
+    groups = _Groups()
+    scheduler = OptimizerParamScheduler(
+        groups,  # type: ignore[arg-type]  # it only reads and writes param_groups
+        init_lr=init if warmup > 0 else opt.lr,
+        max_lr=opt.lr,
+        min_lr=opt.min_lr,
+        lr_warmup_steps=warmup,
+        lr_decay_steps=max(decay, warmup + 1),  # constant: unused, but Megatron-Core asserts warm-up < decay
+        lr_decay_style=sched.lr_decay_style,
+        start_wd=opt.weight_decay,
+        end_wd=opt.weight_decay,
+        wd_incr_steps=1,
+        wd_incr_style="constant",
+    )
+    scheduler.step(step)
+    return float(groups.param_groups[0]["lr"])
+
+
+def kl_settings(config: RunConfig) -> KLSettings | None:
+    """The KL penalty of ``loss_fn`` (``None`` when ``reference_policy_kl_penalty`` is 0)."""
+    loss = config.loss_fn
+    if not loss.kl_enabled:
+        return None
+    return KLSettings(
+        coef=loss.reference_policy_kl_penalty,
+        kind=loss.reference_policy_kl_type,
+        input_clamp=loss.kl_input_clamp_value,
+        output_clamp=loss.kl_output_clamp_value,
+        on_policy_approximation=loss.use_on_policy_kl_approximation,
+    )
+
+
+def reference_logprobs(state: ArmState, batch_ids: torch.Tensor, mask: torch.Tensor, config: RunConfig) -> torch.Tensor:
+    """Log-probs of the batch under the reference policy (its weights swapped in; no FP8 KV-scale recording)."""
+    if state.reference is None:
+        raise ConfigError(
+            "loss_fn.reference_policy_kl_penalty is set but the arm holds no reference policy (it is captured when "
+            "the arm's trainer is built)"
+        )
+    pause = state.kv_recorder.paused() if state.kv_recorder is not None else contextlib.nullcontext()
+    with torch.no_grad(), pause, state.reference.swapped_in(state.model):
+        return sequence_logprobs(
+            state.model,
+            batch_ids,
+            temperature=config.policy.generation.temperature,
+            attention_mask=mask,
+            batch_size=config.policy.logprob_batch_size,
+        )
+
+
+def is_config(config: RunConfig) -> ISConfig:
+    """The IS correction of ``loss_fn`` (band defaults from :class:`ISConfig` where unset)."""
+    loss = config.loss_fn
+    lo = loss.is_lower if loss.is_lower is not None else ISConfig.lo
+    hi = loss.is_upper if loss.is_upper is not None else ISConfig.hi
+    return ISConfig(variant=loss.is_variant, cap=loss.is_cap, lo=lo, hi=hi, log_ratio_clamp=loss.log_ratio_clamp)
+
+
+@dataclass(frozen=True)
+class TrainOutcome:
+    """The trainer's side of one step.
+
+    Attributes:
+        loss: PPO loss, mean over the updates (each before its update).
+        grad_norm: gradient norm before clipping, mean over the updates.
+        update_successful: every update was applied.
+        learning_rate: the learning rate used.
+        ppo: :meth:`PPOStats.as_floats` of the last update.
+        is_variant: the IS variant whose statistics are in ``mismatch``.
+        mismatch: :func:`~megatron_fp8.rl.algorithm.metrics.mismatch_metrics` (with the IS statistics).
+        seconds: trainer scoring + updates, seconds.
+    """
+
+    loss: float
+    grad_norm: float
+    update_successful: bool
+    learning_rate: float
+    ppo: Mapping[str, float]
+    is_variant: str
+    mismatch: Mapping[str, float]
+    seconds: float
+
+
+def train_phase(state: ArmState, ctx: GRPOContext, out: RolloutOutcome, scores: Scores, *, step: int) -> TrainOutcome:
+    """Score the rollout with the trainer (old policy), compare with the engine, run the PPO updates."""
+    config, g = ctx.config, ctx.config.grpo
+    t0 = time.perf_counter()
+    batch = make_batch(out.prompt_ids, out.rollout, ctx.pad_id)
+    if state.model.is_moe:  # one shape over the replicas: expert parallelism all-gathers equal token counts, and
+        # the router's load-balancing loss sees the same padding at every expert-parallel size
+        batch = pad_to_length(batch, longest_over_replicas(batch.input_ids.shape[1], state.dp), ctx.pad_id)
+    model_inputs = {"input_ids": batch.input_ids, "attention_mask": batch.attention_mask}
+    with torch.no_grad():  # the old policy's scores, policy.logprob_batch_size sequences per forward
+        logp_old = sequence_logprobs(
+            state.model,
+            batch.input_ids,
+            temperature=config.policy.generation.temperature,
+            attention_mask=batch.attention_mask,
+            batch_size=config.policy.logprob_batch_size,
+        )
+    kl = kl_settings(config)
+    logp_ref = reference_logprobs(state, batch.input_ids, batch.attention_mask, config) if kl is not None else None
+    is_cfg = is_config(config)
+    # statistics of the configured variant for every arm; only arms that correct put the weights in the loss
+    diag_cfg = is_cfg if is_cfg.variant != "none" else ISConfig(log_ratio_clamp=is_cfg.log_ratio_clamp)
+    is_result = compute_is_weights(logp_old, batch.logp_rollout, batch.response_mask, config=diag_cfg)
+    mismatch = mismatch_metrics(
+        logp_old, batch.logp_rollout, batch.response_mask, is_result=is_result, log_ratio_clamp=is_cfg.log_ratio_clamp
+    )
+    weights = is_result if state.spec.correct else None
+
+    lr = learning_rate_at(step, config)
+    for group in state.optimizer.param_groups:
+        group["lr"] = lr
+    update_stats: list[PPOStats] = []  # the last update's, one per micro-batch
+
+    aggregation = config.loss_fn.aggregation
+
+    def update_loss(update: slice) -> Callable[..., torch.Tensor]:
+        """The loss over one update's rows (token mean, or sequence mean of token means); a micro-batch (``rows``
+        within them) returns its share: its own mean times its fraction of the update's tokens (sequences)."""
+        units = _loss_units(batch.response_mask[update], aggregation).clamp(min=1.0)
+        update_stats.clear()
+
+        def loss_fn(logp_new: torch.Tensor, rows: slice | None = None) -> torch.Tensor:
+            part = update if rows is None else slice(update.start + rows.start, update.start + rows.stop)
+            penalty = None
+            if kl is not None and logp_ref is not None:
+                penalty = kl.coef * per_token_kl(
+                    logp_new, logp_ref[part], kl, mask=batch.response_mask[part], logp_rollout=batch.logp_rollout[part]
+                )
+            loss, stats = ppo_loss(
+                logp_new,
+                logp_old[part],
+                scores.advantages[part],
+                batch.response_mask[part],
+                clip_low=config.loss_fn.ratio_clip_min,
+                clip_high=config.loss_fn.ratio_clip_max,
+                is_weights=weights.weights[part] if isinstance(weights, ISResult) else None,
+                aggregation=aggregation,
+                log_ratio_clamp=config.loss_fn.log_ratio_clamp,
+                penalty=penalty,
+            )
+            update_stats.append(stats)
+            if rows is None:
+                return loss
+            return loss * (_loss_units(batch.response_mask[part], aggregation) / units)
+
+        return loss_fn
+
+    losses, norms, ok = [], [], True
+    for _ in range(g.updates_per_step):
+        for update in update_rows(batch.input_ids.shape[0], config, state.dp):
+            result = train_step(
+                state.model,
+                state.optimizer,
+                update_loss(update),
+                {k: v[update] for k, v in model_inputs.items()},
+                temperature=config.policy.generation.temperature,
+                micro_batch_size=config.policy.train_micro_batch_size,
+            )
+            losses.append(result.loss)
+            norms.append(result.grad_norm)
+            ok = ok and result.update_successful
+    return TrainOutcome(
+        loss=finite_mean(losses),
+        grad_norm=finite_mean(norms),
+        update_successful=ok,
+        learning_rate=lr,
+        ppo=from_last_stage(_token_weighted(update_stats) if update_stats else None),  # the loss runs there
+        is_variant=diag_cfg.variant,
+        mismatch=mismatch,
+        seconds=time.perf_counter() - t0,
+    )
+
+
+def _loss_units(response_mask: torch.Tensor, aggregation: str) -> torch.Tensor:
+    """What a loss aggregation averages over: real tokens (``token-mean``) or sequences with at least one."""
+    real = response_mask.bool()
+    units = real.sum() if aggregation == "token-mean" else real.any(dim=-1).sum()
+    return units.float()
+
+
+def update_rows(rows: int, config: RunConfig, dp: DataParallel) -> list[slice]:
+    """This rank's rows of each optimizer update of a step (``policy.train_global_batch_size`` over all ranks).
+
+    Raises:
+        ConfigError: the rank's rows do not split into whole updates of ``global / DP`` rows.
+    """
+    global_batch = config.policy.train_global_batch_size
+    if global_batch is None:
+        return [slice(0, rows)]
+    if global_batch % dp.dp_size or rows % (global_batch // dp.dp_size):
+        raise ConfigError(
+            f"policy.train_global_batch_size={global_batch} over {dp.dp_size} data-parallel replica(s) does not "
+            f"split this rank's {rows} samples into whole updates; make it a multiple of {dp.dp_size} that divides "
+            "grpo.num_prompts_per_step x num_generations_per_prompt"
+        )
+    per_rank = global_batch // dp.dp_size
+    return [slice(start, start + per_rank) for start in range(0, rows, per_rank)]
+
+
+def _token_weighted(stats: Sequence[PPOStats]) -> dict[str, float]:
+    """One update's PPO statistics over its micro-batches: token-weighted means, ``tokens`` summed."""
+    floats = [s.as_floats() for s in stats]
+    if len(floats) == 1:
+        return floats[0]
+    tokens = sum(f["tokens"] for f in floats)
+    out = {k: sum(f[k] * f["tokens"] for f in floats) / max(tokens, 1.0) for k in floats[0] if k != "tokens"}
+    return out | {"tokens": tokens}
+
+
+# ----------------------------------------------------------------------------- refit
+
+
+def _refit_tensors(state: ArmState) -> Iterable[tuple[str, torch.Tensor]]:
+    """The HF-named stream: BF16 export, or FP8 per the manifest (+ KV-cache scales when recorded)."""
+    fp32_trainer = next(state.model.model[0].parameters()).dtype == torch.float32
+    if state.spec.rollout_precision != "fp8":
+        return rollout_dtype_stream(export_hf_weights(state.model)) if fp32_trainer else export_hf_weights(state.model)
+    if state.manifest is None:
+        raise ManifestError(f"arm {state.spec.name} rolls out in FP8 but was given no FP8 manifest")
+    stream: Iterable[tuple[str, torch.Tensor]]
+    if fp32_trainer:  # quantize the BF16 values, as a BF16 trainer on a GPU would send them
+        bf16 = rollout_dtype_stream(export_hf_weights(state.model))
+        stream = checked_stream(
+            quantized_stream(bf16, state.manifest, state.export_settings, nonfinite="defer"), state.manifest
+        )
+    else:  # the bridge adapter uses Megatron-Bridge's quantized-export hook where the installed version has one
+        stream = refit_stream(state.model, state.manifest, state.export_settings)
+    if state.kv_recorder is not None and state.kv_recorder.layers():
+        kv = compute_kv_scales(
+            state.kv_recorder, percentile=state.kv_settings.percentile, margin=state.kv_settings.margin
+        )
+        state.kv_recorder.reset()
+        stream = itertools.chain(stream, kv.items())
+    return stream
+
+
+def refit_phase(state: ArmState) -> RefitDone:
+    """Send the trainer's weights to the arm's engine(s) through the verified refit."""
+    return state.refit.refit(_refit_tensors(state))
+
+
+# ----------------------------------------------------------------------------- the step
+
+
+def run_step(state: ArmState, ctx: GRPOContext, *, step: int) -> StepMetrics:
+    """Rollout -> score -> train -> refit for one step of one arm; this rank's metrics."""
+    t_step = time.perf_counter()
+    signal_point("rollout", step)
+    out = rollout_phase(state, ctx, step=step)
+    scores = score_phase(out, ctx)
+    signal_point("train", step)
+    train = train_phase(state, ctx, out, scores, step=step)
+    signal_point("refit", step)
+    refit = refit_phase(state)
+    rewards, token_ids = scores.rewards, out.rollout.token_ids
+    best = int(torch.argmax(rewards))
+    return StepMetrics(
+        arm=state.spec.name,
+        step=step,
+        engine=out.rollout.engine,
+        reward_mean=float(rewards.mean()),
+        reward_std=float(rewards.std(unbiased=False)),
+        reward_max=float(rewards.max()),
+        exact_match=sum(s.exact for s in scores.breakdowns) / len(scores.breakdowns),
+        response_tokens_mean=sum(len(t) for t in token_ids) / len(token_ids),
+        loss=train.loss,
+        grad_norm=train.grad_norm,
+        update_successful=train.update_successful,
+        learning_rate=train.learning_rate,
+        ppo_clip_fraction=train.ppo["clip_fraction"],
+        ppo_approx_kl=train.ppo["approx_kl"],
+        is_applied=state.spec.correct,
+        is_variant=train.is_variant,
+        is_weight_mean=train.mismatch["is_weight_mean"],
+        is_truncated_fraction=train.mismatch["is_truncated_fraction"],
+        is_masked_fraction=train.mismatch["is_masked_fraction"],
+        mismatch={k: train.mismatch[k] for k in METRIC_KEYS},
+        refit_bytes=refit.payload_bytes,
+        refit_seconds=refit.seconds,
+        refit_version=refit.version,
+        refit_max_rel_error=refit.max_rel_error,
+        refit_prefix_cache=refit.prefix_cache,
+        rollout_seconds=out.seconds,
+        train_seconds=train.seconds,
+        step_seconds=time.perf_counter() - t_step,
+        sample=f"{out.problems[best].prompt}{scores.texts[best]!r} (answer {out.problems[best].answer})",
+        reward_errors=sum(1 for s in scores.breakdowns if s.error is not None),
+        kl_penalty=train.ppo.get("kl_penalty", 0.0),
+    )

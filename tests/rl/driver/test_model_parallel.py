@@ -1,0 +1,251 @@
+"""Issue 27: GRPO with Megatron-Core tensor and pipeline parallelism and the distributed optimizer, under torchrun
+with gloo, on the embedded tiny model.
+
+Each layout runs the real ``megatron-fp8 grpo`` command (BF16 and FP8 arms, 2 steps, tensorwise training
+recipe, NeMo-RL's KL penalty to the reference policy and leave-one-out baseline) and is compared with the run that
+has the same data-parallel size and no model parallelism:
+
+* TP=2 (2 processes, one replica) against one process;
+* PP=2 (2 stages of 2 layers; micro-batches of 16 through Megatron-Core's 1F1B schedule, scoring in forward-only
+  micro-batches of 32) against one process;
+* TP=2 x DP=2 (4 processes) against DP=2 (2 processes);
+* PP=2 x DP=2 (4 processes: Megatron's tp-cp-ep-dp-pp rank order puts the replicas at ranks {0, 2} and {1, 3})
+  against DP=2;
+* DP=2 with ``use_distributed_optimizer`` (Adam state sharded over the replicas) against DP=2: bit for bit;
+* EP=2 on ``tiny-moe`` (2 of its 4 experts per rank, tokens all-gathered by Megatron-Core's allgather dispatcher,
+  the experts loaded and exported by their global ids) against DP=2 on ``tiny-moe``.
+
+A rollout is a function of (seed, step, data-parallel rank), so step 0 samples exactly what the reference run
+samples (equal rewards); the losses, gradient norms and mismatch metrics agree up to the order of the
+reductions (the vocabulary-parallel cross entropy, the TP all-reduces: stated tolerances below); step 1's
+rewards and sample, generated after the first refit, equal the reference run's, so every engine received the
+weights the reference run's engine did (each TP rank refits its own colocated engine with the gathered weights:
+``refit_*_bytes`` in ``metrics.jsonl`` count every engine, so they are TP x the reference's per replica).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+pytestmark = [pytest.mark.slow]
+
+REPO = Path(__file__).resolve().parents[3]
+COMMON = (
+    "--arms",
+    "bf16,fp8",
+    "policy.megatron_cfg.fp8_cfg.fp8_recipe=tensorwise",
+    # NeMo-RL's loss and baseline: every layout also swaps its shards of the reference policy in and out
+    "loss_fn.reference_policy_kl_penalty=0.1",
+    "grpo.use_leave_one_out_baseline=true",
+)
+REL = 1e-5
+"""Relative tolerance of losses and gradient norms (float32 reductions in another order)."""
+ABS_LOSS = 1e-6
+"""Absolute tolerance of the loss: a mean of per-token terms of size ~|advantage| ~ 1 that cancel (a group's
+advantages sum to 0), so float32 reductions in another order move it by ~1e-7 while it is itself ~1e-3."""
+ABS_KL, REL_KL = 1e-7, 1e-2
+"""Tolerance of the mismatch metrics (nats per token): a KL of ~3e-5 is a difference of two log-probabilities of
+~1e-2 each, so last-bit differences of the weights after an update move it by ~1e-7 absolute, < 1% relative."""
+
+
+def _grpo(out: Path, processes: int, *overrides: str, steps: int = 2, check: bool = True) -> list[dict]:
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "MFP8_ROLE", "ROLLOUT_TASKS")}
+    env["OMP_NUM_THREADS"] = "1"
+    grpo = [sys.executable, "-m", "megatron_fp8.cli", "grpo", "--out", str(out), "--steps", str(steps), *COMMON]
+    grpo += list(overrides)
+    if processes > 1:
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={processes}"]
+        cmd += ["-m", "megatron_fp8.cli", *grpo[3:]]
+    else:
+        cmd = grpo
+    proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
+    if not check:
+        assert proc.returncode != 0
+        return [{"stderr": proc.stderr}]
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+
+
+def _assert_same_run(got: list[dict], ref: list[dict], *, engines_per_replica: int) -> None:
+    assert [(r["arm"], r["step"]) for r in got] == [(r["arm"], r["step"]) for r in ref] != []
+    for g, r in zip(got, ref, strict=True):
+        where = f"arm {r['arm']} step {r['step']}"
+        assert g["reward_mean"] == r["reward_mean"], where  # the same samples, scored the same
+        assert g["sample"] == r["sample"], where
+        assert g["loss"] == pytest.approx(r["loss"], rel=REL, abs=ABS_LOSS), where
+        assert g["grad_norm"] == pytest.approx(r["grad_norm"], rel=REL), where
+        assert g["gen_kl"] == pytest.approx(r["gen_kl"], abs=ABS_KL, rel=REL_KL), where
+        assert g["kl_penalty"] == pytest.approx(r["kl_penalty"], abs=ABS_KL, rel=REL_KL), where
+        assert g["refit_max_rel_error"] == r["refit_max_rel_error"] == 0.0, where
+        for cls in ("fp8", "scales", "bf16"):  # each TP rank's engine got what the reference's engine got
+            assert g[f"refit_{cls}_bytes"] == engines_per_replica * r[f"refit_{cls}_bytes"], (where, cls)
+    assert any(r["refit_fp8_bytes"] > 0 for r in ref)  # the FP8 arm moved FP8 bytes
+    assert all(r["kl_penalty"] > 0 for r in ref if r["step"] > 0)  # the policy left the reference after step 0
+
+
+@pytest.fixture(scope="module")
+def one_process(tmp_path_factory) -> list[dict]:
+    return _grpo(tmp_path_factory.mktemp("tp1") / "out", 1)
+
+
+@pytest.fixture(scope="module")
+def data_parallel_2(tmp_path_factory) -> list[dict]:
+    return _grpo(tmp_path_factory.mktemp("dp2") / "out", 2)
+
+
+def test_tensor_parallel_2_equals_one_process(tmp_path, one_process):
+    got = _grpo(tmp_path / "tp2", 2, "policy.megatron_cfg.tensor_model_parallel_size=2")
+    _assert_same_run(got, one_process, engines_per_replica=2)
+
+
+def test_micro_batches_accumulate_to_the_whole_batch_update(tmp_path, one_process):
+    """``policy.train_micro_batch_size`` (NeMo-RL's key): 3 sequences per forward/backward, gradients
+    accumulated, one update per step; ``policy.logprob_batch_size``: the trainer scores the rollout 5 sequences
+    per forward. The same run as the whole batch at once (float32 sums in another order)."""
+    got = _grpo(tmp_path / "micro3", 1, "policy.train_micro_batch_size=3", "policy.logprob_batch_size=5")
+    _assert_same_run(got, one_process, engines_per_replica=1)
+
+
+def test_tensor_parallel_2_by_data_parallel_2_equals_data_parallel_2(tmp_path, data_parallel_2):
+    got = _grpo(tmp_path / "tp2dp2", 4, "policy.megatron_cfg.tensor_model_parallel_size=2")
+    _assert_same_run(got, data_parallel_2, engines_per_replica=2)
+
+
+PP2 = ("policy.megatron_cfg.pipeline_model_parallel_size=2", "policy.train_micro_batch_size=16")
+
+
+def test_pipeline_parallel_2_equals_one_process(tmp_path, one_process):
+    """Two stages, each its own colocated engine refit with the whole model (the bridge broadcasts each stage's
+    layers); 4 micro-batches of 16 per update through the 1F1B schedule, the old policy scored 32 rows per
+    forward-only micro-batch, log-probabilities broadcast from the last stage."""
+    got = _grpo(tmp_path / "pp2", 2, *PP2, "policy.logprob_batch_size=32")
+    _assert_same_run(got, one_process, engines_per_replica=2)
+
+
+def test_pipeline_parallel_2_by_data_parallel_2_equals_data_parallel_2(tmp_path, data_parallel_2):
+    got = _grpo(tmp_path / "pp2dp2", 4, *PP2)
+    _assert_same_run(got, data_parallel_2, engines_per_replica=2)
+
+
+def test_pipeline_checkpoint_resumes_exactly_and_another_layout_is_refused(tmp_path):
+    """PP=2 with the distributed optimizer: 1 step, a checkpoint per stage, then a rerun to 2 steps resumes and its
+    second step equals the uninterrupted run's exactly; the same checkpoint under TP=2 is refused by name."""
+    ckpt = ("checkpointing.enabled=true", "checkpointing.save_period=1")
+    zero1 = "policy.megatron_cfg.optimizer.use_distributed_optimizer=true"
+    whole = _grpo(tmp_path / "whole", 2, *PP2, zero1, *ckpt, f"checkpointing.checkpoint_dir={tmp_path / 'c1'}")
+    resumed_dir = f"checkpointing.checkpoint_dir={tmp_path / 'c2'}"
+    _grpo(tmp_path / "split", 2, *PP2, zero1, *ckpt, resumed_dir, steps=1)
+    split = _grpo(tmp_path / "split", 2, *PP2, zero1, *ckpt, resumed_dir)
+    keys = ("arm", "step", "reward_mean", "sample", "loss", "grad_norm", "gen_kl", "refit_fp8_bytes")
+
+    def rows(run: list[dict]) -> list[dict]:
+        return sorted(({k: r[k] for k in keys} for r in run), key=lambda r: (r["arm"], r["step"]))
+
+    assert rows(split) == rows(whole) and len(whole) == 4
+    other = ("policy.megatron_cfg.tensor_model_parallel_size=2", "policy.train_micro_batch_size=16")
+    refused = _grpo(tmp_path / "split", 2, *other, zero1, *ckpt, resumed_dir, steps=3, check=False)[0]["stderr"]
+    assert "pipeline_model_parallel_size" in refused and "tensor_model_parallel_size" in refused
+
+
+def test_distributed_optimizer_is_the_unsharded_run_bit_for_bit(tmp_path, data_parallel_2):
+    """Each replica keeps the FP32 main weights and moments of half the elements; AdamW is element-wise, the
+    gradient norm global, so every metric equals the unsharded run exactly."""
+    got = _grpo(tmp_path / "zero1", 2, "policy.megatron_cfg.optimizer.use_distributed_optimizer=true")
+    keys = ("reward_mean", "sample", "loss", "grad_norm", "gen_kl", "refit_fp8_bytes", "refit_bf16_bytes")
+    assert [{k: r[k] for k in keys} for r in got] == [{k: r[k] for k in keys} for r in data_parallel_2]
+
+
+MOE = ("model.name_or_path=tiny-moe", "checkpointing.enabled=false")
+
+
+def test_expert_parallel_2_equals_data_parallel_2_on_the_moe_model(tmp_path):
+    """The same two replicas, their experts split over them: every step equals the run that keeps all 4 experts on
+    each rank (MoE batches are padded to one length over the replicas in both runs)."""
+    ref = _grpo(tmp_path / "moe_dp2", 2, *MOE)
+    got = _grpo(tmp_path / "moe_ep2", 2, *MOE, "policy.megatron_cfg.expert_model_parallel_size=2")
+    _assert_same_run(got, ref, engines_per_replica=1)
+
+
+def test_expert_parallel_checkpoint_resumes_exactly(tmp_path):
+    """EP=2: each expert-parallel rank writes its own shard (its experts); 1 step + resume equals 2 steps."""
+    moe = ("model.name_or_path=tiny-moe", "policy.megatron_cfg.expert_model_parallel_size=2")
+    ckpt = ("checkpointing.enabled=true", "checkpointing.save_period=1")
+    whole = _grpo(tmp_path / "whole", 2, *moe, *ckpt, f"checkpointing.checkpoint_dir={tmp_path / 'c1'}")
+    again = f"checkpointing.checkpoint_dir={tmp_path / 'c2'}"
+    _grpo(tmp_path / "split", 2, *moe, *ckpt, again, steps=1)
+    files = {p.name for p in (tmp_path / "c2" / "fp8" / "step_0").iterdir()}
+    assert {"model_tp00_pp00_ep00.pt", "model_tp00_pp00_ep01.pt", "optim_tp00_pp00_ep01.pt"} <= files, files
+    split = _grpo(tmp_path / "split", 2, *moe, *ckpt, again)
+    keys = ("arm", "step", "reward_mean", "sample", "loss", "grad_norm", "gen_kl", "refit_fp8_bytes")
+
+    def rows(run: list[dict]) -> list[dict]:
+        return sorted(({k: r[k] for k in keys} for r in run), key=lambda r: (r["arm"], r["step"]))
+
+    assert rows(split) == rows(whole) and len(whole) == 4
+
+
+def test_expert_parallelism_needs_a_moe_model_and_splits_its_experts_evenly(tmp_path):
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "MFP8_ROLE", "ROLLOUT_TASKS")}
+    for overrides, message in (
+        (("policy.megatron_cfg.expert_model_parallel_size=2",), "'tiny' has no routed experts"),
+        ((*MOE, "policy.megatron_cfg.expert_model_parallel_size=3"), "does not split the model's 4 experts evenly"),
+        (
+            (
+                "model.name_or_path=tiny-moe",
+                "policy.megatron_cfg.optimizer.use_distributed_optimizer=true",
+                "policy.megatron_cfg.expert_model_parallel_size=2",
+            ),
+            "the CPU distributed optimizer shards over the dense data-parallel ranks",
+        ),
+    ):
+        cmd = [sys.executable, "-m", "megatron_fp8.cli", "config", *overrides]
+        proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
+        assert proc.returncode != 0 and message in proc.stderr and "approved" not in proc.stdout, proc.stderr
+
+
+def test_uneven_micro_batches_are_refused_under_pipeline_parallelism(monkeypatch):
+    from megatron_fp8.errors import ConfigError
+    from megatron_fp8.megatron import schedule
+
+    assert schedule.micro_batches(10, 4, what="k") == [slice(0, 4), slice(4, 8), slice(8, 10)]  # one stage
+    assert schedule.micro_batches(10, None, what="k") == [slice(0, 10)]
+    with pytest.raises(ConfigError, match="k must be >= 1"):
+        schedule.micro_batches(10, 0, what="k")
+    monkeypatch.setattr(schedule, "pipeline_size", lambda: 2)  # the rule of a pipeline stage's p2p buffers
+    assert schedule.micro_batches(12, 4, what="k") == [slice(0, 4), slice(4, 8), slice(8, 12)]
+    with pytest.raises(ConfigError, match=r"k=4 does not split the 10 rows .* pipeline parallelism"):
+        schedule.micro_batches(10, 4, what="k")
+
+
+def test_global_batch_splits_a_step_into_updates_and_micro_batches_stay_exact(tmp_path, one_process):
+    """``policy.train_global_batch_size`` (NeMo-RL's key): the step's samples as updates of 16, each seeing
+    the policy the previous one left (the PPO ratio moves: approx KL > 0 at the second update); micro-batches
+    of 4 inside them give the same run."""
+    whole = _grpo(tmp_path / "g16", 1, "policy.train_global_batch_size=16")
+    micro = _grpo(tmp_path / "g16m4", 1, "policy.train_global_batch_size=16", "policy.train_micro_batch_size=4")
+    for g, r in zip(whole, one_process, strict=True):
+        assert g["reward_mean"] == r["reward_mean"] or g["step"] > 0  # step 0 samples before any update
+        assert r["ppo_approx_kl"] == 0.0 and g["ppo_approx_kl"] > 0.0  # one update vs a second on moved weights
+    _assert_same_run(micro, whole, engines_per_replica=1)
+
+
+def test_update_rows_over_data_parallel_ranks():
+    from megatron_fp8.config import load_config
+    from megatron_fp8.errors import ConfigError
+    from megatron_fp8.rl.cluster.distributed import DataParallel
+    from megatron_fp8.rl.driver.phases import update_rows
+
+    cfg = load_config(None, ["policy.train_global_batch_size=16"])
+    assert update_rows(32, cfg, DataParallel()) == [slice(0, 16), slice(16, 32)]
+    assert update_rows(16, cfg, DataParallel(rank=1, world_size=2)) == [slice(0, 8), slice(8, 16)]
+    assert update_rows(32, load_config(None, []), DataParallel()) == [slice(0, 32)]
+    with pytest.raises(ConfigError, match="train_global_batch_size=16 over 3"):
+        update_rows(12, cfg, DataParallel(rank=0, world_size=3))
+    with pytest.raises(ConfigError, match="train_global_batch_size=12 must divide the step's"):
+        load_config(None, ["policy.train_global_batch_size=12"])

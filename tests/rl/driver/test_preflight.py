@@ -1,0 +1,153 @@
+"""The one validation: `megatron-fp8 config` and `grpo` run the same pre-flight checks (megatron_fp8.rl.driver.preflight)."""
+
+from __future__ import annotations
+
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from megatron_fp8.config import load_config
+from megatron_fp8.errors import ConfigError
+from megatron_fp8.models import tiny_model_path
+from megatron_fp8.rl.driver.phases import rollout_dtype_stream, trainer_dtype, training_math_label
+from megatron_fp8.rl.driver.preflight import check_weights_finite, preflight, refuse_empty_config
+
+CLI = [sys.executable, "-m", "megatron_fp8.cli"]
+
+
+def _cli(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([*CLI, *args], capture_output=True, text=True, timeout=300, check=False, env=env)
+
+
+def _write(path: Path, text: str) -> Path:
+    path.write_text(text)
+    return path
+
+
+def test_default_config_passes_and_resolves_the_model():
+    report = preflight(load_config(None), download=False)
+    assert report.model_path is not None and (report.model_path / "config.json").is_file()
+    assert report.arms == ("bf16", "fp8", "fp8_tis") and report.steps == load_config(None).grpo.max_num_steps
+    assert report.config.model.num_attention_heads == 4  # read from the resolved model
+
+
+def test_a_minimal_config_runs_its_bf16_arm_and_fp8_arms_need_an_fp8_rollout(tmp_path):
+    """Issue 21: without grpo.arms the arms follow the rollout precision (BF16 rollout: the bf16 arm)."""
+    cfg = load_config(_write(tmp_path / "min.yaml", "grpo:\n  max_num_steps: 3\n"))
+    assert cfg.grpo.arms == ("bf16",) and preflight(cfg, download=False).arms == ("bf16",)
+    proc = _cli("config", "--config", str(tmp_path / "min.yaml"))
+    assert proc.returncode == 0 and "approved" in proc.stdout and "arms: bf16;" in proc.stdout, proc.stderr
+    fp8 = load_config(tmp_path / "min.yaml", ["policy.generation.vllm_cfg.precision=fp8"])
+    assert fp8.grpo.arms == ("bf16", "fp8", "fp8_tis")
+    asked = load_config(tmp_path / "min.yaml", ["grpo.arms=[fp8]"])  # an explicit FP8 arm on a BF16 rollout
+    with pytest.raises(ConfigError, match=r"vllm_cfg.precision is 'bf16'; set policy.generation.vllm_cfg.precision"):
+        preflight(asked, download=False)
+
+
+@pytest.mark.parametrize("text", ["", "# only a comment\n", "{}\n"])
+def test_empty_config_file_is_refused(tmp_path, text):
+    path = _write(tmp_path / "empty.yaml", text)
+    with pytest.raises(ConfigError, match="sets no key"):
+        refuse_empty_config(path)
+    proc = _cli("config", "--config", str(path))
+    assert proc.returncode == 1 and f"{path} sets no key" in proc.stderr
+
+
+def test_trainer_tp_that_does_not_split_the_heads_is_refused_at_load():
+    with pytest.raises(ConfigError, match=r"tensor_model_parallel_size=3 does not split the model's 4 attention heads"):
+        load_config(None, ["policy.megatron_cfg.tensor_model_parallel_size=3"])
+
+
+def test_trainer_tp_needs_the_processes(monkeypatch):
+    cfg = load_config(
+        None, ["policy.megatron_cfg.tensor_model_parallel_size=2", "policy.megatron_cfg.fp8_cfg.enabled=false"]
+    )
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    with pytest.raises(ConfigError, match=r"needs a multiple of 2 processes; this run has 1 \(WORLD_SIZE\)"):
+        preflight(cfg, download=False)
+    report = preflight(cfg, download=False, launch_checks=False)  # `config` before the launch: a note
+    assert any("launch a multiple of 2 processes" in n for n in report.notes)
+    preflight(cfg, download=False, world_size=2)
+
+
+def test_fp8_tis_without_is_variant_and_unknown_arm(tmp_path):
+    cfg = load_config(None, ["loss_fn.is_variant=none"])
+    with pytest.raises(ConfigError) as info:
+        preflight(cfg, arms=["fp8_tis", "nope"], steps=0, download=False)
+    text = str(info.value)
+    assert "steps must be >= 1" in text and "unknown or no arm(s) ['nope']" in text and "is_variant" in text
+
+
+def test_hub_model_not_staged_is_a_note_for_config_and_an_error_for_grpo(monkeypatch):
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    cfg = load_config(None, ["model.name_or_path=Qwen/Qwen3-8B"])
+    report = preflight(cfg, download=False)
+    assert report.model_path is None and "checked against its known dimensions" in report.notes[0]
+    with pytest.raises(ConfigError, match="huggingface-cli download Qwen/Qwen3-8B --local-dir DIR"):
+        preflight(cfg, download=True)
+
+
+def _nan_checkpoint(folder: Path) -> Path:
+    src = tiny_model_path("tiny")
+    shutil.copytree(src, folder)
+    tensors = load_file(str(folder / "model.safetensors"))
+    tensors["model.layers.1.mlp.down_proj.weight"][3, 5] = float("nan")
+    save_file(tensors, str(folder / "model.safetensors"), metadata={"format": "pt"})
+    return folder
+
+
+def test_nan_weight_is_named_before_the_warm_start(tmp_path):
+    folder = _nan_checkpoint(tmp_path / "nan-model")
+    with pytest.raises(ConfigError, match=r"tensor model.layers.1.mlp.down_proj.weight has 1 non-finite value"):
+        check_weights_finite(folder)
+    cfg = load_config(None, [f"model.name_or_path={folder}"])
+    with pytest.raises(ConfigError, match="model.layers.1.mlp.down_proj.weight"):
+        preflight(cfg, scan_weights=True)
+    check_weights_finite(tiny_model_path("tiny"))  # the clean checkpoint passes
+
+
+def test_cpu_trainer_is_float32_and_the_rollout_gets_bf16():
+    if not torch.cuda.is_available():
+        assert trainer_dtype() == torch.float32
+    stream = [("a.weight", torch.ones(2, dtype=torch.float32)), ("a.weight_scale_inv", torch.ones(1, dtype=torch.int8))]
+    out = dict(rollout_dtype_stream(stream))
+    assert out["a.weight"].dtype == torch.bfloat16 and out["a.weight_scale_inv"].dtype == torch.int8
+    assert training_math_label("bf16-emulated", torch.float32) == "fp32-emulated"
+    assert training_math_label("bf16", torch.float32) == "fp32"
+    assert training_math_label("bf16", torch.bfloat16) == "bf16"
+
+
+def test_grpo_cli_names_the_nan_tensor_before_touching_out(tmp_path):
+    folder = _nan_checkpoint(tmp_path / "nan-model")
+    out = tmp_path / "out"
+    proc = _cli("grpo", "--steps", "1", "--out", str(out), f"model.name_or_path={folder}")
+    assert proc.returncode == 1, proc.stderr[-2000:]
+    assert "tensor model.layers.1.mlp.down_proj.weight has 1 non-finite value" in proc.stderr
+    assert "loss_fn returned a non-finite loss" not in proc.stderr and "Traceback" not in proc.stderr
+    assert not out.exists()  # refused before --out was claimed
+
+
+def test_data_is_checked_before_the_model_is_staged(tmp_path, monkeypatch):
+    """`config` on a cluster config whose model is not here still reads the data files, keys, prompt file, reward."""
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.setenv("DATA_DIR", str(tmp_path))
+    root = Path(__file__).resolve().parents[3]
+    monkeypatch.chdir(root)  # the config's prompt file is relative to the checkout
+    with pytest.raises(ConfigError, match=r"data\.train\.data_path: no such file .*openmathinstruct2/train\.jsonl"):
+        preflight(load_config(root / "configs" / "qwen3_8b_fp8.yaml"), download=False, launch_checks=False)
+    (tmp_path / "openmathinstruct2").mkdir()
+    for split in ("train", "validation"):
+        shutil.copy(root / "data" / "math_tiny" / f"{split}.jsonl", tmp_path / "openmathinstruct2" / f"{split}.jsonl")
+    report = preflight(load_config(root / "configs" / "qwen3_8b_fp8.yaml"), download=False, launch_checks=False)
+    assert report.model_path is None and any("data: 250 rows read and checked" in n for n in report.notes)
+    with pytest.raises(ConfigError, match="data.default.prompt_file"):
+        preflight(
+            load_config(root / "configs" / "qwen3_8b_fp8.yaml", [f"data.default.prompt_file={tmp_path / 'none.txt'}"]),
+            download=False,
+            launch_checks=False,
+        )
