@@ -14,8 +14,8 @@ from collections.abc import Mapping
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from megatron_fp8.config.nemo_rl.inheritance import OVERRIDE_SOURCE, leaf_paths
 from megatron_fp8.config.loader import LoadedConfig
+from megatron_fp8.config.nemo_rl.inheritance import OVERRIDE_SOURCE, leaf_paths
 from megatron_fp8.config.nemo_rl.keys import known_keys
 from megatron_fp8.config.schema import JSONValue
 

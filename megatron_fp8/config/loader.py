@@ -29,9 +29,9 @@ from typing import Annotated, Literal, TypeVar
 from omegaconf import OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
-from megatron_fp8.config.nemo_rl.inheritance import ComposedTree, compose_file, compose_text, merge_trees, resolve
 from megatron_fp8.config.models import known_dims
 from megatron_fp8.config.nemo_rl.importance_sampling import translate_is_keys
+from megatron_fp8.config.nemo_rl.inheritance import ComposedTree, compose_file, compose_text, merge_trees, resolve
 from megatron_fp8.config.nemo_rl.keys import known_keys
 from megatron_fp8.config.schema import JSONValue, OneOf, RunConfig
 from megatron_fp8.config.validate import validate_config

@@ -23,38 +23,28 @@ submodules import Megatron-Core lazily.
 
 from __future__ import annotations
 
-from megatron_fp8.errors import TransformerEngineMissingError
-from megatron_fp8.megatron.build import DTYPES, FUSIONS_OFF, MegatronModel, build_megatron_model, export_hf_weights
-from megatron_fp8.megatron.logits import build_attention_mask, logprobs_from_logits, position_ids_for
-from megatron_fp8.megatron.optim import StepOptimizer
-from megatron_fp8.megatron.parallel import ParallelState, find_free_port, megatron_parallel
-from megatron_fp8.megatron.step import (
-    StepResult,
-    forward_logits,
-    make_optimizer,
-    sequence_logprobs,
-    token_logprobs,
-    train_step,
-)
+from megatron_fp8.exports import lazy_exports
 
-__all__ = [
-    "DTYPES",
-    "FUSIONS_OFF",
-    "MegatronModel",
-    "ParallelState",
-    "StepOptimizer",
-    "StepResult",
-    "TransformerEngineMissingError",
-    "build_attention_mask",
-    "build_megatron_model",
-    "export_hf_weights",
-    "find_free_port",
-    "forward_logits",
-    "logprobs_from_logits",
-    "make_optimizer",
-    "megatron_parallel",
-    "position_ids_for",
-    "sequence_logprobs",
-    "token_logprobs",
-    "train_step",
-]
+_EXPORTS = {  # exported name -> the module that defines it (resolved on first use: megatron_fp8.exports)
+    "TransformerEngineMissingError": "megatron_fp8.errors",
+    "DTYPES": "megatron_fp8.megatron.build",
+    "FUSIONS_OFF": "megatron_fp8.megatron.build",
+    "MegatronModel": "megatron_fp8.megatron.build",
+    "build_megatron_model": "megatron_fp8.megatron.build",
+    "export_hf_weights": "megatron_fp8.megatron.build",
+    "build_attention_mask": "megatron_fp8.megatron.logits",
+    "logprobs_from_logits": "megatron_fp8.megatron.logits",
+    "position_ids_for": "megatron_fp8.megatron.logits",
+    "StepOptimizer": "megatron_fp8.megatron.optim",
+    "ParallelState": "megatron_fp8.megatron.parallel",
+    "find_free_port": "megatron_fp8.megatron.parallel",
+    "megatron_parallel": "megatron_fp8.megatron.parallel",
+    "StepResult": "megatron_fp8.megatron.step",
+    "forward_logits": "megatron_fp8.megatron.step",
+    "make_optimizer": "megatron_fp8.megatron.step",
+    "sequence_logprobs": "megatron_fp8.megatron.step",
+    "token_logprobs": "megatron_fp8.megatron.step",
+    "train_step": "megatron_fp8.megatron.step",
+}
+__getattr__, __dir__ = lazy_exports(__name__, _EXPORTS)
+__all__ = sorted(_EXPORTS)

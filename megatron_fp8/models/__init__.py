@@ -6,31 +6,22 @@ See :mod:`megatron_fp8.models.tiny` for the cache layout and
 
 from __future__ import annotations
 
-from megatron_fp8.models.tiny import (
-    CACHE_ENV_VAR,
-    MODEL_ALIASES,
-    TINY_MODELS,
-    TinyModelSpec,
-    default_cache_dir,
-    get_spec,
-    resolve_model,
-    spec_hash,
-    tiny_model_path,
-)
-from megatron_fp8.models.tokenizer import SPECIAL_TOKENS, TOKENIZER_SIZE, build_char_tokenizer, special_token_ids
+from megatron_fp8.exports import lazy_exports
 
-__all__ = [
-    "CACHE_ENV_VAR",
-    "MODEL_ALIASES",
-    "SPECIAL_TOKENS",
-    "TINY_MODELS",
-    "TOKENIZER_SIZE",
-    "TinyModelSpec",
-    "build_char_tokenizer",
-    "default_cache_dir",
-    "get_spec",
-    "resolve_model",
-    "spec_hash",
-    "special_token_ids",
-    "tiny_model_path",
-]
+_EXPORTS = {  # exported name -> the module that defines it (resolved on first use: megatron_fp8.exports)
+    "CACHE_ENV_VAR": "megatron_fp8.models.tiny",
+    "MODEL_ALIASES": "megatron_fp8.models.tiny",
+    "TINY_MODELS": "megatron_fp8.models.tiny",
+    "TinyModelSpec": "megatron_fp8.models.tiny",
+    "default_cache_dir": "megatron_fp8.models.tiny",
+    "get_spec": "megatron_fp8.models.tiny",
+    "resolve_model": "megatron_fp8.models.tiny",
+    "spec_hash": "megatron_fp8.models.tiny",
+    "tiny_model_path": "megatron_fp8.models.tiny",
+    "SPECIAL_TOKENS": "megatron_fp8.models.tokenizer",
+    "TOKENIZER_SIZE": "megatron_fp8.models.tokenizer",
+    "build_char_tokenizer": "megatron_fp8.models.tokenizer",
+    "special_token_ids": "megatron_fp8.models.tokenizer",
+}
+__getattr__, __dir__ = lazy_exports(__name__, _EXPORTS)
+__all__ = sorted(_EXPORTS)

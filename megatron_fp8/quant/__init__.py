@@ -4,36 +4,25 @@ CUDA tensors go through Triton kernels, CPU tensors through torch; both produce
 the same bytes. See :mod:`megatron_fp8.quant.formats` for the rules.
 """
 
-from megatron_fp8.quant.blockwise import (
-    blockwise_scale_shape,
-    dequantize_blockwise,
-    expand_block_scales,
-    quantize_blockwise,
-)
-from megatron_fp8.quant.formats import FP8_DTYPE, FP8_MAX, SCALE_FORMATS, SCALE_RULES, is_pow2, scale_from_amax
-from megatron_fp8.quant.tensorwise import (
-    dequantize_per_channel,
-    dequantize_tensorwise,
-    quantize_per_channel,
-    quantize_tensorwise,
-)
-from megatron_fp8.quant.token_group import dequantize_per_token_group, quantize_per_token_group
+from megatron_fp8.exports import lazy_exports
 
-__all__ = [
-    "FP8_DTYPE",
-    "FP8_MAX",
-    "SCALE_FORMATS",
-    "SCALE_RULES",
-    "blockwise_scale_shape",
-    "dequantize_blockwise",
-    "dequantize_per_channel",
-    "dequantize_per_token_group",
-    "dequantize_tensorwise",
-    "expand_block_scales",
-    "is_pow2",
-    "quantize_blockwise",
-    "quantize_per_channel",
-    "quantize_per_token_group",
-    "quantize_tensorwise",
-    "scale_from_amax",
-]
+_EXPORTS = {  # exported name -> the module that defines it (resolved on first use: megatron_fp8.exports)
+    "blockwise_scale_shape": "megatron_fp8.quant.blockwise",
+    "dequantize_blockwise": "megatron_fp8.quant.blockwise",
+    "expand_block_scales": "megatron_fp8.quant.blockwise",
+    "quantize_blockwise": "megatron_fp8.quant.blockwise",
+    "FP8_DTYPE": "megatron_fp8.quant.formats",
+    "FP8_MAX": "megatron_fp8.quant.formats",
+    "SCALE_FORMATS": "megatron_fp8.quant.formats",
+    "SCALE_RULES": "megatron_fp8.quant.formats",
+    "is_pow2": "megatron_fp8.quant.formats",
+    "scale_from_amax": "megatron_fp8.quant.formats",
+    "dequantize_per_channel": "megatron_fp8.quant.tensorwise",
+    "dequantize_tensorwise": "megatron_fp8.quant.tensorwise",
+    "quantize_per_channel": "megatron_fp8.quant.tensorwise",
+    "quantize_tensorwise": "megatron_fp8.quant.tensorwise",
+    "dequantize_per_token_group": "megatron_fp8.quant.token_group",
+    "quantize_per_token_group": "megatron_fp8.quant.token_group",
+}
+__getattr__, __dir__ = lazy_exports(__name__, _EXPORTS)
+__all__ = sorted(_EXPORTS)

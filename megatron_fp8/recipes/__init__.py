@@ -11,58 +11,32 @@ Importing this package does not import Megatron, TransformerEngine, vLLM or torc
 
 from __future__ import annotations
 
-from megatron_fp8.recipes.apply import (
-    MATH_MODES,
-    RecipeApplication,
-    apply_recipe,
-    apply_recipe_with_report,
-    build_bridge_mixed_precision,
-)
-from megatron_fp8.recipes.capability import (
-    CPU_EMULATION_NOTE,
-    REQUIREMENTS,
-    Environment,
-    Requirements,
-    Verdict,
-    check,
-    check_all,
-    probe_environment,
-    transformer_engine_version,
-)
-from megatron_fp8.recipes.registry import (
-    DDP_CONFIG_FIELDS,
-    FP8_FORMATS,
-    FP32_BLOCK_SCALES_ENV,
-    RECIPES,
-    TRANSFORMER_CONFIG_FIELDS,
-    Recipe,
-    fp8_recipe_names,
-    get_recipe,
-    list_recipes,
-)
+from megatron_fp8.exports import lazy_exports
 
-__all__ = [
-    "CPU_EMULATION_NOTE",
-    "DDP_CONFIG_FIELDS",
-    "FP8_FORMATS",
-    "FP32_BLOCK_SCALES_ENV",
-    "MATH_MODES",
-    "RECIPES",
-    "REQUIREMENTS",
-    "TRANSFORMER_CONFIG_FIELDS",
-    "Environment",
-    "Recipe",
-    "RecipeApplication",
-    "Requirements",
-    "Verdict",
-    "apply_recipe",
-    "apply_recipe_with_report",
-    "build_bridge_mixed_precision",
-    "check",
-    "check_all",
-    "fp8_recipe_names",
-    "get_recipe",
-    "list_recipes",
-    "probe_environment",
-    "transformer_engine_version",
-]
+_EXPORTS = {  # exported name -> the module that defines it (resolved on first use: megatron_fp8.exports)
+    "MATH_MODES": "megatron_fp8.recipes.apply",
+    "RecipeApplication": "megatron_fp8.recipes.apply",
+    "apply_recipe": "megatron_fp8.recipes.apply",
+    "apply_recipe_with_report": "megatron_fp8.recipes.apply",
+    "build_bridge_mixed_precision": "megatron_fp8.recipes.apply",
+    "CPU_EMULATION_NOTE": "megatron_fp8.recipes.capability",
+    "REQUIREMENTS": "megatron_fp8.recipes.capability",
+    "Environment": "megatron_fp8.recipes.capability",
+    "Requirements": "megatron_fp8.recipes.capability",
+    "Verdict": "megatron_fp8.recipes.capability",
+    "check": "megatron_fp8.recipes.capability",
+    "check_all": "megatron_fp8.recipes.capability",
+    "probe_environment": "megatron_fp8.recipes.capability",
+    "transformer_engine_version": "megatron_fp8.recipes.capability",
+    "DDP_CONFIG_FIELDS": "megatron_fp8.recipes.registry",
+    "FP8_FORMATS": "megatron_fp8.recipes.registry",
+    "FP32_BLOCK_SCALES_ENV": "megatron_fp8.recipes.registry",
+    "RECIPES": "megatron_fp8.recipes.registry",
+    "TRANSFORMER_CONFIG_FIELDS": "megatron_fp8.recipes.registry",
+    "Recipe": "megatron_fp8.recipes.registry",
+    "fp8_recipe_names": "megatron_fp8.recipes.registry",
+    "get_recipe": "megatron_fp8.recipes.registry",
+    "list_recipes": "megatron_fp8.recipes.registry",
+}
+__getattr__, __dir__ = lazy_exports(__name__, _EXPORTS)
+__all__ = sorted(_EXPORTS)

@@ -46,7 +46,7 @@ import re
 import shutil
 import subprocess
 import sys
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
 from packaging.version import InvalidVersion, Version
@@ -87,6 +87,14 @@ class Requirements:
     te_reason: str = ""
 
 
+_FP8_GEMM = Requirements(
+    needs_gpu=True,
+    min_cc=(8, 9),
+    arch="Ada/Hopper/Blackwell (compute capability >= 8.9)",
+    min_torch_cuda=(12, 1),
+)
+"""Plain FP8 GEMMs (tensorwise and delayed scaling): the recipes differ only in the TransformerEngine minimum."""
+
 _BLOCKWISE = Requirements(
     needs_gpu=True,
     min_cc=(9, 0),
@@ -100,24 +108,12 @@ _BLOCKWISE = Requirements(
 
 REQUIREMENTS: dict[str, Requirements] = {
     "bf16": Requirements(),
-    "tensorwise": Requirements(
-        needs_gpu=True,
-        min_cc=(8, 9),
-        arch="Ada/Hopper/Blackwell (compute capability >= 8.9)",
-        min_torch_cuda=(12, 1),
-        min_te="2.2.0.dev0",
-        te_reason="Megatron-Core builds Float8CurrentScaling only from TE 2.2",
+    "tensorwise": replace(
+        _FP8_GEMM, min_te="2.2.0.dev0", te_reason="Megatron-Core builds Float8CurrentScaling only from TE 2.2"
     ),
     "blockwise": _BLOCKWISE,
     "fp8_param": _BLOCKWISE,  # FP8 primary weights: the blockwise GEMMs, same hardware
-    "delayed": Requirements(
-        needs_gpu=True,
-        min_cc=(8, 9),
-        arch="Ada/Hopper/Blackwell (compute capability >= 8.9)",
-        min_torch_cuda=(12, 1),
-        min_te="1.0",
-        te_reason="DelayedScaling is TE's original FP8 recipe",
-    ),
+    "delayed": replace(_FP8_GEMM, min_te="1.0", te_reason="DelayedScaling is TE's original FP8 recipe"),
     "mxfp8": Requirements(
         needs_gpu=True,
         min_cc=(10, 0),

@@ -17,7 +17,7 @@ Field names are those of the installed Megatron-Core 0.16.1
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import TypeAlias
 
 from megatron_fp8.errors import ConfigError
@@ -164,6 +164,20 @@ FP8_FORMATS: dict[str, str] = {
 
 _BLOCK_ENV = ((FP32_BLOCK_SCALES_ENV, "1"),)
 
+_BLOCKWISE = Recipe(
+    name="blockwise",
+    description="DeepSeek-style sub-channel scaling: 128x128 weight blocks, 1x128 activation groups, E4M3",
+    fp8="e4m3",
+    fp8_recipe="blockwise",
+    fp8_param=False,
+    fp8_param_gather=False,
+    te_recipe_class="Float8BlockScaling",
+    seq_padding_multiple=128,
+    bridge_mixed_precision="bf16_with_fp8_subchannel_scaling_mixed",
+    env_vars=_BLOCK_ENV,
+)
+"""The ``blockwise`` recipe; ``fp8_param`` is this recipe plus FP8 primary weights and FP8 parameter all-gather."""
+
 RECIPES: dict[str, Recipe] = {
     r.name: r
     for r in (
@@ -189,29 +203,13 @@ RECIPES: dict[str, Recipe] = {
             seq_padding_multiple=16,
             bridge_mixed_precision="bf16_with_fp8_current_scaling_mixed",
         ),
-        Recipe(
-            name="blockwise",
-            description="DeepSeek-style sub-channel scaling: 128x128 weight blocks, 1x128 activation groups, E4M3",
-            fp8="e4m3",
-            fp8_recipe="blockwise",
-            fp8_param=False,
-            fp8_param_gather=False,
-            te_recipe_class="Float8BlockScaling",
-            seq_padding_multiple=128,
-            bridge_mixed_precision="bf16_with_fp8_subchannel_scaling_mixed",
-            env_vars=_BLOCK_ENV,
-        ),
-        Recipe(
+        _BLOCKWISE,
+        replace(
+            _BLOCKWISE,
             name="fp8_param",
             description="blockwise + FP8 primary weights and FP8 parameter all-gather (TE's FP8 data is sent as is)",
-            fp8="e4m3",
-            fp8_recipe="blockwise",
             fp8_param=True,
             fp8_param_gather=True,
-            te_recipe_class="Float8BlockScaling",
-            seq_padding_multiple=128,
-            bridge_mixed_precision="bf16_with_fp8_subchannel_scaling_mixed",
-            env_vars=_BLOCK_ENV,
         ),
         Recipe(
             name="delayed",

@@ -8,56 +8,43 @@ whole version, commits only the exact set the version's trailer announces:
 any failure) -> a :class:`RefitOutcome` back to :meth:`RefitSender.send`, which
 raises :class:`~megatron_fp8.errors.RefitRefusedError` unless every receiver committed.
 
-Modules: :mod:`.wire` (bucket format, dtype names, versions), :mod:`.checksum`,
-:mod:`.finite` (NaN/Inf refusal), :mod:`.buckets` (packer), :mod:`.transport`
+Modules: :mod:`.wire` (bucket format, dtype names, versions), :mod:`.integrity`
+(the checksum, NaN/Inf refusal), :mod:`.buckets` (packer), :mod:`.transport`
 (one module per transport plus the registry), :mod:`.sender`, :mod:`.receiver`,
 :mod:`.pipeline` (colocated refit), :mod:`.synthetic`, :mod:`.verify`.
 """
 
-from megatron_fp8.refit.applier import CallableApplier, DictApplier, RefitApplier
-from megatron_fp8.refit.buckets import default_bucket_bytes, pack_buckets, unpack_bucket
-from megatron_fp8.refit.integrity.checksum import payload_checksum
-from megatron_fp8.refit.integrity.finite import check_finite
-from megatron_fp8.refit.receiver import ReceiveReport, RefitReceiver
-from megatron_fp8.refit.sender import PAYLOAD_CLASSES, RefitSender, SendReport, payload_class
-from megatron_fp8.refit.transport import (
-    FACTORIES,
-    CudaIpcTransport,
-    InProcTransport,
-    TorchDistTransport,
-    Transport,
-    make_transport,
-)
-from megatron_fp8.refit.wire import ALIGN, DTYPES, Bucket, RefitOutcome, RefitVersion, TensorMeta, VersionTrailer
-from megatron_fp8.vocab import TRANSPORTS
+from megatron_fp8.exports import lazy_exports
 
-__all__ = [
-    "ALIGN",
-    "DTYPES",
-    "PAYLOAD_CLASSES",
-    "FACTORIES",
-    "TRANSPORTS",
-    "Bucket",
-    "CallableApplier",
-    "CudaIpcTransport",
-    "DictApplier",
-    "InProcTransport",
-    "ReceiveReport",
-    "RefitApplier",
-    "RefitOutcome",
-    "RefitReceiver",
-    "RefitSender",
-    "RefitVersion",
-    "SendReport",
-    "TensorMeta",
-    "TorchDistTransport",
-    "Transport",
-    "VersionTrailer",
-    "check_finite",
-    "default_bucket_bytes",
-    "make_transport",
-    "pack_buckets",
-    "payload_checksum",
-    "payload_class",
-    "unpack_bucket",
-]
+_EXPORTS = {  # exported name -> the module that defines it (resolved on first use: megatron_fp8.exports)
+    "CallableApplier": "megatron_fp8.refit.applier",
+    "DictApplier": "megatron_fp8.refit.applier",
+    "RefitApplier": "megatron_fp8.refit.applier",
+    "default_bucket_bytes": "megatron_fp8.refit.buckets",
+    "pack_buckets": "megatron_fp8.refit.buckets",
+    "unpack_bucket": "megatron_fp8.refit.buckets",
+    "payload_checksum": "megatron_fp8.refit.integrity.checksum",
+    "check_finite": "megatron_fp8.refit.integrity.finite",
+    "ReceiveReport": "megatron_fp8.refit.receiver",
+    "RefitReceiver": "megatron_fp8.refit.receiver",
+    "PAYLOAD_CLASSES": "megatron_fp8.refit.sender",
+    "RefitSender": "megatron_fp8.refit.sender",
+    "SendReport": "megatron_fp8.refit.sender",
+    "payload_class": "megatron_fp8.refit.sender",
+    "FACTORIES": "megatron_fp8.refit.transport",
+    "CudaIpcTransport": "megatron_fp8.refit.transport",
+    "InProcTransport": "megatron_fp8.refit.transport",
+    "TorchDistTransport": "megatron_fp8.refit.transport",
+    "Transport": "megatron_fp8.refit.transport",
+    "make_transport": "megatron_fp8.refit.transport",
+    "ALIGN": "megatron_fp8.refit.wire",
+    "DTYPES": "megatron_fp8.refit.wire",
+    "Bucket": "megatron_fp8.refit.wire",
+    "RefitOutcome": "megatron_fp8.refit.wire",
+    "RefitVersion": "megatron_fp8.refit.wire",
+    "TensorMeta": "megatron_fp8.refit.wire",
+    "VersionTrailer": "megatron_fp8.refit.wire",
+    "TRANSPORTS": "megatron_fp8.vocab",
+}
+__getattr__, __dir__ = lazy_exports(__name__, _EXPORTS)
+__all__ = sorted(_EXPORTS)

@@ -13,41 +13,25 @@ checks it). Only the correction, metrics and KV-calibration names are re-exporte
 light); import the driver from :mod:`megatron_fp8.rl.driver.grpo`.
 """
 
-from megatron_fp8.rl.algorithm.correction import (
-    IS_VARIANTS,
-    LOSS_AGGREGATIONS,
-    ISConfig,
-    ISResult,
-    PPOStats,
-    compute_is_weights,
-    ppo_loss,
-)
-from megatron_fp8.rl.algorithm.kv_calibration import (
-    KV_HOOK_ATTACHERS,
-    KVAmaxRecorder,
-    KVHookHandle,
-    attach_kv_amax_hooks,
-    compute_kv_scales,
-    kv_scale_name,
-    split_megatron_qkv,
-)
-from megatron_fp8.rl.algorithm.metrics import METRIC_KEYS, mismatch_metrics
+from megatron_fp8.exports import lazy_exports
 
-__all__ = [
-    "IS_VARIANTS",
-    "KV_HOOK_ATTACHERS",
-    "LOSS_AGGREGATIONS",
-    "METRIC_KEYS",
-    "ISConfig",
-    "ISResult",
-    "KVAmaxRecorder",
-    "KVHookHandle",
-    "PPOStats",
-    "attach_kv_amax_hooks",
-    "compute_is_weights",
-    "compute_kv_scales",
-    "kv_scale_name",
-    "mismatch_metrics",
-    "ppo_loss",
-    "split_megatron_qkv",
-]
+_EXPORTS = {  # exported name -> the module that defines it (resolved on first use: megatron_fp8.exports)
+    "IS_VARIANTS": "megatron_fp8.rl.algorithm.correction",
+    "LOSS_AGGREGATIONS": "megatron_fp8.rl.algorithm.correction",
+    "ISConfig": "megatron_fp8.rl.algorithm.correction",
+    "ISResult": "megatron_fp8.rl.algorithm.correction",
+    "PPOStats": "megatron_fp8.rl.algorithm.correction",
+    "compute_is_weights": "megatron_fp8.rl.algorithm.correction",
+    "ppo_loss": "megatron_fp8.rl.algorithm.correction",
+    "KV_HOOK_ATTACHERS": "megatron_fp8.rl.algorithm.kv_calibration",
+    "KVAmaxRecorder": "megatron_fp8.rl.algorithm.kv_calibration",
+    "KVHookHandle": "megatron_fp8.rl.algorithm.kv_calibration",
+    "attach_kv_amax_hooks": "megatron_fp8.rl.algorithm.kv_calibration",
+    "compute_kv_scales": "megatron_fp8.rl.algorithm.kv_calibration",
+    "kv_scale_name": "megatron_fp8.rl.algorithm.kv_calibration",
+    "split_megatron_qkv": "megatron_fp8.rl.algorithm.kv_calibration",
+    "METRIC_KEYS": "megatron_fp8.rl.algorithm.metrics",
+    "mismatch_metrics": "megatron_fp8.rl.algorithm.metrics",
+}
+__getattr__, __dir__ = lazy_exports(__name__, _EXPORTS)
+__all__ = sorted(_EXPORTS)

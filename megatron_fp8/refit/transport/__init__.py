@@ -18,20 +18,18 @@ on the sender makes the receiver's next ``recv`` raise
 :class:`~megatron_fp8.errors.TransportClosedError`.
 """
 
-from megatron_fp8.refit.transport.base import DEFAULT_TIMEOUT_S, Transport
-from megatron_fp8.refit.transport.cuda_ipc import CudaIpcTransport, IpcQueue
-from megatron_fp8.refit.transport.inproc import InProcTransport
-from megatron_fp8.refit.transport.registry import FACTORIES, TransportFactory, make_transport
-from megatron_fp8.refit.transport.torch_dist import TorchDistTransport
+from megatron_fp8.exports import lazy_exports
 
-__all__ = [
-    "DEFAULT_TIMEOUT_S",
-    "FACTORIES",
-    "CudaIpcTransport",
-    "InProcTransport",
-    "IpcQueue",
-    "TorchDistTransport",
-    "Transport",
-    "TransportFactory",
-    "make_transport",
-]
+_EXPORTS = {  # exported name -> the module that defines it (resolved on first use: megatron_fp8.exports)
+    "DEFAULT_TIMEOUT_S": "megatron_fp8.refit.transport.base",
+    "Transport": "megatron_fp8.refit.transport.base",
+    "CudaIpcTransport": "megatron_fp8.refit.transport.cuda_ipc",
+    "IpcQueue": "megatron_fp8.refit.transport.cuda_ipc",
+    "InProcTransport": "megatron_fp8.refit.transport.inproc",
+    "FACTORIES": "megatron_fp8.refit.transport.registry",
+    "TransportFactory": "megatron_fp8.refit.transport.registry",
+    "make_transport": "megatron_fp8.refit.transport.registry",
+    "TorchDistTransport": "megatron_fp8.refit.transport.torch_dist",
+}
+__getattr__, __dir__ = lazy_exports(__name__, _EXPORTS)
+__all__ = sorted(_EXPORTS)
