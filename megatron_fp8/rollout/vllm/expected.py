@@ -29,7 +29,7 @@ import torch
 
 from megatron_fp8.errors import WeightStreamError
 from megatron_fp8.layout import block_scale_shape
-from megatron_fp8.rollout.vllm import adapter
+from megatron_fp8.rollout.vllm import layers
 from megatron_fp8.vocab import FP8_DTYPE_NAME, KV_SCALE_KINDS, SCALE_SUFFIX, is_kv_scale_name
 
 MAX_LISTED = 8
@@ -97,7 +97,7 @@ def expected_refit_set(
     """
     fp8 = frozenset(fp8_names or ())
     packed = {k: list(v) for k, v in dict(getattr(model, "packed_modules_mapping", {}) or {}).items()}
-    linear_cls, experts_cls = adapter._linear_base_cls(), adapter._routed_experts_cls()
+    linear_cls, experts_cls = layers.linear_base_cls(), layers.routed_experts_cls()
     out: dict[str, ExpectedTensor] = {}
     owned: set[str] = set()
 
@@ -121,16 +121,16 @@ def expected_refit_set(
                     )
             owned.add(module.prefix)
         elif isinstance(module, experts_cls):
-            prefix = adapter._experts_prefix(module)
+            prefix = layers.experts_prefix(module)
             moe = getattr(module, "moe_config", None)
             inter = int(getattr(moe, "intermediate_size", 0) or module.intermediate_size_per_partition)
             hidden = int(module.hidden_size)
             dtype = getattr(moe, "in_dtype", None) or torch.bfloat16
-            for hf in adapter._expert_hf_weights(module):
+            for hf in layers.expert_hf_weights(module):
                 shape = (hidden, inter) if ".down_proj." in hf or ".w2." in hf else (inter, hidden)
                 add_weight(hf, shape, dtype, prefix)
             owned.add(prefix)
-    embedding_cls = adapter._vocab_embedding_cls()
+    embedding_cls = layers.vocab_embedding_cls()
     modules = dict(model.named_modules())
     for name, param in model.named_parameters():
         module_name, _, leaf = name.rpartition(".")
@@ -142,7 +142,7 @@ def expected_refit_set(
             shape = (int(module.org_vocab_size), int(module.embedding_dim))
         out[name] = ExpectedTensor(name, shape, (_dtype_name(param.dtype),), "other", module_name)
     if kv_cache_dtype.startswith("fp8"):
-        for prefix in adapter.attention_prefixes(model):
+        for prefix in layers.attention_prefixes(model):
             for kind in KV_SCALE_KINDS:
                 name = f"{prefix}.{kind}_scale"
                 out[name] = ExpectedTensor(name, (), ("float32",), "kv_scale", prefix)

@@ -1,25 +1,35 @@
-"""Module-level in-place refit plans for processed vLLM layouts (vLLM 0.11: FP8 linears, fused MoE, KV scales).
+"""The in-place refit for vLLM without layerwise reload: a whole version planned, checked, then written into the engine.
 
-Part of the vLLM adapter room (split from :mod:`~megatron_fp8.rollout.vllm.adapter` for length).
-:func:`~megatron_fp8.rollout.vllm.adapter.inplace_load_weights` hands each module whose layout
-(:mod:`~megatron_fp8.rollout.vllm.layouts`) is not the checkpoint's to one of these planners:
-they assemble this TP rank's fused checkpoint-format tensors from every shard of the module
-(``cat(q, k, v)``, ``cat(gate, up)``, row-parallel columns, experts stacked), map them onto
-the engine's layout (transpose, vLLM's own UE8M0 re-quantization) and check every shape and
-dtype against the held Parameter. Nothing is written here: the caller writes only after every
-module of the version was planned (:func:`~megatron_fp8.rollout.vllm.layouts.write_inplace`).
+:func:`inplace_load_weights` is the load path of vLLM releases without layerwise reload (e.g. 0.11,
+chosen by :func:`~megatron_fp8.rollout.vllm.adapter.reload_weights`): after
+``process_weights_after_loading`` the Parameters of FP8 layers are new objects without their
+``weight_loader``, so ``model.load_weights`` cannot be called again. It resolves every tensor of the
+version to its target first: checkpoint-layout Parameters by this TP rank's rows/columns, and each
+module whose layout (:mod:`~megatron_fp8.rollout.vllm.layouts`) is not the checkpoint's through one of
+the module-level planners (:func:`plan_linear`, :func:`plan_experts`, :func:`plan_kv`). The planners
+assemble this TP rank's fused checkpoint-format tensors from every shard of the module
+(``cat(q, k, v)``, ``cat(gate, up)``, row-parallel columns, experts stacked), map them onto the engine's
+layout (transpose, vLLM's own UE8M0 re-quantization) and check every shape and dtype against the held
+Parameter; they write nothing. The first byte is written only after every module of the version was
+planned (:func:`~megatron_fp8.rollout.vllm.layouts.write_inplace`).
 """
 
 from __future__ import annotations
 
 import logging
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 
-from megatron_fp8.rollout.vllm import layouts
+from megatron_fp8.layout import ceil_div
+from megatron_fp8.rollout.vllm import layers, layouts
 from megatron_fp8.rollout.vllm.layouts import RefitTargetError, UnknownLayoutError
-from megatron_fp8.vocab import KV_SCALE_KINDS, SCALE_SUFFIX
+from megatron_fp8.vocab import KV_SCALE_KINDS, SCALE_SUFFIX, is_kv_scale_name
+
+if TYPE_CHECKING:  # vLLM's types, for annotations only (vLLM is optional at import time)
+    from vllm.model_executor.layers.linear import LinearBase
 
 logger = logging.getLogger(__name__)
 
@@ -173,3 +183,179 @@ def plan_kv(module: torch.nn.Module, prefix: str, sent: Mapping[str, torch.Tenso
             raise RefitTargetError(f"{prefix}.{kind}_scale: a KV scale must be one positive float, got {t!r}")
         out[kind] = t.to(torch.float32).reshape(())
     return out
+
+
+@dataclass(frozen=True)
+class _Target:
+    """Where one checkpoint tensor lands: ``param.data[index]`` gets ``source[src_index]``."""
+
+    param: torch.nn.Parameter
+    index: tuple[slice, ...]
+    src_index: tuple[slice, ...]
+    name: str
+
+
+def _inplace_targets(model: torch.nn.Module) -> dict[str, list[tuple[LinearBase, str | int | None, str]]]:
+    packed = {k: list(v) for k, v in dict(getattr(model, "packed_modules_mapping", {}) or {}).items()}
+    linear_cls = layers.linear_base_cls()
+    out: dict[str, list[tuple[LinearBase, str | int | None, str]]] = {}
+    for _, module in model.named_modules():
+        if not isinstance(module, linear_cls):
+            continue
+        head, _, last = module.prefix.rpartition(".")
+        shards = packed.get(last)
+        if shards:
+            keys: list[str | int] = list("qkv") if hasattr(module, "num_kv_head_replicas") else list(range(len(shards)))
+            for key, shard in zip(keys, shards, strict=True):
+                out[f"{head}.{shard}"] = [(module, key, "column")]
+        else:
+            kind = (
+                "row"
+                if type(module).__name__ == "RowParallelLinear"
+                else ("replicated" if type(module).__name__ in ("ReplicatedLinear", "GateLinear") else "column")
+            )
+            out[module.prefix] = [(module, None, kind)]
+    return out
+
+
+def _plan_processed(
+    model: torch.nn.Module,
+    targets: dict[str, list[tuple[LinearBase, str | int | None, str]]],
+    items: list[tuple[str, torch.Tensor]],
+) -> tuple[dict[str, torch.nn.Module], set[str], list, list]:
+    """Plan the modules whose held layout is not the checkpoint's (vLLM 0.11 processed FP8, experts, KV).
+
+    Returns:
+        ``(modules by name, stream names consumed, [(module, {param: tensor})], [(attention, {kind: scale})])``.
+    """
+    sent = dict(items)
+    modules = dict(model.named_modules())
+    done: set[str] = set()
+    writes: list[tuple[torch.nn.Module, dict[str, torch.Tensor]]] = []
+    kv_writes: list[tuple[torch.nn.Module, dict[str, torch.Tensor]]] = []
+    seen: set[int] = set()
+    for base, entries in targets.items():
+        module, _, kind = entries[0]
+        if id(module) in seen or f"{base}.weight" not in sent:
+            continue
+        layout = layouts.linear_layout(module)
+        if layout.kind not in ("rowmajor", "transposed", "ue8m0"):
+            continue
+        seen.add(id(module))
+        shards = [(key, b) for b, ((m, key, _k),) in targets.items() if m is module]
+        writes.append((module, plan_linear(module, layout, shards, kind, sent)))
+        done.update(n for _k, b in shards for n in (f"{b}.weight", f"{b}.weight_scale_inv"))
+    experts_cls = layers.routed_experts_cls()
+    for module in modules.values():
+        prefix = layers.experts_prefix(module) if isinstance(module, experts_cls) else ""
+        if prefix and any(n.startswith(prefix + ".") for n in sent):
+            tensors, used = plan_experts(module, prefix, sent)
+            writes.append((module, tensors))
+            done.update(used)
+    for prefix in sorted({n.rpartition(".")[0] for n in sent if is_kv_scale_name(n)}):
+        if prefix in modules:
+            kv_writes.append((modules[prefix], plan_kv(modules[prefix], prefix, sent)))
+            done.update(f"{prefix}.{k}_scale" for k in ("q", "k", "v"))
+    return modules, done, writes, kv_writes
+
+
+def inplace_load_weights(model: torch.nn.Module, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+    """Copy checkpoint-format tensors into a built vLLM model's existing Parameters (no rebinding).
+
+    For vLLM releases without layerwise reload: after ``process_weights_after_loading``
+    the Parameters of FP8 layers are new objects without their ``weight_loader``, so
+    ``model.load_weights`` cannot be called again. This writes each HF shard into the
+    fused Parameter's rows itself: q/k/v into ``qkv_proj`` (this TP rank's heads, KV
+    heads replicated when TP > KV heads), gate/up into ``gate_up_proj``, row-parallel
+    weights by columns, ``weight_scale_inv`` by 128-row blocks; other tensors go through
+    the Parameter's own ``weight_loader`` (embeddings, norms keep theirs). Modules that
+    vLLM processed after loading (0.11: FP8 linears with ``weight_scale``, fused MoE, KV
+    scales) are mapped onto the layout they hold (:mod:`~megatron_fp8.rollout.vllm.layouts`:
+    transposed scales, UE8M0 re-quantization, ``_k_scale``) by :func:`plan_linear`,
+    :func:`plan_experts` and :func:`plan_kv`. Every target is resolved and shape-checked,
+    and every processed module fully mapped, before the first byte is copied.
+
+    Raises:
+        RefitTargetError: an unknown name, a shape mismatch, a missing shard of a processed
+            module, or a layout this fallback does not know
+            (:class:`~megatron_fp8.rollout.vllm.layouts.UnknownLayoutError`: names the module,
+            the layout found and the vLLM version).
+    """
+    items = list(weights)
+    targets = _inplace_targets(model)
+    params = dict(model.named_parameters())
+    modules, done, writes, kv_writes = _plan_processed(model, targets, items)
+    plan: list[tuple[_Target | None, str, torch.Tensor]] = []
+    for name, tensor in items:
+        if name in done:
+            continue
+        base, _, leaf = name.rpartition(".")
+        if base in targets and leaf in ("weight", "weight_scale_inv"):
+            module, shard, kind = targets[base][0]
+            param = getattr(module, leaf, None)
+            if param is None:
+                raise RefitTargetError(f"{name}: the vLLM module {module.prefix} has no {leaf!r}")
+            block = 1
+            if leaf == "weight_scale_inv":
+                wshape = module.weight.shape
+                block = ceil_div(wshape[0], param.shape[0]) if param.dim() == 2 else 1
+            tp_rank, tp_size = int(getattr(module, "tp_rank", 0)), int(getattr(module, "tp_size", 1))
+            if kind == "column":
+                dst_rows, src_rows, full = layouts.column_slices(module, shard, tensor.shape[0] * block, block)
+                expected = (ceil_div(full, block), param.shape[1])
+                t = _Target(param, (dst_rows,), (src_rows,), name)
+            elif kind == "row":
+                expected = (param.shape[0], param.shape[1] * tp_size)
+                cols = tensor.shape[1] // tp_size
+                t = _Target(
+                    param, (slice(None), slice(None)), (slice(None), slice(tp_rank * cols, (tp_rank + 1) * cols)), name
+                )
+            else:
+                expected = tuple(param.shape)
+                t = _Target(param, (slice(None),), (slice(None),), name)
+            if tuple(tensor.shape) != tuple(expected):
+                raise RefitTargetError(
+                    f"{name}: shape {tuple(tensor.shape)} does not fit {module.prefix}.{leaf}, which "
+                    f"expects {tuple(expected)} for this HF tensor"
+                )
+            dst, src = param.data[t.index], tensor[t.src_index]
+            if tuple(dst.shape) != tuple(src.shape):
+                raise RefitTargetError(
+                    f"{name}: {tuple(src.shape)} does not fit {module.prefix}.{leaf} rows/cols "
+                    f"{tuple(dst.shape)} (TP rank {getattr(module, 'tp_rank', 0)})"
+                )
+            if dst.dtype != src.dtype:
+                raise RefitTargetError(
+                    f"{name}: {src.dtype} arrived for {module.prefix}.{leaf}, which holds {dst.dtype}"
+                )
+            plan.append((t, name, tensor))
+        elif name in params:
+            param = params[name]
+            sharded = getattr(param, "weight_loader", None) is not None and param.dim() >= 1
+            rows_ok = sharded and tensor.dim() == param.dim() and tuple(tensor.shape[1:]) == tuple(param.shape[1:])
+            if tuple(tensor.shape) != tuple(param.shape) and not rows_ok:
+                raise RefitTargetError(f"{name}: shape {tuple(tensor.shape)} does not fit {tuple(param.shape)}")
+            if tensor.dtype != param.dtype:
+                raise RefitTargetError(f"{name}: {tensor.dtype} arrived for a parameter that holds {param.dtype}")
+            plan.append((None, name, tensor))
+        elif ".experts." in name:
+            raise RefitTargetError(f"{name}: routed experts need vLLM's layerwise reload (vLLM >= 0.15) to be refit")
+        elif is_kv_scale_name(name):
+            raise RefitTargetError(f"{name}: the engine has no attention layer {name.rpartition('.')[0]!r}")
+        else:
+            raise RefitTargetError(f"{name} is not a parameter of this vLLM model ({type(model).__name__})")
+    for module, tensors in writes:
+        layouts.write_inplace(module, tensors)
+    for module, scales in kv_writes:
+        layouts.write_kv_scales(module, scales)
+    with torch.no_grad():
+        for t, name, tensor in plan:
+            if t is not None:
+                t.param.data[t.index].copy_(tensor[t.src_index])
+                continue
+            param = params[name]
+            loader = getattr(param, "weight_loader", None)
+            if loader is not None:
+                loader(param, tensor)
+            else:
+                param.data.copy_(tensor)

@@ -2,7 +2,7 @@
 
 vLLM's ``process_weights_after_loading`` changes FP8 parameters after loading, differently per
 release and kernel path (see DESIGN.md, "The users' stack"). The in-place refit
-(:func:`~megatron_fp8.rollout.vllm.adapter.inplace_load_weights`, for vLLM without layerwise
+(:func:`~megatron_fp8.rollout.vllm.inplace.inplace_load_weights`, for vLLM without layerwise
 reload, e.g. the image's 0.11) must write exactly what vLLM would have produced from the same
 checkpoint, so it first asks this module what each module holds:
 

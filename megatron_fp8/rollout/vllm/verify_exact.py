@@ -38,7 +38,7 @@ import torch
 from megatron_fp8.errors import RefitError
 from megatron_fp8.layout import ceil_div
 from megatron_fp8.refit.verify import VerifyReport
-from megatron_fp8.rollout.vllm import adapter, inplace, layouts
+from megatron_fp8.rollout.vllm import inplace, layers, layouts
 from megatron_fp8.rollout.vllm.expected import ExpectedTensor, _linear_shard_rows
 from megatron_fp8.vocab import KV_SCALE_KINDS, SCALE_SUFFIX
 
@@ -102,7 +102,7 @@ def _local(module: torch.nn.Module, key: str | int | None, t: torch.Tensor, *, b
         return t[:, rank * cols : (rank + 1) * cols]
     if kind in ("ReplicatedLinear", "GateLinear"):
         return t
-    _, src, _ = adapter._column_slices(module, key, t.shape[0] * block, block)
+    _, src, _ = layouts.column_slices(module, key, t.shape[0] * block, block)
     return t[src]
 
 
@@ -235,7 +235,7 @@ def _verify_experts(module: torch.nn.Module, sent: Mapping[str, torch.Tensor], *
     Returns the names compared; other layouts (FP8 experts, TP/EP sharding) are left to the caller's
     unverified list.
     """
-    prefix = adapter._experts_prefix(module)
+    prefix = layers.experts_prefix(module)
     w13, w2 = getattr(module, "w13_weight", None), getattr(module, "w2_weight", None)
     if w13 is None or w2 is None or w13.dtype == torch.float8_e4m3fn or int(getattr(module, "tp_size", 1)) != 1:
         return []
@@ -278,8 +278,8 @@ def verify_exact(
     """
     start = time.perf_counter()
     packed = {k: list(v) for k, v in dict(getattr(model, "packed_modules_mapping", {}) or {}).items()}
-    linear_cls = adapter._linear_base_cls()
-    embedding_cls = adapter._vocab_embedding_cls()
+    linear_cls = layers.linear_base_cls()
+    embedding_cls = layers.vocab_embedding_cls()
     unverified: list[str] = []
     checked = probed = 0
     done: set[str] = set()
@@ -299,7 +299,7 @@ def verify_exact(
         done.update(n[: -len(".weight")] + ".bias" for n in names)
         checked += len(names)
     for _, module in modules.items():
-        if isinstance(module, adapter._routed_experts_cls()):
+        if isinstance(module, layers.routed_experts_cls()):
             names = _verify_experts(module, sent, version=version)
             done.update(names)
             checked += len(names)

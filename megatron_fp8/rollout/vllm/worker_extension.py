@@ -3,8 +3,8 @@
 Passed to vLLM as ``worker_extension_cls="megatron_fp8.rollout.vllm.worker_extension.FP8RefitWorkerExtension"``;
 vLLM mixes it into every worker, and the trainer calls its methods with
 ``llm.collective_rpc("mfp8_...", args=...)``. All vLLM version differences it
-relies on live in :mod:`megatron_fp8.rollout.vllm.adapter` (and its split-off
-:mod:`~megatron_fp8.rollout.vllm.reload_state`).
+relies on live in :mod:`megatron_fp8.rollout.vllm.adapter` (and, for a rollback,
+:mod:`~megatron_fp8.rollout.vllm.rollback`).
 
 Refit guarantees on the worker (:meth:`FP8RefitWorkerExtension.mfp8_apply`):
 
@@ -55,7 +55,7 @@ import torch
 
 from megatron_fp8.errors import EngineNotServingError, RefitError, RefitRolledBackError, WeightStreamError
 from megatron_fp8.quant import dequantize_blockwise, quantize_blockwise
-from megatron_fp8.rollout.vllm import adapter, layouts, reload_state
+from megatron_fp8.rollout.vllm import adapter, layouts, rollback
 from megatron_fp8.rollout.vllm.expected import ExpectedTensor, expected_refit_set, validate_version
 from megatron_fp8.rollout.vllm.kv_backends import refuse_stale_kv_scales
 from megatron_fp8.rollout.vllm.verify_exact import verify_exact
@@ -271,7 +271,7 @@ class FP8RefitWorkerExtension:
         except Exception as exc:
             raise self._mfp8_recover(version, exc, native=native) from exc
         if state.partial:
-            merged = dict(state.last_good or reload_state.checkpoint_weights(self.model_runner))
+            merged = dict(state.last_good or rollback.checkpoint_weights(self.model_runner))
             merged.update(stream)
             stream = list(merged.items())
         self._mfp8_update(
@@ -282,8 +282,8 @@ class FP8RefitWorkerExtension:
 
     def _mfp8_restore(self, version: int, stream: Stream | None) -> None:
         """Reload ``stream`` (``None``: the checkpoint on disk) as ``version`` and verify it exactly."""
-        reload_state.reset_layerwise_state(self.model_runner.model)
-        source = stream if stream is not None else reload_state.checkpoint_weights(self.model_runner)
+        rollback.reset_layerwise_state(self.model_runner.model)
+        source = stream if stream is not None else rollback.checkpoint_weights(self.model_runner)
         self._mfp8_load_and_verify(source, version, verify=True, hooks=False)
 
     def _mfp8_recover(self, version: int, exc: Exception, *, native: bool) -> RefitError:

@@ -20,7 +20,9 @@ def _compare_on_worker(self):
     from vllm.config import set_current_vllm_config
     from vllm.model_executor.layers.linear import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
 
-    from megatron_fp8.rollout.vllm.adapter import RefitTargetError, _column_slices, inplace_load_weights
+    from megatron_fp8.rollout.vllm.inplace import inplace_load_weights
+    from megatron_fp8.rollout.vllm.layouts import RefitTargetError
+    from megatron_fp8.rollout.vllm.layouts import column_slices as _column_slices
 
     class Block(torch.nn.Module):
         packed_modules_mapping = {"qkv_proj": ["q_proj", "k_proj", "v_proj"], "gate_up_proj": ["gate_proj", "up_proj"]}

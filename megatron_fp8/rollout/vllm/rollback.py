@@ -1,9 +1,10 @@
-"""vLLM internals a refit rollback needs: undoing a half-done layerwise reload, re-reading the checkpoint.
+"""What a refit rollback needs from vLLM: undoing a half-done layerwise reload, re-reading the engine's checkpoint.
 
-Part of the vLLM adapter room (split from :mod:`megatron_fp8.rollout.vllm.adapter` for length):
-each function branches on what the live vLLM holds. Written against vLLM 0.32's
-``vllm.model_executor.model_loader.reload`` (layerwise reload); on releases without it both
-are no-ops / unavailable and the in-place fallback marks the engine not serving instead.
+The worker (:mod:`~megatron_fp8.rollout.vllm.worker_extension`) restores a known-good version with these:
+after a version failed past its first write, or to revert a commit another worker failed. Written against
+vLLM 0.32's ``vllm.model_executor.model_loader.reload`` (layerwise reload); on releases without it
+:func:`reset_layerwise_state` has nothing to undo, and a failed in-place refit is not rolled back (the
+worker marks the engine not serving instead).
 """
 
 from __future__ import annotations
