@@ -26,7 +26,7 @@ import logging
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import TYPE_CHECKING, Any, ClassVar, Protocol, TypedDict
 
 import torch
 
@@ -135,7 +135,68 @@ class RolloutEngine(Protocol):
         ...
 
 
-class ReferenceRolloutEngine:
+class _SamplingOptions(TypedDict):
+    """The keyword arguments of :meth:`RolloutEngine.generate` that both samplers take as they are."""
+
+    max_new_tokens: int
+    temperature: float
+    seed: int
+    eos_token_id: int
+
+
+_RolloutFields = tuple[tuple[tuple[int, ...], ...], tuple[torch.Tensor, ...], tuple[bool, ...]]
+"""The :class:`Rollout` fields an engine samples: ``token_ids``, ``logprobs`` (float32) and ``finished``."""
+
+
+class _RolloutEngineBase:
+    """What both engines of :data:`ENGINES` share: the name, and ``generate``'s refusals and packing.
+
+    A subclass sets ``_prefix``, calls :meth:`_set_precision` and sets ``applier`` in its ``__init__``,
+    implements :meth:`_sample`, and overrides :meth:`_check_open` where the engine can be closed.
+    """
+
+    _prefix: ClassVar[str]
+    name: str
+    precision: str
+    applier: VerifyingApplier
+
+    def _set_precision(self, quantization_config: dict | None) -> None:
+        """Set ``precision`` (``"fp8"`` with a quantization config, else ``"bf16"``) and ``name``."""
+        self.precision = "fp8" if quantization_config is not None else "bf16"
+        self.name = f"{self._prefix}-{self.precision}"
+
+    def _check_open(self) -> None:
+        """Refuse to generate on a closed engine (an engine that cannot be closed has nothing to check)."""
+
+    def _sample(self, prompts: Sequence[Sequence[int]], options: _SamplingOptions) -> _RolloutFields:
+        """Sample one response per prompt on the engine (see :meth:`generate`); every subclass implements it."""
+        raise NotImplementedError
+
+    def generate(
+        self,
+        prompts: Sequence[Sequence[int]],
+        *,
+        max_new_tokens: int,
+        temperature: float,
+        seed: int,
+        eos_token_id: int,
+    ) -> Rollout:
+        """Sample one response per prompt (prompt ``j`` seeded with ``seed + j``); the engine's ``_sample`` says how.
+
+        Raises:
+            ConfigError: the engine was closed (vLLM).
+            EngineNotServingError: the applier holds no good version (see :func:`require_serving`).
+        """
+        self._check_open()
+        require_serving(self.name, self.applier)
+        options = _SamplingOptions(
+            max_new_tokens=max_new_tokens, temperature=temperature, seed=seed, eos_token_id=eos_token_id
+        )
+        token_ids, logprobs, finished = self._sample(prompts, options)
+        return Rollout(token_ids=token_ids, logprobs=logprobs, finished=finished, engine=self.name)
+
+
+class ReferenceRolloutEngine(_RolloutEngineBase):
     """GRPO rollouts on the CPU reference engine (emulator of vLLM FP8 numerics, not a server).
 
     Args:
@@ -149,6 +210,8 @@ class ReferenceRolloutEngine:
     The applier rolls a failed refit back (it keeps copies of the tensors a commit overwrites:
     one extra copy of the version's held bytes during the commit, freed after it).
     """
+
+    _prefix = "reference"
 
     def __init__(
         self,
@@ -167,37 +230,16 @@ class ReferenceRolloutEngine:
             kv_cache_dtype=kv_cache_dtype,
             activation_scale_format=activation_scale_format,
         )
-        self.precision = "fp8" if quantization_config is not None else "bf16"
-        self.name = f"reference-{self.precision}"
+        self._set_precision(quantization_config)
         self.applier = ReferenceEngineApplier(self.engine, verify=verify)
 
-    def generate(
-        self,
-        prompts: Sequence[Sequence[int]],
-        *,
-        max_new_tokens: int,
-        temperature: float,
-        seed: int,
-        eos_token_id: int,
-    ) -> Rollout:
-        """Sample with the reference engine (batched, KV cache, per-sequence generators).
-
-        Raises:
-            EngineNotServingError: the applier holds no good version (see :func:`require_serving`).
-        """
-        require_serving(self.name, self.applier)
-        out = self.engine.generate(
-            [list(p) for p in prompts],
-            max_new_tokens=max_new_tokens,
-            temperature=temperature,
-            seed=seed,
-            eos_token_id=eos_token_id,
-        )
-        return Rollout(
-            token_ids=out.token_ids,
-            logprobs=tuple(lp.to(torch.float32) for lp in out.logprobs),
-            finished=tuple(r == "stop" for r in out.finish_reasons),
-            engine=self.name,
+    def _sample(self, prompts: Sequence[Sequence[int]], options: _SamplingOptions) -> _RolloutFields:
+        """Sample with the reference engine (batched, KV cache, per-sequence generators)."""
+        out = self.engine.generate([list(p) for p in prompts], **options)
+        return (
+            out.token_ids,
+            tuple(lp.to(torch.float32) for lp in out.logprobs),
+            tuple(r == "stop" for r in out.finish_reasons),
         )
 
     def weight_scale_format(self) -> str:
@@ -208,7 +250,7 @@ class ReferenceRolloutEngine:
         """Nothing to release."""
 
 
-class VllmRolloutEngine:
+class VllmRolloutEngine(_RolloutEngineBase):
     """GRPO rollouts on a real in-process ``vllm.LLM`` (BF16 on CPU; FP8 needs a GPU).
 
     Only one vLLM engine may live in a process at a time; call :meth:`close` before
@@ -228,6 +270,8 @@ class VllmRolloutEngine:
     Raises:
         ConfigError: FP8 requested without CUDA.
     """
+
+    _prefix = "vllm"
 
     def __init__(
         self,
@@ -255,43 +299,28 @@ class VllmRolloutEngine:
             logprobs_mode="processed_logprobs",
             **(engine_kwargs or {}),
         )
-        self.precision = "fp8" if quantization_config is not None else "bf16"
-        self.name = f"vllm-{self.precision}"
+        self._set_precision(quantization_config)
         self.applier = VllmApplier(
             self.llm, fp8_names=list(fp8_names) if fp8_names is not None else None, verify=verify
         )
 
-    def generate(
-        self,
-        prompts: Sequence[Sequence[int]],
-        *,
-        max_new_tokens: int,
-        temperature: float,
-        seed: int,
-        eos_token_id: int,
-    ) -> Rollout:
-        """Sample with vLLM; asks for the sampled token's log-probability (``logprobs=0``).
+    def _check_open(self) -> None:
+        """Refuse to generate on a closed engine.
 
         Raises:
             ConfigError: the engine was closed.
-            EngineNotServingError: the applier holds no good version (see :func:`require_serving`).
         """
         if self.llm is None:
             raise ConfigError(f"{self.name} was closed; build a new engine")
-        require_serving(self.name, self.applier)
-        samples = vllm_adapter.sample(
-            self.llm,
-            prompts,
-            max_new_tokens=max_new_tokens,
-            temperature=temperature,
-            seed=seed,
-            eos_token_id=eos_token_id,
-        )
-        return Rollout(
-            token_ids=tuple(x.token_ids for x in samples),
-            logprobs=tuple(x.logprobs for x in samples),
-            finished=tuple(x.finished for x in samples),
-            engine=self.name,
+
+    def _sample(self, prompts: Sequence[Sequence[int]], options: _SamplingOptions) -> _RolloutFields:
+        """Sample with vLLM; asks for the sampled token's log-probability (``logprobs=0``)."""
+        assert self.llm is not None  # _check_open ran first
+        samples = vllm_adapter.sample(self.llm, prompts, **options)
+        return (
+            tuple(x.token_ids for x in samples),
+            tuple(x.logprobs for x in samples),
+            tuple(x.finished for x in samples),
         )
 
     def weight_scale_format(self) -> str:

@@ -6,8 +6,8 @@ from pathlib import Path
 
 import pytest
 
-from megatron_fp8.config.nemo_rl.inheritance import OVERRIDE_SOURCE, compose_file, resolve
 from megatron_fp8.config.loader import load_config, load_config_report
+from megatron_fp8.config.nemo_rl.inheritance import OVERRIDE_SOURCE, compose_file, resolve
 from megatron_fp8.errors import ConfigError
 
 

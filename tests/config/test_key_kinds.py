@@ -9,8 +9,8 @@ import pytest
 
 from megatron_fp8.config import RunConfig, load_config
 from megatron_fp8.config.explain import EFFECTS, effect_of
-from megatron_fp8.config.nemo_rl.inheritance import leaf_paths
 from megatron_fp8.config.loader import load_config_report
+from megatron_fp8.config.nemo_rl.inheritance import leaf_paths
 from megatron_fp8.config.nemo_rl.keys import collect_keys, known_keys
 from megatron_fp8.config.wiring import (
     DEEP_GEMM_E8M0_ENV,

@@ -8,8 +8,8 @@ from pathlib import Path
 import pytest
 
 from megatron_fp8.config.explain import explain_rows
-from megatron_fp8.config.nemo_rl.inheritance import compose_file, leaf_paths, resolve
 from megatron_fp8.config.loader import load_config_report
+from megatron_fp8.config.nemo_rl.inheritance import compose_file, leaf_paths, resolve
 from megatron_fp8.errors import ConfigError
 
 DATA = Path(__file__).parent / "data" / "nemo_rl"

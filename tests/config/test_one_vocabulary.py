@@ -13,8 +13,8 @@ from pathlib import Path
 
 import pytest
 
-from megatron_fp8.config.nemo_rl.inheritance import leaf_paths
 from megatron_fp8.config.loader import MOVED_KEYS, load_config, load_config_report
+from megatron_fp8.config.nemo_rl.inheritance import leaf_paths
 from megatron_fp8.config.nemo_rl.keys import known_keys
 from megatron_fp8.config.refusals import refuse_before_run
 from megatron_fp8.config.schema import RunConfig

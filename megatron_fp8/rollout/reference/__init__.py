@@ -17,8 +17,12 @@ Modules:
 * :mod:`~megatron_fp8.rollout.reference.applier`: :class:`ReferenceEngineApplier`, the refit applier.
 """
 
-from megatron_fp8.rollout.reference.applier import ReferenceEngineApplier
-from megatron_fp8.rollout.reference.engine import ReferenceFP8Engine
-from megatron_fp8.rollout.reference.sampler import GenerationResult
+from megatron_fp8.exports import lazy_exports
 
-__all__ = ["GenerationResult", "ReferenceEngineApplier", "ReferenceFP8Engine"]
+_EXPORTS = {  # exported name -> the module that defines it (resolved on first use: megatron_fp8.exports)
+    "ReferenceEngineApplier": "megatron_fp8.rollout.reference.applier",
+    "ReferenceFP8Engine": "megatron_fp8.rollout.reference.engine",
+    "GenerationResult": "megatron_fp8.rollout.reference.sampler",
+}
+__getattr__, __dir__ = lazy_exports(__name__, _EXPORTS)
+__all__ = sorted(_EXPORTS)

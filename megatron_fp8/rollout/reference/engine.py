@@ -273,16 +273,8 @@ class ReferenceFP8Engine:
     def save_fp8_checkpoint(self, path: str | Path) -> Path:
         """Write an FP8 HF checkpoint (``config.json`` + ``model.safetensors``) that :meth:`from_hf_checkpoint` loads.
 
-        FP8 weights are saved as float8_e4m3fn with ``weight_scale_inv``, other
-        weights in bfloat16, the KV scales under ``...self_attn.attn.{q,k,v}_scale``;
-        ``config.json`` gets a ``quantization_config`` whose ``ignored_layers``
-        reproduce this engine's FP8 manifest.
-
-        Returns:
-            the checkpoint folder.
-
-        Raises:
-            ConfigError: the engine is BF16 (nothing FP8 to save) or not fully loaded.
+        See :func:`megatron_fp8.rollout.reference.weights.save_fp8_checkpoint` for the layout, the result
+        (the checkpoint folder) and the errors (a BF16 or not fully loaded engine).
         """
         return save_fp8_checkpoint(self.weights, path)
 
@@ -295,18 +287,9 @@ class ReferenceFP8Engine:
         response_start: int | Sequence[int],
         temperature: float = 1.0,
     ) -> list[torch.Tensor]:
-        """Teacher-forced log-probabilities of the response tokens.
+        """Teacher-forced log-probabilities of the response tokens (float32, one tensor per sequence).
 
-        Args:
-            input_ids: per sequence, prompt + response token ids (lengths may differ),
-                or a ``[B, L]`` tensor.
-            response_start: index of the first response token (int for all, or one per
-                sequence), at least 1.
-            temperature: logits are divided by it before ``log_softmax`` (> 0; use
-                1.0 to compare with greedy :meth:`generate`).
-
-        Returns:
-            per sequence a float32 tensor ``[len - response_start]``: ``log p(x_t | x_<t)``.
+        See :func:`megatron_fp8.rollout.reference.sampler.score` for the arguments and the result.
         """
         return sampler.score(self.model, input_ids, response_start=response_start, temperature=temperature)
 
