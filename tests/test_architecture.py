@@ -317,3 +317,34 @@ def test_upward_rule_finds_a_planted_upward_and_sideways_import():
     }
     bad = _upward_rl_imports(graph, RL_FLOORS)
     assert len(bad) == 2 and "algorithm.batch (floor 0) imports" in bad[0] and "data.rewards" in bad[1]
+
+
+def longest_import_chain(graph: dict[str, set[str]], roots: list[str]) -> list[str]:
+    """The longest chain of imports (modules and the package ``__init__`` files they run) from any of ``roots``."""
+    memo: dict[str, list[str]] = {}
+
+    def longest(v: str) -> list[str]:
+        if v not in memo:
+            best = [v]
+            for w in sorted(graph.get(v, ())):
+                path = longest(w)
+                if len(path) + 1 > len(best):
+                    best = [v, *path]
+            memo[v] = best
+        return memo[v]
+
+    return max((longest(r) for r in roots), key=len)
+
+
+def test_longest_chain_follows_real_imports():
+    graph = {"cli.a": {"pkg"}, "pkg": set(), "cli.b": {"x"}, "x": {"y"}, "y": set()}
+    assert longest_import_chain(graph, ["cli.a", "cli.b"]) == ["cli.b", "x", "y"]
+
+
+if __name__ == "__main__":  # python tests/test_architecture.py: modules per package and the longest import chain
+    for folder, count in sorted(_package_sizes().items()):
+        print(f"{count:3d} {folder}")
+    graph = _local_graph()
+    chain = longest_import_chain(graph, sorted(m for m in graph if m.startswith("megatron_fp8.cli")))
+    print(f"longest import chain from the CLI: {len(chain) - 1} imports")
+    print(" -> ".join(m.removeprefix("megatron_fp8.") for m in chain))
