@@ -32,16 +32,32 @@ class _Shard:
     explain: str
 
 
-def _shards(
-    *,
-    hidden_size: int,
-    intermediate_size: int,
-    num_heads: int,
-    num_kv_heads: int,
-    head_dim: int,
-    tp: int,
-    moe_intermediate_size: int | None,
-) -> tuple[list[str], list[_Shard]]:
+@dataclass(frozen=True)
+class _Widths:
+    """The projection widths TP splits (elements); one bundle for every TP rule below."""
+
+    hidden_size: int
+    intermediate_size: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    moe_intermediate_size: int | None
+
+    @classmethod
+    def of(cls, dims: ModelDims) -> _Widths:
+        return cls(
+            hidden_size=dims.hidden_size,
+            intermediate_size=dims.intermediate_size,
+            num_heads=dims.num_attention_heads,
+            num_kv_heads=dims.num_key_value_heads,
+            head_dim=dims.head_dim,
+            moe_intermediate_size=dims.moe_intermediate_size,
+        )
+
+
+def _shards(w: _Widths, tp: int) -> tuple[list[str], list[_Shard]]:
+    intermediate_size, num_heads, num_kv_heads, head_dim = w.intermediate_size, w.num_heads, w.num_kv_heads, w.head_dim
+    moe_intermediate_size = w.moe_intermediate_size
     problems: list[str] = []
     if num_heads % tp:
         problems.append(f"q_proj: {num_heads} attention heads do not split over TP {tp}")
@@ -76,26 +92,8 @@ def _shards(
     return problems, shards
 
 
-def _tp_problems(
-    *,
-    hidden_size: int,
-    intermediate_size: int,
-    num_heads: int,
-    num_kv_heads: int,
-    head_dim: int,
-    tp: int,
-    moe_intermediate_size: int | None,
-    block: int,
-) -> list[str]:
-    problems, shards = _shards(
-        hidden_size=hidden_size,
-        intermediate_size=intermediate_size,
-        num_heads=num_heads,
-        num_kv_heads=num_kv_heads,
-        head_dim=head_dim,
-        tp=tp,
-        moe_intermediate_size=moe_intermediate_size,
-    )
+def _tp_problems(w: _Widths, *, tp: int, block: int) -> list[str]:
+    problems, shards = _shards(w, tp)
     for shard in shards:
         if not is_blockable(0, shard.size, block):
             problems.append(
@@ -116,20 +114,8 @@ def tp_sizes_that_work(
     candidates: tuple[int, ...] = (1, 2, 4, 8, 16, 32, 64),
 ) -> tuple[int, ...]:
     """TP sizes (from ``candidates``) for which every partition fits the 128x128 blockwise format."""
-    return tuple(
-        tp
-        for tp in candidates
-        if not _tp_problems(
-            hidden_size=hidden_size,
-            intermediate_size=intermediate_size,
-            num_heads=num_heads,
-            num_kv_heads=num_kv_heads,
-            head_dim=head_dim,
-            tp=tp,
-            moe_intermediate_size=moe_intermediate_size,
-            block=block,
-        )
-    )
+    w = _Widths(hidden_size, intermediate_size, num_heads, num_kv_heads, head_dim, moe_intermediate_size)
+    return tuple(tp for tp in candidates if not _tp_problems(w, tp=tp, block=block))
 
 
 def validate_tp_divisibility(
@@ -162,16 +148,8 @@ def validate_tp_divisibility(
     """
     if not isinstance(tp, int) or isinstance(tp, bool) or tp < 1:
         raise ConfigError(f"{key} must be an integer >= 1, got {tp!r}")
-    problems = _tp_problems(
-        hidden_size=hidden_size,
-        intermediate_size=intermediate_size,
-        num_heads=num_heads,
-        num_kv_heads=num_kv_heads,
-        head_dim=head_dim,
-        tp=tp,
-        moe_intermediate_size=moe_intermediate_size,
-        block=block,
-    )
+    widths = _Widths(hidden_size, intermediate_size, num_heads, num_kv_heads, head_dim, moe_intermediate_size)
+    problems = _tp_problems(widths, tp=tp, block=block)
     if problems:
         ok = tp_sizes_that_work(
             hidden_size,
@@ -346,16 +324,7 @@ def trainer_tp_rules(cfg: RunConfig) -> list[str]:
 
 def _block_ok(dims: ModelDims, tp: int) -> bool:
     """Every TP partition of the projections is a whole number of 128-blocks."""
-    return not _tp_problems(
-        hidden_size=dims.hidden_size,
-        intermediate_size=dims.intermediate_size,
-        num_heads=dims.num_attention_heads,
-        num_kv_heads=dims.num_key_value_heads,
-        head_dim=dims.head_dim,
-        tp=tp,
-        moe_intermediate_size=dims.moe_intermediate_size,
-        block=vocab.DEFAULT_BLOCK,
-    )
+    return not _tp_problems(_Widths.of(dims), tp=tp, block=vocab.DEFAULT_BLOCK)
 
 
 def fp8_training_rules(cfg: RunConfig) -> list[str]:
