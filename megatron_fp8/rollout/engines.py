@@ -22,6 +22,7 @@ failed after its first write and could not be rolled back), until a good version
 
 from __future__ import annotations
 
+import abc
 import logging
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -148,7 +149,7 @@ _RolloutFields = tuple[tuple[tuple[int, ...], ...], tuple[torch.Tensor, ...], tu
 """The :class:`Rollout` fields an engine samples: ``token_ids``, ``logprobs`` (float32) and ``finished``."""
 
 
-class _RolloutEngineBase:
+class _RolloutEngineBase(abc.ABC):
     """What both engines of :data:`ENGINES` share: the name, and ``generate``'s refusals and packing.
 
     A subclass sets ``_prefix``, calls :meth:`_set_precision` and sets ``applier`` in its ``__init__``,
@@ -167,10 +168,11 @@ class _RolloutEngineBase:
 
     def _check_open(self) -> None:
         """Refuse to generate on a closed engine (an engine that cannot be closed has nothing to check)."""
+        return None
 
+    @abc.abstractmethod
     def _sample(self, prompts: Sequence[Sequence[int]], options: _SamplingOptions) -> _RolloutFields:
         """Sample one response per prompt on the engine (see :meth:`generate`); every subclass implements it."""
-        raise NotImplementedError
 
     def generate(
         self,
