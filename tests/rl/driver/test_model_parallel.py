@@ -21,6 +21,10 @@ reductions (the vocabulary-parallel cross entropy, the TP all-reduces: stated to
 rewards and sample, generated after the first refit, equal the reference run's, so every engine received the
 weights the reference run's engine did (each TP rank refits its own colocated engine with the gathered weights:
 ``refit_*_bytes`` in ``metrics.jsonl`` count every engine, so they are TP x the reference's per replica).
+
+The exact equalities (rewards, samples) hold between runs computing alike: every run here, the one-process
+reference included, is a subprocess started by ``_grpo`` with ``OMP_NUM_THREADS=1``, so each engine's CPU GEMMs
+sum in the same order; a reference computed in the pytest process (its default thread count) would not be one.
 """
 
 from __future__ import annotations
