@@ -18,6 +18,20 @@ def ceil_div(a: int, b: int) -> int:
     return -(-a // b)
 
 
+def even_split(n: int, parts: int) -> list[tuple[int, int]]:
+    """``parts`` contiguous ``[start, stop)`` ranges covering ``0..n`` in order, sizes differing by at most one
+    (the larger first); ``parts > 0``."""
+    if parts <= 0:
+        raise ValueError(f"even_split: parts must be positive, got {parts}")
+    base, extra = divmod(n, parts)
+    out, start = [], 0
+    for k in range(parts):
+        stop = start + base + (1 if k < extra else 0)
+        out.append((start, stop))
+        start = stop
+    return out
+
+
 def block_scale_shape(shape: Sequence[int], block_size: Sequence[int]) -> tuple[int, ...]:
     """Float32 scale shape of a blockwise-quantized tensor.
 

@@ -29,6 +29,7 @@ import torch.distributed as dist
 
 from megatron_fp8.errors import ConfigError
 from megatron_fp8.launch_env import launch_place
+from megatron_fp8.layout import even_split
 from megatron_fp8.rl.cluster.devices import bind_device, gather_with_process_group
 from megatron_fp8.rl.cluster.roles import Placement
 from megatron_fp8.rl.state.results import StepMetrics
@@ -107,8 +108,64 @@ class DataParallel:
         return self.rank == self.replica_first_rank
 
     def shard(self, items: Sequence[T]) -> list[T]:
-        """This replica's items: every ``dp_size``-th, starting at ``dp_rank`` (the same on its model-parallel ranks)."""
-        return list(items[self.dp_rank :: self.dp_size])
+        """This replica's items: the ``dp_rank``-th of ``dp_size`` contiguous, even blocks (the same on its
+        model-parallel ranks), so a replica's items keep their global order and start at :meth:`shard_start`."""
+        a, b = even_split(len(items), self.dp_size)[self.dp_rank]
+        return list(items[a:b])
+
+    def shard_start(self, n: int) -> int:
+        """Index, among ``n`` items, of this replica's first item of :meth:`shard`."""
+        return even_split(n, self.dp_size)[self.dp_rank][0]
+
+
+@dataclass(frozen=True)
+class RolloutShare:
+    """Which of its replica's samples this rank's engine generates.
+
+    Every rank of a model replica (its TP ranks and pipeline stages) hosts one colocated engine of rollout TP 1, so a
+    replica of ``TP x PP`` ranks has that many engines; the replica's samples are cut into that many contiguous, even
+    parts in the order of Megatron-Core's model-parallel group, and part ``engine`` is this rank's.
+
+    Attributes:
+        engine: this rank's index among its replica's engines (its model-parallel group rank).
+        engines: engines per replica.
+        start: first sample of this rank's part, an index into the replica's samples.
+        stop: one past its last sample.
+    """
+
+    engine: int
+    engines: int
+    start: int
+    stop: int
+
+    @property
+    def count(self) -> int:
+        """Samples this rank's engine generates."""
+        return self.stop - self.start
+
+
+def rollout_share(n_samples: int, dp: DataParallel) -> RolloutShare:
+    """This rank's part of its replica's ``n_samples`` samples (:class:`RolloutShare`)."""
+    engines = dp.model_parallel_size
+    engine = 0
+    if engines > 1:
+        from megatron.core import parallel_state  # lazy: Megatron-Core is optional
+
+        engine = dist.get_rank(group=parallel_state.get_model_parallel_group())
+    start, stop = even_split(n_samples, engines)[engine]
+    return RolloutShare(engine=engine, engines=engines, start=start, stop=stop)
+
+
+def gather_within_replica(part: Sequence[T], share: RolloutShare) -> list[T]:
+    """The replica's whole sample list from each engine's ``part``, in engine order, on every rank of the replica
+    (an all-gather over Megatron-Core's model-parallel group; ``part`` itself with one engine per replica)."""
+    if share.engines == 1:
+        return list(part)
+    from megatron.core import parallel_state  # lazy: Megatron-Core is optional
+
+    parts: list[Sequence[T] | None] = [None] * share.engines
+    dist.all_gather_object(parts, list(part), group=parallel_state.get_model_parallel_group())
+    return [item for p in parts for item in (p or ())]
 
 
 def same_within_replica(value: T, dp: DataParallel) -> T:
@@ -235,11 +292,15 @@ def share_from_writer(value: T | None, dp: DataParallel) -> T:
 _SUM_FIELDS = ("refit_bytes",)
 """Per-rank payloads add up; every other float is averaged, other values are taken from rank 0."""
 _RANK0_FIELDS = ("arm", "step", "engine", "sample")
+_PER_RANK_FIELDS = ("rollout_prompts_per_rank", "rollout_tokens_per_s_per_rank")
+"""Tuples of one entry per rank: concatenated in rank order."""
 
 
 def _combine(key: str, values: Sequence[object]) -> object:
     """One field over ranks: bools all-true, floats averaged (``_SUM_FIELDS`` summed), else rank 0's."""
     first = values[0]
+    if key in _PER_RANK_FIELDS:
+        return tuple(x for v in values if isinstance(v, (tuple, list)) for x in v)
     if isinstance(first, bool):
         return all(values)
     if isinstance(first, Mapping):

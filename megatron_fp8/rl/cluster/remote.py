@@ -52,6 +52,7 @@ from bridge_mappings.manifest import Manifest
 from megatron_fp8 import errors
 from megatron_fp8.config.schema import RunConfig
 from megatron_fp8.errors import ConfigError, MegatronFP8Error, RefitError, RefitRefusedError, TransportTimeoutError
+from megatron_fp8.layout import even_split
 from megatron_fp8.refit.receiver import RefitReceiver
 from megatron_fp8.refit.sender import RefitSender
 from megatron_fp8.refit.wire import RefitVersion
@@ -176,17 +177,6 @@ def _rebuild(name: str, message: str, fields: dict | None = None) -> MegatronFP8
         except TypeError:
             pass
     return RefitError(message) if cls is RefitRefusedError else MegatronFP8Error(f"{name}: {message}")
-
-
-def _split(n: int, parts: int) -> list[tuple[int, int]]:
-    """``parts`` contiguous ``[start, stop)`` ranges covering ``0..n``, sizes differing by at most one."""
-    base, extra = divmod(n, parts)
-    out, start = [], 0
-    for k in range(parts):
-        stop = start + base + (1 if k < extra else 0)
-        out.append((start, stop))
-        start = stop
-    return out
 
 
 # ----------------------------------------------------------------------------- trainer side
@@ -373,7 +363,7 @@ class RemoteRollout:
         """Trainer rank 0: every trainer rank's request, split over the rollout ranks; one answer per request."""
         plan: dict[int, list[tuple[int, int, GenerateRequest]]] = {}
         for r, req in enumerate(requests):
-            for k, (a, b) in enumerate(_split(len(req.prompts), len(self._placement.rollout_ranks))):
+            for k, (a, b) in enumerate(even_split(len(req.prompts), len(self._placement.rollout_ranks))):
                 if b > a:
                     plan.setdefault(1 + k, []).append((r, a, replace(req, prompts=req.prompts[a:b], seed=req.seed + a)))
         seq = next_seq()

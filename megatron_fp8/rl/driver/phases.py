@@ -37,7 +37,12 @@ from megatron_fp8.rl.algorithm.correction import ISConfig, ISResult, PPOStats, c
 from megatron_fp8.rl.algorithm.kl import KLSettings, per_token_kl
 from megatron_fp8.rl.algorithm.kv_calibration import KVAmaxRecorder, compute_kv_scales
 from megatron_fp8.rl.algorithm.metrics import METRIC_KEYS, mismatch_metrics
-from megatron_fp8.rl.cluster.distributed import DataParallel, longest_over_replicas, same_within_replica
+from megatron_fp8.rl.cluster.distributed import (
+    DataParallel,
+    gather_within_replica,
+    longest_over_replicas,
+    rollout_share,
+)
 from megatron_fp8.rl.data.problems import ProblemSource
 from megatron_fp8.rl.data.rewards import RewardFn, RewardResult, safe_reward
 from megatron_fp8.rl.data.task import Problem
@@ -201,33 +206,68 @@ class RolloutOutcome:
     Attributes:
         problems: per response, its problem (each problem repeated ``num_generations_per_prompt`` times).
         prompt_ids: per response, the prompt token ids.
-        rollout: the engine's responses and log-probabilities.
-        seconds: generation time, seconds.
+        rollout: the engine's responses and log-probabilities (the whole replica's, gathered).
+        seconds: this rank's generation time, seconds.
+        generated_samples: samples this rank's engine generated (its part of the replica's).
+        generated_tokens: response tokens this rank's engine generated.
     """
 
     problems: tuple[Problem, ...]
     prompt_ids: tuple[list[int], ...]
     rollout: Rollout
     seconds: float
+    generated_samples: int = 0
+    generated_tokens: int = 0
 
 
 def rollout_phase(state: ArmState, ctx: GRPOContext, *, step: int) -> RolloutOutcome:
-    """Sample this rank's problems of ``step`` (the same for every arm) and roll out every group."""
+    """Roll out this replica's problems of ``step`` (the same for every arm), each rank's engine its own part.
+
+    The replica's samples (its problems x ``num_generations_per_prompt``) are split over the engines of its ranks
+    (:func:`~megatron_fp8.rl.cluster.distributed.rollout_share`) and all-gathered, so every rank of the replica trains
+    on the whole batch while each engine generated only its part. Sample ``i`` of the step (problem-major, over all
+    replicas) is seeded with :func:`sample_seed`, so a sample does not depend on which rank generated it.
+    """
     g = ctx.config.grpo
-    problems = state.dp.shard(ctx.problems.step_problems(step=step, count=g.num_prompts_per_step))
+    step_problems = ctx.problems.step_problems(step=step, count=g.num_prompts_per_step)
+    problems = state.dp.shard(step_problems)
+    first = state.dp.shard_start(len(step_problems)) * g.num_generations_per_prompt  # the replica's first sample
     prompt_ids = [ctx.tokenizer.encode(p.prompt, add_special_tokens=False) for p in problems]
     flat_prompts = tuple(ids for ids in prompt_ids for _ in range(g.num_generations_per_prompt))
     flat_problems = tuple(p for p in problems for _ in range(g.num_generations_per_prompt))
+    share = rollout_share(len(flat_prompts), state.dp)
     t0 = time.perf_counter()
-    rollout = state.engine.generate(
-        flat_prompts,
-        max_new_tokens=ctx.config.policy.generation.max_new_tokens,
-        temperature=ctx.config.policy.generation.temperature,
-        seed=g.seed * 1_000_003 + step * 10_007,
-        eos_token_id=ctx.eos_id,
+    mine = flat_prompts[share.start : share.stop]
+    part: list[tuple[tuple[int, ...], torch.Tensor, bool]] = []
+    engine_name = state.engine.name
+    if mine or getattr(state.engine, "collective_generate", False):  # a remote engine: every trainer rank calls
+        got = state.engine.generate(
+            mine,
+            max_new_tokens=ctx.config.policy.generation.max_new_tokens,
+            temperature=ctx.config.policy.generation.temperature,
+            seed=sample_seed(g.seed, step, first + share.start),
+            eos_token_id=ctx.eos_id,
+        )
+        part = list(zip(got.token_ids, got.logprobs, got.finished, strict=True))
+        engine_name = got.engine
+    seconds = time.perf_counter() - t0
+    generated = sum(len(t) for t, _, _ in part)
+    whole = gather_within_replica(part, share)  # the replica's ranks train on the same samples
+    rollout = Rollout(
+        token_ids=tuple(t for t, _, _ in whole),
+        logprobs=tuple(lp for _, lp, _ in whole),
+        finished=tuple(f for _, _, f in whole),
+        engine=engine_name,
     )
-    rollout = same_within_replica(rollout, state.dp)  # the replica's ranks train on the same samples
-    return RolloutOutcome(flat_problems, flat_prompts, rollout, time.perf_counter() - t0)
+    return RolloutOutcome(flat_problems, flat_prompts, rollout, seconds, share.count, generated)
+
+
+def sample_seed(seed: int, step: int, index: int) -> int:
+    """The sampling seed of sample ``index`` of GRPO step ``step`` (problem-major: problem ``p``'s generation ``k``
+    is ``p x num_generations_per_prompt + k`` among the step's problems), for run seed ``grpo.seed``. An engine
+    seeds prompt ``j`` of a request with ``seed + j``, so a request for samples ``a..b`` passes
+    ``sample_seed(seed, step, a)``."""
+    return seed * 1_000_003 + step * 10_007 + index
 
 
 # ----------------------------------------------------------------------------- score
@@ -577,6 +617,8 @@ def run_step(state: ArmState, ctx: GRPOContext, *, step: int) -> StepMetrics:
         refit_max_rel_error=refit.max_rel_error,
         refit_prefix_cache=refit.prefix_cache,
         rollout_seconds=out.seconds,
+        rollout_prompts_per_rank=(out.generated_samples,),
+        rollout_tokens_per_s_per_rank=(out.generated_tokens / out.seconds if out.seconds > 0 else 0.0,),
         train_seconds=train.seconds,
         step_seconds=time.perf_counter() - t_step,
         sample=f"{out.problems[best].prompt}{scores.texts[best]!r} (answer {out.problems[best].answer})",

@@ -73,7 +73,15 @@ _GROUP_KEYS: dict[str, tuple[str, ...]] = {
         "ppo_approx_kl",
         "kl_penalty",
     ),
-    "rollout": ("reward_mean", "reward_std", "reward_max", "exact_match", "response_tokens_mean", "reward_errors"),
+    "rollout": (
+        "reward_mean",
+        "reward_std",
+        "reward_max",
+        "exact_match",
+        "response_tokens_mean",
+        "reward_errors",
+        "rollout_prompts_per_rank",
+    ),
     "refit": (
         "refit_version",
         "refit_max_rel_error",
@@ -82,11 +90,14 @@ _GROUP_KEYS: dict[str, tuple[str, ...]] = {
         "refit_bytes",  # the nested StepMetrics field, when a record holds it unflattened
     ),
     "mismatch": _MISMATCH_KEYS,
-    "timing": ("rollout_seconds", "train_seconds", "refit_seconds", "step_seconds"),
+    "timing": ("rollout_seconds", "train_seconds", "refit_seconds", "step_seconds", "rollout_tokens_per_s_per_rank"),
 }
 SCALAR_GROUPS: Mapping[str, str] = MappingProxyType({k: g for g, keys in _GROUP_KEYS.items() for k in keys})
 """Record key -> TensorBoard / W&B group: the ``train/...`` of a tag. A nested key (``refit_bytes/fp8``) takes
 its own entry when there is one, else its top-level key's."""
+PER_RANK_SUFFIX = "_per_rank"
+"""A record key ending so holds one number per trainer rank; each is a scalar ``<key>/<rank>`` (other lists are not
+scalars)."""
 AXIS_KEYS: frozenset[str] = frozenset({"step"})
 """Record keys that are the x axis, not scalars."""
 
@@ -106,6 +117,9 @@ def _flatten(record: Mapping[str, object], prefix: str = "") -> Iterator[tuple[s
         path = f"{prefix}{key}"
         if isinstance(value, Mapping):
             yield from _flatten(value, prefix=f"{path}/")
+        elif isinstance(value, (list, tuple)) and path.endswith(PER_RANK_SUFFIX):  # one per rank: ``<key>/<rank>``
+            for i, item in enumerate(value):
+                yield f"{path}/{i}", item
         else:
             yield path, value
 

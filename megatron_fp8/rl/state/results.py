@@ -113,6 +113,10 @@ class StepMetrics:
         reward_errors: responses whose reward function raised (scored 0, reported in the log).
         kl_penalty: the KL-to-reference term of the loss, ``beta`` x the mean per-token estimate (last update; 0
             without ``loss_fn.reference_policy_kl_penalty``; NeMo-RL logs the same quantity as ``kl_penalty``).
+        rollout_prompts_per_rank: per trainer rank (rank order), the samples (prompt x generation) its engine
+            generated this step: each replica's samples are split over its ranks' engines (empty in older records).
+        rollout_tokens_per_s_per_rank: per trainer rank, the response tokens its engine generated over its
+            generation time (tokens/s).
     """
 
     arm: str
@@ -146,6 +150,8 @@ class StepMetrics:
     reward_errors: int = 0
     refit_prefix_cache: str = ""
     kl_penalty: float = 0.0
+    rollout_prompts_per_rank: tuple[int, ...] = ()
+    rollout_tokens_per_s_per_rank: tuple[float, ...] = ()
 
     @property
     def gen_kl(self) -> float:
@@ -201,6 +207,8 @@ class StepMetrics:
                 values[name] = {c: int(record.get(f"refit_{c}_bytes") or 0) for c in PAYLOAD_CLASSES}
             elif name in record:
                 v = record[name]
+                if isinstance(v, list):
+                    v = tuple(v)
                 values[name] = float("nan") if v is None and f.type in ("float", float) else v
             elif f.default is dataclasses.MISSING:
                 raise ConfigError(f"{where}: field {name!r} is missing; was the file written by megatron-fp8 grpo?")

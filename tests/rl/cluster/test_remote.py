@@ -30,9 +30,10 @@ import torch.distributed as dist
 from bridge_mappings.manifest import Fingerprint, Manifest
 from megatron_fp8.config.schema import ColocatedConfig, ColocatedResources, RunConfig
 from megatron_fp8.errors import ConfigError, RefitRefusedError
+from megatron_fp8.layout import even_split as _split
 from megatron_fp8.refit.transport.torch_dist import TorchDistTransport
 from megatron_fp8.rl.cluster.distributed import trainer_data_parallel
-from megatron_fp8.rl.cluster.remote import ArmSetup, _rebuild, _split, _WireRollout
+from megatron_fp8.rl.cluster.remote import ArmSetup, _rebuild, _WireRollout
 from megatron_fp8.rl.cluster.roles import TORCH_CHECKED, Placement, identity_group, placement_from, refit_backend
 from megatron_fp8.rollout.engines import Rollout
 from megatron_fp8.rollout.vllm.adapter import describe_gemm_paths

@@ -204,7 +204,10 @@ def test_data_parallel_from_env(monkeypatch):
     monkeypatch.delenv("MFP8_ROLE", raising=False)
     with data_parallel_from_env() as dp:
         assert dp == DataParallel(rank=0, world_size=1) and dp.is_writer
-    assert DataParallel(rank=1, world_size=2).shard(list(range(8))) == [1, 3, 5, 7]
+    # replicas take contiguous blocks in order (a sample's global index, hence its seed, is where it sits)
+    assert DataParallel(rank=1, world_size=2).shard(list(range(8))) == [4, 5, 6, 7]
+    assert DataParallel(rank=1, world_size=2).shard_start(8) == 4
+    assert DataParallel(rank=3, world_size=4, tensor_parallel_size=2).shard(list(range(8))) == [4, 5, 6, 7]
     monkeypatch.setenv("MFP8_ROLE", "rollout")
     with pytest.raises(ConfigError, match="Unset ROLLOUT_TASKS"), data_parallel_from_env():
         pass

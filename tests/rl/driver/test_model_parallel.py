@@ -15,8 +15,10 @@ has the same data-parallel size and no model parallelism:
 * EP=2 on ``tiny-moe`` (2 of its 4 experts per rank, tokens all-gathered by Megatron-Core's allgather dispatcher,
   the experts loaded and exported by their global ids) against DP=2 on ``tiny-moe``.
 
-A rollout is a function of (seed, step, data-parallel rank), so step 0 samples exactly what the reference run
-samples (equal rewards); the losses, gradient norms and mismatch metrics agree up to the order of the
+Each rank's engine generates its own part of its replica's samples (``rollout_prompts_per_rank``: at TP=2 each of
+the 2 ranks half of what the one process generates), and the parts are all-gathered within the replica. A sample's
+seed is a function of (seed, step, its index among the step's samples), not of the rank that generates it, so step
+0 samples exactly what the reference run samples (equal rewards); the losses, gradient norms and mismatch metrics agree up to the order of the
 reductions (the vocabulary-parallel cross entropy, the TP all-reduces: stated tolerances below); step 1's
 rewards and sample, generated after the first refit, equal the reference run's, so every engine received the
 weights the reference run's engine did (each TP rank refits its own colocated engine with the gathered weights:
@@ -89,6 +91,11 @@ def _assert_same_run(got: list[dict], ref: list[dict], *, engines_per_replica: i
         assert g["refit_max_rel_error"] == r["refit_max_rel_error"] == 0.0, where
         for cls in ("fp8", "scales", "bf16"):  # each TP rank's engine got what the reference's engine got
             assert g[f"refit_{cls}_bytes"] == engines_per_replica * r[f"refit_{cls}_bytes"], (where, cls)
+        # every engine generated its own part: the replica's samples split evenly over its ranks, none twice
+        per_rank, ref_per_rank = g["rollout_prompts_per_rank"], r["rollout_prompts_per_rank"]
+        assert sum(per_rank) == sum(ref_per_rank) > 0, where
+        assert per_rank == [sum(ref_per_rank) // len(per_rank)] * len(per_rank), where
+        assert len(per_rank) == engines_per_replica * len(ref_per_rank), where
     assert any(r["refit_fp8_bytes"] > 0 for r in ref)  # the FP8 arm moved FP8 bytes
     assert all(r["kl_penalty"] > 0 for r in ref if r["step"] > 0)  # the policy left the reference after step 0
 

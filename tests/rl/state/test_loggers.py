@@ -66,6 +66,8 @@ def _metrics(step: int, *, arm: str = "fp8", reward: float = 0.5, refit_error: f
         refit_seconds=0.75,
         refit_version=step + 1,
         refit_max_rel_error=refit_error,
+        rollout_prompts_per_rank=(64, 64),
+        rollout_tokens_per_s_per_rank=(1500.0, 1480.5),
         rollout_seconds=2.0,
         train_seconds=3.0,
         step_seconds=6.0,
@@ -129,12 +131,15 @@ def test_every_step_metrics_field_is_grouped():
             assert set(m.mismatch) <= keys and set(METRIC_KEYS) <= set(m.mismatch)
         elif f.name == "refit_bytes":
             assert {f"refit_{c}_bytes" for c in m.refit_bytes} | {"refit_total_bytes"} <= keys
+        elif f.name.endswith("_per_rank"):  # one scalar per rank, tagged by the rank
+            assert {f"{f.name}/0", f"{f.name}/1"} <= keys, f.name
         else:
             assert f.name in keys, f.name
         assert f.name in SCALAR_GROUPS, f"StepMetrics.{f.name} is not in SCALAR_GROUPS"
     # every numeric value of the record is a scalar, nothing else is
     numeric = {k for k, v in record.items() if isinstance(v, (int, float)) and v is not None and k != "step"}
-    assert keys == numeric
+    per_rank = {f"{k}/{i}" for k, v in record.items() if k.endswith("_per_rank") for i in range(len(v))}
+    assert keys == numeric | per_rank
     # the unflattened dataclass groups too
     assert not [t for t in step_scalars(dataclasses.asdict(m)) if t.startswith("other/")]
 
