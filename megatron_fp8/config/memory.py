@@ -159,6 +159,27 @@ def describe_layout(cfg: RunConfig) -> str:
     )
 
 
+def describe_rollout(cfg: RunConfig, *, processes: int) -> str:
+    """Where the rollout runs for ``processes`` GRPO processes: engines, their TP, each replica's samples per engine."""
+    mcfg = cfg.policy.megatron_cfg
+    mp = mcfg.tensor_model_parallel_size * mcfg.pipeline_model_parallel_size
+    tp = cfg.policy.generation.vllm_cfg.tensor_parallel_size
+    samples = cfg.grpo.num_prompts_per_step * cfg.grpo.num_generations_per_prompt
+    if tp > 1:
+        return f"engines of rollout TP {tp} cannot be placed: each process owns one GPU (the preflight refuses it)"
+    if not cfg.policy.generation.colocated.enabled:
+        return "separate rollout ranks, one engine each (one GPU); the trainers' samples split evenly over them"
+    if processes % mp:
+        return f"{processes} processes do not hold whole replicas of TP x PP = {mp}"
+    replicas = processes // mp
+    per_replica = samples // replicas if replicas else 0
+    each = f"{per_replica // mp}" if per_replica % mp == 0 else f"{per_replica // mp}-{per_replica // mp + 1}"
+    return (
+        f"{processes} ranks: {processes} engine(s) of TP 1, colocated (one per GPU); each replica's "
+        f"{per_replica} samples over its {mp} engine(s), {each} each"
+    )
+
+
 def reference_host_bytes(cfg: RunConfig, dims: ModelDims) -> int:
     """Host bytes per rank the KL penalty's reference policy takes: its BF16 parameter shard and the swap copy
     (``2 x 2 B x params / (TP x PP)``, experts / EP); 0 without a penalty."""
@@ -173,7 +194,11 @@ def reference_host_bytes(cfg: RunConfig, dims: ModelDims) -> int:
 def layout_report(cfg: RunConfig) -> tuple[list[str], str | None]:
     """The lines ``config`` and ``doctor --config`` print (``layout: ...``, ``memory per GPU ...``), and a warning
     when the estimate exceeds the GPU (``None`` when it fits or the model is unknown)."""
-    lines = [f"layout: {describe_layout(cfg)}"]
+    processes = int(os.environ.get("WORLD_SIZE") or 8)
+    lines = [
+        f"layout: {describe_layout(cfg)}",
+        f"rollout ({processes} processes): {describe_rollout(cfg, processes=processes)}",
+    ]
     dims = known_dims(cfg.model.name_or_path)
     if dims is None or not dims.vocab_size:
         lines.append(

@@ -117,6 +117,7 @@ def preflight(
         needed = mcfg.tensor_model_parallel_size * mcfg.pipeline_model_parallel_size
         if needed > 1:
             notes.append(f"trainer TP x PP = {needed}: launch a multiple of {needed} processes (WORLD_SIZE)")
+    problems += _rollout_placement_problems(config)
     config, metric_problems = _checkpoint_metric(config)
     problems += metric_problems
     fp8_arms = [a for a in arm_names if a in ARMS and ARMS[a].rollout_precision == "fp8"]
@@ -282,6 +283,29 @@ def _world_problems(config: RunConfig, world_size: int | None) -> list[str]:
             "replica rolls out whole prompt groups"
         )
     return problems
+
+
+def _rollout_placement_problems(config: RunConfig) -> list[str]:
+    """A rollout engine must fit the one GPU its process owns: rollout TP above 1 cannot be placed yet.
+
+    Every process (a trainer rank with its colocated engine, or a separate rollout rank) owns one GPU
+    (``slurm/grpo.sbatch`` binds one per task), and its engine is built in that process.
+    """
+    tp = config.policy.generation.vllm_cfg.tensor_parallel_size
+    if tp <= 1:
+        return []
+    where = (
+        "each trainer rank hosts its colocated engine on its own one GPU"
+        if config.policy.generation.colocated.enabled
+        else "each separate rollout rank owns one GPU (policy.generation.colocated.resources: one rank per GPU)"
+    )
+    return [
+        f"{_VLLM}.tensor_parallel_size={tp} cannot be placed: {where}, so an engine of rollout TP {tp} would need "
+        f"{tp} GPUs in one process. Set {_VLLM}.tensor_parallel_size=1: every GPU then runs its own engine and "
+        "generates its part of its replica's samples (a model whose weights and KV cache fit one GPU: an 8B model "
+        "does on an 80 GB H100). An engine sharded over several trainer ranks (vLLM's external_launcher) is not "
+        "supported yet"
+    ]
 
 
 def _fp8_rollout_problems(config: RunConfig, fp8_arms: list[str]) -> list[str]:

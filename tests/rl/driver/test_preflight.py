@@ -17,6 +17,7 @@ from megatron_fp8.models import tiny_model_path
 from megatron_fp8.rl.driver.phases import rollout_dtype_stream, trainer_dtype, training_math_label
 from megatron_fp8.rl.driver.preflight import check_weights_finite, preflight, refuse_empty_config
 
+REPO = Path(__file__).resolve().parents[3]
 CLI = [sys.executable, "-m", "megatron_fp8.cli"]
 
 
@@ -151,3 +152,39 @@ def test_data_is_checked_before_the_model_is_staged(tmp_path, monkeypatch):
             download=False,
             launch_checks=False,
         )
+
+
+@pytest.mark.parametrize("colocated", [True, False])
+def test_a_rollout_engine_needing_several_gpus_in_one_process_is_refused_naming_the_fix(colocated):
+    """Issue 36: every process owns one GPU, so rollout TP 2 cannot be placed (it was approved, then died on the
+    ranks); the refusal names the key, the value that works and what it gives. Rollout TP 1 is approved."""
+    overrides = ["policy.generation.vllm_cfg.tensor_parallel_size=2", "policy.generation.vllm_cfg.precision=bf16"]
+    overrides += ["grpo.arms=[bf16]"]
+    if not colocated:
+        overrides += [
+            "policy.generation.colocated.enabled=false",
+            "policy.generation.colocated.resources.gpus_per_node=1",
+        ]
+    cfg = load_config(None, overrides)
+    with pytest.raises(ConfigError) as info:
+        preflight(cfg, download=False, launch_checks=False)
+    msg = str(info.value)
+    assert "policy.generation.vllm_cfg.tensor_parallel_size=2 cannot be placed" in msg
+    assert "Set policy.generation.vllm_cfg.tensor_parallel_size=1" in msg
+    assert ("colocated engine" in msg) == colocated
+    preflight(load_config(None, overrides[1:]), download=False, launch_checks=False)
+
+
+def test_config_shows_each_replicas_samples_over_its_ranks_engines():
+    from megatron_fp8.config.memory import describe_rollout
+
+    cfg = load_config(REPO / "configs" / "llama31_8b_fp8.yaml", [])
+    line = describe_rollout(cfg, processes=8)
+    assert line == (
+        "8 ranks: 8 engine(s) of TP 1, colocated (one per GPU); each replica's 256 samples over its 2 engine(s), "
+        "128 each"
+    )
+    assert "cannot be placed" in describe_rollout(
+        load_config(REPO / "configs" / "llama31_8b_fp8.yaml", ["policy.generation.vllm_cfg.tensor_parallel_size=2"]),
+        processes=8,
+    )
