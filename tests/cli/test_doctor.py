@@ -93,6 +93,7 @@ def test_doctor_prints_the_layout_and_memory_estimate_of_a_config():
     layout = json.loads(proc.stdout)["layout"]
     assert layout[0].startswith("layout: TP 2 x PP 1 per model replica; DP = processes / 2")
     assert "Adam state sharded over DP (distributed optimizer)" in layout[0]
-    assert layout[1].startswith("memory per GPU (estimate): 8.19 B params x (6 B + 12 B / DP ")
+    assert layout[1].startswith("rollout (8 processes): 8 ranks: 8 engine(s) of TP 1, colocated (one per GPU)")
+    assert layout[2].startswith("memory per GPU (estimate): 8.19 B params x (6 B + 12 B / DP ")
     table = _run("--config", "configs/qwen3_8b_fp8.yaml")
     assert "configs/qwen3_8b_fp8.yaml: layout: TP 2 x PP 1" in table.stdout

@@ -19,7 +19,7 @@ from megatron_fp8.config.nemo_rl.keys import known_keys
 from megatron_fp8.config.refusals import refuse_before_run
 from megatron_fp8.config.schema import RunConfig
 from megatron_fp8.errors import ConfigError
-from megatron_fp8.rl.driver.phases import learning_rate_at
+from megatron_fp8.rl.driver.train_settings import learning_rate_at
 
 DATA = Path(__file__).parent / "data" / "nemo_rl" / "examples" / "configs"
 

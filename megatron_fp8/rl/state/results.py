@@ -33,6 +33,8 @@ WARM_START_DIR = "warm_start"
 JSONRecord = dict[str, object]
 """One flat JSON object (a line of ``metrics.jsonl``)."""
 
+TIMING_SUFFIXES = ("_seconds", "_per_s_per_rank")
+"""A ``metrics.jsonl`` key ending so is measured by the clock (differs between two runs of the same steps)."""
 _RECORD_EXTRAS = frozenset({"training_recipe", "training_math"})
 """Per-arm facts the driver adds to each record (not :class:`StepMetrics` fields)."""
 

@@ -250,7 +250,7 @@ def test_update_rows_over_data_parallel_ranks():
     from megatron_fp8.config import load_config
     from megatron_fp8.errors import ConfigError
     from megatron_fp8.rl.cluster.distributed import DataParallel
-    from megatron_fp8.rl.driver.phases import update_rows
+    from megatron_fp8.rl.driver.train_settings import update_rows
 
     cfg = load_config(None, ["policy.train_global_batch_size=16"])
     assert update_rows(32, cfg, DataParallel()) == [slice(0, 16), slice(16, 32)]

@@ -18,6 +18,7 @@ import pytest
 
 from megatron_fp8.errors import ConfigError
 from megatron_fp8.rl.driver.stopping import DEADLINE, EXIT_STOPPED, FAULT_ENV, StopRequests, parse_duration
+from megatron_fp8.rl.state.results import TIMING_SUFFIXES
 
 REPO = Path(__file__).resolve().parents[3]
 STEPS = 3
@@ -47,7 +48,7 @@ def _steps(out: Path) -> list[dict]:
     # wall times, and the engine's refit counter (it counts this process's refits: a resumed run's engine starts anew)
     drop = {"seconds", "time", "timestamp", "refit_version"}
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines() if line.strip()]
-    return [{k: v for k, v in r.items() if k not in drop and not k.endswith("_seconds")} for r in rows]
+    return [{k: v for k, v in r.items() if k not in drop and not k.endswith(TIMING_SUFFIXES)} for r in rows]
 
 
 @pytest.fixture(scope="module")

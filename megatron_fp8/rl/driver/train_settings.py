@@ -1,0 +1,85 @@
+"""What the train phase takes from the run config: the learning rate of a step, the KL penalty, the IS correction,
+and the rows of each optimizer update (pure functions of :class:`~megatron_fp8.config.schema.RunConfig`)."""
+
+from __future__ import annotations
+
+from megatron_fp8.config.schema import RunConfig
+from megatron_fp8.errors import ConfigError
+from megatron_fp8.rl.algorithm.correction import ISConfig
+from megatron_fp8.rl.algorithm.kl import KLSettings
+from megatron_fp8.rl.cluster.distributed import DataParallel
+
+
+class _Groups:
+    """What Megatron-Core's scheduler writes the rate into: one parameter group (read back by :func:`learning_rate_at`)."""
+
+    def __init__(self) -> None:
+        self.param_groups: list[dict[str, float]] = [{}]
+
+
+def learning_rate_at(step: int, config: RunConfig) -> float:
+    """The learning rate of GRPO step ``step`` (0-based): Megatron-Core's ``OptimizerParamScheduler`` after ``step``
+    ticks, from ``policy.megatron_cfg.scheduler`` and ``optimizer.{lr, min_lr}`` (NeMo-RL ticks it once per step)."""
+    from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler  # lazy: Megatron-Core is optional
+
+    opt, sched = config.policy.megatron_cfg.optimizer, config.policy.megatron_cfg.scheduler
+    warmup = sched.lr_warmup_iters
+    decay = sched.lr_decay_iters if sched.lr_decay_iters is not None else config.grpo.max_num_steps
+    init = sched.lr_warmup_init if sched.lr_warmup_init is not None else 0.1 * opt.lr
+    groups = _Groups()
+    scheduler = OptimizerParamScheduler(
+        groups,  # type: ignore[arg-type]  # it only reads and writes param_groups
+        init_lr=init if warmup > 0 else opt.lr,
+        max_lr=opt.lr,
+        min_lr=opt.min_lr,
+        lr_warmup_steps=warmup,
+        lr_decay_steps=max(decay, warmup + 1),  # constant: unused, but Megatron-Core asserts warm-up < decay
+        lr_decay_style=sched.lr_decay_style,
+        start_wd=opt.weight_decay,
+        end_wd=opt.weight_decay,
+        wd_incr_steps=1,
+        wd_incr_style="constant",
+    )
+    scheduler.step(step)
+    return float(groups.param_groups[0]["lr"])
+
+
+def kl_settings(config: RunConfig) -> KLSettings | None:
+    """The KL penalty of ``loss_fn`` (``None`` when ``reference_policy_kl_penalty`` is 0)."""
+    loss = config.loss_fn
+    if not loss.kl_enabled:
+        return None
+    return KLSettings(
+        coef=loss.reference_policy_kl_penalty,
+        kind=loss.reference_policy_kl_type,
+        input_clamp=loss.kl_input_clamp_value,
+        output_clamp=loss.kl_output_clamp_value,
+        on_policy_approximation=loss.use_on_policy_kl_approximation,
+    )
+
+
+def is_config(config: RunConfig) -> ISConfig:
+    """The IS correction of ``loss_fn`` (band defaults from :class:`ISConfig` where unset)."""
+    loss = config.loss_fn
+    lo = loss.is_lower if loss.is_lower is not None else ISConfig.lo
+    hi = loss.is_upper if loss.is_upper is not None else ISConfig.hi
+    return ISConfig(variant=loss.is_variant, cap=loss.is_cap, lo=lo, hi=hi, log_ratio_clamp=loss.log_ratio_clamp)
+
+
+def update_rows(rows: int, config: RunConfig, dp: DataParallel) -> list[slice]:
+    """This rank's rows of each optimizer update of a step (``policy.train_global_batch_size`` over all ranks).
+
+    Raises:
+        ConfigError: the rank's rows do not split into whole updates of ``global / DP`` rows.
+    """
+    global_batch = config.policy.train_global_batch_size
+    if global_batch is None:
+        return [slice(0, rows)]
+    if global_batch % dp.dp_size or rows % (global_batch // dp.dp_size):
+        raise ConfigError(
+            f"policy.train_global_batch_size={global_batch} over {dp.dp_size} data-parallel replica(s) does not "
+            f"split this rank's {rows} samples into whole updates; make it a multiple of {dp.dp_size} that divides "
+            "grpo.num_prompts_per_step x num_generations_per_prompt"
+        )
+    per_rank = global_batch // dp.dp_size
+    return [slice(start, start + per_rank) for start in range(0, rows, per_rank)]
