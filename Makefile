@@ -11,9 +11,10 @@ CONSTRAINTS := requirements/constraints.txt
 STAMP := $(VENV)/.installed-$(shell cat $(CONSTRAINTS) pyproject.toml | sha1sum | cut -c1-12)
 OUT ?= out
 PYTEST_ARGS ?=
-# make test runs the suite on PYTEST_WORKERS pytest-xdist workers (a test file per worker at a time, every Slurm test
-# on one: tests/conftest.py); PYTEST_WORKERS=0 runs it in one process. The 25 slowest tests are listed at the end.
-PYTEST_WORKERS ?= 2
+# PYTEST_WORKERS=N runs the suite on N pytest-xdist workers (--dist loadgroup: tests/conftest.py groups the Slurm
+# tests and the users of a module fixture); 0, the default, runs it in one process: on 2 cores the multi-process
+# tests oversubscribe the CPU and no gain was measured. The 25 slowest tests are listed at the end.
+PYTEST_WORKERS ?= 0
 
 .PHONY: help install test test-fast demo bench gpu-run lint freeze clean
 

@@ -11,8 +11,8 @@
   logged by ``adapter.build_llm``): a report section of its own (shown with a failure) and one summary line per
   path at the end of the session, beside the CPU kind in the header, so a failure on a kind of machine the reader
   does not have names the kernels it ran on;
-* under pytest-xdist (``make test`` runs ``-n 2 --dist loadgroup``) the tests sharing a module-scoped fixture run on
-  one worker (it is built once) and every Slurm test on one worker (:func:`_xdist_groups`); the others anywhere;
+* under pytest-xdist (``make test PYTEST_WORKERS=N`` runs ``-n N --dist loadgroup``) the tests sharing a module-scoped fixture run on
+  one worker (it is built once) and every Slurm test on one worker (:func:`_xdist_group`); the others anywhere;
 * the JUnit XML (``--junitxml``) gets testsuite properties ``gpu_tests_collected``, ``gpu_tests_ran``,
   ``gpu_tests_skipped``, ``cuda_available``, ``vllm_version``.
 """
@@ -183,8 +183,6 @@ def pytest_collection_modifyitems(config, items):
             reason = vllm_skip_reason(spec, vllm)
             if reason is not None:
                 item.add_marker(pytest.mark.skip(reason=reason))
-    for item, group in _xdist_groups(items).items():
-        item.add_marker(pytest.mark.xdist_group(group))
     gpu = frozenset(i.nodeid for i in items if "gpu" in i.keywords)
     _GPU_COUNTS.update(collected=len(gpu), ran=0, skipped=0, nodeids=gpu)
 
@@ -202,30 +200,23 @@ def _shared_fixtures(item) -> list[str]:
     return out
 
 
-def _xdist_groups(items) -> dict:
-    """Test -> pytest-xdist group for ``--dist loadgroup`` (``make test``).
+def _xdist_group(item) -> str | None:
+    """The pytest-xdist group of a test for ``--dist loadgroup`` (``make test``), ``None``: any worker.
 
-    Every Slurm test is in one group (one local Slurm per worker session is enough); tests of one file that share a
-    module-scoped fixture (an engine, a reference run) are in one group, so it is built once; every other test is a
-    group of its own, free to run on whichever worker is idle.
+    Every Slurm test is in one group (one local Slurm per worker session is enough); the tests of one file that use a
+    module-scoped fixture (an engine, a reference run) are in one group, so it is built once.
     """
-    parent: dict[str, str] = {}
+    path = item.nodeid.split("::")[0]
+    if path.startswith("tests/slurm/"):
+        return "slurm"
+    return f"{path}::shared" if _shared_fixtures(item) else None
 
-    def find(x: str) -> str:
-        while parent.setdefault(x, x) != x:
-            parent[x] = parent[parent[x]]
-            x = parent[x]
-        return x
 
-    keys = {}
-    for item in items:
-        path = item.nodeid.split("::")[0]
-        key = "slurm" if path.startswith("tests/slurm/") else item.nodeid
-        keys[item] = key
-        find(key)
-        for name in _shared_fixtures(item):
-            parent[find(key)] = find(f"{path}::{name}")
-    return {item: find(key) for item, key in keys.items()}
+def pytest_itemcollected(item):
+    # here, not in pytest_collection_modifyitems: pytest-xdist's worker reads the groups into the node ids there
+    group = _xdist_group(item)
+    if group is not None:
+        item.add_marker(pytest.mark.xdist_group(group))
 
 
 def pytest_runtest_logreport(report):
