@@ -194,7 +194,7 @@ def reference_host_bytes(cfg: RunConfig, dims: ModelDims) -> int:
 def layout_report(cfg: RunConfig) -> tuple[list[str], str | None]:
     """The lines ``config`` and ``doctor --config`` print (``layout: ...``, ``memory per GPU ...``), and a warning
     when the estimate exceeds the GPU (``None`` when it fits or the model is unknown)."""
-    processes = int(os.environ.get("WORLD_SIZE") or 8)
+    processes = launch_place().world_size if os.environ.get("WORLD_SIZE", "").strip() else ASSUMED_PROCESSES
     lines = [
         f"layout: {describe_layout(cfg)}",
         f"rollout ({processes} processes): {describe_rollout(cfg, processes=processes)}",
