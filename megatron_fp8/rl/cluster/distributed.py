@@ -168,22 +168,6 @@ def gather_within_replica(part: Sequence[T], share: RolloutShare) -> list[T]:
     return [item for p in parts for item in (p or ())]
 
 
-def same_within_replica(value: T, dp: DataParallel) -> T:
-    """``value`` as the first rank of this model replica has it, on every rank of the replica.
-
-    The model-parallel ranks of one replica (its TP ranks and pipeline stages) must train on the same samples bit
-    for bit; each rolls out the same prompts with the same seeds, and this makes the first rank's result
-    authoritative (collective over Megatron-Core's model-parallel group; a no-op without model parallelism).
-    """
-    if dp.model_parallel_size == 1:
-        return value
-    from megatron.core import parallel_state  # lazy: Megatron-Core is optional (the GPU test box has torch only)
-
-    box: list[T] = [value]
-    dist.broadcast_object_list(box, src=dp.replica_first_rank, group=parallel_state.get_model_parallel_group())
-    return box[0]
-
-
 def longest_over_replicas(length: int, dp: DataParallel) -> int:
     """The largest ``length`` over the data-parallel replicas (an all-reduce over Megatron-Core's data-parallel group;
     ``length`` itself with one replica)."""
