@@ -11,7 +11,7 @@ CONSTRAINTS := requirements/constraints.txt
 STAMP := $(VENV)/.installed-$(shell cat $(CONSTRAINTS) pyproject.toml | sha1sum | cut -c1-12)
 OUT ?= out
 PYTEST_ARGS ?=
-# PYTEST_WORKERS=N runs the suite on N pytest-xdist workers (--dist loadgroup: tests/conftest.py groups the Slurm
+# PYTEST_WORKERS=N runs the suite on N pytest-xdist workers (--dist loadscope: tests/conftest.py groups the Slurm
 # tests and the users of a module fixture); 0, the default, runs it in one process: on 2 cores the multi-process
 # tests oversubscribe the CPU and no gain was measured. The 25 slowest tests are listed at the end.
 PYTEST_WORKERS ?= 0
@@ -44,7 +44,7 @@ $(STAMP): $(CONSTRAINTS) pyproject.toml
 	touch $@
 
 test: install system-deps
-	$(BIN)/python -m pytest -n $(PYTEST_WORKERS) --dist loadgroup --durations=25 $(PYTEST_ARGS)
+	$(BIN)/python -m pytest -n $(PYTEST_WORKERS) --dist loadscope --durations=25 $(PYTEST_ARGS)
 
 test-fast: install
 	$(BIN)/python -m pytest -m "not slow and not slurm" $(PYTEST_ARGS)

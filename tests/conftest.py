@@ -11,8 +11,9 @@
   logged by ``adapter.build_llm``): a report section of its own (shown with a failure) and one summary line per
   path at the end of the session, beside the CPU kind in the header, so a failure on a kind of machine the reader
   does not have names the kernels it ran on;
-* under pytest-xdist (``make test PYTEST_WORKERS=N`` runs ``-n N --dist loadgroup``) the tests sharing a module-scoped fixture run on
-  one worker (it is built once) and every Slurm test on one worker (:func:`_xdist_group`); the others anywhere;
+* under pytest-xdist (``make test PYTEST_WORKERS=N`` runs ``-n N --dist loadscope``) each test module runs on one
+  worker (its module-scoped fixtures are built once) and every Slurm test on one worker (:func:`xdist_scope`), the
+  modules with a ``slow`` test handed out first;
 * the JUnit XML (``--junitxml``) gets testsuite properties ``gpu_tests_collected``, ``gpu_tests_ran``,
   ``gpu_tests_skipped``, ``cuda_available``, ``vllm_version``.
 """
@@ -74,8 +75,6 @@ def pytest_configure(config):
     config.addinivalue_line(
         "markers", "vllm_version(spec): written for the vLLM versions in spec (PEP 440); skips with any other"
     )
-    # pytest-xdist registers it when installed; the GPU box may run without xdist (--strict-markers)
-    config.addinivalue_line("markers", "xdist_group(name): tests of one group run on one pytest-xdist worker")
 
 
 def pytest_report_header(config):
@@ -183,40 +182,50 @@ def pytest_collection_modifyitems(config, items):
             reason = vllm_skip_reason(spec, vllm)
             if reason is not None:
                 item.add_marker(pytest.mark.skip(reason=reason))
+    if hasattr(config, "workerinput"):  # a pytest-xdist worker: every worker sorts alike
+        _heavy_first(items)
     gpu = frozenset(i.nodeid for i in items if "gpu" in i.keywords)
     _GPU_COUNTS.update(collected=len(gpu), ran=0, skipped=0, nodeids=gpu)
 
 
-def _shared_fixtures(item) -> list[str]:
-    """The module-, package- or class-scoped fixtures ``item`` uses (built once per worker that runs such a test)."""
-    info = getattr(item, "_fixtureinfo", None)
-    if info is None:
-        return []
-    out = []
-    for name in item.fixturenames:
-        defs = info.name2fixturedefs.get(name)
-        if defs and defs[-1].scope in ("module", "package", "class"):
-            out.append(name)
-    return out
+def xdist_scope(nodeid: str) -> str:
+    """The pytest-xdist work unit of a test under ``make test PYTEST_WORKERS=N``: one worker runs all its tests.
 
-
-def _xdist_group(item) -> str | None:
-    """The pytest-xdist group of a test for ``--dist loadgroup`` (``make test``), ``None``: any worker.
-
-    Every Slurm test is in one group (one local Slurm per worker session is enough); the tests of one file that use a
-    module-scoped fixture (an engine, a reference run) are in one group, so it is built once.
+    Every Slurm test is one unit (one local Slurm per session, not one per worker); every other test module is one
+    unit, so a module-scoped fixture (an engine, a reference run) is built once.
     """
-    path = item.nodeid.split("::")[0]
-    if path.startswith("tests/slurm/"):
-        return "slurm"
-    return f"{path}::shared" if _shared_fixtures(item) else None
+    path = nodeid.split("::", 1)[0]
+    return "tests/slurm" if path.startswith("tests/slurm/") else path
 
 
-def pytest_itemcollected(item):
-    # here, not in pytest_collection_modifyitems: pytest-xdist's worker reads the groups into the node ids there
-    group = _xdist_group(item)
-    if group is not None:
-        item.add_marker(pytest.mark.xdist_group(group))
+try:  # pytest-xdist is a test extra; without it, -n is not an option and nothing here is used
+    from xdist.scheduler import LoadScopeScheduling
+except ImportError:  # pragma: no cover
+    LoadScopeScheduling = None
+
+if LoadScopeScheduling is not None:
+
+    class _ScopeScheduling(LoadScopeScheduling):
+        """``--dist loadscope`` whose units are :func:`xdist_scope`, handed out in collection order.
+
+        Not ``--dist loadgroup`` with ``xdist_group`` markers: pytest-xdist 3.8 puts the group into
+        ``item._nodeid``, which pytest 9 no longer reads, so the groups were silently ignored.
+        """
+
+        def _split_scope(self, nodeid: str) -> str:
+            return xdist_scope(nodeid)
+
+    def pytest_xdist_make_scheduler(config, log):
+        if config.getvalue("dist") != "loadscope":
+            return None
+        config.option.loadscopereorder = False  # collection order: the slow modules first (see below)
+        return _ScopeScheduling(config, log)
+
+
+def _heavy_first(items: list) -> None:
+    """Under pytest-xdist, the modules with a ``slow`` test first (stable), so no worker starts one last."""
+    slow = {xdist_scope(i.nodeid) for i in items if i.get_closest_marker("slow") is not None}
+    items.sort(key=lambda i: xdist_scope(i.nodeid) not in slow)
 
 
 def pytest_runtest_logreport(report):

@@ -167,6 +167,11 @@ def _write_conf(root: Path, node: str, cpus: int, memory_mb: int) -> Path:
                 "SelectType=select/cons_tres",
                 "SelectTypeParameters=CR_CPU",
                 "SchedulerType=sched/builtin",
+                # a requeued job waits cred_expire seconds (its old credential must expire: slurmd refuses to launch
+                # a job it has just killed), then the next pass of the main scheduling loop: 120 s + up to 60 s by
+                # default, 10 s + up to 2 s here (tests/slurm/test_requeue.py requeues jobs)
+                "AuthInfo=cred_expire=10",
+                "SchedulerParameters=sched_interval=2",
                 "MpiDefault=none",
                 "ReturnToService=2",
                 "MailProg=/bin/true",
