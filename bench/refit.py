@@ -473,7 +473,7 @@ def main(argv: list[str] | None = None) -> int:
     tallies: dict[str, dict[str, int]] = {"bf16": {}, "fp8": {}}
     factories: dict[str, StreamFactory] = {
         "bf16": lambda: _tally(bf16_stream(weights), fp8_names, tallies["bf16"]),
-        "fp8": lambda: _tally(fp8_stream(weights, fp8_names, nonfinite="defer"), fp8_names, tallies["fp8"]),
+        "fp8": lambda: _tally(fp8_stream(weights, fp8_names, in_bucket=True), fp8_names, tallies["fp8"]),
     }
     transports = [t for t in transport_names.split(",") if t]
     copy_rate = dev.copy_gbps(device, nbytes=(1 << 30) if use_cuda else (256 << 20))

@@ -223,11 +223,15 @@ def launch_blockwise(
     fp8_out: bool = True,
     cols_per_program: int = 1,
     num_warps: int | None = None,
+    out: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Launch the blockwise kernel only: no validation, no non-finite check, no sync.
 
     For benchmarks and callers that batch the check themselves. ``x3`` must be a
-    contiguous ``[E, N, K]`` tensor. Arguments as for :func:`quantize_blockwise_triton`.
+    contiguous ``[E, N, K]`` tensor. Arguments as for :func:`quantize_blockwise_triton`;
+    ``out``: ``(q, scale_inv)`` to write into instead of new tensors (e.g. views of a
+    refit bucket): contiguous, ``q`` with ``E * N * K`` elements of the output dtype,
+    ``scale_inv`` float32 with ``E * ceil(N/bn) * ceil(K/bk)`` elements.
 
     Returns:
         ``(q, scale_inv, amax)``: ``q`` float8_e4m3fn (float32 when
@@ -238,9 +242,25 @@ def launch_blockwise(
     e, n, k = x3.shape
     nb, kb = ceil_div(n, bn), ceil_div(k, bk)
     cols = max(1, min(int(cols_per_program), kb))
-    q = torch.empty((e, n, k), dtype=FP8_DTYPE if fp8_out else torch.float32, device=x3.device)
-    scale = torch.empty((e, nb, kb), dtype=torch.float32, device=x3.device)
-    amax = torch.empty_like(scale)
+    q_dtype = FP8_DTYPE if fp8_out else torch.float32
+    if out is None:
+        q = torch.empty((e, n, k), dtype=q_dtype, device=x3.device)
+        scale = torch.empty((e, nb, kb), dtype=torch.float32, device=x3.device)
+    else:
+        q, scale = out
+        if (
+            q.dtype != q_dtype
+            or q.numel() != e * n * k
+            or not q.is_contiguous()
+            or scale.dtype != torch.float32
+            or scale.numel() != e * nb * kb
+            or not scale.is_contiguous()
+        ):
+            raise QuantInputError(
+                f"launch_blockwise: out must be contiguous {q_dtype} with {e * n * k} elements and float32 with "
+                f"{e * nb * kb}, got {q.dtype} {tuple(q.shape)} and {scale.dtype} {tuple(scale.shape)}"
+            )
+    amax = torch.empty((e, nb, kb), dtype=torch.float32, device=x3.device)
     bn_p2, bk_p2 = _next_pow2(bn), _next_pow2(bk)
     warps = num_warps if num_warps is not None else _default_num_warps(bn_p2 * bk_p2)
     grid = (ceil_div(kb, cols), nb, e)

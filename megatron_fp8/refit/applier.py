@@ -171,6 +171,32 @@ def _same_bytes(a: torch.Tensor, b: torch.Tensor) -> bool:
     return first_byte_mismatch(a, b) is None
 
 
+def copy_by_dtype(targets: Sequence[torch.Tensor], sources: Sequence[torch.Tensor]) -> int:
+    """``targets[i].copy_(sources[i])`` for every ``i``: one ``torch._foreach_copy_`` per (device, dtype).
+
+    A multi-tensor copy takes its fast path on a GPU (a few launches for the whole list) only when every tensor of
+    the list shares one dtype and device; a mixed list falls back to one copy launch per tensor. 1-byte dtypes
+    (the FP8 formats) are copied as ``uint8`` views, so they form one group and every torch build takes the fast
+    path for them. Shapes and dtypes must already agree (the appliers check them).
+
+    Returns:
+        The number of multi-tensor copies issued.
+    """
+    groups: dict[tuple[torch.device, torch.dtype], tuple[list[torch.Tensor], list[torch.Tensor]]] = {}
+    for target, source in zip(targets, sources, strict=True):
+        if target.numel() == 0:
+            continue
+        if target.element_size() == 1 and target.dtype != torch.bool:
+            target, source = target.view(torch.uint8), source.view(torch.uint8)
+        dst, src = groups.setdefault((target.device, target.dtype), ([], []))
+        dst.append(target)
+        src.append(source)
+    with torch.no_grad():
+        for dst, src in groups.values():
+            torch._foreach_copy_(dst, src)
+    return len(groups)
+
+
 # ----------------------------------------------------------------------------- DictApplier
 
 
@@ -320,8 +346,9 @@ class DictApplier:
     def commit(self, version: int) -> None:
         """Copy every staged tensor in place, read back, restore the previous bytes on any failure.
 
-        One multi-tensor copy for the backup (when ``rollback``), one for the write, and one byte comparison
-        per device (:func:`~megatron_fp8.refit.multi.first_mismatch`) for ``verify``.
+        One multi-tensor copy for the backup (when ``rollback``), one per dtype for the write
+        (:func:`copy_by_dtype`), and one byte comparison per device
+        (:func:`~megatron_fp8.refit.multi.first_mismatch`) for ``verify``.
         """
         if self._pending != version:
             raise RefitError(f"commit({version}) does not match the version begun ({self._pending})")
@@ -337,7 +364,7 @@ class DictApplier:
         targets = [self.tensors[n] for n in names]
         backup = dict(zip(names, multi.snapshot(targets), strict=True)) if self.rollback else None
         try:
-            multi.copy_into(targets, sources)
+            copy_by_dtype(targets, sources)
             if self.after_write is not None:
                 self.after_write(self)
             if self.verify:

@@ -37,6 +37,8 @@ import torch
 
 from megatron_fp8.errors import RefitError
 from megatron_fp8.layout import ceil_div
+from megatron_fp8.quant.grouped import zero_scalar
+from megatron_fp8.refit.inbucket import BucketJobs, PendingPart
 from megatron_fp8.refit.integrity.checksum import (
     bucket_checksum,
     checksum_partials,
@@ -123,9 +125,11 @@ class _Filling:
     """The single bucket being filled by :func:`pack_buckets`.
 
     Tensors are only recorded as they arrive (offset, metadata, a reference to the source); :meth:`finish`
-    moves them all at once: one multi-tensor copy into the bucket, one multi-tensor zero of the alignment
-    gaps, the NaN/Inf probe of the bucket's typed views (:class:`FiniteProbe`), the payload checksum's
-    partials, and one host read for both. A handful of device ops per bucket, whatever its tensor count.
+    moves them all at once: one multi-tensor copy into the bucket (the alignment gaps zeroed in the same op),
+    the FP8 quantization of the bucket's pending parts (:mod:`megatron_fp8.refit.inbucket`) straight into their
+    places, the NaN/Inf probe of the bucket's typed views (:class:`FiniteProbe`; a quantized weight is probed
+    through its block scales, never through its FP8 bytes), the payload checksum's partials, and one host read
+    for both. A handful of device ops per bucket, whatever its tensor count.
     """
 
     def __init__(self, version: int, index: int, capacity: int, device: torch.device, stream_id: int):
@@ -139,49 +143,72 @@ class _Filling:
         self._dst: list[torch.Tensor] = []
         self._src: list[torch.Tensor] = []
         self._gaps: list[torch.Tensor] = []
+        self._jobs = BucketJobs()
+        self._parts: dict[int, PendingPart] = {}  # meta index -> the pending part placed there
 
     def fits(self, nbytes: int) -> bool:
         return align_up(self.used) + nbytes <= self.capacity
 
-    def add(self, name: str, tensor: torch.Tensor, dt: str, nbytes: int) -> None:
-        """Record ``tensor`` at the next aligned offset; its bytes are read when the bucket is finished."""
+    def add(self, name: str, tensor: torch.Tensor | PendingPart, dt: str, nbytes: int) -> None:
+        """Record ``tensor`` at the next aligned offset; its bytes are read (or quantized) when the bucket is finished."""
         offset = align_up(self.used)
         if offset > self.used:
             self._gaps.append(self.buffer[self.used : offset])
-        if nbytes:
+        if isinstance(tensor, PendingPart):
+            view = self.buffer[offset : offset + nbytes].view(tensor.dtype).view(tensor.shape)
+            src = self._jobs.place(tensor, view)
+            if src is not None:  # its job ran in an earlier bucket
+                self._dst.append(self.buffer[offset : offset + nbytes])
+                self._src.append(src.reshape(-1).view(torch.uint8))
+            self._parts[len(self.metas)] = tensor
+        elif nbytes:
             self._dst.append(self.buffer[offset : offset + nbytes])
             self._src.append(tensor.detach().contiguous().reshape(-1).view(torch.uint8))
         self.metas.append(TensorMeta(name=name, shape=tuple(tensor.shape), dtype=dt, offset=offset, nbytes=nbytes))
         self.used = offset + nbytes
 
-    def _copy_pending(self) -> None:
-        """One multi-tensor copy of the sources recorded so far into their places in the bucket."""
-        if self._dst:
-            torch._foreach_copy_(self._dst, self._src)
-        self._dst, self._src = [], []
+    def _fill(self) -> list:
+        """Copy the recorded sources, zero the gaps and quantize the pending parts; the jobs' ``(job, scales)``."""
+        dst, src = self._dst + self._gaps, list(self._src)
+        if self._gaps:
+            zero = zero_scalar(self.buffer.device, torch.uint8)
+            src += [zero.expand(g.shape) for g in self._gaps]
+        self._dst, self._src, self._gaps = [], [], []
+        return self._jobs.run((dst, src))
 
     def finish(self, *, trailer: VersionTrailer | None, check_finite_values: bool) -> Bucket:
         end = align_up(self.used)
         if end > self.used:
             self._gaps.append(self.buffer[self.used : end])
-        self._copy_pending()
-        if self._gaps:
-            torch._foreach_zero_(self._gaps)
-        self._gaps = []
+        flags = self._fill()
         payload = self.buffer[:end]
         metas = tuple(self.metas)
         probe = None
-        if check_finite_values:
+        if check_finite_values:  # plain tensors by their views; quantized weights by their scales (below)
             views = [
-                (m.name, payload[m.offset : m.offset + m.nbytes].view(DTYPES[m.dtype]).view(m.shape)) for m in metas
+                (m.name, payload[m.offset : m.offset + m.nbytes].view(DTYPES[m.dtype]).view(m.shape))
+                for i, m in enumerate(metas)
+                if i not in self._parts
             ]
             probe = FiniteProbe(views)
+        else:
+            flags = []
         p, q = checksum_partials(payload)
-        flags = probe.values if probe is not None else None
-        host = read_host_int64(torch.cat([p, q] if flags is None else [p, q, flags.view(torch.int32)]))  # one read
+        parts = [p, q]
+        if probe is not None and probe.values is not None:
+            parts.append(probe.values.view(torch.int32))
+        parts += [scales.reshape(-1).view(torch.int32) for _, scales in flags]
+        host = read_host_int64(torch.cat(parts))  # the bucket's one host read
         nb = p.numel()
         if probe is not None:
-            probe.check(host[2 * nb :].astype(np.int32).view(np.float32), version=self.version)
+            rest = host[2 * nb :].astype(np.int32).view(np.float32)
+            nprobe = 0 if probe.values is None else probe.values.numel()
+            probe.check(rest[:nprobe], version=self.version)
+            at = nprobe
+            for job, scales in flags:
+                if not np.isfinite(rest[at : at + scales.numel()]).all():
+                    job.raise_nonfinite(version=self.version)
+                at += scales.numel()
         is_last = trailer is not None
         checksum = finish_checksum(host[:nb], host[nb : 2 * nb], nbytes=end) ^ header_digest(
             version=self.version,
@@ -229,7 +256,9 @@ def pack_buckets(
 
     Args:
         stream: ``(name, tensor)`` pairs; any supported dtype (:data:`DTYPES`),
-            any device, contiguous or not.
+            any device, contiguous or not; or ``(name, part)`` pairs of
+            :func:`~megatron_fp8.refit.inbucket.blockwise_items`, quantized straight into
+            the bucket when it is finished (the same bytes as the finished tensors).
         version: refit version stamped on every bucket (>= 0).
         bucket_bytes: target payload capacity in bytes (>= :data:`ALIGN`).
         device: where payload buffers live; default: the device of the first
@@ -264,8 +293,10 @@ def pack_buckets(
             raise RefitError(f"refit stream items must be (name, tensor) pairs, got {type(item).__name__}") from None
         if not isinstance(name, str) or not name:
             raise RefitError(f"refit stream yielded a tensor with an invalid name {name!r} (need a non-empty str)")
-        if not isinstance(tensor, torch.Tensor):
-            raise RefitError(f"refit stream item {name!r} is a {type(tensor).__name__}, not a torch.Tensor")
+        if not isinstance(tensor, (torch.Tensor, PendingPart)):
+            raise RefitError(
+                f"refit stream item {name!r} is a {type(tensor).__name__}, not a torch.Tensor (or a PendingPart)"
+            )
         if name in seen:
             raise RefitError(
                 f"tensor {name!r} appears twice in the stream of refit version {version}; each name must be sent "

@@ -16,6 +16,7 @@ import torch
 from megatron_fp8.errors import ConfigError
 from megatron_fp8.quant import quantize_blockwise
 from megatron_fp8.quant.formats import NonFinitePolicy, ScaleFormat
+from megatron_fp8.refit.inbucket import PendingPart, blockwise_items
 from megatron_fp8.vocab import SCALE_SUFFIX
 
 LINEARS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
@@ -142,15 +143,21 @@ def fp8_stream(
     *,
     scale_format: ScaleFormat = "fp32",
     nonfinite: NonFinitePolicy = "raise",
-) -> Iterator[tuple[str, torch.Tensor]]:
+    in_bucket: bool = False,
+) -> Iterator[tuple[str, torch.Tensor | PendingPart]]:
     """Quantize-before-transfer: FP8 parameters become ``(name, fp8)`` + ``(name_scale_inv, fp32)``.
 
     Each weight is quantized lazily as the stream is consumed (128x128 blocks,
     :func:`megatron_fp8.quant.quantize_blockwise`); other tensors pass through.
+    With ``in_bucket=True`` the two items are :class:`~megatron_fp8.refit.inbucket.PendingPart` s
+    that the refit packer quantizes straight into its bucket (the same bytes; ``nonfinite`` is then
+    the packer's: it refuses a NaN/Inf weight by name).
     """
     fp8 = set(fp8_names)
     for name, tensor in weights.items():
-        if name in fp8:
+        if name in fp8 and in_bucket:
+            yield from blockwise_items(name, tensor, scale_format=scale_format)
+        elif name in fp8:
             q, scale_inv = quantize_blockwise(tensor, scale_format=scale_format, name=name, nonfinite=nonfinite)
             yield name, q
             yield name + SCALE_SUFFIX, scale_inv
