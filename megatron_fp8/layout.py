@@ -8,6 +8,7 @@ when it starts and ends on block boundaries.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 
 
@@ -68,3 +69,40 @@ def tp_splits_blockable(size: int, tp_size: int, block: int) -> bool:
 def blockable_tp_sizes(size: int, block: int, candidates: Sequence[int] = (1, 2, 4, 8, 16)) -> list[int]:
     """The ``candidates`` TP sizes for which :func:`tp_splits_blockable` holds."""
     return [t for t in candidates if tp_splits_blockable(size, t, block)]
+
+
+def engine_group_problem(*, world_size: int, engine_ranks: int, tp: int, pp: int) -> str | None:
+    """Why ``world_size`` trainer ranks cannot host engines of ``engine_ranks`` consecutive ranks each, or ``None``.
+
+    An engine sharded over trainer ranks (vLLM's ``external_launcher``) takes ``engine_ranks`` consecutive ranks
+    (vLLM's own TP groups); every rank of it submits the same requests, so the block must lie inside one model replica
+    (ranks of one data-parallel rank). In Megatron-Core's rank order (TP fastest, then DP, then PP) it does when
+    ``engine_ranks`` divides the trainer's TP, or when there is a single replica (DP = 1).
+
+    Args:
+        world_size: trainer processes.
+        engine_ranks: rollout tensor-parallel size.
+        tp: trainer tensor-parallel size.
+        pp: trainer pipeline-parallel size.
+    """
+    if engine_ranks <= 1:
+        return None
+    if world_size % engine_ranks:
+        return f"{world_size} ranks do not split into engines of {engine_ranks} ranks"
+    dp = world_size // (tp * pp) if world_size % (tp * pp) == 0 else 0
+    if tp % engine_ranks and dp != 1:
+        return (
+            f"an engine of {engine_ranks} consecutive ranks would span {engine_ranks // math.gcd(engine_ranks, tp)} "
+            f"data-parallel replicas (trainer TP {tp}, DP {dp}): its ranks must roll out the same prompts"
+        )
+    return None
+
+
+def engine_of_rank(rank: int, replica_ranks: Sequence[int], engine_ranks: int) -> tuple[int, int, bool]:
+    """``(engine index within the replica, engines per replica, whether rank leads its engine)``.
+
+    Engines are blocks of ``engine_ranks`` consecutive ranks (:func:`engine_group_problem` must hold); a replica's
+    engines are numbered in rank order; an engine's lowest rank leads it.
+    """
+    blocks = sorted({r // engine_ranks for r in replica_ranks})
+    return blocks.index(rank // engine_ranks), len(blocks), rank % engine_ranks == 0

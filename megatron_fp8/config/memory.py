@@ -22,6 +22,7 @@ from dataclasses import dataclass
 from megatron_fp8.config.models import ModelDims, known_dims
 from megatron_fp8.config.schema import RunConfig
 from megatron_fp8.launch_env import launch_place
+from megatron_fp8.layout import engine_group_problem
 
 TRAINER_BYTES_PER_PARAM = 2 + 4 + 8 + 4
 """BF16 weights + FP32 main weights + two FP32 Adam moments + FP32 gradients (bytes per parameter)."""
@@ -165,18 +166,37 @@ def describe_rollout(cfg: RunConfig, *, processes: int) -> str:
     mp = mcfg.tensor_model_parallel_size * mcfg.pipeline_model_parallel_size
     tp = cfg.policy.generation.vllm_cfg.tensor_parallel_size
     samples = cfg.grpo.num_prompts_per_step * cfg.grpo.num_generations_per_prompt
-    if tp > 1:
-        return f"engines of rollout TP {tp} cannot be placed: each process owns one GPU (the preflight refuses it)"
     if not cfg.policy.generation.colocated.enabled:
+        if tp > 1:
+            return f"engines of rollout TP {tp} cannot be placed on separate one-GPU rollout ranks (refused)"
         return "separate rollout ranks, one engine each (one GPU); the trainers' samples split evenly over them"
     if processes % mp:
         return f"{processes} processes do not hold whole replicas of TP x PP = {mp}"
+    if processes > 1 or tp == 1:
+        problem = engine_group_problem(
+            world_size=processes, engine_ranks=tp, tp=mcfg.tensor_model_parallel_size,
+            pp=mcfg.pipeline_model_parallel_size,
+        )  # fmt: skip
+        if problem is not None:
+            return f"engines of rollout TP {tp} cannot be placed: {problem} (refused)"
     replicas = processes // mp
+    engines = max(processes // tp, 1)
     per_replica = samples // replicas if replicas else 0
-    each = f"{per_replica // mp}" if per_replica % mp == 0 else f"{per_replica // mp}-{per_replica // mp + 1}"
+    per_engine_group = max(engines // replicas, 1)
+    low, high = per_replica // per_engine_group, -(-per_replica // per_engine_group)
+    each = f"{low}" if low == high else f"{low}-{high}"
+    how = (
+        "colocated (one per GPU)"
+        if tp == 1
+        else (
+            f"each sharded over {tp} consecutive trainer ranks (vLLM external_launcher)"
+            if processes > 1
+            else "in one process (vLLM's own workers)"
+        )
+    )
     return (
-        f"{processes} ranks: {processes} engine(s) of TP 1, colocated (one per GPU); each replica's "
-        f"{per_replica} samples over its {mp} engine(s), {each} each"
+        f"{processes} ranks: {engines} engine(s) of TP {tp}, {how}; each replica's {per_replica} samples over "
+        f"its {per_engine_group} engine(s), {each} each"
     )
 
 

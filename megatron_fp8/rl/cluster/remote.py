@@ -198,6 +198,7 @@ class RemoteRollout:
     """
 
     collective_generate = True
+    engine_ranks = 1  # each trainer rank asks for its own samples
 
     def __init__(self, *, setup: ArmSetup, config: RunConfig, groups: Groups):
         self.name, self.precision, self.setup = "", "", setup

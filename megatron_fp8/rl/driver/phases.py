@@ -236,7 +236,7 @@ def rollout_phase(state: ArmState, ctx: GRPOContext, *, step: int) -> RolloutOut
     prompt_ids = [ctx.tokenizer.encode(p.prompt, add_special_tokens=False) for p in problems]
     flat_prompts = tuple(ids for ids in prompt_ids for _ in range(g.num_generations_per_prompt))
     flat_problems = tuple(p for p in problems for _ in range(g.num_generations_per_prompt))
-    share = rollout_share(len(flat_prompts), state.dp)
+    share = rollout_share(len(flat_prompts), state.dp, engine_ranks=state.engine.engine_ranks)
     t0 = time.perf_counter()
     mine = flat_prompts[share.start : share.stop]
     part: list[tuple[tuple[int, ...], torch.Tensor, bool]] = []

