@@ -200,6 +200,33 @@ def describe_rollout(cfg: RunConfig, *, processes: int) -> str:
     )
 
 
+def engine_weight_bytes(cfg: RunConfig, dims: ModelDims) -> int:
+    """Bytes of the rollout engine's whole weights: BF16 (2 B per parameter), or FP8 linear weights (1 B, plus a
+    float32 scale per 128 x 128 block) with BF16 embeddings and output layer."""
+    embeddings = dims.vocab_size * dims.hidden_size * (1 if dims.tie_word_embeddings else 2)
+    if cfg.policy.generation.vllm_cfg.precision != "fp8":
+        return 2 * dims.num_parameters
+    linear = max(dims.num_parameters - embeddings, 0)
+    return linear + 4 * linear // (128 * 128) + 2 * embeddings
+
+
+def describe_engine_memory(cfg: RunConfig, dims: ModelDims, *, gpu: tuple[int, str] | None = None) -> tuple[str, bool]:
+    """One line on a rollout engine's memory per GPU (its weights' shard and the KV cache left in its
+    ``gpu_memory_utilization`` budget) and whether the weights fit that budget."""
+    gpu_bytes, gpu_name = gpu if gpu is not None else gpu_memory()
+    vllm = cfg.policy.generation.vllm_cfg
+    weights = engine_weight_bytes(cfg, dims)
+    shard = weights // vllm.tensor_parallel_size
+    budget = int(vllm.gpu_memory_utilization * gpu_bytes)
+    gb = 1e9
+    line = (
+        f"weights {weights / gb:.1f} GB ({vllm.precision}) / rollout TP {vllm.tensor_parallel_size} = "
+        f"{shard / gb:.1f} GB + KV cache {max(budget - shard, 0) / gb:.1f} GB = its budget {budget / gb:.1f} GB "
+        f"(gpu_memory_utilization {vllm.gpu_memory_utilization} x {gpu_bytes / gb:.0f} GB, {gpu_name})"
+    )
+    return line, shard < budget
+
+
 def reference_host_bytes(cfg: RunConfig, dims: ModelDims) -> int:
     """Host bytes per rank the KL penalty's reference policy takes: its BF16 parameter shard and the swap copy
     (``2 x 2 B x params / (TP x PP)``, experts / EP); 0 without a penalty."""
@@ -227,6 +254,13 @@ def layout_report(cfg: RunConfig) -> tuple[list[str], str | None]:
         return lines, None
     estimate = estimate_memory(cfg, dims)
     lines.append(f"memory per GPU (estimate): {estimate.describe()}")
+    engine_line, engine_fits = describe_engine_memory(cfg, dims)
+    lines.append(f"rollout engine per GPU (estimate): {engine_line}")
+    if not engine_fits:
+        return lines, (
+            f"the rollout engine's weights do not fit its memory budget: {engine_line}; raise "
+            "policy.generation.vllm_cfg.tensor_parallel_size (an engine over more ranks) or gpu_memory_utilization"
+        )
     host = reference_host_bytes(cfg, dims)
     if host:
         lines.append(

@@ -114,3 +114,26 @@ def test_the_kl_reference_policy_is_counted_in_host_memory():
     assert reference_host_bytes(kl, dims) == 2 * 2 * dims.num_parameters // 2
     lines, _ = layout_report(kl)
     assert any("host memory per rank for the KL penalty's reference policy" in line for line in lines)
+
+
+def test_the_rollout_engine_line_shards_its_weights_over_rollout_tp_and_warns_when_they_do_not_fit():
+    from megatron_fp8.config.memory import describe_engine_memory, engine_weight_bytes
+
+    dims = KNOWN_MODELS["llama-3.1-8b"]
+    bf16 = load_config(REPO / "configs" / "llama31_8b_fp8.yaml", ["policy.generation.vllm_cfg.precision=bf16"])
+    fp8 = load_config(REPO / "configs" / "llama31_8b_fp8.yaml", [])
+    assert engine_weight_bytes(bf16, dims) == 2 * dims.num_parameters
+    # FP8 linear weights + their block scales, BF16 embedding and output layer: ~9 GB for Llama-3.1-8B
+    assert 8.5e9 < engine_weight_bytes(fp8, dims) < 9.5e9
+    one, fits_one = describe_engine_memory(fp8, dims, gpu=H100)
+    two, _ = describe_engine_memory(
+        load_config(REPO / "configs" / "llama31_8b_fp8.yaml", ["policy.generation.vllm_cfg.tensor_parallel_size=2"]),
+        dims,
+        gpu=H100,
+    )
+    assert fits_one and "/ rollout TP 1 = 9.1 GB" in one and "/ rollout TP 2 = 4.5 GB" in two
+    small = load_config(
+        REPO / "configs" / "llama31_8b_fp8.yaml", ["policy.generation.vllm_cfg.gpu_memory_utilization=0.1"]
+    )
+    line, fits = describe_engine_memory(small, dims, gpu=H100)
+    assert not fits and "its budget 8.0 GB" in line
