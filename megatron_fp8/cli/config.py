@@ -27,6 +27,7 @@ import os
 import sys
 
 from megatron_fp8.cli._noise import quiet_third_party
+from megatron_fp8.cli.grpo import MODEL_HELP, model_override
 from megatron_fp8.config.explain import explain_rows, render_json, render_text
 from megatron_fp8.config.loader import load_config_report
 from megatron_fp8.config.memory import layout_report
@@ -51,6 +52,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         action="store_true",
         help="run although NeMo-RL keys that change the experiment have no effect here (= grpo.allow_no_effect=true)",
     )
+    parser.add_argument("--model", default=None, metavar="NAME", help=MODEL_HELP)
     parser.add_argument("overrides", nargs="*", metavar="KEY=VALUE", help="dotted overrides, e.g. grpo.max_num_steps=3")
 
 
@@ -72,7 +74,8 @@ def run(args: argparse.Namespace) -> int:
     from megatron_fp8.rl.driver.preflight import preflight, refuse_empty_config
 
     refuse_empty_config(args.explain or args.config)
-    overrides = [*args.overrides, *(["grpo.allow_no_effect=true"] if getattr(args, "allow_no_effect", False) else [])]
+    overrides = [*args.overrides, *model_override(args)]
+    overrides += ["grpo.allow_no_effect=true"] if getattr(args, "allow_no_effect", False) else []
     loaded = load_config_report(args.explain or args.config, overrides)
     cfg = loaded.config
     if args.explain is not None:

@@ -24,9 +24,26 @@ from megatron_fp8.config.refusals import refuse_before_run
 from megatron_fp8.errors import UsageError
 from megatron_fp8.vocab import ARMS
 
+MODEL_HELP = "'tiny', 'tiny-moe', a checkpoint folder or a Hugging Face id (= model.name_or_path=NAME)"
+
+
+def model_override(args: argparse.Namespace) -> list[str]:
+    """``--model NAME`` as the override it stands for (``[]`` without it).
+
+    Raises:
+        UsageError: an empty name.
+    """
+    model = getattr(args, "model", None)
+    if model is None:
+        return []
+    if not model.strip():
+        raise UsageError("--model '' names no model; give 'tiny', a checkpoint folder or a Hugging Face id")
+    return [f"model.name_or_path={model}"]
+
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    """Register ``--config``, ``--steps``, ``--out``, ``--arms``, ``--no-progress``, ``--overwrite``, overrides."""
+    """Register ``--config``, ``--steps``, ``--out``, ``--arms``, ``--model``, ``--no-progress``, ``--overwrite``,
+    overrides."""
     parser.add_argument("--config", default=None, help="YAML file (default: the embedded tiny_cpu.yaml)")
     parser.add_argument(
         "--steps", type=int, default=None, metavar="N", help="steps per arm (default: grpo.max_num_steps)"
@@ -39,6 +56,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "checkpoint's folder)",
     )
     parser.add_argument("--arms", default=None, metavar="a,b,c", help=f"comma-separated arms: {', '.join(ARMS)}")
+    parser.add_argument("--model", default=None, metavar="NAME", help=MODEL_HELP)
     parser.add_argument("--no-progress", action="store_true", help="no progress bar")
     parser.add_argument(
         "--overwrite", action="store_true", help="replace another run's outputs in --out (refused otherwise)"
@@ -60,7 +78,7 @@ def run_job(args: argparse.Namespace) -> tuple[Path, Path, Path] | None:
     from megatron_fp8.rl.driver.preflight import refuse_empty_config
 
     refuse_empty_config(args.config)
-    overrides = list(getattr(args, "overrides", []) or [])
+    overrides = list(getattr(args, "overrides", []) or []) + model_override(args)
     if getattr(args, "allow_no_effect", False):
         overrides.append("grpo.allow_no_effect=true")
     loaded = load_config_report(args.config, overrides)

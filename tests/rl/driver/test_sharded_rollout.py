@@ -32,7 +32,7 @@ def _torchrun(out: Path, *overrides: str, processes: int = 2) -> subprocess.Comp
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "MFP8_ROLE", "ROLLOUT_TASKS")}
     env["OMP_NUM_THREADS"] = "1"
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={processes}", "-m"]
-    cmd += ["megatron_fp8.cli", "grpo", "--out", str(out), "--steps", "2", "--no-progress", *COMMON, *overrides]
+    cmd += ["megatron_fp8", "grpo", "--out", str(out), "--steps", "2", "--no-progress", *COMMON, *overrides]
     return subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
 
 
