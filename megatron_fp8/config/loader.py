@@ -153,6 +153,27 @@ def _convert(tp: object, value: object, path: str) -> object:
     raise TypeError(f"schema type {tp!r} at {path} is not handled by the config converter")  # schema bug
 
 
+def _schema_paths(cls: type, path: str = "") -> list[str]:
+    """Every dotted key of the schema dataclass ``cls`` (sections included), e.g. ``policy.megatron_cfg.optimizer.lr``."""
+    hints = typing.get_type_hints(cls, include_extras=True)
+    out = []
+    for f in dataclasses.fields(cls):
+        full = f"{path}.{f.name}" if path else f.name
+        out.append(full)
+        tp = hints[f.name]
+        if dataclasses.is_dataclass(tp):
+            out += _schema_paths(tp, full)
+    return out
+
+
+def _key_elsewhere(key: str, path: str) -> str:
+    """A hint naming where ``key`` (a leaf name) is a key of another section, ``""`` when it is none."""
+    places = [p for p in _schema_paths(RunConfig) if p.rsplit(".", 1)[-1] == key and p.rsplit(".", 1)[0] != path]
+    if not places:
+        return ""
+    return f"'{key}' is a key of another section: {' or '.join(places[:3])}; "
+
+
 def build_dataclass(cls: type[T], data: object, path: str = "") -> T:
     """Build a schema dataclass from a plain mapping, strictly.
 
@@ -184,7 +205,7 @@ def build_dataclass(cls: type[T], data: object, path: str = "") -> T:
         if name not in names:
             valid = names + list(aliases)
             close = difflib.get_close_matches(key, valid, n=1, cutoff=0.6)
-            hint = f"did you mean '{(path + '.') if path else ''}{close[0]}'? " if close else ""
+            hint = f"did you mean '{(path + '.') if path else ''}{close[0]}'? " if close else _key_elsewhere(key, path)
             raise ConfigError(f"unknown key '{full}'; {hint}valid keys in {where}: {', '.join(names)}")
         if name in kwargs:
             raise ConfigError(

@@ -129,3 +129,9 @@ def test_roundtrip_to_dict_and_yaml(tmp_path):
     out = tmp_path / "dump.yaml"
     out.write_text(cfg.dump_yaml())
     assert load_config(out) == cfg
+
+
+def test_a_key_of_another_section_is_named_where_it_lives():
+    """Issue 38 (8): ``grpo.lr`` has no near miss in ``grpo``; the refusal names the section that has ``lr``."""
+    with pytest.raises(ConfigError, match=r"'lr' is a key of another section: policy\.megatron_cfg\.optimizer\.lr"):
+        load_config(None, ["grpo.lr=1e-4"])
