@@ -24,6 +24,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from megatron_fp8.layout import ceil_div
+from megatron_fp8.refit.applier import copy_by_dtype
 from megatron_fp8.rollout.vllm import layers, layouts
 from megatron_fp8.rollout.vllm.layouts import RefitTargetError, UnknownLayoutError
 from megatron_fp8.vocab import KV_SCALE_KINDS, SCALE_SUFFIX, is_kv_scale_name
@@ -348,14 +349,19 @@ def inplace_load_weights(model: torch.nn.Module, weights: Iterable[tuple[str, to
         layouts.write_inplace(module, tensors)
     for module, scales in kv_writes:
         layouts.write_kv_scales(module, scales)
+    dst: list[torch.Tensor] = []
+    src: list[torch.Tensor] = []  # plain copies: one multi-tensor copy per dtype (copy_by_dtype)
     with torch.no_grad():
         for t, name, tensor in plan:
             if t is not None:
-                t.param.data[t.index].copy_(tensor[t.src_index])
+                dst.append(t.param.data[t.index])
+                src.append(tensor[t.src_index])
                 continue
             param = params[name]
             loader = getattr(param, "weight_loader", None)
-            if loader is not None:
+            if loader is not None:  # vLLM's own loader (embeddings, norms): it picks this rank's slice itself
                 loader(param, tensor)
             else:
-                param.data.copy_(tensor)
+                dst.append(param.data)
+                src.append(tensor)
+        copy_by_dtype(dst, src)
