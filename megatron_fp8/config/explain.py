@@ -125,6 +125,8 @@ EFFECTS: Mapping[str, str] = {
     "data.train.input_key": "column of the problem text (rl.data.problems)",
     "data.train.output_key": "column of the expected answer (rl.data.problems)",
     "data.train.max_samples": "training rows used (rl.data.problems)",
+    "data.train.split_validation_size": "training rows held out for validation, drawn with seed (rl.data.holdout)",
+    "data.train.seed": "seed of the validation hold-out (rl.data.holdout)",
     "data.validation": "the validation problems (rl.data.problems, rl.driver.validation)",
     "data.default.prompt_file": "prompt template, then the tokenizer's chat template (rl.data.problems)",
     "data.default.system_prompt_file": "system message of the chat template (rl.data.problems)",
@@ -218,7 +220,11 @@ def explain_rows(loaded: LoadedConfig) -> list[ExplainRow]:
             source = _source("policy.model_name", loaded.sources, default=DEFAULT_SOURCE)
         rows.append(ExplainRow(key, _value_at(data, key), source, True, effect_of(key) or "(undeclared)"))
     for key, value in loaded.translated.items():
-        effect = "read as loss_fn.is_variant / is_cap / is_lower / is_upper (config.nemo_rl.importance_sampling)"
+        effect = (
+            "read: the staged data_path's columns, split and held-out share (config.nemo_rl.datasets)"
+            if key.startswith("data.")
+            else "read as loss_fn.is_variant / is_cap / is_lower / is_upper (config.nemo_rl.importance_sampling)"
+        )
         rows.append(ExplainRow(key, value, _source(key, loaded.sources, default=DEFAULT_SOURCE), True, effect))
     known = known_keys()
     for top, value in loaded.no_effect.items():

@@ -30,6 +30,7 @@ from omegaconf import OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
 from megatron_fp8.config.models import known_dims
+from megatron_fp8.config.nemo_rl.datasets import translate_dataset_keys
 from megatron_fp8.config.nemo_rl.importance_sampling import translate_is_keys
 from megatron_fp8.config.nemo_rl.inheritance import ComposedTree, compose_file, compose_text, merge_trees, resolve
 from megatron_fp8.config.nemo_rl.keys import known_keys
@@ -235,7 +236,8 @@ class LoadedConfig:
         sources: dotted leaf path -> the file (or ``<override>``) that set it; keys not listed kept the
             schema default.
         files: every config file read, parents before children (empty for the embedded default).
-        translated: NeMo-RL keys read through megatron-fp8's own (its IS keys, :mod:`.nemo_rl.importance_sampling`) -> value.
+        translated: NeMo-RL keys read through megatron-fp8's own (its IS keys, :mod:`.nemo_rl.importance_sampling`;
+            a staged ``dataset_name``, :mod:`.nemo_rl.datasets`) -> value.
     """
 
     config: RunConfig
@@ -496,6 +498,7 @@ def load_config_report(path: str | Path | None = None, overrides: Sequence[str] 
     """
     raw, composed = _compose(path, list(overrides))
     read = translate_is_keys(raw, composed.sources, composed.files)  # NeMo-RL's IS keys -> the correction run
+    read |= translate_dataset_keys(raw, composed.sources)  # NeMo-RL's named datasets, staged locally
     implemented, no_effect = partition_keys(raw)
     if no_effect:
         logger.warning("%s", no_effect_message(no_effect))

@@ -25,7 +25,7 @@ Layout (dotted paths)::
     grpo.{max_num_steps, num_prompts_per_step, num_generations_per_prompt, seed, arms, task, task_max_digits, updates_per_step,
           warm_start_steps, warm_start_learning_rate, val_period, val_at_start, max_val_samples,
           normalize_rewards, use_leave_one_out_baseline}
-    data.{max_input_seq_length, shuffle, train.{data_path, input_key, output_key, max_samples},
+    data.{max_input_seq_length, shuffle, train.{data_path, input_key, output_key, max_samples, split_validation_size, seed},
           validation.{...as train}, default.{prompt_file, system_prompt_file, env_name}}
     checkpointing.{enabled, checkpoint_dir, save_period, keep_top_k, metric_name, higher_is_better, save_consolidated}
     logger.{log_dir, tensorboard_enabled, wandb_enabled, wandb.{project, name}}
@@ -49,6 +49,9 @@ from typing import Annotated, ClassVar, Literal, TypeAlias
 import yaml
 
 from megatron_fp8 import vocab
+from megatron_fp8.config.data_schema import DataConfig as DataConfig
+from megatron_fp8.config.data_schema import DataDefaultsConfig as DataDefaultsConfig
+from megatron_fp8.config.data_schema import DatasetConfig as DatasetConfig
 from megatron_fp8.config.outputs_schema import CheckpointingConfig, LoggerConfig, LoggingConfig
 from megatron_fp8.config.outputs_schema import WandbConfig as WandbConfig
 from megatron_fp8.recipes.registry import FP8_FORMATS
@@ -437,63 +440,6 @@ class GRPOConfig:
     normalize_rewards: bool = True
     use_leave_one_out_baseline: bool = False
     allow_no_effect: bool = False
-
-
-@dataclass(frozen=True)
-class DatasetConfig:
-    """``data.train`` / ``data.validation``: a local JSONL or Parquet file of problems.
-
-    Attributes:
-        data_path: the file (``.jsonl``, ``.json`` or ``.parquet``); ``None`` = no dataset (the built-in
-            ``grpo.task``).
-        input_key: column holding the problem text.
-        output_key: column holding the expected answer.
-        max_samples: rows used (``None`` = all), taken before shuffling.
-    """
-
-    data_path: str | None = None
-    input_key: str = "input"
-    output_key: str = "output"
-    max_samples: int | None = None
-
-
-@dataclass(frozen=True)
-class DataDefaultsConfig:
-    """``data.default``: how every dataset's rows become prompts and rewards.
-
-    Attributes:
-        prompt_file: a text file with ``{}`` where the problem goes (``None`` = the problem as is); the result
-            goes through the tokenizer's chat template when it has one.
-        system_prompt_file: a text file, the system message of the chat template (``None`` = none).
-        env_name: the reward: ``"math"`` (the final answer, boxed or plain, checked with ``math-verify``) or a
-            Python entry point ``"module:function"`` called as ``function(prompt, response, answer) -> float``.
-    """
-
-    prompt_file: str | None = None
-    system_prompt_file: str | None = None
-    env_name: str = "math"
-
-
-@dataclass(frozen=True)
-class DataConfig:
-    """``data`` (NeMo-RL names): the training and validation problems.
-
-    Attributes:
-        train: the training set; without ``data_path`` GRPO trains on ``grpo.task``.
-        validation: the validation set; needed by a dataset run that validates (``grpo.val_period`` or
-            ``val_at_start``): training rows are not held out. Built-in task runs validate on task problems drawn
-            with another seed.
-        default: prompt template and reward.
-        max_input_seq_length: longest prompt (tokens, after the template); longer rows are skipped and counted
-            (refused when none is left). ``None`` = no limit.
-        shuffle: shuffle the training rows with ``grpo.seed`` (a new order each epoch).
-    """
-
-    train: DatasetConfig = field(default_factory=DatasetConfig)
-    validation: DatasetConfig | None = None
-    default: DataDefaultsConfig = field(default_factory=DataDefaultsConfig)
-    max_input_seq_length: int | None = None
-    shuffle: bool = True
 
 
 @dataclass(frozen=True)

@@ -1,0 +1,78 @@
+"""The ``data`` sections of the run configuration (NeMo-RL's names): frozen dataclasses, re-exported by
+:mod:`megatron_fp8.config.schema`.
+
+A split names a local file (``data_path``) and its two columns; NeMo-RL's ``dataset_name`` with a ``data_path``
+fills the columns and the held-out share NeMo-RL's dataset class uses (:mod:`megatron_fp8.config.nemo_rl.datasets`)
+before these are built.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass(frozen=True)
+class DatasetConfig:
+    """``data.train`` / ``data.validation``: a local JSONL or Parquet file of problems.
+
+    Attributes:
+        data_path: the file (``.jsonl``, ``.json`` or ``.parquet``); ``None`` = no dataset (the built-in
+            ``grpo.task``).
+        input_key: column holding the problem text (``a.b`` / ``a[0].b``: a path into nested values when the row
+            has no column of that name).
+        output_key: column holding the expected answer (a path as ``input_key``).
+        max_samples: rows used (``None`` = all), taken before shuffling and before the validation hold-out.
+        split_validation_size: rows of this file held out for validation (NeMo-RL's key): ``0`` = none, a
+            fraction in ``(0, 1)`` (rounded up) or a row count ``>= 1``. Drawn as NeMo-RL draws them (Hugging Face
+            ``train_test_split`` with ``seed``: the same rows of the same file), never trained on, and validated
+            before any ``data.validation`` rows. ``data.train`` only.
+        seed: seed of the hold-out draw (NeMo-RL's key; its files give ``${grpo.seed}``).
+    """
+
+    data_path: str | None = None
+    input_key: str = "input"
+    output_key: str = "output"
+    max_samples: int | None = None
+    split_validation_size: float = 0.0
+    seed: int = 42
+
+
+@dataclass(frozen=True)
+class DataDefaultsConfig:
+    """``data.default``: how every dataset's rows become prompts and rewards.
+
+    Attributes:
+        prompt_file: a text file with ``{}`` where the problem goes (``None`` = the problem as is); the result
+            goes through the tokenizer's chat template when it has one. NeMo-RL's ``examples/prompts/*.txt``
+            paths read NeMo-RL's own text when no such file exists here (:mod:`megatron_fp8.config.nemo_rl.prompts`).
+        system_prompt_file: a text file, the system message of the chat template (``None`` = none).
+        env_name: the reward: ``"math"`` (the final answer, boxed or plain, checked with ``math-verify``) or a
+            Python entry point ``"module:function"`` called as ``function(prompt, response, answer) -> float``.
+    """
+
+    prompt_file: str | None = None
+    system_prompt_file: str | None = None
+    env_name: str = "math"
+
+
+@dataclass(frozen=True)
+class DataConfig:
+    """``data`` (NeMo-RL names): the training and validation problems.
+
+    Attributes:
+        train: the training set; without ``data_path`` GRPO trains on ``grpo.task``.
+        validation: the validation set. A dataset run that validates (``grpo.val_period`` or ``val_at_start``)
+            needs validation rows: this file, rows held out of the training file
+            (``train.split_validation_size``), or both (held-out rows first, as NeMo-RL merges them). Built-in task
+            runs validate on task problems drawn with another seed.
+        default: prompt template and reward.
+        max_input_seq_length: longest prompt (tokens, after the template); longer rows are skipped and counted
+            (refused when none is left). ``None`` = no limit.
+        shuffle: shuffle the training rows with ``grpo.seed`` (a new order each epoch).
+    """
+
+    train: DatasetConfig = field(default_factory=DatasetConfig)
+    validation: DatasetConfig | None = None
+    default: DataDefaultsConfig = field(default_factory=DataDefaultsConfig)
+    max_input_seq_length: int | None = None
+    shuffle: bool = True
