@@ -7,14 +7,19 @@ runs them with the others.
 
 from __future__ import annotations
 
-from megatron_fp8.config.schema import RunConfig
+from collections.abc import Sequence
+
+from megatron_fp8 import vocab
+from megatron_fp8.config.schema import LossConfig, RunConfig
+
+_SWITCH = "loss_fn.use_importance_sampling_correction"
 
 
 def loss_rules(cfg: RunConfig) -> list[str]:
     """``loss_fn``: positive IS cap, ordered IS bounds, PPO clip epsilons in range, positive log-ratio clamp,
-    a non-negative KL penalty with positive clamps."""
+    a non-negative KL penalty with positive clamps; ``grpo.arms`` that agree with the correction switch."""
     loss = cfg.loss_fn
-    problems: list[str] = []
+    problems: list[str] = correction_switch_problems(loss, cfg.grpo.arms)
     if loss.is_cap is not None and loss.is_cap <= 0:
         problems.append(f"loss_fn.is_cap must be > 0 (or null: no truncation), got {loss.is_cap}")
     if loss.is_lower is not None and loss.is_lower < 0:
@@ -69,3 +74,59 @@ def scheduler_rules(cfg: RunConfig) -> list[str]:
             f">= 1 and above lr_warmup_iters ({sched.lr_warmup_iters}) for lr_decay_style {sched.lr_decay_style!r}"
         )
     return problems
+
+
+def correction_switch_problems(loss: LossConfig, arms: Sequence[str]) -> list[str]:
+    """Arms that contradict ``loss_fn.use_importance_sampling_correction`` when it is given (it decides for every arm).
+
+    ``True`` corrects every arm, so ``fp8`` (named "without correction") contradicts it; ``bf16`` runs corrected,
+    as NeMo-RL corrects a BF16 rollout (weights near 1). ``False`` corrects none, so ``fp8_tis`` contradicts it.
+    ``True`` with ``is_variant: none`` turns the correction on and off at once. Not given: the arms decide.
+
+    Args:
+        loss: the ``loss_fn`` section.
+        arms: the arms the run runs (``grpo.arms`` or ``--arms``).
+
+    Returns:
+        One line per problem, naming both keys and the fix.
+    """
+    switch = loss.use_importance_sampling_correction
+    if switch is None:
+        return []
+    unset = f"or remove {_SWITCH} (then the arms decide: fp8_tis corrects, bf16 and fp8 do not)"
+    if switch and loss.is_variant == "none":
+        return [
+            f"{_SWITCH}=true turns the correction on and loss_fn.is_variant='none' turns it off; set is_variant "
+            f"(e.g. token_tis) or {_SWITCH}=false"
+        ]
+    wrong = "fp8" if switch else "fp8_tis"
+    if wrong not in arms:
+        return []
+    right = "fp8_tis" if switch else "fp8"
+    says = "corrects every arm" if switch else "turns the correction off for every arm"
+    named = "runs without the correction" if switch else "runs with it"
+    fixed = list(dict.fromkeys(right if a == wrong else a for a in arms))
+    return [
+        f"grpo.arms={list(arms)}: {_SWITCH}={str(switch).lower()} {says}, but arm {wrong!r} {named}; use "
+        f"grpo.arms={fixed} (the arms the key allows), or set {_SWITCH}={str(not switch).lower()}, {unset}"
+    ]
+
+
+def low_cap_warning(loss: LossConfig, arms: Sequence[str]) -> str | None:
+    """The warning for an IS cap below 1 on a correcting arm (``None`` when there is none to give).
+
+    A cap ``C < 1`` truncates every token weight above ``C``, the on-policy weight 1 included, so every corrected
+    token's policy gradient is scaled by at most ``C`` and tokens the trainer finds likelier than the rollout lose
+    their extra weight: the correction then shrinks the update rather than correcting the mismatch.
+    """
+    cap = loss.is_cap
+    if cap is None or cap >= 1 or loss.is_variant not in vocab.IS_VARIANTS_WITH_CAP:
+        return None
+    if not any(loss.arm_corrects(a) for a in arms if a in vocab.ARMS):
+        return None
+    unit = "sequence weight" if loss.is_variant == "seq_is" else "token weight"
+    return (
+        f"loss_fn.is_cap={cap} (truncated_importance_sampling_ratio) is below 1: every {unit} above {cap} is cut to "
+        f"{cap}, the on-policy weight 1 included, so every corrected {unit.split()[0]}'s gradient is scaled by at most "
+        f"{cap} (a smaller step), not only the over-weighted ones; NeMo-RL's files use 2"
+    )

@@ -29,6 +29,7 @@ from typing import Annotated, Literal, TypeVar
 from omegaconf import OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
+from megatron_fp8.config.algorithm_rules import low_cap_warning
 from megatron_fp8.config.models import known_dims
 from megatron_fp8.config.nemo_rl.datasets import translate_dataset_keys
 from megatron_fp8.config.nemo_rl.importance_sampling import translate_is_keys
@@ -457,13 +458,27 @@ def _fill_model(cfg: RunConfig) -> RunConfig:
 
 
 def _arms_follow_the_rollout(raw: Mapping[str, JSONValue], cfg: RunConfig) -> RunConfig:
-    """Without ``grpo.arms``, the arms follow the rollout precision: a BF16 rollout runs the ``bf16`` arm (a plain
-    NeMo-RL BF16 config runs as it is), an FP8 rollout the three arms (:data:`megatron_fp8.vocab.ARMS`)."""
+    """Without ``grpo.arms``, the arms follow the rollout precision and ``loss_fn.use_importance_sampling_correction``:
+    a NeMo-RL file runs the one arm it describes (``bf16``; ``fp8`` or ``fp8_tis`` as the key says). With an FP8
+    rollout and the key not given, the three arms of :data:`megatron_fp8.vocab.ARMS` (the side-by-side comparison)."""
     grpo = raw.get("grpo")
-    if (isinstance(grpo, dict) and "arms" in grpo) or cfg.policy.generation.vllm_cfg.precision == "fp8":
+    if isinstance(grpo, dict) and "arms" in grpo:
         return cfg
-    logger.info("grpo.arms not given: the BF16 rollout runs the bf16 arm (set grpo.arms to choose)")
-    return dataclasses.replace(cfg, grpo=dataclasses.replace(cfg.grpo, arms=("bf16",)))
+    switch = cfg.loss_fn.use_importance_sampling_correction
+    fp8 = cfg.policy.generation.vllm_cfg.precision == "fp8"
+    if fp8 and switch is None:
+        return cfg
+    arm = ("fp8_tis" if switch else "fp8") if fp8 else "bf16"
+    said = "not given" if switch is None else str(switch).lower()
+    logger.info(
+        "grpo.arms not given: the %s rollout with loss_fn.use_importance_sampling_correction %s runs the %s arm%s "
+        "(set grpo.arms to choose)",
+        "FP8" if fp8 else "BF16",
+        said,
+        arm,
+        ", corrected (weights near 1, as NeMo-RL)" if switch and not fp8 else "",
+    )
+    return dataclasses.replace(cfg, grpo=dataclasses.replace(cfg.grpo, arms=(arm,)))
 
 
 def _build(implemented: Mapping[str, JSONValue]) -> RunConfig:
@@ -504,6 +519,9 @@ def load_config_report(path: str | Path | None = None, overrides: Sequence[str] 
         logger.warning("%s", no_effect_message(no_effect))
     config = _build(implemented)
     _warn_dataset_names(config, no_effect)
+    cap_warning = low_cap_warning(config.loss_fn, config.grpo.arms)
+    if cap_warning:
+        logger.warning("%s", cap_warning)
     return LoadedConfig(
         config=config, no_effect=no_effect, sources=composed.sources, files=composed.files, translated=read
     )

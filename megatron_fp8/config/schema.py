@@ -348,8 +348,11 @@ class LossConfig:
     """``loss_fn``: clipped policy gradient with importance-sampling correction of the rollout mismatch.
 
     Attributes:
-        use_importance_sampling_correction: NeMo-RL switch; the correction runs when this is true and
-            ``is_variant`` is not ``"none"``.
+        use_importance_sampling_correction: NeMo-RL's switch of the IS correction. ``True`` / ``False``: the key
+            decides, for every arm and rollout precision (a BF16 rollout corrects too, with weights near 1, as
+            NeMo-RL); ``grpo.arms`` must agree (``fp8_tis`` needs ``True``, ``fp8`` needs ``False``). ``None``
+            (not given): the arms decide (``fp8_tis`` corrects, ``bf16`` and ``fp8`` do not), megatron-fp8's
+            side-by-side comparison. The correction never runs with ``is_variant: none``.
         is_variant: a key of :data:`megatron_fp8.vocab.IS_VARIANTS`.
         is_cap: truncation cap C of the IS weight (token TIS default 2.0; ``None``: no truncation, NeMo-RL's
             importance sampling without a truncation type).
@@ -370,7 +373,7 @@ class LossConfig:
             first, then over sequences (``False``).
     """
 
-    use_importance_sampling_correction: bool = False
+    use_importance_sampling_correction: bool | None = None
     is_variant: ISVariant = "token_tis"
     is_cap: float | None = 2.0
     is_lower: float | None = None
@@ -397,8 +400,20 @@ class LossConfig:
 
     @property
     def correction_enabled(self) -> bool:
-        """Whether an IS correction is applied."""
-        return self.use_importance_sampling_correction and self.is_variant != "none"
+        """Whether the key turns the IS correction on for every arm (``False`` also when the arms decide)."""
+        return bool(self.use_importance_sampling_correction) and self.is_variant != "none"
+
+    def arm_corrects(self, arm: str) -> bool:
+        """Whether the arm ``arm`` (a key of :data:`megatron_fp8.vocab.ARMS`) puts the IS weights in its loss.
+
+        ``use_importance_sampling_correction`` decides when it is given, the arm when it is not; never with
+        ``is_variant: none``.
+        """
+        if self.is_variant == "none":
+            return False
+        if self.use_importance_sampling_correction is None:
+            return vocab.ARMS[arm].correct
+        return self.use_importance_sampling_correction
 
 
 @dataclass(frozen=True)

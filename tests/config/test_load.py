@@ -37,6 +37,8 @@ def test_nemorl_keys_load_unchanged():
     assert cfg.policy.megatron_cfg.optimizer.clip_grad == 1.0
     assert cfg.policy.megatron_cfg.env_vars == {"NVTE_FP8_BLOCK_SCALING_FP32_SCALES": "1"}
     assert cfg.loss_fn.use_importance_sampling_correction is True and cfg.loss_fn.correction_enabled
+    # NeMo-RL's switch on, no grpo.arms, no truncation type: the one corrected FP8 arm, untruncated (issue 38)
+    assert cfg.grpo.arms == ("fp8_tis",) and (cfg.loss_fn.is_variant, cfg.loss_fn.is_cap) == ("token_tis", None)
     assert cfg.model.name_or_path == "meta-llama/Llama-3.1-8B-Instruct"
     assert cfg.model.hidden_size == 4096  # filled from the known-model table
 

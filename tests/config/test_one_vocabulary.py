@@ -248,7 +248,7 @@ def test_each_experiment_key_is_judged_by_its_value(overrides, refused):
         assert text in str(info.value)
 
 
-_TIS = ("loss_fn.use_importance_sampling_correction=true",)
+_TIS = ("loss_fn.use_importance_sampling_correction=true", "grpo.arms=[bf16,fp8_tis]")  # the key decides: no fp8 arm
 
 
 @pytest.mark.parametrize(

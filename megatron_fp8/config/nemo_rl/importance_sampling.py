@@ -13,11 +13,14 @@ type ``tis``, ratio_min m > 0          refused: a lower clamp of the token weigh
 type ``icepop``, ratio C, ratio_min m  ``icepop``, ``is_lower`` m, ``is_upper`` C: ``w`` inside, 0 outside
 type ``seq-mask-tis``, C, m            ``seq_mask_tis``, band [m, C] on the geometric mean, ``is_cap`` null
                                        (kept sequences keep their raw token weights, as NeMo-RL)
-type null                              ``token_tis``, ``is_cap`` null: raw token weights ``w`` (NeMo-RL's
+type null or not given                 ``token_tis``, ``is_cap`` null: raw token weights ``w`` (NeMo-RL's
                                        untruncated correction), unless megatron-fp8's own keys are given
+ratio without a type                   refused (NeMo-RL's loss raises on it)
 =====================================  ==================================================================
 
-A type with the correction off is refused (NeMo-RL refuses it too). When both spellings are given, the later
+Whether the correction runs at all is ``use_importance_sampling_correction`` (every arm, when given:
+:meth:`megatron_fp8.config.schema.LossConfig.arm_corrects`). A type with the correction off is refused (NeMo-RL
+refuses it too). When both spellings are given, the later
 source wins (an override over a file, a child file over its parents); both from one source with different values
 are refused.
 """
@@ -90,11 +93,18 @@ def translate_is_keys(
         The NeMo-RL keys read (dotted, ``loss_fn.``) and their values (for ``config --explain``).
 
     Raises:
-        ConfigError: a type with the correction off, a type without its ratios, a lower clamp for ``tis``, or one
-            source that also gives megatron-fp8's keys with other values.
+        ConfigError: a type with the correction off, a type without its ratios, a ratio without a type, a lower
+            clamp for ``tis``, or one source that also gives megatron-fp8's keys with other values.
     """
     loss = raw.get("loss_fn")
-    if not isinstance(loss, dict) or not any(k in loss for k in NEMO_RL_IS_KEYS):
+    if not isinstance(loss, dict):
+        return {}
+    if not any(k in loss for k in NEMO_RL_IS_KEYS):
+        if loss.get("use_importance_sampling_correction") is True and not any(k in loss for k in OUR_IS_KEYS):
+            # NeMo-RL's correction with no truncation type given (its default): raw token weights
+            loss.update(is_variant="token_tis", is_cap=None)
+            source = sources.get("loss_fn.use_importance_sampling_correction", "<file>")
+            sources.update({"loss_fn.is_variant": source, "loss_fn.is_cap": source})
         return {}
     read = {f"loss_fn.{k}": loss[k] for k in NEMO_RL_IS_KEYS if k in loss}
     kind = loss.pop(NEMO_RL_IS_KEYS[0], _MISSING)
@@ -106,6 +116,13 @@ def translate_is_keys(
     # megatron-fp8's keys count where they come from a source as late as NeMo-RL's (an earlier one is overridden)
     ours = {k: loss[k] for k in OUR_IS_KEYS if k in loss and _rank(sources.get(f"loss_fn.{k}"), files) >= latest}
     correction = bool(loss.get("use_importance_sampling_correction", False))
+    if (kind is _MISSING or kind is None) and ratio is not None:
+        raise ConfigError(
+            f"loss_fn.truncated_importance_sampling_ratio={ratio!r} with loss_fn.truncated_importance_sampling_type "
+            f"{'not given' if kind is _MISSING else 'null'}: a ratio needs a type (NeMo-RL refuses it too: its loss "
+            "raises 'Invalid truncated importance sampling type: None'); set truncated_importance_sampling_type "
+            "(tis, icepop or seq-mask-tis) or truncated_importance_sampling_ratio: null"
+        )
     if kind is _MISSING or kind is None:
         if correction and not ours:  # NeMo-RL's correction without a truncation type: raw token weights
             loss.update(is_variant="token_tis", is_cap=None)

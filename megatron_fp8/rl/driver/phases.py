@@ -33,7 +33,7 @@ from megatron_fp8.megatron.reference import ReferenceWeights
 from megatron_fp8.megatron.schedule import from_last_stage
 from megatron_fp8.refit.pipeline import ColocatedRefit
 from megatron_fp8.rl.algorithm.batch import Tokenizer, decode_response, group_advantages, make_batch, pad_to_length
-from megatron_fp8.rl.algorithm.correction import ISConfig, ISResult, PPOStats, compute_is_weights, ppo_loss
+from megatron_fp8.rl.algorithm.correction import ISResult, PPOStats, ppo_loss
 from megatron_fp8.rl.algorithm.kl import per_token_kl
 from megatron_fp8.rl.algorithm.kv_calibration import KVAmaxRecorder, compute_kv_scales
 from megatron_fp8.rl.algorithm.metrics import METRIC_KEYS, mismatch_metrics
@@ -47,7 +47,7 @@ from megatron_fp8.rl.data.problems import ProblemSource
 from megatron_fp8.rl.data.rewards import RewardFn, RewardResult, safe_reward
 from megatron_fp8.rl.data.task import Problem
 from megatron_fp8.rl.driver.stopping import signal_point
-from megatron_fp8.rl.driver.train_settings import is_config, kl_settings, learning_rate_at, update_rows
+from megatron_fp8.rl.driver.train_settings import correction_weights, kl_settings, learning_rate_at, update_rows
 from megatron_fp8.rl.state.results import RefitDone, StepMetrics, finite_mean, least_checked_prefix_cache
 from megatron_fp8.rollout.engines import Rollout, RolloutEngine
 from megatron_fp8.vocab import ArmSpec
@@ -378,14 +378,16 @@ def train_phase(state: ArmState, ctx: GRPOContext, out: RolloutOutcome, scores: 
         )
     kl = kl_settings(config)
     logp_ref = reference_logprobs(state, batch.input_ids, batch.attention_mask, config) if kl is not None else None
-    is_cfg = is_config(config)
-    # statistics of the configured variant for every arm; only arms that correct put the weights in the loss
-    diag_cfg = is_cfg if is_cfg.variant != "none" else ISConfig(log_ratio_clamp=is_cfg.log_ratio_clamp)
-    is_result = compute_is_weights(logp_old, batch.logp_rollout, batch.response_mask, config=diag_cfg)
+    # statistics of the configured variant for every arm; the weights enter the loss where the arm corrects
+    # (loss_fn.use_importance_sampling_correction when given: every arm, any rollout precision; else the arm)
+    is_result, weights = correction_weights(config, state.spec.name, logp_old, batch.logp_rollout, batch.response_mask)
     mismatch = mismatch_metrics(
-        logp_old, batch.logp_rollout, batch.response_mask, is_result=is_result, log_ratio_clamp=is_cfg.log_ratio_clamp
+        logp_old,
+        batch.logp_rollout,
+        batch.response_mask,
+        is_result=is_result,
+        log_ratio_clamp=config.loss_fn.log_ratio_clamp,
     )
-    weights = is_result if state.spec.correct else None
 
     lr = learning_rate_at(step, config)
     for group in state.optimizer.param_groups:
@@ -446,7 +448,7 @@ def train_phase(state: ArmState, ctx: GRPOContext, out: RolloutOutcome, scores: 
         update_successful=ok,
         learning_rate=lr,
         ppo=from_last_stage(_token_weighted(update_stats) if update_stats else None),  # the loss runs there
-        is_variant=diag_cfg.variant,
+        is_variant=is_result.variant,
         mismatch=mismatch,
         seconds=time.perf_counter() - t0,
     )
@@ -531,7 +533,7 @@ def run_step(state: ArmState, ctx: GRPOContext, *, step: int) -> StepMetrics:
         learning_rate=train.learning_rate,
         ppo_clip_fraction=train.ppo["clip_fraction"],
         ppo_approx_kl=train.ppo["approx_kl"],
-        is_applied=state.spec.correct,
+        is_applied=ctx.config.loss_fn.arm_corrects(state.spec.name),
         is_variant=train.is_variant,
         is_weight_mean=train.mismatch["is_weight_mean"],
         is_truncated_fraction=train.mismatch["is_truncated_fraction"],

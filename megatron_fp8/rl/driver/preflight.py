@@ -2,7 +2,8 @@
 
 :func:`preflight` runs, on a loaded (already rule-checked) :class:`~megatron_fp8.config.schema.RunConfig`:
 
-* the run's arguments: steps, arms (known, distinct; ``fp8_tis`` needs an IS variant), the task;
+* the run's arguments: steps, arms (known, distinct; ``fp8_tis`` needs an IS variant; none contradicts
+  ``loss_fn.use_importance_sampling_correction`` when it is given), the task;
 * the FP8 rollout: FP8 arms need ``vllm_cfg.precision: fp8`` with 128x128 block scales (the refit is
   blockwise), and vLLM for the FP8 manifest;
 * the processes: trainer TP x PP divides ``WORLD_SIZE``, the prompts split over the GRPO processes;
@@ -34,6 +35,7 @@ import torch
 import yaml
 from safetensors import safe_open
 
+from megatron_fp8.config.algorithm_rules import correction_switch_problems
 from megatron_fp8.config.schema import RunConfig
 from megatron_fp8.config.validate import validate_config
 from megatron_fp8.errors import ConfigError
@@ -225,8 +227,10 @@ def _argument_problems(config: RunConfig, *, n_steps: int, arm_names: tuple[str,
         problems.append(f"unknown or no arm(s) {unknown or list(arm_names)}; valid arms: {', '.join(ARMS)}")
     if len(set(arm_names)) != len(arm_names):
         problems.append(f"an arm is listed twice: {list(arm_names)}")
-    if "fp8_tis" in arm_names and config.loss_fn.is_variant == "none":
+    loss = config.loss_fn
+    if "fp8_tis" in arm_names and loss.is_variant == "none" and loss.use_importance_sampling_correction is None:
         problems.append("arm fp8_tis corrects with loss_fn.is_variant, which is 'none'; set is_variant: token_tis")
+    problems += correction_switch_problems(loss, arm_names)  # --arms against the key
     problems += _expert_problems(config)
     try:
         get_task(config.grpo.task, max_digits=config.grpo.task_max_digits)

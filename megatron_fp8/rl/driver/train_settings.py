@@ -1,11 +1,13 @@
-"""What the train phase takes from the run config: the learning rate of a step, the KL penalty, the IS correction,
-and the rows of each optimizer update (pure functions of :class:`~megatron_fp8.config.schema.RunConfig`)."""
+"""What the train phase takes from the run config: the learning rate of a step, the KL penalty, the IS correction
+(and whether an arm applies it), and the rows of each optimizer update (pure functions of :class:`~megatron_fp8.config.schema.RunConfig`)."""
 
 from __future__ import annotations
 
+import torch
+
 from megatron_fp8.config.schema import RunConfig
 from megatron_fp8.errors import ConfigError
-from megatron_fp8.rl.algorithm.correction import ISConfig
+from megatron_fp8.rl.algorithm.correction import ISConfig, ISResult, compute_is_weights
 from megatron_fp8.rl.algorithm.kl import KLSettings
 from megatron_fp8.rl.cluster.distributed import DataParallel
 
@@ -64,6 +66,29 @@ def is_config(config: RunConfig) -> ISConfig:
     lo = loss.is_lower if loss.is_lower is not None else ISConfig.lo
     hi = loss.is_upper if loss.is_upper is not None else ISConfig.hi
     return ISConfig(variant=loss.is_variant, cap=loss.is_cap, lo=lo, hi=hi, log_ratio_clamp=loss.log_ratio_clamp)
+
+
+def correction_weights(
+    config: RunConfig, arm: str, logp_old: torch.Tensor, logp_rollout: torch.Tensor, response_mask: torch.Tensor
+) -> tuple[ISResult, ISResult | None]:
+    """The IS weights of one step: the configured variant's statistics (every arm logs them) and the weights the
+    arm's loss multiplies in (``None``: not corrected; :meth:`~megatron_fp8.config.schema.LossConfig.arm_corrects`:
+    ``loss_fn.use_importance_sampling_correction`` when given, else the arm).
+
+    Args:
+        config: the run config.
+        arm: the arm's name (a key of :data:`megatron_fp8.vocab.ARMS`).
+        logp_old: ``[B, T]`` the trainer's log-probs of the rollout's tokens (the old policy).
+        logp_rollout: ``[B, T]`` the rollout engine's log-probs of them.
+        response_mask: ``[B, T]`` real response tokens.
+
+    Returns:
+        ``(statistics, weights or None)``; with ``is_variant: none`` the statistics are the raw token ratios.
+    """
+    is_cfg = is_config(config)
+    diag_cfg = is_cfg if is_cfg.variant != "none" else ISConfig(log_ratio_clamp=is_cfg.log_ratio_clamp)
+    result = compute_is_weights(logp_old, logp_rollout, response_mask, config=diag_cfg)
+    return result, (result if config.loss_fn.arm_corrects(arm) else None)
 
 
 def update_rows(rows: int, config: RunConfig, dp: DataParallel) -> list[slice]:
