@@ -88,7 +88,9 @@ EFFECTS: Mapping[str, str] = {
     "policy.generation.vllm_cfg.quantization_ignored_layer_kws": "modules named so -> ignored_layers -> manifest",
     "policy.generation.vllm_cfg.is_mx": "MXFP8 rollout: refused (needs Blackwell; the refit is blockwise)",
     "policy.generation.vllm_cfg.quantization_config": "the explicit vLLM quantization_config (hf_overrides)",
-    "loss_fn.use_importance_sampling_correction": "IS correction of the rollout mismatch on/off (rl.driver.phases)",
+    "loss_fn.use_importance_sampling_correction": (
+        "IS correction on/off for every arm; not given: the arms decide (rl.driver.train_settings)"
+    ),
     "loss_fn.is_variant": "IS correction rule (rl.algorithm.correction.RULES)",
     "loss_fn.is_cap": "truncation cap of the IS weight (rl.algorithm.correction)",
     "loss_fn.is_lower": "lower IS ratio bound of the masking variants (rl.driver.phases)",
