@@ -122,8 +122,9 @@ def run(args: argparse.Namespace) -> int:
     checkpointing is off: nothing to continue from; 130 after Ctrl-C).
     """
     from megatron_fp8.cli import EXIT_ERROR, EXIT_INTERRUPTED
-    from megatron_fp8.rl.driver.stopping import EXIT_STOPPED, RunStopped, stop_message
+    from megatron_fp8.rl.driver.stopping import EXIT_STOPPED, RunStopped, stop_message, tolerate_usr1_outside_steps
 
+    tolerate_usr1_outside_steps()  # a "time limit near" after the last step must not fail a finished run
     try:
         paths = run_job(args)
     except RunStopped as stopped:

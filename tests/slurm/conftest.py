@@ -65,7 +65,7 @@ class SlurmCluster:
         *args: str,
         env: dict[str, str],
         sbatch_opts: tuple[str, ...] = (),
-        time_limit_min: int = 5,
+        time_limit_min: int = 10,
         timeout: float = 150,
     ) -> tuple[int, str]:
         """``sbatch --wait SCRIPT ARGS`` from the repository root; (exit status, the job's log written under ``logs``).

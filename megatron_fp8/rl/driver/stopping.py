@@ -124,6 +124,26 @@ class _Timing:
     longest_save: float | None = None
 
 
+def _late_usr1(signum: int, frame: FrameType | None) -> None:
+    logger.warning("SIGUSR1 outside the GRPO step loop (before it starts or after its last step): nothing to save")
+
+
+def tolerate_usr1_outside_steps() -> None:
+    """Make SIGUSR1 harmless while no :class:`StopRequests` holds it (the process's setup and its exit).
+
+    Slurm's "time limit near" warning (``--signal=B:USR1@lead``, passed on to every rank by ``grpo.sbatch``) can
+    reach a rank that already finished its last step and is writing its outputs; the default action would kill it
+    (exit 138) and fail a completed run. Inside the step loop :class:`StopRequests` installs its own handler and
+    restores this one after. Only where SIGUSR1 has its default action, in the main thread (``nohup``-ignored
+    signals stay ignored).
+    """
+    usr1 = getattr(signal, "SIGUSR1", None)
+    if usr1 is None or threading.current_thread() is not threading.main_thread():
+        return
+    if signal.getsignal(usr1) is signal.SIG_DFL:
+        signal.signal(usr1, _late_usr1)
+
+
 class StopRequests:
     """The run's stop requests: signal handlers for its duration, and the deadline (a context manager).
 
