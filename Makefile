@@ -11,9 +11,10 @@ CONSTRAINTS := requirements/constraints.txt
 STAMP := $(VENV)/.installed-$(shell cat $(CONSTRAINTS) pyproject.toml | sha1sum | cut -c1-12)
 OUT ?= out
 PYTEST_ARGS ?=
-# PYTEST_WORKERS=N runs the suite on N pytest-xdist workers (--dist loadscope: tests/conftest.py groups the Slurm
-# tests and the users of a module fixture); 0, the default, runs it in one process: on 2 cores the multi-process
-# tests oversubscribe the CPU and no gain was measured. The 25 slowest tests are listed at the end.
+# PYTEST_WORKERS=N runs the suite on N pytest-xdist workers (--dist loadscope: tests/conftest.py keeps each test
+# module, and all Slurm tests, on one worker, the slow modules first); 0, the default, runs it in one process. On 2
+# cores, 2 workers took 44 min against ~48 serial (fresh clone, 2026-11-26) and their oversubscribed CPU pushed a
+# Slurm job past its time limit once: no gain worth the risk there; use it on bigger machines.
 PYTEST_WORKERS ?= 0
 
 .PHONY: help install test test-fast demo bench gpu-run lint freeze clean
