@@ -144,7 +144,9 @@ def test_module_size(name):
 def test_pure_modules_import_no_torch(name):
     imported = _imported_names(name, MODULES[name])
     third_party = [m for m in imported if not m.startswith(("megatron_fp8", "__future__"))]
-    assert all(m.split(".")[0] in {"dataclasses", "math", "types", "typing", "collections"} for m in third_party), imported
+    assert all(m.split(".")[0] in {"dataclasses", "math", "types", "typing", "collections"} for m in third_party), (
+        imported
+    )
 
 
 def _importers_of(prefix: str) -> set[str]:
