@@ -50,6 +50,7 @@ from megatron_fp8.rl.data.problems import PromptTokenizer, load_rows, problem_so
 from megatron_fp8.rl.data.rewards import reward_function
 from megatron_fp8.rl.data.task import get_task, sample_problems
 from megatron_fp8.rl.driver.fp8_rollout import rollout_quantization_config
+from megatron_fp8.rl.driver.stopping import parse_duration
 from megatron_fp8.rl.state.results import StepMetrics
 from megatron_fp8.rollout.vllm.adapter import vllm_version
 from megatron_fp8.vocab import ARMS, PAYLOAD_CLASSES
@@ -121,6 +122,7 @@ def preflight(
         if needed > 1:
             notes.append(f"trainer TP x PP = {needed}: launch a multiple of {needed} processes (WORLD_SIZE)")
     problems += _rollout_placement_problems(config)
+    problems += _deadline_problems(config)
     config, metric_problems = _checkpoint_metric(config)
     problems += metric_problems
     fp8_arms = [a for a in arm_names if a in ARMS and ARMS[a].rollout_precision == "fp8"]
@@ -288,6 +290,19 @@ def _world_problems(config: RunConfig, world_size: int | None) -> list[str]:
             "replica rolls out whole prompt groups"
         )
     return problems
+
+
+def _deadline_problems(config: RunConfig) -> list[str]:
+    """``checkpointing.checkpoint_must_save_by`` in NeMo-RL's ``DD:HH:MM:SS`` (``grpo`` parses it as the loop starts;
+    checked here so ``config`` refuses what ``grpo`` would)."""
+    deadline = config.checkpointing.checkpoint_must_save_by
+    if not deadline:
+        return []
+    try:
+        parse_duration(deadline)
+    except ConfigError as exc:
+        return [str(exc)]
+    return []
 
 
 def _rollout_placement_problems(config: RunConfig) -> list[str]:

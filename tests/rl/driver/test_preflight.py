@@ -222,3 +222,12 @@ def test_config_shows_each_replicas_samples_over_its_ranks_engines():
     )
     tp4 = load_config(REPO / "configs" / "llama31_8b_fp8.yaml", ["policy.generation.vllm_cfg.tensor_parallel_size=4"])
     assert "would span 2 data-parallel replicas" in describe_rollout(tp4, processes=8)
+
+
+def test_config_refuses_the_deadline_format_grpo_refuses():
+    """Issue 38 (2): ``config`` approved ``checkpoint_must_save_by=4h``, which ``grpo`` refuses as the loop starts."""
+    with pytest.raises(ConfigError, match=r"checkpoint_must_save_by='4h': expected DD:HH:MM:SS"):
+        preflight(load_config(None, ["checkpointing.checkpoint_must_save_by=4h"]), download=False, launch_checks=False)
+    preflight(
+        load_config(None, ["checkpointing.checkpoint_must_save_by=00:04:00:00"]), download=False, launch_checks=False
+    )
