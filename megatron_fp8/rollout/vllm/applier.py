@@ -152,17 +152,16 @@ class VllmApplier:
         versions = {int(s["version"]) for s in statuses}
         serving = all(bool(s["serving"]) for s in statuses) and len(versions) == 1 and self._stale_cache is None
         if self.shard_group is not None:  # the engine serves only when every shard does, on one version
-            low, high = -self._over_shards(-min(versions)), self._over_shards(max(versions))
-            serving = not self._over_shards(int(not serving)) and low == high
-            versions = {low}
+            low, high, down = self._over_shards(-min(versions), max(versions), int(not serving))
+            serving, versions = not down and -low == high, {-low}
         self._serving = serving
         self._serving_version = min(versions)
 
-    def _over_shards(self, value: int) -> int:
-        """The largest ``value`` over the engine's shards (an all-reduce over :attr:`shard_group`)."""
-        box = torch.tensor([value], dtype=torch.int64)
+    def _over_shards(self, *values: int) -> list[int]:
+        """The largest of each of ``values`` over the engine's shards (one all-reduce over :attr:`shard_group`)."""
+        box = torch.tensor(values, dtype=torch.int64)
         torch.distributed.all_reduce(box, op=torch.distributed.ReduceOp.MAX, group=self.shard_group)
-        return int(box)
+        return box.tolist()
 
     def begin(self, version: int, metas: Sequence[TensorMeta]) -> None:
         """Refuse the version unless its metadata matches the engine's refit set (nothing is staged)."""
@@ -194,7 +193,7 @@ class VllmApplier:
             )
         except Exception as exc:
             error = exc
-        if self.shard_group is not None and self._over_shards(int(error is not None)) and error is None:
+        if self.shard_group is not None and self._over_shards(int(error is not None))[0] and error is None:
             error = RefitError(
                 f"refit version {version}: another shard of this engine failed it (see that rank's log); this shard "
                 "reverts to the version every shard holds"
