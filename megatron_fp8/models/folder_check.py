@@ -18,6 +18,17 @@ from pathlib import Path
 REQUIRED_KEYS = ("hidden_size", "num_hidden_layers", "num_attention_heads", "vocab_size")
 """``config.json`` keys every decoder-only model megatron-fp8 builds must give."""
 
+MAPPED_ARCHITECTURES: dict[str, str] = {
+    "LlamaForCausalLM": "llama",
+    "Qwen3ForCausalLM": "qwen3",
+    "Qwen3MoeForCausalLM": "qwen3_moe",
+}
+"""The Hugging Face architectures megatron-fp8 maps end to end (Megatron-Bridge build and export, the FP8 manifest's
+``model.layers.N.self_attn.q_proj``-style names, the refit's fused q/k/v and gate/up rows), each with its
+``model_type``: the families of the embedded tiny models (``tiny-llama``, ``tiny``, ``tiny-moe``) and of
+:mod:`megatron_fp8.config.models`. Another architecture (GPT-2, GPT-NeoX, ...) would fail late, inside the bridge or
+the manifest; it is refused before anything is built."""
+
 MAX_HEADER_BYTES = 100 << 20
 """A safetensors header larger than this is a damaged file (real headers are KiB to a few MiB)."""
 
@@ -64,6 +75,30 @@ def _expected(hf: Mapping[str, object]) -> dict[str, tuple[tuple[int, ...], str]
     return out  # type: ignore[return-value]
 
 
+def architecture_problem(hf: Mapping[str, object], *, cfg_path: Path) -> str | None:
+    """Why megatron-fp8 cannot run the model ``config.json`` describes (``None``: a :data:`MAPPED_ARCHITECTURES` one).
+
+    Judged from ``architectures`` when it is there, else from ``model_type``; a file with neither is left to the
+    dimension checks.
+    """
+    archs = hf.get("architectures")
+    model_type = hf.get("model_type")
+    if isinstance(archs, list) and archs:
+        if any(a in MAPPED_ARCHITECTURES for a in archs):
+            return None
+        what = f"architecture {', '.join(map(str, archs))}"
+    elif isinstance(model_type, str) and model_type:
+        if model_type in MAPPED_ARCHITECTURES.values():
+            return None
+        what = f"model_type {model_type!r}"
+    else:
+        return None
+    return (
+        f"{cfg_path} describes a model of {what}, which megatron-fp8 does not map (its trainer, FP8 manifest and "
+        f"refit know {', '.join(MAPPED_ARCHITECTURES)}); choose a model of one of these families, e.g. --model tiny"
+    )
+
+
 def folder_problems(folder: str | Path) -> list[str]:
     """What is wrong with a model folder, judged from ``config.json`` and the safetensors headers (empty: fine).
 
@@ -77,6 +112,11 @@ def folder_problems(folder: str | Path) -> list[str]:
         hf = json.loads(cfg_path.read_text())
     except (OSError, ValueError) as exc:
         return [f"{cfg_path}: cannot read the model's config ({exc})"]
+    if not isinstance(hf, dict):
+        return [f"{cfg_path} is not a JSON object: not a Hugging Face model config"]
+    unmapped = architecture_problem(hf, cfg_path=cfg_path)
+    if unmapped is not None:
+        return [unmapped]
     hf = hf.get("text_config", hf) if isinstance(hf.get("text_config"), dict) else hf
     missing = [k for k in REQUIRED_KEYS if not isinstance(hf.get(k), int)]
     if missing:
