@@ -260,3 +260,39 @@ PREFIX_CACHE_RESETS: Final = MappingProxyType(
 )
 """How a committed refit retired the KV blocks computed with older weights (``refit_prefix_cache`` in
 ``metrics.jsonl``); a refit whose engine could not retire them is not served."""
+
+SLEEP_LEVELS: Final = MappingProxyType(
+    {
+        0: "no sleep: the colocated engine keeps its gpu_memory_utilization share while the trainer trains",
+        1: "vLLM sleep(level=1): weights backed up to host memory, KV cache dropped; the weights come back on "
+        "wake_up(weights) (needed when the refit does not rewrite every weight)",
+        2: "vLLM sleep(level=2): weights and KV cache dropped, nothing kept in host memory; the refit rewrites every "
+        "weight into the woken memory and the KV scales are rewritten after wake_up(kv_cache) (vLLM 0.11 loses "
+        "them: vllm-project/vllm#25800, fixed after 0.11 by #28783)",
+    }
+)
+"""The colocated engine's sleep levels (``policy.generation.colocated.sleep_level``; ``None`` there: derived)."""
+
+SLEEP_TAGS: Final = ("weights", "kv_cache")
+"""vLLM's ``wake_up(tags=...)`` memory pools, in the order the colocated schedule wakes them."""
+
+SLEEP_STATES: Final = MappingProxyType(
+    {
+        "serving": "awake, a good weights version and its KV scales in place: may generate",
+        "asleep": "its GPU memory given back (weights and KV cache, or the KV cache only at level 1): refits refused",
+        "weights_awake": "wake_up(weights) done: the refit writes into the woken weights; not serving",
+        "kv_awake": "wake_up(kv_cache) done: KV scales not yet rewritten and verified; not serving",
+        "not_serving": "a step of the schedule failed: refuses to generate until a refit and wake-up complete",
+    }
+)
+"""Where the colocated engine stands in the sleep / wake schedule (:mod:`megatron_fp8.rollout.sleep`)."""
+
+MEMORY_PHASES: Final = MappingProxyType(
+    {
+        "generation": "the engine generates: its weights and KV cache, plus what the trainer keeps on the GPU",
+        "training": "the trainer scores and trains: weights, gradients, optimizer state, plus what the sleeping "
+        "engine keeps",
+        "refit": "the woken engine weights and the trainer's weights side by side, plus a refit bucket",
+    }
+)
+"""The phases of a colocated step whose GPU memory ``config`` plans (:mod:`megatron_fp8.config.memory_plan`)."""

@@ -72,6 +72,12 @@ EFFECTS: Mapping[str, str] = {
     "policy.megatron_cfg.optimizer.use_distributed_optimizer": "FP32 main weights and Adam moments sharded over the "
     "data-parallel ranks: Megatron-Core's DistributedOptimizer on GPU, megatron.dist_optim.ShardedDDPAdam on CPU",
     "policy.megatron_cfg.env_vars": "environment of the run (set for its duration by rl.driver.grpo)",
+    "policy.megatron_cfg.optimizer.optimizer_cpu_offload": "Adam state and step in host memory: Megatron-Core's "
+    "HybridDeviceOptimizer on GPU (megatron.step); the colocated schedule leaves it there; memory plan (config.memory_plan)",
+    "policy.megatron_cfg.empty_unused_memory_level": "torch.cuda.empty_cache() after forward/backward (1) and after "
+    "the optimizer step too (2) (megatron.offload.empty_unused_memory; no effect without CUDA)",
+    "policy.offload_optimizer_for_logprob": "colocated: the optimizer state stays in pinned host memory while the "
+    "trainer scores, back before the update (megatron.offload, rl.driver.phases); memory plan",
     "policy.generation.backend": "must be 'vllm' (the engine itself is rollout.engine)",
     "policy.generation.vllm_cfg.precision": "FP8 rollout on/off for the FP8 arms; quantization config and manifest",
     "policy.generation.vllm_cfg.use_deep_gemm": "env VLLM_USE_DEEP_GEMM of the vLLM engine (config.wiring.vllm_env)",
@@ -120,7 +126,11 @@ EFFECTS: Mapping[str, str] = {
     "grpo.normalize_rewards": "divide advantages by the group's reward deviation (rl.algorithm.batch)",
     "grpo.use_leave_one_out_baseline": "baseline of each response over the rest of its group, RLOO (rl.algorithm.batch)",
     "grpo.allow_no_effect": "accept NeMo-RL keys that change the experiment but have no effect here (config.refusals)",
-    "policy.generation.colocated.enabled": "false: the last ranks only generate; refit over refit.transport (rl.cluster.remote)",
+    "policy.generation.colocated.enabled": "false: the last ranks only generate; refit over refit.transport "
+    "(rl.cluster.remote); true: engine and trainer share each GPU, phase by phase (colocated.sleep_level)",
+    "policy.generation.colocated.sleep_level": "the colocated engine sleeps after generating, the trainer's optimizer "
+    "and gradients go to pinned host memory; wake, refit, KV scales, verify before the next rollout "
+    "(rollout.sleep, megatron.offload); the memory plan per phase (config.memory_plan)",
     "policy.generation.colocated.resources.gpus_per_node": "rollout ranks per node when not colocated (rl.cluster.roles)",
     "policy.generation.colocated.resources.num_nodes": "nodes of rollout ranks when not colocated (rl.cluster.roles)",
     "data.train.data_path": "the training problems: a JSONL/Parquet file (rl.data.problems)",

@@ -145,6 +145,8 @@ class OptimizerConfig:
         adam_beta1, adam_beta2, adam_eps: Adam's coefficients.
         clip_grad: gradient-norm clip (L2).
         use_distributed_optimizer: shard the FP32 main weights and Adam moments over the data-parallel ranks.
+        optimizer_cpu_offload: keep the Adam state and step in host memory (Megatron-Core's HybridDeviceOptimizer on
+            a GPU, offload fraction 1; needs ``use_distributed_optimizer``); the colocated schedule leaves it there.
     """
 
     lr: float = 1e-5
@@ -155,6 +157,7 @@ class OptimizerConfig:
     adam_eps: float = 1e-8
     clip_grad: float = 1.0
     use_distributed_optimizer: bool = False
+    optimizer_cpu_offload: bool = False
 
 
 @dataclass(frozen=True)
@@ -191,6 +194,8 @@ class MegatronConfig:
         optimizer: optimizer settings.
         scheduler: learning-rate schedule.
         env_vars: environment variables set for the training workers (values as strings; ``null`` = none).
+        empty_unused_memory_level: Megatron's ``torch.cuda.empty_cache()`` points: 0 none, 1 after each forward /
+            backward, 2 also after each optimizer step (0, 1 or 2; no effect without CUDA).
     """
 
     enabled: bool = True
@@ -204,6 +209,7 @@ class MegatronConfig:
     optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     env_vars: dict[str, str] = field(default_factory=dict)
+    empty_unused_memory_level: int = 0
 
 
 @dataclass(frozen=True)
@@ -297,9 +303,12 @@ class ColocatedConfig:
             ``False``: the last ``num_nodes * gpus_per_node`` ranks only generate; trainer rank 0 sends each
             refit through ``refit.transport`` (what ``ROLLOUT_TASKS=N`` of ``slurm/grpo.sbatch`` sets up).
         resources: the rollout ranks when not colocated.
+        sleep_level: the colocated engine's sleep while the trainer scores and trains, a key of
+            :data:`megatron_fp8.vocab.SLEEP_LEVELS` (0: never sleeps); ``None``: 2 (every refit rewrites every weight).
     """
 
     enabled: bool = True
+    sleep_level: int | None = None
     resources: ColocatedResources = field(default_factory=ColocatedResources)
 
 
@@ -331,6 +340,8 @@ class PolicyConfig:
         train_global_batch_size: sequences per optimizer update over all ranks (``None``: the whole step).
         train_micro_batch_size: sequences per forward/backward on a rank, accumulated (``None``: one).
         logprob_batch_size: sequences per forward when the trainer scores a rollout (``None``: all at once).
+        offload_optimizer_for_logprob: keep the optimizer state in host memory while the trainer scores the rollout
+            too (colocated; otherwise it comes back before scoring), back before the update.
         megatron_cfg: training settings.
         generation: rollout settings.
     """
@@ -339,6 +350,7 @@ class PolicyConfig:
     train_global_batch_size: int | None = None
     train_micro_batch_size: int | None = None
     logprob_batch_size: int | None = None
+    offload_optimizer_for_logprob: bool = False
     megatron_cfg: MegatronConfig = field(default_factory=MegatronConfig)
     generation: GenerationConfig = field(default_factory=GenerationConfig)
 
