@@ -294,9 +294,21 @@ def _move_keys(data: JSONValue, where: str, renames: list[tuple[str, str]]) -> J
     return data
 
 
+MAX_OVERRIDE_BYTES = 64 << 10
+"""Longest ``key=value`` override read (64 KiB; a path, a list of arms or a number is far shorter): a longer one is
+refused by its size, before it is parsed."""
+
+
 def _parse_overrides(overrides: Sequence[str]) -> dict[str, JSONValue]:
     cleaned: list[str] = []
     for item in overrides:
+        size = len(item.encode())
+        if size > MAX_OVERRIDE_BYTES:
+            key = item.split("=", 1)[0][:80]
+            raise ConfigError(
+                f"override {key}=... is {size} bytes (the limit is {MAX_OVERRIDE_BYTES} bytes); put a long value "
+                "in a config file (--config) or the file it names, not on the command line"
+            )
         text = item.lstrip("+")
         if "=" not in text or text.startswith("="):
             raise ConfigError(f"override {item!r} is not of the form dotted.key=value (e.g. grpo.max_num_steps=3)")

@@ -408,6 +408,13 @@ def resolve_model(name_or_path: str | Path, *, cache_dir: Path | None = None, do
         raise ConfigError(f"model folder {path} has no config.json; point at a Hugging Face checkpoint folder")
     if HF_ID_PATTERN.match(key) and not key.startswith((".", "~")):
         return _download(key, local_files_only=not download or _hub_offline())
+    if path.exists():
+        raise ConfigError(f"model {key!r} is a file; point at the checkpoint folder holding config.json")
+    if "/" in key or os.sep in key or key.startswith((".", "~")):  # a path, not a name: nothing to download
+        raise ConfigError(
+            f"model path {key!r} does not exist; pass an existing checkpoint folder holding config.json and "
+            f"*.safetensors, a tiny model name ({_valid_names()}) or a Hugging Face id (owner/name)"
+        )
     raise ConfigError(
         f"model {key!r} is neither a tiny model name ({_valid_names()}), nor an existing Hugging Face folder "
         f"containing config.json, nor a Hugging Face id (owner/name); {_stage_hint(key)}"

@@ -141,7 +141,7 @@ def test_resolve_model(tmp_path, dense, cache):
     assert resolve_model("tiny", cache_dir=cache) == dense
     assert resolve_model(str(dense)) == dense
     assert resolve_model(dense) == dense
-    with pytest.raises(ConfigError, match="neither a tiny model name"):
+    with pytest.raises(ConfigError, match="does not exist"):
         resolve_model(tmp_path / "missing")
     with pytest.raises(ConfigError, match="no config.json"):
         resolve_model(tmp_path)

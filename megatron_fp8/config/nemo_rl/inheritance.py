@@ -162,6 +162,21 @@ def _merge_disjoint(old: dict, new: dict, *, where: str, path: str, spelled: dic
             old[k] = v
 
 
+def check_config_size(path: str | Path) -> None:
+    """Refuse a config file larger than :data:`MAX_CONFIG_BYTES` by its size alone, before any byte is parsed.
+
+    Raises:
+        ConfigError: naming the file, its size and the limit.
+        OSError: the file cannot be stat'ed (the caller names it).
+    """
+    size = Path(path).stat().st_size
+    if size > MAX_CONFIG_BYTES:
+        raise ConfigError(
+            f"{path} is {size / 2**20:.1f} MiB ({size} bytes), not a config file (the limit is "
+            f"{MAX_CONFIG_BYTES >> 20} MiB; NeMo-RL's largest example is ~10 KiB): check the --config path"
+        )
+
+
 def compose_file(path: str | Path) -> ComposedTree:
     """Read ``path`` and its ``defaults:`` parents (recursively) into one unresolved tree.
 
@@ -170,6 +185,12 @@ def compose_file(path: str | Path) -> ComposedTree:
             entry, an inheritance cycle, or malformed YAML (line/column).
     """
     p = Path(path)
+    if p.is_dir():
+        found = sorted(q.name for q in p.glob("*.yaml"))[:3]
+        example = f" (it holds {', '.join(found)}{', ...' if len(found) == 3 else ''})" if found else ""
+        raise ConfigError(
+            f"config {str(p)!r} is a directory{example}; pass one YAML file of it, e.g. --config {p / 'NAME.yaml'}"
+        )
     if not p.is_file():
         raise ConfigError(f"config file {str(p)!r} not found; pass an existing YAML file or omit --config")
     files: list[Path] = []
@@ -211,12 +232,7 @@ def _compose(path: Path, *, chain: tuple[Path, ...], files: list[Path]) -> tuple
         cycle = " -> ".join(str(c) for c in (*chain[chain.index(path) :], path))
         raise ConfigError(f"inheritance cycle in 'defaults': {cycle}; remove one of these parents")
     try:
-        size = path.stat().st_size
-        if size > MAX_CONFIG_BYTES:
-            raise ConfigError(
-                f"{path} is {size / 2**20:.1f} MiB, not a config file (the limit is {MAX_CONFIG_BYTES >> 20} MiB; "
-                "NeMo-RL's largest example is ~10 KiB): check the --config path"
-            )
+        check_config_size(path)
         text = path.read_text()
     except OSError as exc:
         raise ConfigError(f"cannot read config {path}: {exc}") from exc

@@ -36,6 +36,7 @@ import yaml
 from safetensors import safe_open
 
 from megatron_fp8.config.algorithm_rules import correction_switch_problems
+from megatron_fp8.config.nemo_rl.inheritance import check_config_size
 from megatron_fp8.config.schema import RunConfig
 from megatron_fp8.config.validate import validate_config
 from megatron_fp8.errors import ConfigError
@@ -209,6 +210,7 @@ def refuse_empty_config(path: str | Path | None) -> None:
         return
     p = Path(path)
     try:
+        check_config_size(p)  # by size first: a 26 MB file must not be parsed (twice) before it is refused
         data = yaml.safe_load(p.read_text())
     except (OSError, UnicodeDecodeError, yaml.YAMLError):
         return  # the loader reports an unreadable or malformed file with its line
