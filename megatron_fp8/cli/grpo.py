@@ -122,13 +122,19 @@ def run(args: argparse.Namespace) -> int:
     checkpointing is off: nothing to continue from; 130 after Ctrl-C).
     """
     from megatron_fp8.cli import EXIT_ERROR, EXIT_INTERRUPTED
-    from megatron_fp8.rl.driver.stopping import EXIT_STOPPED, RunStopped, stop_message, tolerate_usr1_outside_steps
+    from megatron_fp8.rl.driver.stopping import (
+        EXIT_STOPPED,
+        RunStopped,
+        next_command,
+        stop_message,
+        tolerate_usr1_outside_steps,
+    )
 
     tolerate_usr1_outside_steps()  # a "time limit near" after the last step must not fail a finished run
     try:
         paths = run_job(args)
     except RunStopped as stopped:
-        command = " ".join(shlex.quote(a) for a in ["megatron-fp8", *sys.argv[1:]]) if sys.argv[1:] else "the same"
+        command = " ".join(shlex.quote(a) for a in ["megatron-fp8", *next_command(sys.argv[1:], stopped)])
         print(f"megatron-fp8 grpo: {stop_message(stopped, command=command)}", file=sys.stderr)
         if stopped.reason == "SIGINT":
             return EXIT_INTERRUPTED

@@ -146,7 +146,7 @@ EFFECTS: Mapping[str, str] = {
     "data.max_input_seq_length": "longer prompts skipped and counted (rl.data.problems)",
     "data.shuffle": "training rows shuffled with grpo.seed, per epoch (rl.data.problems)",
     "checkpointing.enabled": "checkpoints and resume from the latest complete one (rl.state.checkpoint)",
-    "checkpointing.checkpoint_dir": "checkpoint folder, one subfolder per arm (rl.state.checkpoint)",
+    "checkpointing.checkpoint_dir": "checkpoint folder, one subfolder per arm; null: <out>/checkpoints (rl.state.checkpoint)",
     "checkpointing.save_period": "save every N steps and after the last (rl.state.checkpoint)",
     "checkpointing.keep_top_k": "checkpoints kept per arm (rl.state.checkpoint)",
     "checkpointing.metric_name": "metric ranking checkpoints for keep_top_k (rl.state.checkpoint)",

@@ -13,7 +13,8 @@ class CheckpointingConfig:
 
     Attributes:
         enabled: write checkpoints, and resume from the latest complete one in ``checkpoint_dir``.
-        checkpoint_dir: the folder (one subfolder per arm, ``step_N`` in each).
+        checkpoint_dir: the folder (one subfolder per arm, ``step_N`` in each); ``None`` = ``checkpoints/`` inside
+            the run's output folder (``--out``), so each run keeps its own and ``--overwrite`` replaces them.
         save_period: save every this many steps (and after the last).
         keep_top_k: checkpoints kept per arm (``None`` = all): the best by ``metric_name``, else the latest;
             the latest is always kept.
@@ -27,7 +28,7 @@ class CheckpointingConfig:
     """
 
     enabled: bool = False
-    checkpoint_dir: str = "checkpoints"
+    checkpoint_dir: str | None = None
     save_period: int = 10
     keep_top_k: int | None = None
     metric_name: str | None = None

@@ -64,7 +64,7 @@ import torch
 from rich.progress import Progress, TaskID
 
 from megatron_fp8.config.schema import RunConfig
-from megatron_fp8.errors import ConfigError
+from megatron_fp8.errors import ConfigError, UsageError
 from megatron_fp8.files import write_atomically
 from megatron_fp8.rl.algorithm.batch import Tokenizer, eos_and_pad
 from megatron_fp8.rl.cluster.distributed import (
@@ -90,8 +90,16 @@ from megatron_fp8.rl.driver.warm_start import warm_start
 from megatron_fp8.rl.state import report
 from megatron_fp8.rl.state.checkpoint import CheckpointManager, config_fingerprint
 from megatron_fp8.rl.state.loggers import MetricsLogger, build_loggers, step_scalars
-from megatron_fp8.rl.state.outputs import OUT_DIR_KEY, claim_out_dir, new_run_dir, rebuild_outputs, resumed_run_dir
+from megatron_fp8.rl.state.outputs import (
+    OUT_DIR_KEY,
+    checkpoints_inside,
+    claim_out_dir,
+    new_run_dir,
+    rebuild_outputs,
+    resumed_run_dir,
+)
 from megatron_fp8.rl.state.results import (
+    CHECKPOINTS_DIR,
     CONFIG_FILE,
     METRICS_FILE,
     PLOT_FILE,
@@ -129,7 +137,8 @@ def run_grpo(
         steps: steps per arm; ``None`` = ``config.grpo.max_num_steps``.
         arms: arm names (keys of :data:`megatron_fp8.vocab.ARMS`); ``None`` = ``config.grpo.arms``.
         progress: show a progress bar on stderr.
-        overwrite: replace another run's outputs in ``out_dir`` (checkpoints are never deleted).
+        overwrite: replace another run's outputs in ``out_dir``, the checkpoints inside it included (the run starts
+            over); checkpoints in a ``checkpointing.checkpoint_dir`` outside it are never deleted: refused.
 
     Returns:
         The :class:`GRPOResult` (on rollout-only ranks: an empty one, the trainer rank 0 writes).
@@ -170,8 +179,12 @@ def run_grpo(
     problems = problem_source(config, tokenizer)
     task = None if config.data.train.data_path else get_task(config.grpo.task, max_digits=config.grpo.task_max_digits)
     reward = reward_function(config, task)
-    checkpoints = _checkpoints(config, arm_names, is_writer=placement.trainer_rank == 0)
-    resumed = {arm: c.latest() for arm, c in checkpoints.items()}
+    if out is None and config.checkpointing.enabled and config.checkpointing.checkpoint_dir is None:
+        out = new_run_dir()  # the default checkpoint folder lives in the run's folder: known before resuming
+    checkpoints = _checkpoints(config, arm_names, out=out, is_writer=placement.trainer_rank == 0)
+    if overwrite:  # start over: the checkpoints in --out go with its outputs; others would be resumed, not replaced
+        _refuse_overwrite_outside(checkpoints, out)
+    resumed = {arm: None if overwrite else c.latest() for arm, c in checkpoints.items()}
     resuming = any(info is not None for info in resumed.values())
     if out is None:  # no --out / out_dir: a resumed run continues in its checkpoint's folder, else a new one
         out = resumed_run_dir(info for info in resumed.values() if info is not None) if resuming else None
@@ -182,7 +195,8 @@ def run_grpo(
     for manager in checkpoints.values():
         manager.run_extra[OUT_DIR_KEY] = str(out.resolve())
     if placement.trainer_rank == 0:  # the writer claims the folder before any model is built
-        claim_out_dir(out, overwrite=overwrite and not resuming, resume=resuming)
+        root = _checkpoint_root(checkpoints) if checkpoints else None
+        claim_out_dir(out, overwrite=overwrite, resume=resuming, checkpoint_dir=root)
     kept = _kept_records(out, resumed) if resuming else {}
     # signals are handled until the outputs are written: one after the last step lets the run finish normally
     stop = StopRequests(config.checkpointing.checkpoint_must_save_by)
@@ -222,8 +236,10 @@ def run_grpo(
                 why = f"stopped by {exc.reason}" if isinstance(exc, RunStopped) else "interrupted"
                 rebuild_outputs(out, arm_order=arm_names, partial=why)
                 logger.warning("stopped early: %s, %s rebuilt from the completed steps", SUMMARY_FILE, PLOT_FILE)
-            if isinstance(exc, RunStopped) and torch.distributed.is_initialized():
-                torch.distributed.barrier()  # every rank stopped at the same point: none exits before the writer
+            if isinstance(exc, RunStopped):
+                exc.out_dir = out  # the advice names the folder: a rerun without --out would start a new one
+                if torch.distributed.is_initialized():
+                    torch.distributed.barrier()  # every rank stopped at the same point: none exits before the writer
             raise
         finally:
             loggers.close()
@@ -277,15 +293,46 @@ def _tokenizer(model_path: Path) -> Tokenizer:
     return AutoTokenizer.from_pretrained(str(model_path))
 
 
-def _checkpoints(config: RunConfig, arm_names: Sequence[str], *, is_writer: bool) -> dict[str, CheckpointManager]:
-    """One checkpoint manager per arm (none when checkpointing is off)."""
-    if not config.checkpointing.enabled:
+def _checkpoints(
+    config: RunConfig, arm_names: Sequence[str], *, out: Path | None, is_writer: bool
+) -> dict[str, CheckpointManager]:
+    """One checkpoint manager per arm (none when checkpointing is off), under ``checkpointing.checkpoint_dir``, else
+    ``<out>/checkpoints``."""
+    ck = config.checkpointing
+    if not ck.enabled:
         return {}
+    if ck.checkpoint_dir is None:
+        if out is None:  # run_grpo names the folder first
+            raise ConfigError("checkpointing.checkpoint_dir is unset and the run has no output folder yet")
+        ck = dataclasses.replace(ck, checkpoint_dir=str(out / CHECKPOINTS_DIR))
     fingerprint = config_fingerprint(config)
-    return {
-        arm: CheckpointManager(cfg=config.checkpointing, arm=arm, fingerprint=fingerprint, is_writer=is_writer)
-        for arm in arm_names
-    }
+    return {arm: CheckpointManager(cfg=ck, arm=arm, fingerprint=fingerprint, is_writer=is_writer) for arm in arm_names}
+
+
+def _refuse_overwrite_outside(checkpoints: dict[str, CheckpointManager], out: Path | None) -> None:
+    """``--overwrite`` replaces the run's outputs; checkpoints outside ``out`` it would not remove are refused.
+
+    Raises:
+        UsageError: naming the checkpoint folder, what it holds and the two ways on.
+    """
+    if not checkpoints:
+        return
+    root = _checkpoint_root(checkpoints)
+    if out is not None and checkpoints_inside(out, root) is not None:
+        return  # removed with the outputs of --out
+    held = [f"{arm} step {done[-1].step + 1}" for arm, m in checkpoints.items() if (done := m.checkpoints())]
+    if held:
+        where = f"outside --out {out}" if out is not None else "outside the run's folder"
+        raise UsageError(
+            f"--overwrite: checkpointing.checkpoint_dir={root} holds checkpoints ({', '.join(held)}) {where}, which "
+            "--overwrite does not remove; drop --overwrite to continue from them, or remove that folder (or set "
+            "checkpointing.checkpoint_dir to another one) to start over"
+        )
+
+
+def _checkpoint_root(checkpoints: dict[str, CheckpointManager]) -> Path:
+    """The ``checkpoint_dir`` every arm's folder lies in."""
+    return next(iter(checkpoints.values())).arm_dir.parent
 
 
 def _kept_records(out: Path, resumed: dict[str, object]) -> dict[str, tuple[StepMetrics, ...]]:

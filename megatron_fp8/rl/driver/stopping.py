@@ -22,6 +22,7 @@ import os
 import signal
 import threading
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from types import FrameType
@@ -80,6 +81,7 @@ class RunStopped(MegatronFP8Error):
         completed_steps: steps of that arm done and recorded.
         total_steps: steps the arm runs in all.
         checkpoint: the checkpoint holding the last completed step (``None``: checkpointing off).
+        out_dir: the run's output folder (set by the driver as the stop passes it; ``None`` before).
     """
 
     def __init__(
@@ -91,6 +93,7 @@ class RunStopped(MegatronFP8Error):
         completed_steps: int,
         total_steps: int,
         checkpoint: Path | None,
+        out_dir: Path | None = None,
     ):
         super().__init__(message)
         self.reason = reason
@@ -98,6 +101,7 @@ class RunStopped(MegatronFP8Error):
         self.completed_steps = completed_steps
         self.total_steps = total_steps
         self.checkpoint = checkpoint
+        self.out_dir = out_dir
 
 
 def parse_duration(text: str) -> float:
@@ -245,18 +249,37 @@ class StopRequests:
         return _REASONS[code] or None
 
 
+def next_command(argv: Sequence[str], stopped: RunStopped) -> list[str]:
+    """The ``grpo`` arguments that go on after ``stopped``, run as printed: ``argv`` with ``--out`` naming the run's
+    folder when it was chosen for the run (a rerun without it would open a new one); when a checkpoint holds the last
+    step, without ``--overwrite`` (it would remove that checkpoint and start over), else (checkpointing off) with it:
+    the partial outputs are replaced and the run starts over."""
+    args = [a for a in argv if a != "--overwrite"] if stopped.checkpoint is not None else list(argv)
+    given = any(a == "--out" or a.startswith("--out=") for a in args)
+    if not given and stopped.out_dir is not None:
+        args += ["--out", str(stopped.out_dir)]
+    if stopped.checkpoint is None and "--overwrite" not in args:
+        args.append("--overwrite")
+    return args
+
+
 def stop_message(stopped: RunStopped, *, command: str) -> str:
-    """The one line the CLI prints: why, what was saved where, and the command that continues."""
+    """The one line the CLI prints: why, what was saved where, and the command that continues (or starts over).
+
+    Args:
+        stopped: the stop.
+        command: the command to print, from :func:`next_command`.
+    """
     why = {DEADLINE: "checkpointing.checkpoint_must_save_by is near", "SIGINT": "interrupted by Ctrl-C"}.get(
         stopped.reason, stopped.reason
     )
-    saved = (
-        f"the last completed step is saved in {stopped.checkpoint}"
-        if stopped.checkpoint is not None
-        else "nothing was saved (checkpointing.enabled=false): the same command starts over"
-    )
+    if stopped.checkpoint is not None:
+        saved, verb = f"the last completed step is saved in {stopped.checkpoint}", "continue with"
+    else:
+        kept = f"; the completed steps' metrics are in {stopped.out_dir}" if stopped.out_dir is not None else ""
+        saved = f"nothing was saved (checkpointing.enabled=false){kept}"
+        verb = "start over with (--overwrite replaces this run's outputs; add checkpointing.enabled=true to save steps)"
     return (
         f"stopped ({why}) after {stopped.completed_steps} of {stopped.total_steps} steps of arm {stopped.arm}; "
-        f"{saved}; "
-        f"continue with: {command}"
+        f"{saved}; {verb}: {command}"
     )

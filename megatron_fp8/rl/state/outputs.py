@@ -24,6 +24,7 @@ from megatron_fp8.errors import ConfigError, UsageError
 from megatron_fp8.launch_env import launch_place
 from megatron_fp8.rl.state import report
 from megatron_fp8.rl.state.results import (
+    CHECKPOINTS_DIR,
     CONFIG_FILE,
     METRICS_FILE,
     PLOT_FILE,
@@ -36,8 +37,17 @@ from megatron_fp8.rl.state.results import (
 
 logger = logging.getLogger(__name__)
 
-RUN_OUTPUTS: tuple[str, ...] = (METRICS_FILE, VALIDATION_FILE, SUMMARY_FILE, PLOT_FILE, CONFIG_FILE, WARM_START_DIR)
-"""What a run writes into its folder."""
+RUN_OUTPUTS: tuple[str, ...] = (
+    METRICS_FILE,
+    VALIDATION_FILE,
+    SUMMARY_FILE,
+    PLOT_FILE,
+    CONFIG_FILE,
+    WARM_START_DIR,
+    CHECKPOINTS_DIR,
+)
+"""What a run writes into its folder (``checkpoints/``: its checkpoints when ``checkpointing.checkpoint_dir`` is
+unset)."""
 
 RUNS_ROOT = Path("out")
 """Where :func:`new_run_dir` puts a run's folder (relative to the working directory)."""
@@ -87,13 +97,26 @@ def resumed_run_dir(resumed: Iterable[object]) -> Path | None:
     return Path(best[1]) if best is not None else None
 
 
-def claim_out_dir(out: str | Path, *, overwrite: bool = False, resume: bool = False) -> Path:
+def checkpoints_inside(out: Path, checkpoint_dir: Path) -> Path | None:
+    """``checkpoint_dir`` relative to ``out`` when it lies inside it (the run's own checkpoints), else ``None``."""
+    try:
+        return checkpoint_dir.resolve().relative_to(out.resolve())
+    except ValueError:
+        return None
+
+
+def claim_out_dir(
+    out: str | Path, *, overwrite: bool = False, resume: bool = False, checkpoint_dir: Path | None = None
+) -> Path:
     """Make ``out`` ready for a new run before anything else happens.
 
     Args:
         out: the output folder (created with its parents when missing).
-        overwrite: replace another run's outputs found there (they are deleted first).
+        overwrite: replace another run's outputs found there (they are deleted first), the checkpoints inside it
+            included.
         resume: this run continues the one whose outputs are there (from its checkpoints): they are kept.
+        checkpoint_dir: the run's ``checkpointing.checkpoint_dir``; one inside ``out`` counts as the run's outputs
+            (refused without ``overwrite``, removed with it) besides :data:`RUN_OUTPUTS`.
 
     Returns:
         ``out`` as a :class:`~pathlib.Path`.
@@ -107,7 +130,11 @@ def claim_out_dir(out: str | Path, *, overwrite: bool = False, resume: bool = Fa
         if parent.exists() and not parent.is_dir():
             what = "is a file" if parent == path else f"lies under {parent}, which is a file"
             raise UsageError(f"--out {path} {what}; choose a folder, e.g. --out {path.with_suffix('')}_run")
-    found = [] if resume else [name for name in RUN_OUTPUTS if (path / name).exists()]
+    names = list(RUN_OUTPUTS)
+    inside = checkpoints_inside(path, checkpoint_dir) if checkpoint_dir is not None else None
+    if inside is not None and inside.parts and str(inside) not in names:
+        names.append(str(inside))
+    found = [] if resume else [name for name in names if (path / name).exists()]
     if found and not overwrite:
         raise UsageError(
             f"--out {path} already holds another run's outputs ({', '.join(found)}); nothing was changed. "

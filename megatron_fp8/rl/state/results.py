@@ -29,6 +29,8 @@ LOGS_DIR = "logs"
 """Default folder of the TensorBoard / W&B files (``logger.log_dir``)."""
 WARM_START_DIR = "warm_start"
 """Sub-folder of the output folder holding the warm-start HF checkpoint."""
+CHECKPOINTS_DIR = "checkpoints"
+"""Sub-folder of the output folder holding the run's checkpoints when ``checkpointing.checkpoint_dir`` is unset."""
 
 JSONRecord = dict[str, object]
 """One flat JSON object (a line of ``metrics.jsonl``)."""
