@@ -37,7 +37,7 @@ import logging
 import types
 from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -62,8 +62,9 @@ __all__ = [
     "transformer_engine_available",
 ]
 
-QuantFn = Callable[[str, torch.Tensor], tuple[torch.Tensor, torch.Tensor]]
-"""``(hf_name, tensor) -> (fp8 data, float32 scale_inv)``."""
+QuantFn = Callable[[str, torch.Tensor], tuple[Any, Any]]
+"""``(hf_name, tensor) -> (fp8 data, float32 scale_inv)``: tensors, or the refit packer's pending parts of them
+(:func:`bridge_mappings.quantized_export.in_bucket_parts`), yielded as they are."""
 
 
 def bridge_version() -> str | None:

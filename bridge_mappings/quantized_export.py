@@ -26,6 +26,7 @@ from megatron_fp8.layout import blockable_tp_sizes, tp_splits_blockable
 from megatron_fp8.megatron.build import MegatronModel
 from megatron_fp8.quant import quantize_blockwise
 from megatron_fp8.quant.formats import NonFinitePolicy
+from megatron_fp8.refit.inbucket import PendingPart, blockwise_parts
 from megatron_fp8.vocab import SCALE_SUFFIX
 
 logger = logging.getLogger(__name__)
@@ -126,17 +127,29 @@ def quantize_named(
     )
 
 
+def in_bucket_parts(name: str, tensor: torch.Tensor, settings: ExportSettings) -> tuple[PendingPart, PendingPart]:
+    """Blockwise FP8 of one HF weight, deferred to the refit packer: the ``(codes, scales)`` stand-ins that
+    :func:`~megatron_fp8.refit.buckets.pack_buckets` quantizes straight into their bucket (the bytes of
+    :func:`quantize_named`; a NaN/Inf weight is refused there, by name and first element)."""
+    return blockwise_parts(name, tensor, block_size=settings.block_size, scale_format=settings.scale_format)
+
+
 def quantized_stream(
     stream: Iterable[tuple[str, torch.Tensor]],
     manifest: Manifest,
     settings: ExportSettings | None = None,
     *,
     nonfinite: NonFinitePolicy = "raise",
-) -> Iterator[tuple[str, torch.Tensor]]:
+    in_bucket: bool = False,
+) -> Iterator[tuple[str, torch.Tensor | PendingPart]]:
     """Turn a BF16 HF-named stream into the refit stream (FP8 + scales for manifest names).
 
-    ``nonfinite="defer"`` (what the refit uses: its packer probes every bucket) quantizes without a host sync per
-    weight; a NaN/Inf block then shows as a ``+inf`` block scale, which the packer refuses by name and block.
+    ``nonfinite="defer"`` quantizes without a host sync per weight; a NaN/Inf block then shows as a ``+inf`` block
+    scale, which the packer refuses by name and block. ``in_bucket=True`` (what the refit uses) yields each manifest
+    weight's codes and scales as :class:`~megatron_fp8.refit.inbucket.PendingPart` s instead: the refit packer
+    quantizes every weight of a bucket straight into it, in a few ops per bucket, with the same wire bytes
+    (``nonfinite`` then does not apply: the packer always refuses a NaN/Inf weight). Outside a packer, turn a part
+    into its tensor with ``PendingPart.materialize()``.
     """
     settings = settings or ExportSettings()
     fp8 = manifest.fp8_set
@@ -145,7 +158,10 @@ def quantized_stream(
             if tensor.dtype == torch.float8_e4m3fn:  # already FP8 (fp8_param export)
                 yield name, tensor
                 continue
-            q, s = quantize_named(name, tensor, settings, nonfinite=nonfinite)
+            if in_bucket:
+                q, s = in_bucket_parts(name, tensor, settings)
+            else:
+                q, s = quantize_named(name, tensor, settings, nonfinite=nonfinite)
             yield name, q
             yield name + SCALE_SUFFIX, s
         else:
@@ -181,8 +197,13 @@ def checked_stream(
 
 
 def refit_stream(
-    m: MegatronModel, manifest: Manifest, settings: ExportSettings | None = None, *, check: bool = True
-) -> Iterator[tuple[str, torch.Tensor]]:
+    m: MegatronModel,
+    manifest: Manifest,
+    settings: ExportSettings | None = None,
+    *,
+    check: bool = True,
+    in_bucket: bool = False,
+) -> Iterator[tuple[str, torch.Tensor | PendingPart]]:
     """The refit stream of a built Megatron model: HF names, FP8 exactly where vLLM holds FP8.
 
     Args:
@@ -191,6 +212,9 @@ def refit_stream(
         settings: scale format / block size / rollout TP size.
         check: validate the stream against the manifest while it flows
             (:func:`checked_stream`).
+        in_bucket: yield each FP8 weight's codes and scales as pending parts the refit packer quantizes straight
+            into its bucket (:func:`in_bucket_parts`; what the refit uses), instead of quantizing each weight here
+            into tensors of its own (which raises on NaN/Inf with a host sync per weight).
     """
     settings = settings or ExportSettings()
     fp8 = manifest.fp8_set
@@ -198,6 +222,10 @@ def refit_stream(
         m.bridge,
         m.model,
         is_fp8=fp8.__contains__,
-        quant_fn=lambda name, t: quantize_named(name, t, settings),
+        quant_fn=(
+            (lambda name, t: in_bucket_parts(name, t, settings))
+            if in_bucket
+            else (lambda name, t: quantize_named(name, t, settings))
+        ),
     )
     return checked_stream(stream, manifest) if check else stream

@@ -3,7 +3,8 @@
 The rules (DESIGN.md, "Formats that must be exactly right"):
 
 * element type ``torch.float8_e4m3fn``, largest finite value 448;
-* ``scale_inv = amax / 448`` in float32 (a *multiplier*: ``x ~= q * scale_inv``);
+* ``scale_inv = amax / 448`` in float32, correctly rounded on every device (a *multiplier*:
+  ``x ~= q * scale_inv``; the divisor is a tensor on the device, :func:`fp8_max_on`);
 * an all-zero block (``amax == 0``) gets ``scale_inv = 1.0``, never inf/NaN;
 * ``scale_format="ue8m0"`` rounds the scale up to a power of two,
   ``2 ** ceil(log2(amax / 448))``, so it is exactly representable as UE8M0
@@ -71,13 +72,33 @@ SCALE_FORMATS = vocab.SCALE_FORMATS
 """Re-exported from :mod:`megatron_fp8.vocab`: scale format name -> description (the rules are :data:`SCALE_RULES`)."""
 
 
+_FP8_MAX_ON: dict[torch.device, torch.Tensor] = {}
+
+
+def fp8_max_on(device: torch.device | str) -> torch.Tensor:
+    """448.0 as a 0-d float32 tensor on ``device`` (cached): the divisor of every ``amax / 448``.
+
+    Not the Python number: PyTorch's CUDA ``div`` computes ``a * (1 / b)`` when ``b`` is a CPU scalar (a Python
+    number, or any one-element CPU tensor; ``aten/src/ATen/native/cuda/BinaryDivTrueKernel.cu``: "this may lose one
+    bit of precision"), and ``amax * RN(1/448)`` is not the correctly rounded ``RN(amax / 448)`` for about half
+    of all amax values, so the torch backend on CUDA gave other scales (and codes) than on a CPU and than the Triton
+    kernel (``div_rn``). A divisor on the device makes CUDA divide; CPU float32 division always divides
+    (``tests/quant/test_scale_division.py`` reproduces it on a CPU).
+    """
+    key = torch.device(device)
+    t = _FP8_MAX_ON.get(key)
+    if t is None:
+        t = _FP8_MAX_ON[key] = torch.full((), FP8_MAX, dtype=torch.float32, device=key)
+    return t
+
+
 def _fp32_scale(amax: torch.Tensor) -> torch.Tensor:
-    scale = (amax / FP8_MAX).clamp_min_(MIN_SCALE)
+    scale = (amax / fp8_max_on(amax.device)).clamp_min_(MIN_SCALE)
     return torch.where(amax == 0, torch.ones_like(scale), scale)
 
 
 def _ue8m0_scale(amax: torch.Tensor) -> torch.Tensor:
-    ratio = (amax / FP8_MAX).clamp_min_(MIN_SCALE)
+    ratio = (amax / fp8_max_on(amax.device)).clamp_min_(MIN_SCALE)
     # ratio = m * 2**e with m in [0.5, 1): ceil(log2(ratio)) is e - 1 when m == 0.5
     # (ratio is already a power of two) and e otherwise. Exact, unlike log2().
     mantissa, exponent = torch.frexp(ratio)

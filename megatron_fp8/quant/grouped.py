@@ -12,7 +12,8 @@ group, not a set per weight:
   quotients into every weight's codes and the scales into every weight's scale tensor. The workspace is bounded
   by ``workspace_bytes``: a larger group runs in several such rounds (weights split at row-block boundaries),
   reusing one buffer;
-* Triton path (CUDA tensors when Triton imports): one kernel launch per weight, writing into the outputs.
+* Triton path (CUDA tensors when Triton imports): one kernel launch per weight, writing into the outputs (tested
+  against the torch path under ``TRITON_INTERPRET=1``, ``tests/quant/test_grouped_triton.py``).
 
 Non-finite input is never checked here (no host sync): a tile holding NaN/Inf gets a ``+inf`` scale, as with
 ``nonfinite="defer"``, so the caller learns which weight is bad from the scales it already holds (the refit
@@ -28,6 +29,7 @@ The tests check the bytes against the per-weight quantizer.
 from __future__ import annotations
 
 import math
+import types
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 
@@ -36,7 +38,14 @@ import torch
 from megatron_fp8.layout import block_scale_shape, ceil_div
 from megatron_fp8.quant import _checks
 from megatron_fp8.quant.blockwise import Backend, _check_block_size, resolve_backend
-from megatron_fp8.quant.formats import FP8_DTYPE, FP8_MAX, MIN_SCALE, SCALE_RULES, ScaleFormat, check_scale_format
+from megatron_fp8.quant.formats import (
+    FP8_DTYPE,
+    MIN_SCALE,
+    SCALE_RULES,
+    ScaleFormat,
+    check_scale_format,
+    fp8_max_on,
+)
 
 __all__ = ["DEFAULT_WORKSPACE_BYTES", "BlockwiseTarget", "quantize_blockwise_into"]
 
@@ -151,7 +160,7 @@ def _regions(
 
 def _fp32_scale_(amax: torch.Tensor) -> torch.Tensor:
     """:data:`SCALE_RULES` ``"fp32"`` in 4 ops (same values): ``max(amax / 448, 2**-126)``, 1.0 where ``amax == 0``."""
-    scale = amax.div(FP8_MAX).clamp_min_(MIN_SCALE)
+    scale = amax.div(fp8_max_on(amax.device)).clamp_min_(MIN_SCALE)
     return scale.masked_fill_(amax == 0, 1.0)
 
 
@@ -219,6 +228,39 @@ def _quantize_torch(
     return rounds
 
 
+def _quantize_triton(
+    triton_kernels: types.ModuleType,
+    targets: Sequence[BlockwiseTarget],
+    bn: int,
+    bk: int,
+    scale_format: str,
+    *,
+    copies: tuple[list[torch.Tensor], list[torch.Tensor]],
+) -> None:
+    """The Triton path: one launch per weight, codes and scales written straight into the targets' tensors.
+
+    Codes that are not contiguous go through a staging tensor (copied in one multi-tensor copy with ``copies``).
+    Under Triton's CPU interpreter (``TRITON_INTERPRET=1``), whose float32 -> float8 cast is not
+    round-to-nearest-even, the kernel stores the clamped float32 quotient in a staging tensor and torch casts it
+    into the codes (as ``quantize_blockwise_triton(fp8_out=False)``); the scales are written in place either way.
+    """
+    fp8_out = not triton_kernels.interpreter_active()
+    dst, src = copies
+    staged_dst: list[torch.Tensor] = []
+    staged_src: list[torch.Tensor] = []
+    for t in targets:
+        x3 = (t.x if t.x.dim() == 3 else t.x.unsqueeze(0)).contiguous()
+        q3 = t.codes if t.codes.dim() == 3 else t.codes.unsqueeze(0)
+        direct = fp8_out and q3.is_contiguous()
+        q_out = q3 if direct else torch.empty(q3.shape, dtype=FP8_DTYPE if fp8_out else torch.float32, device=q3.device)
+        triton_kernels.launch_blockwise(x3, bn, bk, scale_format, fp8_out=fp8_out, out=(q_out, t.scales.view(-1)))
+        if not direct:
+            staged_dst.append(q3)
+            staged_src.append(q_out)
+    if dst or staged_dst:
+        torch._foreach_copy_(dst + staged_dst, src + staged_src)
+
+
 def quantize_blockwise_into(
     targets: Sequence[BlockwiseTarget],
     *,
@@ -258,15 +300,6 @@ def quantize_blockwise_into(
     if resolve_backend(targets[0].x, backend) == "triton":
         from megatron_fp8.quant import triton_kernels  # lazy: imports Triton only when it runs
 
-        if dst:
-            torch._foreach_copy_(dst, src)
-        for t in targets:
-            x3 = (t.x if t.x.dim() == 3 else t.x.unsqueeze(0)).contiguous()
-            q3 = t.codes if t.codes.dim() == 3 else t.codes.unsqueeze(0)
-            if q3.is_contiguous():
-                triton_kernels.launch_blockwise(x3, bn, bk, scale_format, out=(q3, t.scales.view(-1)))
-            else:
-                q, s, _ = triton_kernels.launch_blockwise(x3, bn, bk, scale_format)
-                torch._foreach_copy_([q3, t.scales.view(-1)], [q, s.view(-1)])
+        _quantize_triton(triton_kernels, targets, bn, bk, scale_format, copies=(dst, src))
         return
     _quantize_torch(targets, bn, bk, scale_format, workspace_bytes=workspace_bytes, copies=(dst, src))

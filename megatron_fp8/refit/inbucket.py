@@ -34,7 +34,7 @@ from megatron_fp8.vocab import DEFAULT_BLOCK, SCALE_SUFFIX
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["BlockwiseFP8", "BucketJobs", "PendingPart", "blockwise_items"]
+__all__ = ["BlockwiseFP8", "BucketJobs", "PendingPart", "blockwise_items", "blockwise_parts"]
 
 
 @dataclass(frozen=True, eq=False)
@@ -167,9 +167,33 @@ def blockwise_items(
     Yields:
         ``(name, codes part)`` and ``(name + "_scale_inv", scales part)``.
     """
-    job = BlockwiseFP8(name, source, tuple(block_size), scale_format)
-    yield name, job.codes
-    yield name + SCALE_SUFFIX, job.scales
+    codes, scales = blockwise_parts(name, source, block_size=block_size, scale_format=scale_format)
+    yield name, codes
+    yield name + SCALE_SUFFIX, scales
+
+
+def blockwise_parts(
+    name: str,
+    source: torch.Tensor,
+    *,
+    block_size: tuple[int, int] = (DEFAULT_BLOCK, DEFAULT_BLOCK),
+    scale_format: ScaleFormat = "fp32",
+) -> tuple[PendingPart, PendingPart]:
+    """The codes and scales parts of one weight to quantize in its bucket (a drop-in for a quantizer's
+    ``(codes, scales)`` result, e.g. the bridge adapter's ``quant_fn``).
+
+    Args:
+        name: HF name of the weight.
+        source: the BF16 (or float16/float32) weight, ``[N, K]`` or ``[E, N, K]`` (detached: a parameter's
+            autograd history is not the refit's).
+        block_size: ``(bn, bk)``.
+        scale_format: ``"fp32"`` or ``"ue8m0"``.
+
+    Returns:
+        ``(codes part, scales part)``: float8_e4m3fn ``source``'s shape, float32 ``[ceil(N/bn), ceil(K/bk)]``.
+    """
+    job = BlockwiseFP8(name, source.detach(), (int(block_size[0]), int(block_size[1])), scale_format)
+    return job.codes, job.scales
 
 
 class BucketJobs:

@@ -16,6 +16,8 @@ from bridge_mappings.quantized_export import (
 from megatron_fp8.errors import ManifestError, NonFiniteError
 from megatron_fp8.models import tiny_model_path
 from megatron_fp8.quant import dequantize_blockwise, is_pow2
+from megatron_fp8.refit.buckets import pack_buckets
+from megatron_fp8.refit.inbucket import PendingPart
 
 pytestmark = pytest.mark.megatron
 
@@ -138,7 +140,37 @@ def test_refit_stream_through_the_bridge_adapter_equals_quantized_export():
         fp8 = {n for n in plain if n.endswith(("q_proj.weight", "down_proj.weight"))}
         manifest = _manifest({n: tuple(t.shape) for n, t in plain.items()}, fp8)
         got = dict(refit_stream(m, manifest))
+        parts = dict(refit_stream(m, manifest, in_bucket=True))  # what GRPO's refit sends: quantized in the bucket
     want = dict(quantized_stream(plain.items(), manifest))
-    assert list(got) == list(want)
+    assert list(got) == list(want) == list(parts)
+    assert {n for n, t in parts.items() if isinstance(t, PendingPart)} == fp8 | {n + "_scale_inv" for n in fp8}
     for name in want:
         assert torch.equal(got[name].view(torch.uint8), want[name].view(torch.uint8)), name
+        held = parts[name].materialize() if isinstance(parts[name], PendingPart) else parts[name]
+        assert torch.equal(held.view(torch.uint8), want[name].view(torch.uint8)), name
+
+
+def test_in_bucket_quantized_stream_packs_the_wire_of_the_eager_one():
+    g = torch.Generator().manual_seed(5)
+    stream = {
+        "model.layers.0.self_attn.q_proj.weight": torch.randn(300, 260, generator=g).bfloat16(),
+        "model.layers.0.input_layernorm.weight": torch.randn(260, generator=g).bfloat16(),
+        "model.layers.0.mlp.down_proj.weight": torch.randn(128, 129, generator=g).bfloat16(),
+        "model.layers.0.mlp.experts.weight": torch.randn(2, 130, 200, generator=g).bfloat16(),
+    }
+    fp8 = {n for n in stream if n.endswith("proj.weight") or "experts" in n}
+    manifest = _manifest({n: tuple(t.shape) for n, t in stream.items()}, fp8)
+    for settings in (ExportSettings(), ExportSettings(scale_format="ue8m0")):
+        for bucket_bytes in (1 << 20, 4096):
+            eager = pack_buckets(
+                quantized_stream(stream.items(), manifest, settings, nonfinite="defer"),
+                version=1,
+                bucket_bytes=bucket_bytes,
+            )
+            lazy = pack_buckets(
+                quantized_stream(stream.items(), manifest, settings, in_bucket=True),
+                version=1,
+                bucket_bytes=bucket_bytes,
+            )
+            for a, b in zip(eager, lazy, strict=True):
+                assert a.metas == b.metas and a.checksum == b.checksum and torch.equal(a.payload, b.payload)

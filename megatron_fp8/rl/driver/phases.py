@@ -475,7 +475,8 @@ def _token_weighted(stats: Sequence[PPOStats]) -> dict[str, float]:
 
 
 def _refit_tensors(state: ArmState) -> Iterable[tuple[str, torch.Tensor]]:
-    """The HF-named stream: BF16 export, or FP8 per the manifest (+ KV-cache scales when recorded)."""
+    """The HF-named stream: BF16 export, or FP8 per the manifest (+ KV-cache scales when recorded); each FP8
+    weight is quantized by the refit packer straight into its bucket (``in_bucket=True``: a few ops per bucket)."""
     fp32_trainer = next(state.model.model[0].parameters()).dtype == torch.float32
     if state.spec.rollout_precision != "fp8":
         return rollout_dtype_stream(export_hf_weights(state.model)) if fp32_trainer else export_hf_weights(state.model)
@@ -485,10 +486,10 @@ def _refit_tensors(state: ArmState) -> Iterable[tuple[str, torch.Tensor]]:
     if fp32_trainer:  # quantize the BF16 values, as a BF16 trainer on a GPU would send them
         bf16 = rollout_dtype_stream(export_hf_weights(state.model))
         stream = checked_stream(
-            quantized_stream(bf16, state.manifest, state.export_settings, nonfinite="defer"), state.manifest
+            quantized_stream(bf16, state.manifest, state.export_settings, in_bucket=True), state.manifest
         )
     else:  # the bridge adapter uses Megatron-Bridge's quantized-export hook where the installed version has one
-        stream = refit_stream(state.model, state.manifest, state.export_settings)
+        stream = refit_stream(state.model, state.manifest, state.export_settings, in_bucket=True)
     if state.kv_recorder is not None and state.kv_recorder.layers():
         kv = compute_kv_scales(
             state.kv_recorder, percentile=state.kv_settings.percentile, margin=state.kv_settings.margin

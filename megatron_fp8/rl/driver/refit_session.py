@@ -181,7 +181,7 @@ def run_refits(
     times, versions, verified = [], [], []
     try:
         for _ in range(repeats):
-            src = refit_stream(m, manifest) if precision == "fp8" else export_hf_weights(m)
+            src = refit_stream(m, manifest, in_bucket=True) if precision == "fp8" else export_hf_weights(m)
             result = session.refit(_counting(src, names, box))
             times.append(result.seconds)
             versions.append(result.version)
@@ -227,7 +227,7 @@ def run_refits_over_gloo(
 
     def stream() -> Iterator[tuple[str, torch.Tensor]]:
         if precision == "fp8":
-            src = checked_stream(quantized_stream(weights.items(), manifest, nonfinite="defer"), manifest)
+            src = checked_stream(quantized_stream(weights.items(), manifest, in_bucket=True), manifest)
         else:
             src = iter(weights.items())
         return _counting(src, names, box)

@@ -1,0 +1,145 @@
+"""The GRPO refit stream quantizes each FP8 weight straight into its bucket: same wire, the op budget, NaN refused.
+
+``phases._refit_tensors`` is what ``refit_phase`` hands the arm's refit target (colocated or remote: both pack with
+``RefitSender``). Here it runs over the tiny model's checkpoint as a CPU (float32) trainer exports it, so the test
+needs no Megatron model; the BF16-trainer branch (``refit_stream(in_bucket=True)`` through the bridge adapter) is
+checked against the eager export in ``tests/bridge_mappings/test_quantized_export.py``.
+
+Op budget (counted on CPU by :class:`OpCounter`; on a GPU each compute op is a kernel launch, each host read a sync):
+the FP8 sender issues at most 8 compute ops per bucket more than the BF16 sender of the same weights, and each side
+reads the host at most once per bucket.
+"""
+
+from __future__ import annotations
+
+import threading
+from types import SimpleNamespace
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from bridge_mappings.manifest import Fingerprint, Manifest
+from bridge_mappings.quantized_export import ExportSettings, checked_stream, quantized_stream
+from megatron_fp8.errors import NonFiniteError
+from megatron_fp8.models import tiny_model_path
+from megatron_fp8.refit import DictApplier, InProcTransport, RefitReceiver, RefitSender
+from megatron_fp8.refit.buckets import pack_buckets
+from megatron_fp8.refit.inbucket import PendingPart
+from megatron_fp8.refit.opcount import OpCounter, OpCounts
+from megatron_fp8.rl.driver import phases
+
+MAX_EXTRA_OPS = 8
+BUCKET_BYTES = 256 << 10
+LINEARS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+
+
+@pytest.fixture(scope="module")
+def checkpoint() -> dict[str, torch.Tensor]:
+    """The tiny model's weights as a CPU trainer holds them (float32)."""
+    return {n: t.float() for n, t in load_file(str(tiny_model_path("tiny") / "model.safetensors")).items()}
+
+
+def _manifest(weights: dict[str, torch.Tensor]) -> Manifest:
+    fp8 = {n for n in weights if any(f".{p}.weight" in n for p in LINEARS)}
+    fp = Fingerprint("x", "0", "{}", 0, 0)
+    return Manifest("test", fp, tuple(sorted(fp8)), tuple(sorted(set(weights) - fp8)), (), {})
+
+
+def _state(weights, precision: str, monkeypatch, *, scale_format: str = "fp32"):
+    """An arm state with only what ``_refit_tensors`` reads; the export answers ``weights`` as parameters (they
+    require grad, as a trainer's do)."""
+    params = {n: t.detach().clone().requires_grad_(True) for n, t in weights.items()}
+    monkeypatch.setattr(phases, "export_hf_weights", lambda model: iter(list(params.items())))
+    return SimpleNamespace(
+        spec=SimpleNamespace(name=precision, rollout_precision=precision),
+        manifest=_manifest(weights),
+        export_settings=ExportSettings(scale_format=scale_format),
+        kv_recorder=None,
+        model=SimpleNamespace(model=[torch.nn.Linear(2, 2)]),  # float32 parameters: the CPU trainer's branch
+    )
+
+
+def _wire(buckets):
+    return [(b.index, b.is_last, b.metas, b.checksum, b.payload.clone(), b.trailer) for b in buckets]
+
+
+@pytest.mark.parametrize("scale_format", ["fp32", "ue8m0"])
+@pytest.mark.parametrize("bucket_bytes", [64 << 20, 48 << 10, 1000], ids=["one", "48KiB", "1000B"])
+def test_the_grpo_fp8_stream_quantizes_in_the_bucket_with_the_wire_of_the_eager_export(
+    checkpoint, monkeypatch, bucket_bytes, scale_format
+):
+    state = _state(checkpoint, "fp8", monkeypatch, scale_format=scale_format)
+    items = list(phases._refit_tensors(state))
+    pending = {n for n, t in items if isinstance(t, PendingPart)}
+    fp8 = state.manifest.fp8_set
+    assert pending == fp8 | {n + "_scale_inv" for n in fp8}
+    bf16 = phases.rollout_dtype_stream(checkpoint.items())
+    eager = checked_stream(
+        quantized_stream(bf16, state.manifest, state.export_settings, nonfinite="defer"), state.manifest
+    )
+    want = _wire(pack_buckets(eager, version=4, bucket_bytes=bucket_bytes, stream_id=9))
+    got = _wire(pack_buckets(phases._refit_tensors(state), version=4, bucket_bytes=bucket_bytes, stream_id=9))
+    assert len(got) == len(want)
+    for a, b in zip(want, got, strict=True):
+        assert a[:4] == b[:4] and a[5] == b[5], f"bucket {a[0]}: metadata or checksum differ"
+        assert torch.equal(a[4], b[4]), f"bucket {a[0]}: payload bytes differ"
+
+
+def _refit_counts(stream, targets) -> tuple[int, OpCounts, OpCounts]:
+    """One refit over an in-process transport, ops counted on each side's thread (buckets of BUCKET_BYTES)."""
+    transport = InProcTransport(timeout=60)
+    sender = RefitSender(transport, bucket_bytes=BUCKET_BYTES, timeout=60)
+    receiver = RefitReceiver(transport, apply=DictApplier(targets), timeout=60)
+    box: dict[str, object] = {}
+
+    def receive() -> None:
+        try:
+            with OpCounter() as c:
+                receiver.receive(timeout=60)
+            box["counts"] = c.counts
+        except BaseException as exc:
+            box["error"] = exc
+
+    thread = threading.Thread(target=receive)
+    thread.start()
+    with OpCounter() as c:
+        report = sender.send(stream, version=1)
+    thread.join(60)
+    transport.close()
+    assert "error" not in box, box.get("error")
+    return report.num_buckets, c.counts, box["counts"]  # type: ignore[return-value]
+
+
+def test_the_grpo_fp8_refit_costs_at_most_8_ops_per_bucket_more_than_bf16_and_one_host_read(checkpoint, monkeypatch):
+    runs = {}
+    for precision in ("bf16", "bf16", "fp8", "fp8"):  # the first of each warms per-process caches
+        state = _state(checkpoint, precision, monkeypatch)
+        targets = {n: torch.zeros(t.shape, dtype=t.dtype) for n, t in phases._refit_tensors(state)}
+        runs[precision] = (*_refit_counts(phases._refit_tensors(state), targets), targets)
+    nb_bf16, snd_bf16, rcv_bf16, _ = runs["bf16"]
+    nb_fp8, snd_fp8, rcv_fp8, held = runs["fp8"]
+    assert nb_fp8 >= 4 and nb_bf16 >= 4
+    per_bucket_bf16, per_bucket_fp8 = snd_bf16.num_compute / nb_bf16, snd_fp8.num_compute / nb_fp8
+    assert per_bucket_fp8 <= per_bucket_bf16 + MAX_EXTRA_OPS, (per_bucket_fp8, per_bucket_bf16, dict(snd_fp8.compute))
+    for (nb, side), what in zip(
+        [(nb_bf16, snd_bf16), (nb_bf16, rcv_bf16), (nb_fp8, snd_fp8), (nb_fp8, rcv_fp8)],
+        ["bf16 sender", "bf16 receiver", "fp8 sender", "fp8 receiver"],
+        strict=True,
+    ):
+        assert side.num_host_reads <= nb, (what, nb, dict(side.host_reads))
+    state = _state(checkpoint, "fp8", monkeypatch)
+    eager = dict(quantized_stream(phases.rollout_dtype_stream(checkpoint.items()), state.manifest, nonfinite="defer"))
+    assert set(held) == set(eager)
+    for name, t in eager.items():
+        assert torch.equal(held[name].view(torch.uint8), t.view(torch.uint8)), name
+
+
+def test_a_nan_in_a_grpo_fp8_weight_is_refused_naming_it(checkpoint, monkeypatch):
+    bad = dict(checkpoint)
+    name = "model.layers.2.mlp.up_proj.weight"
+    bad[name] = bad[name].clone()
+    bad[name][300, 7] = float("nan")
+    state = _state(bad, "fp8", monkeypatch)
+    with pytest.raises(NonFiniteError, match=rf"'{name}' of version 5 .*first at index \(300, 7\)"):
+        list(pack_buckets(phases._refit_tensors(state), version=5, bucket_bytes=48 << 10))
