@@ -26,4 +26,5 @@ $(VLLM011_STAMP): $(STAMP)
 
 test-vllm011: vllm011
 	$(VLLM011_VENV)/bin/python -m pytest -p no:cacheprovider -q tests/rollout/vllm/test_vllm011_layouts.py \
-		tests/rollout/vllm/test_vllm011_kv_backends.py tests/rollout/vllm/test_vllm011_external_launcher.py $(PYTEST_ARGS)
+		tests/rollout/vllm/test_vllm011_kv_backends.py tests/rollout/vllm/test_vllm011_external_launcher.py \
+		tests/rollout/vllm/test_vllm011_sleep.py $(PYTEST_ARGS)

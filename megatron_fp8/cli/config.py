@@ -30,7 +30,7 @@ from megatron_fp8.cli._noise import quiet_third_party
 from megatron_fp8.cli.grpo import MODEL_HELP, model_override
 from megatron_fp8.config.explain import explain_rows, render_json, render_text
 from megatron_fp8.config.loader import load_config_report
-from megatron_fp8.config.memory import layout_report
+from megatron_fp8.config.memory_plan import memory_report
 from megatron_fp8.config.refusals import refuse_before_run
 from megatron_fp8.config.schema import RunConfig
 
@@ -52,15 +52,19 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         action="store_true",
         help="run although NeMo-RL keys that change the experiment have no effect here (= grpo.allow_no_effect=true)",
     )
+    parser.add_argument(
+        "--allow-over-memory",
+        action="store_true",
+        help="run although the memory plan per phase exceeds the GPU (= grpo.allow_over_memory=true)",
+    )
     parser.add_argument("--model", default=None, metavar="NAME", help=MODEL_HELP)
     parser.add_argument("overrides", nargs="*", metavar="KEY=VALUE", help="dotted overrides, e.g. grpo.max_num_steps=3")
 
 
 def _layout_lines(cfg: RunConfig) -> list[str]:
-    """``# layout:`` and ``# memory per GPU:`` lines; a warning when it exceeds (:func:`layout_report`)."""
-    lines, warning = layout_report(cfg)
-    if warning:
-        logger.warning("%s", warning)
+    """``# layout:``, ``# memory per GPU:`` and ``# memory plan`` lines (:func:`memory_report`; a plan over the GPU is
+    refused after them by :func:`refuse_before_run`)."""
+    lines, _ = memory_report(cfg)
     return [f"# {line}" for line in lines]
 
 
@@ -76,6 +80,7 @@ def run(args: argparse.Namespace) -> int:
     refuse_empty_config(args.explain or args.config)
     overrides = [*args.overrides, *model_override(args)]
     overrides += ["grpo.allow_no_effect=true"] if getattr(args, "allow_no_effect", False) else []
+    overrides += ["grpo.allow_over_memory=true"] if getattr(args, "allow_over_memory", False) else []
     loaded = load_config_report(args.explain or args.config, overrides)
     cfg = loaded.config
     if args.explain is not None:

@@ -96,9 +96,9 @@ def run(args: argparse.Namespace) -> int:
     layout: list[str] = []
     if getattr(args, "config", None):
         from megatron_fp8.config.loader import load_config_report  # lazy: only with --config
-        from megatron_fp8.config.memory import layout_report  # lazy: only with --config
+        from megatron_fp8.config.memory_plan import memory_report  # lazy: only with --config
 
-        layout, warning = layout_report(load_config_report(args.config).config)
+        layout, warning = memory_report(load_config_report(args.config).config)
         payload["layout"] = layout + ([warning] if warning else [])
     if getattr(args, "out", None) is not None:
         args.out.parent.mkdir(parents=True, exist_ok=True)

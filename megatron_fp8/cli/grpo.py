@@ -66,6 +66,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         action="store_true",
         help="run although NeMo-RL keys that change the experiment have no effect here (= grpo.allow_no_effect=true)",
     )
+    parser.add_argument(
+        "--allow-over-memory",
+        action="store_true",
+        help="run although the memory plan per phase exceeds the GPU (= grpo.allow_over_memory=true)",
+    )
     parser.add_argument("overrides", nargs="*", metavar="KEY=VALUE", help="dotted overrides, e.g. grpo.seed=1")
 
 
@@ -81,6 +86,8 @@ def run_job(args: argparse.Namespace) -> tuple[Path, Path, Path] | None:
     overrides = list(getattr(args, "overrides", []) or []) + model_override(args)
     if getattr(args, "allow_no_effect", False):
         overrides.append("grpo.allow_no_effect=true")
+    if getattr(args, "allow_over_memory", False):
+        overrides.append("grpo.allow_over_memory=true")
     loaded = load_config_report(args.config, overrides)
     config = loaded.config
     refuse_before_run(config, loaded.no_effect)

@@ -126,6 +126,7 @@ EFFECTS: Mapping[str, str] = {
     "grpo.normalize_rewards": "divide advantages by the group's reward deviation (rl.algorithm.batch)",
     "grpo.use_leave_one_out_baseline": "baseline of each response over the rest of its group, RLOO (rl.algorithm.batch)",
     "grpo.allow_no_effect": "accept NeMo-RL keys that change the experiment but have no effect here (config.refusals)",
+    "grpo.allow_over_memory": "run although the memory plan per phase exceeds the GPU (config.memory_plan, config.refusals)",
     "policy.generation.colocated.enabled": "false: the last ranks only generate; refit over refit.transport "
     "(rl.cluster.remote); true: engine and trainer share each GPU, phase by phase (colocated.sleep_level)",
     "policy.generation.colocated.sleep_level": "the colocated engine sleeps after generating, the trainer's optimizer "

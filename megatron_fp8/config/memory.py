@@ -238,9 +238,15 @@ def reference_host_bytes(cfg: RunConfig, dims: ModelDims) -> int:
     return 2 * 2 * params // (mcfg.tensor_model_parallel_size * mcfg.pipeline_model_parallel_size)
 
 
-def layout_report(cfg: RunConfig) -> tuple[list[str], str | None]:
+def layout_report(cfg: RunConfig, *, total_decides: bool = True) -> tuple[list[str], str | None]:
     """The lines ``config`` and ``doctor --config`` print (``layout: ...``, ``memory per GPU ...``), and a warning
-    when the estimate exceeds the GPU (``None`` when it fits or the model is unknown)."""
+    when the estimate exceeds the GPU (``None`` when it fits or the model is unknown).
+
+    Args:
+        cfg: the run config.
+        total_decides: warn when trainer state + engine budget exceed the GPU; ``False``: the per-phase plan decides
+            (:func:`megatron_fp8.config.memory_plan.memory_report`), only the engine's own budget is checked here.
+    """
     processes = launch_place().world_size if os.environ.get("WORLD_SIZE", "").strip() else ASSUMED_PROCESSES
     lines = [
         f"layout: {describe_layout(cfg)}",
@@ -267,7 +273,7 @@ def layout_report(cfg: RunConfig) -> tuple[list[str], str | None]:
             f"host memory per rank for the KL penalty's reference policy: {host / 1e9:.1f} GB (2 x 2 B x params / "
             "(TP x PP): its BF16 shard and the swap copy)"
         )
-    if estimate.fits:
+    if estimate.fits or not total_decides:
         return lines, None
     return lines, (
         f"the run's state does not fit one GPU: {estimate.describe()}; set "

@@ -21,6 +21,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Mapping
 
+from megatron_fp8.config.memory_plan import memory_report
 from megatron_fp8.config.schema import JSONValue, RunConfig
 from megatron_fp8.errors import ConfigError
 
@@ -136,13 +137,23 @@ def other_experiment(config: RunConfig, no_effect: Mapping[str, JSONValue]) -> l
     return problems
 
 
+def over_memory(config: RunConfig) -> list[str]:
+    """The memory plan's refusal (:func:`megatron_fp8.config.memory_plan.memory_report`): a phase over the GPU, with
+    what would fit; warned instead with ``grpo.allow_over_memory``."""
+    _, problem = memory_report(config)
+    if problem is not None and config.grpo.allow_over_memory:
+        logger.warning("running over the GPU's memory (grpo.allow_over_memory): %s", problem)
+        return []
+    return [problem] if problem is not None else []
+
+
 def refuse_before_run(config: RunConfig, no_effect: Mapping[str, JSONValue]) -> None:
     """Raise when the run would silently be another experiment (module docstring).
 
     Raises:
         ConfigError: ``"this run cannot start:"`` and one line per key, naming it and the way out.
     """
-    problems = unimplemented_layout(no_effect) + unstaged_datasets(config, no_effect)
+    problems = unimplemented_layout(no_effect) + unstaged_datasets(config, no_effect) + over_memory(config)
     other = other_experiment(config, no_effect)
     if other and config.grpo.allow_no_effect:
         logger.warning(

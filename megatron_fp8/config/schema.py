@@ -21,7 +21,8 @@ Layout (dotted paths)::
              ratio_clip_min, ratio_clip_max, log_ratio_clamp, reference_policy_kl_penalty,
              reference_policy_kl_type, kl_input_clamp_value, kl_output_clamp_value,
              use_on_policy_kl_approximation, token_level_loss}
-    policy.generation.{max_new_tokens, temperature}; policy.generation.colocated.{enabled, resources.{...}}
+    policy.generation.{max_new_tokens, temperature}; policy.generation.colocated.{enabled, sleep_level, resources.{...}}
+    policy.{offload_optimizer_for_logprob}; policy.megatron_cfg.{empty_unused_memory_level, optimizer.optimizer_cpu_offload}
     grpo.{max_num_steps, num_prompts_per_step, num_generations_per_prompt, seed, arms, task, task_max_digits, updates_per_step,
           warm_start_steps, warm_start_learning_rate, val_period, val_at_start, max_val_samples,
           normalize_rewards, use_leave_one_out_baseline}
@@ -449,6 +450,7 @@ class GRPOConfig:
     use_leave_one_out_baseline: each response's baseline (and standard deviation) is taken over the other
         responses of its group (RLOO) instead of the whole group.
     allow_no_effect: run although NeMo-RL keys that change the experiment have no effect here (warned).
+    allow_over_memory: run although the memory plan per phase exceeds the GPU (``config.memory_plan``; warned).
     """
 
     max_num_steps: int = 20
@@ -467,6 +469,7 @@ class GRPOConfig:
     normalize_rewards: bool = True
     use_leave_one_out_baseline: bool = False
     allow_no_effect: bool = False
+    allow_over_memory: bool = False
 
 
 @dataclass(frozen=True)

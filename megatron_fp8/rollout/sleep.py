@@ -33,22 +33,33 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Protocol, TypeVar
+from typing import Protocol, TypeVar
 
 import torch
 
 from megatron_fp8.errors import ConfigError, EngineNotServingError, RefitError
+from megatron_fp8.refit.applier import RefitApplier
+from megatron_fp8.refit.verify import VerifyReport
 from megatron_fp8.refit.wire import TensorMeta
 from megatron_fp8.rollout.reference.engine import ReferenceFP8Engine
 from megatron_fp8.vocab import KV_SCALE_SUFFIXES, SLEEP_LEVELS, SLEEP_STATES, SLEEP_TAGS
 
-if TYPE_CHECKING:  # the applier protocol, for annotations only (engines.py imports this module)
-    from megatron_fp8.refit.verify import VerifyReport
-    from megatron_fp8.rollout.engines import VerifyingApplier
-
 logger = logging.getLogger(__name__)
 
 T = TypeVar("T")
+
+
+class VerifyingApplier(RefitApplier, Protocol):
+    """What the schedule needs of an engine's applier (:class:`megatron_fp8.rollout.engines.VerifyingApplier`, which
+    imports this module): the refit protocol, ``serving`` and the last verification."""
+
+    last_verify: VerifyReport | None
+    last_prefix_cache: str | None
+
+    @property
+    def serving(self) -> bool:
+        """Whether the engine holds a good version."""
+        ...
 
 
 class SleepControl(Protocol):

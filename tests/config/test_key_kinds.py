@@ -90,7 +90,12 @@ def test_vllm_engine_args_observe_each_key():
         "tensor_parallel_size": 1,
         "kv_cache_dtype": "fp8",
         "max_model_len": 2048,
+        "enable_sleep_mode": True,  # colocated: the engine sleeps while the trainer trains (sleep_level 2, derived)
     }
+    apart = load_config(None, ["policy.generation.colocated.enabled=false"])
+    assert "enable_sleep_mode" not in vllm_engine_args(apart)
+    awake = load_config(None, ["policy.generation.colocated.sleep_level=0"])
+    assert "enable_sleep_mode" not in vllm_engine_args(awake)
     # the BF16 arm of the same run: an FP8 KV cache needs FP8 weights
     assert vllm_engine_args(cfg, rollout_precision="bf16")["kv_cache_dtype"] == "auto"
     # TP 2 (a BF16 rollout: tiny's KV heads do not split into 128-blocks at TP 2)

@@ -28,6 +28,7 @@ from megatron_fp8.rl.algorithm.kv_calibration import KVAmaxRecorder, attach_kv_a
 from megatron_fp8.rl.cluster.distributed import DataParallel, check_against_megatron
 from megatron_fp8.rl.cluster.remote import ArmSetup, RemoteRollout
 from megatron_fp8.rl.cluster.roles import Groups
+from megatron_fp8.rl.driver.colocated import colocated_memory
 from megatron_fp8.rl.driver.phases import (
     ArmState,
     ColocatedTarget,
@@ -200,20 +201,25 @@ def run_arm(
                     recompute=recompute_settings(config),
                 )
             fp8_kv = spec.rollout_precision == "fp8" and config.policy.generation.vllm_cfg.kv_cache_dtype == "fp8"
+            optimizer = make_optimizer(
+                model,
+                lr=mcfg.optimizer.lr,
+                weight_decay=mcfg.optimizer.weight_decay,
+                betas=(mcfg.optimizer.adam_beta1, mcfg.optimizer.adam_beta2),
+                adam_eps=mcfg.optimizer.adam_eps,
+                clip_grad=mcfg.optimizer.clip_grad,
+                distributed=mcfg.optimizer.use_distributed_optimizer,
+                cpu_offload=mcfg.optimizer.optimizer_cpu_offload,
+            )
+            # colocated: the engine sleeps while the trainer trains (its applier wrapped before the refit target)
+            memory = colocated_memory(engine, model, optimizer, config) if groups is None else None
             state = ArmState(
                 spec=spec,
                 model=model,
-                optimizer=make_optimizer(
-                    model,
-                    lr=mcfg.optimizer.lr,
-                    weight_decay=mcfg.optimizer.weight_decay,
-                    betas=(mcfg.optimizer.adam_beta1, mcfg.optimizer.adam_beta2),
-                    adam_eps=mcfg.optimizer.adam_eps,
-                    clip_grad=mcfg.optimizer.clip_grad,
-                    distributed=mcfg.optimizer.use_distributed_optimizer,
-                ),
+                optimizer=optimizer,
                 engine=engine,
                 refit=make_target(engine),
+                memory=memory,
                 manifest=manifest,
                 export_settings=export_settings(config, engine),
                 dp=dp,

@@ -31,6 +31,7 @@ from megatron_fp8.errors import ConfigError, ManifestError
 from megatron_fp8.megatron import MegatronModel, StepOptimizer, export_hf_weights, sequence_logprobs, train_step
 from megatron_fp8.megatron.reference import ReferenceWeights
 from megatron_fp8.megatron.schedule import from_last_stage
+from megatron_fp8.recipes.precision import math_label, trainer_dtype_name
 from megatron_fp8.refit.pipeline import ColocatedRefit
 from megatron_fp8.rl.algorithm.batch import Tokenizer, decode_response, group_advantages, make_batch, pad_to_length
 from megatron_fp8.rl.algorithm.correction import ISResult, PPOStats, ppo_loss
@@ -46,6 +47,7 @@ from megatron_fp8.rl.cluster.distributed import (
 from megatron_fp8.rl.data.problems import ProblemSource
 from megatron_fp8.rl.data.rewards import RewardFn, RewardResult, safe_reward
 from megatron_fp8.rl.data.task import Problem
+from megatron_fp8.rl.driver.colocated import PhaseMemory
 from megatron_fp8.rl.driver.stopping import signal_point
 from megatron_fp8.rl.driver.train_settings import correction_weights, kl_settings, learning_rate_at, update_rows
 from megatron_fp8.rl.state.results import RefitDone, StepMetrics, finite_mean, least_checked_prefix_cache
@@ -143,6 +145,7 @@ class ArmState:
         kv_recorder: q/k/v amax of the training forwards, for FP8 KV-cache scales (``None``: no FP8 KV cache).
         kv_settings: percentile and margin of those scales.
         reference: the reference policy of the KL penalty (``None``: ``loss_fn.reference_policy_kl_penalty`` 0).
+        memory: the colocated engine's sleep and the trainer's offload, phase by phase (``None``: neither).
     """
 
     spec: ArmSpec
@@ -156,6 +159,7 @@ class ArmState:
     kv_recorder: KVAmaxRecorder | None = None
     kv_settings: KVCacheConfig = KVCacheConfig()
     reference: ReferenceWeights | None = None
+    memory: PhaseMemory | None = None
 
 
 # ----------------------------------------------------------------------------- trainer precision
@@ -169,7 +173,7 @@ def trainer_dtype() -> torch.dtype:
     GRPO step; so on CPU the trainer keeps float32 weights and the refit sends them as the rollout holds
     them: BF16, or FP8 quantized from the BF16 values (:func:`rollout_dtype_stream`), exactly as on a GPU.
     """
-    return torch.bfloat16 if torch.cuda.is_available() else torch.float32
+    return getattr(torch, trainer_dtype_name(has_gpu=torch.cuda.is_available()))
 
 
 @contextlib.contextmanager
@@ -185,10 +189,9 @@ def quiet_stdout() -> Iterator[None]:
 
 def training_math_label(math: str, dtype: torch.dtype) -> str:
     """What the trainer's math really was: the recipe's ``math`` (``bf16``, ``bf16-emulated``, ``fp8``) or, with a
-    float32 trainer (:func:`trainer_dtype`), ``fp32`` / ``fp32-emulated`` (FP8 recipe validated and recorded)."""
-    if dtype != torch.float32:
-        return math
-    return "fp32" if math == "bf16" else "fp32-emulated" if math == "bf16-emulated" else f"{math} (fp32 weights)"
+    float32 trainer (:func:`trainer_dtype`), ``fp32`` / ``fp32-emulated`` (FP8 recipe validated and recorded):
+    :func:`megatron_fp8.recipes.precision.math_label`, the label of the run's one precision sentence."""
+    return math_label(math, str(dtype))
 
 
 def rollout_dtype_stream(stream: Iterable[tuple[str, torch.Tensor]]) -> Iterator[tuple[str, torch.Tensor]]:
@@ -389,6 +392,8 @@ def train_phase(state: ArmState, ctx: GRPOContext, out: RolloutOutcome, scores: 
         log_ratio_clamp=config.loss_fn.log_ratio_clamp,
     )
 
+    if state.memory is not None:  # the optimizer state back (offload_optimizer_for_logprob kept it out for scoring)
+        state.memory.before_update()
     lr = learning_rate_at(step, config)
     for group in state.optimizer.param_groups:
         group["lr"] = lr
@@ -438,6 +443,7 @@ def train_phase(state: ArmState, ctx: GRPOContext, out: RolloutOutcome, scores: 
                 {k: v[update] for k, v in model_inputs.items()},
                 temperature=config.policy.generation.temperature,
                 micro_batch_size=config.policy.train_micro_batch_size,
+                empty_unused_memory_level=config.policy.megatron_cfg.empty_unused_memory_level,
             )
             losses.append(result.loss)
             norms.append(result.grad_norm)
@@ -510,13 +516,20 @@ def refit_phase(state: ArmState) -> RefitDone:
 def run_step(state: ArmState, ctx: GRPOContext, *, step: int) -> StepMetrics:
     """Rollout -> score -> train -> refit for one step of one arm; this rank's metrics."""
     t_step = time.perf_counter()
+    memory = state.memory  # colocated: generate -> sleep -> train -> wake_up(weights) -> refit -> wake_up(kv_cache)
     signal_point("rollout", step)
+    if memory is not None:
+        memory.before_generation()
     out = rollout_phase(state, ctx, step=step)
+    if memory is not None:
+        memory.after_generation()
     scores = score_phase(out, ctx)
     signal_point("train", step)
     train = train_phase(state, ctx, out, scores, step=step)
     signal_point("refit", step)
-    refit = refit_phase(state)
+    if memory is not None:
+        memory.after_train()
+    refit = memory.refit(lambda: refit_phase(state)) if memory is not None else refit_phase(state)
     rewards, token_ids = scores.rewards, out.rollout.token_ids
     best = int(torch.argmax(rewards))
     return StepMetrics(

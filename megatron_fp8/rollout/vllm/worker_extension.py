@@ -178,6 +178,24 @@ class FP8RefitWorkerExtension:
         """The refit set: ``[{"name", "shape", "dtypes", "kind", "group", "required"}]``."""
         return [dataclasses.asdict(e) for e in self._mfp8_expected().values()]
 
+    def mfp8_kv_scales(self, scales: dict[str, float] | None = None) -> dict[str, float]:
+        """Write ``scales`` (stream names -> float, every kind of each attention layer named) as 0.11's
+        ``process_weights_after_loading`` does (:func:`layouts.write_kv_scales`), then read back what the device
+        tensors hold: after ``sleep(level=2)`` and ``wake_up`` vLLM 0.11 holds garbage there (module
+        :mod:`megatron_fp8.rollout.sleep`)."""
+        model = self.model_runner.model
+        attention = {n: m for n, m in model.named_modules() if isinstance(getattr(m, "_k_scale", None), torch.Tensor)}
+        for prefix in sorted({n.rpartition(".")[0] for n in scales or {}}):
+            if prefix not in attention:
+                raise RefitError(f"{prefix}: no attention layer of this engine holds KV scales")
+            layouts.write_kv_scales(
+                attention[prefix],
+                {k: torch.tensor(float(scales[f"{prefix}.{k}_scale"]), dtype=torch.float32) for k in "qkv"},
+            )
+        return {
+            f"{n}.{k}_scale": float(getattr(m, f"_{k}_scale").reshape(())) for n, m in attention.items() for k in "qkv"
+        }
+
     def mfp8_status(self) -> dict[str, int | bool]:
         """``{"version": int, "serving": bool}`` of this worker."""
         state = self._mfp8_state()
