@@ -136,7 +136,7 @@ def run(args: argparse.Namespace) -> int:
         )
     console.print(table)
     if not env.has_gpu:
-        console.print(f"[yellow]No CUDA GPU: {CPU_EMULATION_NOTE} (fields validated and recorded).[/yellow]")
+        console.print(f"[yellow]No CUDA GPU: {CPU_EMULATION_NOTE}.[/yellow]")
     for c in imports:
         colour = {"ok": "green", "absent": "yellow", "failed": "red"}[c.status]
         console.print(f"import {c.module}: [{colour}]{c.status}[/{colour}] {c.detail}")

@@ -41,6 +41,7 @@ from bridge_mappings import adapter as bridge_adapter
 from megatron_fp8.errors import ConfigError
 from megatron_fp8.quant.formats import PARAM_DTYPES
 from megatron_fp8.recipes import RecipeApplication, apply_recipe_with_report
+from megatron_fp8.recipes.precision import math_label, precision_sentence
 
 if TYPE_CHECKING:  # Megatron types, for annotations only (Megatron is optional at import time)
     from megatron.core.distributed import DistributedDataParallelConfig
@@ -312,11 +313,11 @@ def build_megatron_model(
         if on_cpu:
             raise ConfigError(
                 f"recipe {recipe!r} would run FP8 GEMMs (math={application.math!r}) but TransformerEngine or CUDA "
-                "is missing; keep check_capability=True on CPU so the recipe is recorded and the math runs in BF16"
+                "is missing; keep check_capability=True on CPU so the recipe is recorded and runs without FP8 GEMMs"
             )
         provider = application.config
     else:
-        logger.info("recipe %r: %s; building the model without FP8 fields", recipe, application.math_note)
+        logger.debug("recipe %r: %s; building the model without FP8 fields", recipe, application.math_note)
     if recompute is not None:
         recompute.apply(provider)
         logger.info("activation recompute: %s", recompute.describe())
@@ -346,14 +347,8 @@ def build_megatron_model(
         chunk.eval()
     config = model[0].config if hasattr(model[0], "config") else provider
     hf_config = bridge.hf_pretrained.config
-    logger.info(
-        "built %s from %s: dtype %s, recipe %s (%s)",
-        type(model[0]).__name__,
-        hf_path,
-        dtype,
-        application.recipe,
-        application.math,
-    )
+    sentence = precision_sentence(recipe=application.recipe, label=math_label(application.math, str(dtype)))
+    logger.info("built %s from %s: %s", type(model[0]).__name__, hf_path, sentence)
     return MegatronModel(
         bridge=bridge,
         model=model,

@@ -16,8 +16,9 @@ The input config is never modified; a new one is returned.
 CPU emulation: without a CUDA GPU every FP8 recipe is unsupported by
 :func:`megatron_fp8.recipes.capability.check`. With ``allow_cpu_emulation``
 (the default when no GPU is present) the recipe is still applied: its fields
-are validated and recorded while the math runs in BF16 on CPU (TransformerEngine
-is absent, Megatron-Core's local layers ignore the FP8 fields). On a machine
+are validated and recorded and no FP8 GEMM runs (TransformerEngine is absent,
+Megatron-Core's local layers ignore the FP8 fields; what the math runs in is the trainer's dtype:
+:mod:`megatron_fp8.recipes.precision`). On a machine
 *with* a GPU an unsupported recipe always raises
 :class:`~megatron_fp8.errors.RecipeUnsupportedError`, because TransformerEngine
 would assert at the first FP8 GEMM; pass ``check_capability=False`` to skip the
@@ -63,7 +64,7 @@ them works, and the result has the input's type."""
 MATH_MODES: dict[str, str] = {
     "fp8": "the GEMMs run in FP8 through TransformerEngine",
     "bf16": "BF16 recipe: no FP8 anywhere",
-    "bf16-emulated": "validated and recorded while math runs in BF16 on CPU",
+    "bf16-emulated": "no CUDA GPU: FP8 fields validated and recorded, no FP8 GEMM (the trainer's dtype: recipes.precision)",
     "unchecked": "capability check skipped (check_capability=False); FP8 if TransformerEngine accepts it",
 }
 """What :attr:`RecipeApplication.math` may say, and what each value means."""
@@ -151,7 +152,7 @@ def _decide_math(
             f"FP8 recipe {recipe.name!r} is unsupported here and CPU emulation is disabled "
             f"(allow_cpu_emulation=False): {reasons}"
         )
-    logger.info("recipe %r: no CUDA GPU, fields are validated and recorded while the math runs in BF16", recipe.name)
+    logger.debug("recipe %r: no CUDA GPU, its FP8 fields are validated and recorded (no FP8 GEMM)", recipe.name)
     return "bf16-emulated", verdict
 
 

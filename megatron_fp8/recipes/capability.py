@@ -30,7 +30,7 @@ CPU emulation: on a machine without a CUDA GPU every FP8 recipe is
 *unsupported* (the verdict says why), but
 :func:`megatron_fp8.recipes.apply.apply_recipe` still applies it when
 ``allow_cpu_emulation`` is on (the default without a GPU): the fields are
-validated and recorded while the math runs in BF16 on CPU.
+validated and recorded and no FP8 GEMM runs (what the math runs in: :mod:`megatron_fp8.recipes.precision`).
 """
 
 from __future__ import annotations
@@ -51,6 +51,7 @@ from pathlib import Path
 
 from packaging.version import InvalidVersion, Version
 
+from megatron_fp8.recipes.precision import cpu_fp8_sentence
 from megatron_fp8.recipes.registry import Recipe, get_recipe, list_recipes
 from megatron_fp8.vocab import CPU_KINDS
 
@@ -59,8 +60,9 @@ logger = logging.getLogger(__name__)
 IMAGE_REMEDY = "use the image from `make image` (NGC PyTorch, CUDA 12.9, TransformerEngine)"
 """Remedy for every software requirement: the container this project ships."""
 
-CPU_EMULATION_NOTE = "on CPU the recipe is validated and the math runs in BF16"
-"""Appended to the reasons of every FP8 recipe on a machine without a CUDA GPU."""
+CPU_EMULATION_NOTE = cpu_fp8_sentence()
+"""Appended to the reasons of every FP8 recipe on a machine without a CUDA GPU: what the GRPO trainer then runs in
+(:func:`megatron_fp8.recipes.precision.cpu_fp8_sentence`, the sentence of the run log and the summary)."""
 
 
 @dataclass(frozen=True)

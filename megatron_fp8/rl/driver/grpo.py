@@ -45,7 +45,7 @@ ranks), :mod:`~megatron_fp8.rl.driver.fp8_rollout` (quantization config and mani
 
 On CPU machines all arms default to the reference engine (an emulator of vLLM's FP8
 numerics, BF16 for the ``bf16`` arm) and the FP8 *training* recipe is validated and
-recorded while the training math runs in BF16 (see :mod:`megatron_fp8.megatron.build`).
+recorded while the training math runs in float32 (``fp32-emulated``: :mod:`megatron_fp8.recipes.precision`).
 """
 
 from __future__ import annotations

@@ -23,6 +23,7 @@ from pathlib import Path
 from megatron_fp8.config.schema import RunConfig
 from megatron_fp8.errors import ConfigError
 from megatron_fp8.files import write_atomically
+from megatron_fp8.recipes.precision import precision_sentence
 from megatron_fp8.rl.state.results import ArmResult, JSONRecord
 
 logger = logging.getLogger(__name__)
@@ -137,6 +138,8 @@ def write_summary(
             f"- correction of arm fp8_tis: `{config.loss_fn.is_variant}` with "
             + (f"cap C={config.loss_fn.is_cap:g}" if config.loss_fn.is_cap is not None else "no truncation cap"),
         ]
+    trained = dict.fromkeys((a.training_recipe, a.training_math) for a in arms if a.training_recipe != "n/a")
+    lines += [f"- {precision_sentence(recipe=recipe, label=label)}" for recipe, label in trained]
     if manifest_source:
         lines.append(f"- FP8 manifest: {manifest_source}")
     if any(a.engine.startswith("reference") for a in arms):

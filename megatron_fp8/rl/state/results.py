@@ -229,7 +229,8 @@ class ArmResult:
         arm: arm name.
         engine: rollout engine name.
         training_recipe: the training recipe recorded for the arm (``bf16``, ``blockwise``, ...).
-        training_math: how the training GEMMs ran (``bf16``, ``bf16-emulated`` on CPU, ``fp8``).
+        training_math: what the training math ran in (:func:`megatron_fp8.recipes.precision.math_label`: ``fp8``,
+            ``bf16`` / ``bf16-emulated`` on a GPU, ``fp32`` / ``fp32-emulated`` in the CPU trainer).
         steps: per-step metrics, in order.
         seconds: wall time of the arm, seconds.
     """
