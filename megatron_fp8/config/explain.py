@@ -74,6 +74,8 @@ EFFECTS: Mapping[str, str] = {
     "policy.megatron_cfg.env_vars": "environment of the run (set for its duration by rl.driver.grpo)",
     "policy.megatron_cfg.optimizer.optimizer_cpu_offload": "Adam state and step in host memory: Megatron-Core's "
     "HybridDeviceOptimizer on GPU (megatron.step); the colocated schedule leaves it there; memory plan (config.memory_plan)",
+    "policy.megatron_cfg.optimizer.optimizer_offload_fraction": "the share of the optimizer state in host memory with "
+    "optimizer_cpu_offload (Megatron-Core's optimizer_offload_fraction; memory plan)",
     "policy.megatron_cfg.empty_unused_memory_level": "torch.cuda.empty_cache() after forward/backward (1) and after "
     "the optimizer step too (2) (megatron.offload.empty_unused_memory; no effect without CUDA)",
     "policy.offload_optimizer_for_logprob": "colocated: the optimizer state stays in pinned host memory while the "

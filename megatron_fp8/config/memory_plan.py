@@ -81,6 +81,19 @@ def memory_rules(cfg: RunConfig) -> list[str]:
             "policy.generation.colocated.sleep_level is for an engine colocated with the trainer; with "
             "colocated.enabled false the rollout ranks keep their engines awake: drop sleep_level"
         )
+    fraction = mcfg.optimizer.optimizer_offload_fraction
+    if not 0.0 <= fraction <= 1.0:
+        out.append(f"policy.megatron_cfg.optimizer.optimizer_offload_fraction must be in [0, 1], got {fraction!r}")
+    elif mcfg.optimizer.optimizer_cpu_offload and fraction == 0:
+        out.append(
+            "policy.megatron_cfg.optimizer.optimizer_cpu_offload with optimizer_offload_fraction 0 keeps the whole "
+            "optimizer state on the GPU: set optimizer_offload_fraction (1.0: all of it in host memory)"
+        )
+    elif fraction and not mcfg.optimizer.optimizer_cpu_offload:
+        out.append(
+            f"policy.megatron_cfg.optimizer.optimizer_offload_fraction {fraction} acts only with optimizer_cpu_offload "
+            "true: set it, or the fraction to 0"
+        )
     if mcfg.optimizer.optimizer_cpu_offload and not mcfg.optimizer.use_distributed_optimizer:
         out.append(
             "policy.megatron_cfg.optimizer.optimizer_cpu_offload runs Megatron-Core's HybridDeviceOptimizer, which "
@@ -184,10 +197,9 @@ def plan_memory(
     """
     gpu_bytes, gpu_name = gpu if gpu is not None else gpu_memory()
     weights, grads, optim = _trainer_parts(cfg, dims, processes=processes)
-    if cfg.policy.megatron_cfg.optimizer.optimizer_cpu_offload:
-        optim_gpu, optim_host = 0, optim
-    else:
-        optim_gpu, optim_host = optim, 0
+    opt = cfg.policy.megatron_cfg.optimizer
+    optim_host = int(optim * opt.optimizer_offload_fraction) if opt.optimizer_cpu_offload else 0
+    optim_gpu = optim - optim_host
     vllm = cfg.policy.generation.vllm_cfg
     budget = int(vllm.gpu_memory_utilization * gpu_bytes)
     engine_weights = engine_weight_bytes(cfg, dims) // vllm.tensor_parallel_size
@@ -213,7 +225,7 @@ def plan_memory(
             else (*trainer, ("engine awake", budget), ("refit bucket", bucket)),
         ),
     )
-    host = (optim if offload or optim_host else 0) + (engine_weights if level == 1 else 0)
+    host = (optim if offload else optim_host) + (engine_weights if level == 1 else 0)
     assert tuple(p.phase for p in phases) == tuple(MEMORY_PHASES)
     return MemoryPlan(phases, gpu_bytes, gpu_name, level, offload, host)
 
@@ -247,8 +259,10 @@ def what_would_fit(
     elif not mcfg.optimizer.optimizer_cpu_offload:
         candidates.append(
             (
-                "policy.megatron_cfg.optimizer.optimizer_cpu_offload=true",
-                _replaced(cfg, "policy.megatron_cfg.optimizer", optimizer_cpu_offload=True),
+                "policy.megatron_cfg.optimizer.optimizer_cpu_offload=true optimizer_offload_fraction=1.0",
+                _replaced(
+                    cfg, "policy.megatron_cfg.optimizer", optimizer_cpu_offload=True, optimizer_offload_fraction=1.0
+                ),
             )
         )
     for tp in (2, 4, 8):

@@ -147,7 +147,9 @@ class OptimizerConfig:
         clip_grad: gradient-norm clip (L2).
         use_distributed_optimizer: shard the FP32 main weights and Adam moments over the data-parallel ranks.
         optimizer_cpu_offload: keep the Adam state and step in host memory (Megatron-Core's HybridDeviceOptimizer on
-            a GPU, offload fraction 1; needs ``use_distributed_optimizer``); the colocated schedule leaves it there.
+            a GPU; needs ``use_distributed_optimizer``); the colocated schedule leaves it there.
+        optimizer_offload_fraction: the share of the optimizer state ``optimizer_cpu_offload`` keeps in host memory,
+            in (0, 1] (Megatron-Core's); 0 without ``optimizer_cpu_offload``.
     """
 
     lr: float = 1e-5
@@ -159,6 +161,7 @@ class OptimizerConfig:
     clip_grad: float = 1.0
     use_distributed_optimizer: bool = False
     optimizer_cpu_offload: bool = False
+    optimizer_offload_fraction: float = 0.0
 
 
 @dataclass(frozen=True)

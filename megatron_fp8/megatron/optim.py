@@ -49,6 +49,7 @@ class AdamConfig:
             on CPU).
         cpu_offload: Adam state and step in host memory (Megatron-Core's HybridDeviceOptimizer on a GPU; the CPU
             optimizers hold it there anyway).
+        cpu_offload_fraction: the share of the state ``cpu_offload`` keeps in host memory, in [0, 1].
     """
 
     lr: float
@@ -58,6 +59,7 @@ class AdamConfig:
     clip_grad: float = 1.0
     distributed: bool = False
     cpu_offload: bool = False
+    cpu_offload_fraction: float = 1.0
 
 
 class StepOptimizer(Protocol):

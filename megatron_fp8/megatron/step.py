@@ -218,7 +218,7 @@ def _megatron_optimizer(m: MegatronModel, config: AdamConfig) -> MegatronOptimiz
         params_dtype=m.dtype,
         use_distributed_optimizer=config.distributed,
         optimizer_cpu_offload=config.cpu_offload,  # HybridDeviceOptimizer: state and step in host memory
-        optimizer_offload_fraction=1.0 if config.cpu_offload else 0.0,
+        optimizer_offload_fraction=config.cpu_offload_fraction if config.cpu_offload else 0.0,
     )
     if config.distributed != m.ddp_config.use_distributed_optimizer:
         raise ConfigError(
@@ -251,6 +251,7 @@ def make_optimizer(
     backend: str = "auto",
     distributed: bool = False,
     cpu_offload: bool = False,
+    cpu_offload_fraction: float = 1.0,
 ) -> StepOptimizer:
     """Adam for the model.
 
@@ -271,6 +272,7 @@ def make_optimizer(
             :class:`~megatron_fp8.megatron.dist_optim.ShardedDDPAdam`.
         cpu_offload: the Adam state and step in host memory (``optimizer_cpu_offload``): Megatron-Core's
             HybridDeviceOptimizer (GPU; needs ``distributed``); the torch backend keeps its state in host memory anyway.
+        cpu_offload_fraction: the share of the state ``cpu_offload`` keeps in host memory (``optimizer_offload_fraction``).
 
     Returns:
         An optimizer whose ``zero_grad()`` clears gradients and whose ``step()`` returns
@@ -298,6 +300,7 @@ def make_optimizer(
         clip_grad=clip_grad,
         distributed=distributed,
         cpu_offload=cpu_offload,
+        cpu_offload_fraction=cpu_offload_fraction,
     )
     with cpu_device_patches():
         optimizer = builder(m, config)

@@ -111,6 +111,12 @@ def test_config_refuses_over_memory_unless_allowed():
         ("policy.megatron_cfg.empty_unused_memory_level=3", "empty_unused_memory_level must be 0, 1 or 2"),
         ("policy.generation.colocated.sleep_level=3", "sleep_level must be one of (0, 1, 2)"),
         ("policy.megatron_cfg.optimizer.optimizer_cpu_offload=true", "set policy.megatron_cfg.optimizer.use_distrib"),
+        ("policy.megatron_cfg.optimizer.optimizer_offload_fraction=0.5", "acts only with optimizer_cpu_offload"),
+        (
+            "policy.megatron_cfg.optimizer.use_distributed_optimizer=true,"
+            "policy.megatron_cfg.optimizer.optimizer_cpu_offload=true",
+            "keeps the whole optimizer state on the GPU",
+        ),
         ("policy.offload_optimizer_for_logprob=true", None),
     ],
 )
@@ -122,7 +128,7 @@ def test_memory_keys_are_refused_by_value(override, message):
             validate_config(awake)
         return
     with pytest.raises(ConfigError, match=message.replace("(", r"\(").replace(")", r"\)")):
-        load_config(None, [override])
+        load_config(None, override.split(","))
 
 
 def test_sleep_level_needs_a_colocated_engine():
@@ -132,3 +138,13 @@ def test_sleep_level_needs_a_colocated_engine():
         validate_config(_replaced(cfg, "policy.generation.colocated", sleep_level=2))
     plan = plan_memory(cfg, LLAMA, gpu=H100, processes=8)
     assert [p.phase for p in plan.phases] == ["training", "refit"]
+
+
+def test_optimizer_cpu_offload_moves_its_share_of_the_state_off_the_gpu():
+    cfg = load_config(REPO / "configs" / "llama31_8b_fp8.yaml")
+    base = plan_memory(cfg, LLAMA, gpu=H100, processes=8)
+    half = _replaced(cfg, "policy.megatron_cfg.optimizer", optimizer_cpu_offload=True, optimizer_offload_fraction=0.5)
+    plan = plan_memory(half, LLAMA, gpu=H100, processes=8)
+    optim = _phases(base)["training"]["optimizer state"]
+    assert _phases(plan)["training"]["optimizer state"] == optim - int(optim * 0.5)
+    assert plan.host_bytes == base.host_bytes  # offloaded during generation anyway: the same host copy

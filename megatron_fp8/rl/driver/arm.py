@@ -210,6 +210,7 @@ def run_arm(
                 clip_grad=mcfg.optimizer.clip_grad,
                 distributed=mcfg.optimizer.use_distributed_optimizer,
                 cpu_offload=mcfg.optimizer.optimizer_cpu_offload,
+                cpu_offload_fraction=mcfg.optimizer.optimizer_offload_fraction,
             )
             # colocated: the engine sleeps while the trainer trains (its applier wrapped before the refit target)
             memory = colocated_memory(engine, model, optimizer, config) if groups is None else None
