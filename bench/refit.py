@@ -20,11 +20,18 @@ payload GB/s as a share of it, and the compute ops and host reads per bucket on 
 (counted by :class:`megatron_fp8.refit.opcount.OpCounter`: launches and syncs on
 a GPU). Without vLLM or Megatron the tiny-model part is skipped and says so.
 
+``--link gloo|nccl`` is the bandwidth-bound mode (bench/_refit_link.py): every layer of the set at widths / 8
+(``--smoke``: 4 layers) refit as BF16 and as FP8 between two processes over gloo (CPU) or NCCL (two GPUs), after the
+link's own bandwidth is measured over the same pair (``dist.send``/``recv`` of the BF16 payload in bucket-sized
+tensors); it prints FP8/BF16 time next to the payload ratio and each run's share of the link.
+
 Examples::
 
     python bench/refit.py --smoke --out /tmp/refit.json       # seconds, shrunk widths
     python bench/refit.py --layers 2 --out bench/results/refit.json
     python bench/refit.py --device cuda                        # the whole 8B set -> bench/results/refit_cuda.json
+    OMP_NUM_THREADS=1 python bench/refit.py --link gloo --threads 1   # bandwidth-bound: 32 layers / 8 over gloo
+    python bench/refit.py --link nccl                          # the same between two GPUs (skips with fewer)
 
 The tiny-model part (streams from a real converted model) plugs into
 :func:`bench_stream_factories`, which takes named stream factories.
@@ -48,6 +55,7 @@ from collections.abc import Callable, Iterable, Iterator
 from dataclasses import asdict, dataclass, field, replace
 
 import _refit_device as dev
+import _refit_link as link_bench
 import torch
 
 from megatron_fp8.quant import quantize_blockwise
@@ -415,11 +423,38 @@ def _stream_passes(runs: list[RunResult], stream: str, use_cuda: bool, appliers:
     return n
 
 
+def _link_main(args: argparse.Namespace) -> int:
+    """``--link``: the whole layer set (``--smoke``: 4 layers) at widths / 8 over gloo or NCCL (bench/_refit_link.py)."""
+    torch.set_num_threads(args.threads or (1 if args.smoke else torch.get_num_threads()))
+    default_mb = 4 if args.smoke else 64
+    summary = link_bench.run_link_benchmark(
+        link=args.link,
+        spec_name=args.spec,
+        layers=4 if args.smoke else args.layers,
+        shrink=args.shrink or 8,
+        bucket_bytes=int((args.bucket_mb or default_mb) * (1 << 20)),
+        repeats=1 if args.smoke else max(args.repeats, 3),
+        timeout=args.timeout,
+        threads=torch.get_num_threads(),
+        result=_result,
+    )
+    summary["smoke"] = args.smoke
+    summary["torch"] = torch.__version__
+    link_bench.print_link_summary(summary)
+    if args.out:
+        os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
+        with open(args.out, "w") as f:
+            json.dump(summary, f, indent=2)
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[1])
     ap.add_argument("--spec", default="llama-3.1-8b", choices=sorted(SPECS))
     ap.add_argument("--layers", type=int, default=None, help="decoder layers (default: 2 on CPU, all on CUDA)")
-    ap.add_argument("--shrink", type=int, default=1, help="divide widths/heads/vocab by this factor")
+    ap.add_argument(
+        "--shrink", type=int, default=None, help="divide widths/heads/vocab by this factor (default 1; --link: 8)"
+    )
     ap.add_argument("--no-rest", action="store_true", help="send only the FP8 params (no embeddings/norms/lm_head)")
     ap.add_argument("--device", default="auto", choices=("auto", "cpu", "cuda"), help="auto: cuda when available")
     ap.add_argument(
@@ -435,17 +470,27 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--smoke", action="store_true", help="1 layer, widths / 8, 1 thread: seconds on a CPU")
     ap.add_argument("--out", default=None, help="write the JSON summary here (CUDA: bench/results/refit_cuda.json)")
     ap.add_argument(
+        "--link",
+        choices=link_bench.LINKS,
+        default=None,
+        help="bandwidth-bound mode: every layer (widths / 8) over a 2-process gloo (CPU) or NCCL (2 GPUs) link, "
+        "with the link's own send/recv bandwidth measured over the same pair",
+    )
+    ap.add_argument(
         "--no-tiny",
         action="store_true",
         help="skip the tiny-model refit (Megatron export + vLLM manifest + quantizing export)",
     )
     args = ap.parse_args(argv)
     logging.basicConfig(level=logging.WARNING)
+    if args.link:
+        return _link_main(args)
 
     if args.smoke:
         args.no_tiny = True  # the tiny-model refit is covered by `megatron-fp8 refit` and its tests
         args.layers, args.shrink = 1, 8
         args.threads = args.threads or 1
+    args.shrink = args.shrink or 1
     if args.threads:
         torch.set_num_threads(args.threads)
     threads = torch.get_num_threads()

@@ -59,3 +59,58 @@ def test_bench_refit_smoke(tmp_path):
     by = {(r["transport"], r["stream"]): r for r in summary["runs"]}
     for t in ("inproc", "gloo"):
         assert by[(t, "bf16")]["total_bytes"] - by[(t, "fp8")]["total_bytes"] == bf16 - fp8
+
+
+def _run_link(tmp_path, link: str) -> tuple[subprocess.CompletedProcess, dict]:
+    out = tmp_path / f"refit_link_{link}.json"
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(REPO))
+    proc = subprocess.run(
+        [sys.executable, "bench/refit.py", "--link", link, "--smoke", "--out", str(out)],
+        cwd=REPO,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return proc, json.loads(out.read_text())
+
+
+def test_bench_refit_link_smoke_over_gloo(tmp_path):
+    """The bandwidth-bound mode: the link measured over the same pair, both refits over it (no timing asserts)."""
+    proc, summary = _run_link(tmp_path, "gloo")
+    link = summary["link"]
+    assert link["backend"] == "gloo" and link["primitive"] == "send/recv"
+    assert link["message_bytes"] == summary["bucket_bytes"] and link["bytes"] == link["count"] * link["message_bytes"]
+    assert link["gbps"] == link["bytes"] / link["seconds"] / 1e9 > 0
+    by = {r["stream"]: r for r in summary["runs"]}
+    assert set(by) == {"bf16", "fp8"} and {r["transport"] for r in summary["runs"]} == {"gloo"}
+    assert link["bytes"] >= by["bf16"]["total_bytes"] > link["bytes"] - link["message_bytes"]  # ~ the BF16 payload
+    for r in by.values():
+        assert r["pct_of_link"] == 100 * r["gbps"] / link["gbps"]
+        assert summary["link_floor_seconds"][r["stream"]] == r["total_bytes"] / link["gbps"] / 1e9
+    # the payload ratio is fixed by the shapes: the 7 linears of every layer as FP8 + 4 bytes per 128x128 block
+    spec = summary["spec"]
+    assert spec["num_layers"] == 4 and spec["hidden_size"] == 4096 // 8
+    h, i = spec["hidden_size"], spec["intermediate_size"]
+    kv = spec["num_kv_heads"] * h // spec["num_heads"]
+    shapes = [(h, h), (kv, h), (kv, h), (h, h), (i, h), (i, h), (h, i)]
+    fp8 = sum(n * k + 4 * math.ceil(n / 128) * math.ceil(k / 128) for n, k in shapes) * spec["num_layers"]
+    bf16 = sum(2 * n * k for n, k in shapes) * spec["num_layers"]
+    assert by["bf16"]["total_bytes"] - by["fp8"]["total_bytes"] == bf16 - fp8
+    assert summary["payload_ratio"] == by["fp8"]["total_bytes"] / by["bf16"]["total_bytes"]
+    assert summary["payload_ratio_fp8_params"] == fp8 / bf16
+    assert summary["time_ratio_fp8_over_bf16"] == by["fp8"]["seconds"] / by["bf16"]["seconds"]
+    assert summary["target_time_ratio"] == summary["payload_ratio"] + 0.05
+    assert "FP8/BF16 time" in proc.stdout and "of the link" in proc.stdout
+
+
+def test_bench_refit_link_over_nccl_says_why_it_cannot_run(tmp_path):
+    import torch
+
+    if torch.cuda.is_available() and torch.cuda.device_count() >= 2:
+        _, summary = _run_link(tmp_path, "nccl")
+        assert summary["link"]["backend"] == "nccl" and {r["transport"] for r in summary["runs"]} == {"nccl"}
+        return
+    proc, summary = _run_link(tmp_path, "nccl")
+    assert summary["skipped"].startswith("needs 2 CUDA GPUs, found") and "skipped" in proc.stdout

@@ -21,6 +21,8 @@ def test_gpu_run_smoke_writes_every_result(tmp_path):
         "quant_cuda": 0,
         "refit_cuda": 0,
         "refit_profile_cuda": 0,
+        "refit_link_gloo": 0,
+        "refit_link_nccl": 0,
     }
     refit = json.loads((tmp_path / "refit_cuda.json").read_text())
     assert refit["copy_gbps"] > 0 and set(refit["ops_per_bucket"]) == {"bf16", "fp8"}
@@ -29,6 +31,12 @@ def test_gpu_run_smoke_writes_every_result(tmp_path):
     assert (tmp_path / "quant_cuda.json").exists() and (tmp_path / "gpu_tests.xml").exists()
     profile = json.loads((tmp_path / "refit_profile_cuda.json").read_text())
     assert set(profile) >= {"bf16", "fp8"} and profile["fp8"]["wall_s"] > 0 and profile["fp8"]["top_host"]
+    link = json.loads((tmp_path / "refit_link_gloo.json").read_text())
+    assert link["link"]["gbps"] > 0 and {r["stream"] for r in link["runs"]} == {"bf16", "fp8"}
+    nccl = json.loads((tmp_path / "refit_link_nccl.json").read_text())
+    import torch
+
+    assert "skipped" in nccl if torch.cuda.device_count() < 2 else nccl["link"]["backend"] == "nccl"
 
 
 def test_gpu_run_step_timeout_stops_a_step_and_runs_the_next(tmp_path):
