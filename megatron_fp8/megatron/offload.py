@@ -136,9 +136,15 @@ class TrainerOffload:
             holder[entry] = value
 
     def offload(self) -> OffloadReport:
-        """Optimizer state to (pinned) host memory, grad buffers released; idempotent."""
+        """Optimizer state to (pinned) host memory, grad buffers and the optimizer's ``.grad`` copies released, the
+        freed device memory returned to the driver (``torch.cuda.empty_cache()``: a vLLM engine waking up allocates
+        outside torch's caching allocator); idempotent."""
         if self.offloaded:
             return OffloadReport(optimizer_bytes=0, grad_bytes=0, tensors=0)
+        for opt in _inner_optimizers(self._optimizer):  # the step's gradient copies; zero_grad() drops them anyway
+            for group in opt.param_groups:
+                for p in group["params"]:
+                    p.grad = None
         cuda = torch.cuda.is_available()
         stream = torch.cuda.Stream() if cuda else None
         moved: list[tuple[tuple[int, str], object, str | None, torch.Tensor]] = []
@@ -169,6 +175,8 @@ class TrainerOffload:
             self._grad_sizes.append((grad, storage.nbytes()))
             grad_bytes += storage.nbytes()
             storage.resize_(0)
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
         self.offloaded = True
         logger.debug("trainer offload: %d optimizer tensors (%d B) to host, %d B of gradient buffers released",
                      len(moved), opt_bytes, grad_bytes)  # fmt: skip

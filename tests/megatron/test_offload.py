@@ -51,9 +51,12 @@ def test_offload_round_trip_trains_like_no_offload(parallel, distributed):
         norms_plain.append(_step(plain, opt_plain))
         norms.append(_step(offloaded, opt))
         before = copy.deepcopy(opt.state_dict())
+        assert any(p.grad is not None for group in opt.optimizer.param_groups for p in group["params"])
         report = mover.offload()
         assert report.tensors > 0 and report.optimizer_bytes > 0 and report.grad_bytes > 0
         assert all(g.untyped_storage().nbytes() == 0 for g in _grads(offloaded))  # released
+        inner = opt.optimizer  # the torch AdamW over the main weights: its gradient copies released too
+        assert all(p.grad is None for group in inner.param_groups for p in group["params"])
         while_off = opt.state_dict()  # a checkpoint taken while offloaded reads the same values
         assert _same(before, while_off)
         assert mover.offload().tensors == 0  # idempotent

@@ -303,6 +303,8 @@ def _save(
     """Save the state after ``step`` (timed for ``checkpoint_must_save_by``); returns the checkpoint folder."""
     t_save = time.monotonic()
     signal_point("save", step)
+    if state.memory is not None:  # the optimizer state on its device for the checkpoint (offloaded before the refit)
+        state.memory.before_update()
     path = checkpoints.save(step=step, model=state.model, optimizer=state.optimizer, metrics=metrics)
     if stop is not None:
         stop.timed_save(time.monotonic() - t_save)
