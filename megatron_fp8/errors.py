@@ -110,5 +110,10 @@ class EngineNotServingError(RefitError):
     """The engine holds no good version (a failed refit could not be rolled back); commit a good version first."""
 
 
+class DiskFullError(MegatronFP8Error):
+    """A write failed because its filesystem is full, over quota or read-only; the message names the path, the bytes
+    it needed and had, what was kept, and what to do (:func:`megatron_fp8.files.disk_guard`)."""
+
+
 class UsageError(ConfigError):
     """A bad command-line argument or an unusable output folder: the CLI exits with code 2."""

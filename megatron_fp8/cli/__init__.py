@@ -105,6 +105,12 @@ def main(argv: list[str] | None = None) -> int:
     except Exception as exc:
         if args.debug:
             raise
+        from megatron_fp8.files import disk_error_kind  # lazy: only on this path
+
+        kind = disk_error_kind(exc, os.getcwd())
+        if kind is not None:  # a write no guard named: still not a bug to report
+            print(f"{prefix}: error: {kind} ({type(exc).__name__}: {exc}); free space, then rerun", file=sys.stderr)
+            return EXIT_ERROR
         print(
             f"{prefix}: unexpected error: {type(exc).__name__}: {exc} (rerun with --debug for the traceback, "
             "and please report it)",

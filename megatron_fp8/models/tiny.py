@@ -39,7 +39,7 @@ import torch
 from safetensors import safe_open
 
 from megatron_fp8.errors import ConfigError
-from megatron_fp8.files import CACHE_ENV_VAR, cache_root, ensure_dir
+from megatron_fp8.files import CACHE_ENV_VAR, cache_root, disk_guard, ensure_dir
 from megatron_fp8.models.tokenizer import (
     EOS_TOKEN,
     TOKENIZER_SIZE,
@@ -262,10 +262,14 @@ def _write_checkpoint(spec: TinyModelSpec, target: Path) -> None:
     model.generation_config = GenerationConfig(
         eos_token_id=[ids["eos"], ids["im_end"]], pad_token_id=ids["pad"], bos_token_id=None
     )
-    model.save_pretrained(str(target), safe_serialization=True)
-    save_tokenizer(target, model_max_length=spec.max_position_embeddings)
-    provenance = {**_hash_inputs(spec), "hash": spec_hash(spec), "eos_token": EOS_TOKEN}
-    (target / SPEC_FILE).write_text(json.dumps(provenance, indent=2, sort_keys=True) + "\n")
+    needed = sum(p.numel() * p.element_size() for p in model.parameters())
+    kept = f"the cache's other models; the partial folder {target.name} is removed"
+    fix = f"free space there, or set {CACHE_ENV_VAR} to a folder on a larger filesystem, then run the command again"
+    with disk_guard(target.parent / f"{spec.name}-{spec_hash(spec)}", needed=needed, kept=kept, fix=fix):
+        model.save_pretrained(str(target), safe_serialization=True)
+        save_tokenizer(target, model_max_length=spec.max_position_embeddings)
+        provenance = {**_hash_inputs(spec), "hash": spec_hash(spec), "eos_token": EOS_TOKEN}
+        (target / SPEC_FILE).write_text(json.dumps(provenance, indent=2, sort_keys=True) + "\n")
 
 
 def tiny_model_path(kind: str = "dense", *, cache_dir: Path | None = None) -> Path:

@@ -64,8 +64,8 @@ import torch
 from rich.progress import Progress, TaskID
 
 from megatron_fp8.config.schema import RunConfig
-from megatron_fp8.errors import ConfigError, UsageError
-from megatron_fp8.files import write_atomically
+from megatron_fp8.errors import ConfigError, DiskFullError, UsageError
+from megatron_fp8.files import disk_error_kind, disk_guard, write_atomically
 from megatron_fp8.rl.algorithm.batch import Tokenizer, eos_and_pad
 from megatron_fp8.rl.cluster.distributed import (
     DataParallel,
@@ -92,6 +92,7 @@ from megatron_fp8.rl.state.checkpoint import CheckpointManager, config_fingerpri
 from megatron_fp8.rl.state.loggers import MetricsLogger, build_loggers, step_scalars
 from megatron_fp8.rl.state.outputs import (
     OUT_DIR_KEY,
+    OUT_FULL_FIX,
     checkpoints_inside,
     claim_out_dir,
     new_run_dir,
@@ -241,6 +242,10 @@ def run_grpo(
                 if torch.distributed.is_initialized():
                     torch.distributed.barrier()  # every rank stopped at the same point: none exits before the writer
             raise
+        except Exception as exc:  # a full disk: what this run kept, and how to rerun (resume, or start over)
+            if disk_error_kind(exc, out) is None:
+                raise
+            raise DiskFullError(f"{exc}; {_rerun_after_full_disk(out, checkpoints)}") from exc
         finally:
             loggers.close()
         summary_path = plot_path = None
@@ -328,6 +333,18 @@ def _refuse_overwrite_outside(checkpoints: dict[str, CheckpointManager], out: Pa
             "--overwrite does not remove; drop --overwrite to continue from them, or remove that folder (or set "
             "checkpointing.checkpoint_dir to another one) to start over"
         )
+
+
+def _rerun_after_full_disk(out: Path, checkpoints: dict[str, CheckpointManager]) -> str:
+    """What a run stopped by a full disk keeps in ``out`` and which rerun works: resume from a checkpoint, or
+    ``--overwrite`` (the folder holds this run's outputs, which a plain rerun refuses)."""
+    saved = {arm: done[-1] for arm, m in checkpoints.items() if (done := m.checkpoints())}
+    steps = sum(1 for r in report.read_metrics(out / METRICS_FILE)) if (out / METRICS_FILE).is_file() else 0
+    kept = f"{out} keeps the {steps} completed step record(s) in {METRICS_FILE}"
+    if saved:
+        where = ", ".join(f"{info.path} (arm {arm}, step {info.step + 1})" for arm, info in saved.items())
+        return f"{kept} and the checkpoints {where}; then run the same command again: it resumes from them"
+    return f"{kept} and no checkpoint; then rerun with --overwrite (it starts over in {out}) or with another --out"
 
 
 def _checkpoint_root(checkpoints: dict[str, CheckpointManager]) -> Path:
@@ -496,8 +513,10 @@ class _MetricsSink:
 
     def append(self, record: dict[str, object]) -> None:
         """Append one step record (flushed: a crash keeps every completed step)."""
-        self._file.write(json.dumps(record, sort_keys=False) + "\n")
-        self._file.flush()
+        line = json.dumps(record, sort_keys=False) + "\n"
+        with disk_guard(self.path, needed=len(line), kept="the lines of the steps before it", fix=OUT_FULL_FIX):
+            self._file.write(line)
+            self._file.flush()
 
     def drop_from(self, arm: str, first: int) -> None:
         """Remove ``arm``'s records of steps ``>= first`` (they are about to be redone), if any."""
@@ -566,8 +585,10 @@ def _validation_recorder(
             result.reward_mean,
         )
         if sink is not None:
-            sink.write(json.dumps(result.to_json_dict()) + "\n")
-            sink.flush()
+            line = json.dumps(result.to_json_dict()) + "\n"
+            with disk_guard(sink.name, needed=len(line), kept="the earlier validations", fix=OUT_FULL_FIX):
+                sink.write(line)
+                sink.flush()
             loggers.log_validation(
                 result.accuracy, step=result.step, arm=result.arm, extra={"reward_mean": result.reward_mean}
             )

@@ -17,6 +17,7 @@ from safetensors.torch import save_file
 
 from megatron_fp8.config.schema import RunConfig
 from megatron_fp8.errors import ConfigError
+from megatron_fp8.files import disk_guard
 from megatron_fp8.megatron import (
     MegatronModel,
     build_megatron_model,
@@ -28,6 +29,7 @@ from megatron_fp8.megatron import (
 from megatron_fp8.rl.algorithm.batch import Tokenizer, eos_and_pad, make_batch
 from megatron_fp8.rl.data.problems import ProblemSource
 from megatron_fp8.rl.driver.phases import quiet_stdout, rollout_dtype_stream, trainer_dtype
+from megatron_fp8.rl.state.outputs import OUT_FULL_FIX
 from megatron_fp8.rl.state.results import WARM_START_DIR
 from megatron_fp8.rollout.engines import Rollout
 
@@ -49,12 +51,18 @@ def save_hf_checkpoint(tensors: Mapping[str, torch.Tensor], source: Path, dest: 
     Returns:
         ``dest``.
     """
-    dest.mkdir(parents=True, exist_ok=True)
-    for f in source.iterdir():
-        if f.is_file() and not f.name.endswith((".safetensors", ".safetensors.index.json")):
-            shutil.copy2(f, dest / f.name)
     tmp = dest / "model.safetensors.tmp"
-    save_file({n: t.detach().contiguous() for n, t in tensors.items()}, str(tmp), metadata={"format": "pt"})
+    needed = sum(t.numel() * t.element_size() for t in tensors.values())
+    with disk_guard(dest / "model.safetensors", needed=needed, kept="no partial weights file", fix=OUT_FULL_FIX):
+        try:
+            dest.mkdir(parents=True, exist_ok=True)
+            for f in source.iterdir():
+                if f.is_file() and not f.name.endswith((".safetensors", ".safetensors.index.json")):
+                    shutil.copy2(f, dest / f.name)
+            save_file({n: t.detach().contiguous() for n, t in tensors.items()}, str(tmp), metadata={"format": "pt"})
+        except BaseException:
+            tmp.unlink(missing_ok=True)
+            raise
     tmp.replace(dest / "model.safetensors")
     return dest
 

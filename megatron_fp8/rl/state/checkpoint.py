@@ -47,6 +47,7 @@ import torch
 
 from megatron_fp8.config.schema import CheckpointingConfig, JSONValue, RunConfig
 from megatron_fp8.errors import ConfigError, MegatronFP8Error
+from megatron_fp8.files import DISK_ERRNOS, disk_error_kind, free_bytes
 from megatron_fp8.megatron import MegatronModel, export_hf_weights
 from megatron_fp8.rl.state.checkpoint_files import (
     FORMAT_VERSION,
@@ -102,29 +103,21 @@ class CheckpointError(MegatronFP8Error, RuntimeError):
     """A checkpoint could not be written or read (the message names the folder, the file and the rank)."""
 
 
-_FULL = "no space left"
-_DISK_ERRNOS = {errno.ENOSPC: _FULL, errno.EDQUOT: "disk quota exceeded", errno.EROFS: "read-only filesystem"}
-_NEARLY_FULL = 16 << 20
-"""Free bytes under which a failed write is taken for a full disk (torch's zip writer reports ENOSPC as a
-``RuntimeError``: "unexpected pos ...")."""
+_FULL = DISK_ERRNOS[errno.ENOSPC]
 
 
 def disk_problem(exc: BaseException, where: Path, *, needed: int) -> str | None:
-    """One line for a save that failed because the filesystem is full or read-only, ``None`` for other failures."""
-    kind = _DISK_ERRNOS.get(getattr(exc, "errno", None))  # type: ignore[arg-type]
-    try:
-        free = shutil.disk_usage(where).free
-    except OSError:
-        free = None
-    if kind is None and isinstance(exc, (OSError, RuntimeError)) and free is not None and free < _NEARLY_FULL:
-        kind = _FULL
+    """One line for a save that failed because the filesystem is full or read-only, ``None`` for other failures
+    (:func:`megatron_fp8.files.disk_error_kind`: safetensors' and torch's ways of saying so included)."""
+    kind = disk_error_kind(exc, where)
     if kind is None:
         return None
+    free = free_bytes(where)
     need = f"the last checkpoint took {needed} bytes" if needed else "no earlier checkpoint to size it by"
     return (
         f"{kind} on the filesystem of {where} ({free if free is not None else '?'} bytes free; {need}); the partial "
         "files were removed and the previous checkpoints are untouched: free space, or set "
-        "checkpointing.checkpoint_dir to a larger filesystem, then run the same command again"
+        "checkpointing.checkpoint_dir to a larger filesystem"
     )
 
 

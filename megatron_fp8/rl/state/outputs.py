@@ -52,6 +52,9 @@ unset)."""
 RUNS_ROOT = Path("out")
 """Where :func:`new_run_dir` puts a run's folder (relative to the working directory)."""
 
+OUT_FULL_FIX = "free space, or give an --out on a larger filesystem"
+"""What to do when a run's output folder fills its filesystem (the driver adds how to rerun: resume or start over)."""
+
 OUT_DIR_KEY = "out_dir"
 """The key of ``checkpoint.json``'s ``extra`` that names the run's output folder (absolute)."""
 
