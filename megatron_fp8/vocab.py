@@ -254,6 +254,8 @@ PREFIX_CACHE_RESETS: Final = MappingProxyType(
         "weights was then served with 0 cached tokens",
         "reset_unprobed": "the engine's prefix cache was emptied after the commit (not probed: verification off, or "
         "the probe prompt does not fit max_model_len)",
+        "slept": "the engine slept since its last version (vLLM's sleep empties the prefix cache and drops the KV "
+        "blocks): its prefix cache was emptied again after the commit, with no probe (its KV cache was still asleep)",
         "no_cache": "the engine keeps no KV blocks across requests (the reference engine; vLLM with "
         "enable_prefix_caching off): nothing to retire",
     }

@@ -253,6 +253,7 @@ class ColocatedSleep:
             return do_refit()
         step = "wake_up(['weights'])"
         try:
+            self._kv_asleep(True)
             self._wake("weights")
             self._set("weights_awake")
             step = "the refit"
@@ -261,6 +262,7 @@ class ColocatedSleep:
                 raise RefitError("the refit left the engine's applier not serving")
             step = "wake_up(['kv_cache'])"
             self._wake("kv_cache")
+            self._kv_asleep(False)
             self._set("kv_awake")
             step = "the KV-scale rewrite"
             self._rewrite_kv_scales()
@@ -270,6 +272,11 @@ class ColocatedSleep:
         self.not_serving_reason = None
         self._set("serving")
         return result
+
+    def _kv_asleep(self, asleep: bool) -> None:
+        """Tell an applier that probes the engine's prefix cache after a commit (vLLM's) whether its KV cache sleeps."""
+        if hasattr(self.applier.inner, "kv_cache_asleep"):
+            self.applier.inner.kv_cache_asleep = asleep
 
     def _rewrite_kv_scales(self) -> None:
         """Write :attr:`kv_host` into the woken engine and read it back byte for byte (level 2 lost them)."""

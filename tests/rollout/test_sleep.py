@@ -71,6 +71,14 @@ class LoggingApplier:
     def serving(self):
         return self.inner.serving
 
+    @property
+    def kv_cache_asleep(self):  # as vLLM's applier: no prefix-cache probe while the KV cache sleeps
+        return self.events[-1] == "kv_asleep:True"
+
+    @kv_cache_asleep.setter
+    def kv_cache_asleep(self, value):
+        self.events.append(f"kv_asleep:{value}")
+
     def begin(self, version, metas):
         self.events.append("begin")
         self.inner.begin(version, metas)
@@ -154,8 +162,10 @@ def test_order_and_level_2_losses_are_repaired(colocated):
     assert schedule.state == "asleep" and not engine.applier.serving
     stream = _stream(weights, manifest, seed=1)
     schedule.refit(lambda: refit.refit(iter(stream)))
-    assert events[: events.index("commit") + 1] == ["kv_read", "sleep:2", "wake_up:weights", "begin", "commit"]
-    assert events[events.index("commit") + 1 :] == ["wake_up:kv_cache", "kv_write", "kv_read"]
+    assert events[: events.index("commit") + 1] == [
+        "kv_read", "sleep:2", "kv_asleep:True", "wake_up:weights", "begin", "commit"
+    ]  # fmt: skip
+    assert events[events.index("commit") + 1 :] == ["wake_up:kv_cache", "kv_asleep:False", "kv_write", "kv_read"]
     assert schedule.control.calls == [
         SleepCall("sleep", level=2), SleepCall("wake_up", tags=("weights",)), SleepCall("wake_up", tags=("kv_cache",))
     ]  # fmt: skip
@@ -215,7 +225,8 @@ def test_failure_after_wake_up_weights_leaves_it_not_serving_until_a_clean_refit
         schedule.sleep()
     stream = _stream(weights, manifest, seed=5)
     schedule.refit(lambda: refit.refit(iter(stream)))
-    assert events.count("wake_up:weights") == 1 and events[-3:] == ["wake_up:kv_cache", "kv_write", "kv_read"]
+    assert events.count("wake_up:weights") == 1
+    assert events[-4:] == ["wake_up:kv_cache", "kv_asleep:False", "kv_write", "kv_read"]
     assert engine.generate(PROMPTS, **ARGS).token_ids == _awake_twin(weights, manifest, stream)
 
 

@@ -63,8 +63,9 @@ class RefitDone:
 
 def least_checked_prefix_cache(states: Sequence[str | None]) -> str:
     """The least checked of several engines' prefix-cache retirements (keys of
-    :data:`megatron_fp8.vocab.PREFIX_CACHE_RESETS`): ``reset_unprobed``, then ``reset``, then ``no_cache``."""
-    for state in ("reset_unprobed", "reset"):
+    :data:`megatron_fp8.vocab.PREFIX_CACHE_RESETS`): ``reset_unprobed``, then ``slept``, then ``reset``, then
+    ``no_cache``."""
+    for state in ("reset_unprobed", "slept", "reset"):
         if state in states:
             return state
     return "no_cache"

@@ -78,6 +78,9 @@ class VllmApplier:
             (the worst worker), and ``rollback_bytes``: host bytes kept to restore it.
         last_prefix_cache: how the last commit retired the prefix cache (a key of
             :data:`megatron_fp8.vocab.PREFIX_CACHE_RESETS`; ``None`` before the first commit).
+        kv_cache_asleep: set by the colocated sleep schedule (:mod:`megatron_fp8.rollout.sleep`) while the engine's
+            KV cache is given back: a commit then runs no probe request (it would run on unmapped KV memory), and
+            there is nothing to probe (vLLM's ``sleep`` empties the prefix cache and drops the KV blocks).
     """
 
     def __init__(
@@ -100,6 +103,7 @@ class VllmApplier:
         self.last_timings: dict[str, float] = {}
         self.last_unverified: tuple[str, ...] = ()
         self.last_prefix_cache: str | None = None
+        self.kv_cache_asleep = False
         self._stale_cache: str | None = None  # why blocks of an older version may still be cached
         self._caches = prefix_cache.cached_block_size(llm) is not None  # fixed for the engine's life
         self._probe = prefix_cache.probe_prompt(llm)
@@ -233,7 +237,7 @@ class VllmApplier:
         if self._stale_cache is not None:
             logger.info("prefix cache emptied: the engine may serve again once a version commits")
             self._stale_cache = None
-        if not self.verify_enabled or self._probe is None:
+        if not self.verify_enabled or self._probe is None or self.kv_cache_asleep:
             return None
         prefix_cache.cached_prompt_tokens(self.llm, self._probe)
         return self._probe
@@ -254,7 +258,7 @@ class VllmApplier:
         if prefix_cache.reset_prefix_cache(self.llm) is False:
             self._undo(version, "vLLM could not empty its prefix cache after the load (a request held KV blocks)")
         if probe is None:
-            return "reset_unprobed"
+            return "slept" if self.kv_cache_asleep else "reset_unprobed"
         cached = prefix_cache.cached_prompt_tokens(self.llm, probe)
         if cached:
             self._undo(
