@@ -212,7 +212,9 @@ def plan_memory(
             PhasePeak("refit", (("trainer weights", weights), ("gradients", grads), ("optimizer state", optim_gpu),
                                 ("refit bucket", bucket))),
         )  # fmt: skip
-        return MemoryPlan(phases, gpu_bytes, gpu_name, 0, False, optim_host)
+        return MemoryPlan(
+            phases=phases, gpu_bytes=gpu_bytes, gpu_name=gpu_name, sleep_level=0, offload=False, host_bytes=optim_host
+        )
     asleep = (("sleeping engine (assumed)", SLEEPING_ENGINE_BYTES),) if level else (("engine awake", budget),)
     kept = (("trainer weights", weights),) if offload else trainer
     phases = (
@@ -227,7 +229,9 @@ def plan_memory(
     )
     host = (optim if offload else optim_host) + (engine_weights if level == 1 else 0)
     assert tuple(p.phase for p in phases) == tuple(MEMORY_PHASES)
-    return MemoryPlan(phases, gpu_bytes, gpu_name, level, offload, host)
+    return MemoryPlan(
+        phases=phases, gpu_bytes=gpu_bytes, gpu_name=gpu_name, sleep_level=level, offload=offload, host_bytes=host
+    )
 
 
 def _replaced(obj: object, path: str, **changes: object) -> object:
