@@ -27,6 +27,7 @@ COMMANDS: dict[str, tuple[str, str]] = {  # name -> (module, one-line help)
     "grpo": ("megatron_fp8.cli.grpo", "GRPO with FP8 rollout: BF16 vs FP8 vs FP8+TIS arms"),
     "config": ("megatron_fp8.cli.config", "load, validate and print a run config"),
     "report": ("megatron_fp8.cli.report", "rebuild a run's summary.md and metrics.png from its metrics.jsonl"),
+    "launch": ("megatron_fp8.cli.launch", "torchrun -m megatron_fp8 COMMAND; a signal ends in one line, no traceback"),
 }
 
 EXIT_ERROR = 1
@@ -69,8 +70,13 @@ def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if not {"-v", "--verbose"} & set(argv):  # read by torch's C++ logging when torch loads (build_parser may load it)
         os.environ.setdefault("TORCH_CPP_LOG_LEVEL", "ERROR")
+    first = next((i for i, a in enumerate(argv) if a in COMMANDS), None)
+    passed_on = argv[first + 1 :] if first is not None and argv[first] == "launch" else None
+    argv = argv[: first + 1] if passed_on is not None and first is not None else argv  # launch: torchrun's options
     parser = build_parser(argv)
     args, extra = parser.parse_known_args(argv)
+    if passed_on is not None:
+        args.torchrun_args = passed_on
     # overrides may stand anywhere among the options: argparse takes the first run of them, the rest come back here
     if extra and hasattr(args, "overrides") and all("=" in e and not e.startswith("-") for e in extra):
         args.overrides = [*(args.overrides or []), *extra]

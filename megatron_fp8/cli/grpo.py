@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 import shlex
 import sys
 from pathlib import Path
@@ -141,7 +142,10 @@ def run(args: argparse.Namespace) -> int:
     try:
         paths = run_job(args)
     except RunStopped as stopped:
-        command = " ".join(shlex.quote(a) for a in ["megatron-fp8", *next_command(sys.argv[1:], stopped)])
+        from megatron_fp8.cli.launch import LAUNCH_ENV  # set by `megatron-fp8 launch` for the ranks it starts
+
+        prefix = os.environ.get(LAUNCH_ENV) or "megatron-fp8"
+        command = " ".join([prefix, *(shlex.quote(a) for a in next_command(sys.argv[1:], stopped))])
         print(f"megatron-fp8 grpo: {stop_message(stopped, command=command)}", file=sys.stderr)
         if stopped.reason == "SIGINT":
             return EXIT_INTERRUPTED
