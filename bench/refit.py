@@ -57,6 +57,7 @@ from dataclasses import asdict, dataclass, field, replace
 import _refit_device as dev
 import _refit_link as link_bench
 import torch
+from _refit_table import print_table
 
 from megatron_fp8.quant import quantize_blockwise
 from megatron_fp8.refit import CallableApplier, InProcTransport, RefitReceiver, RefitSender, default_bucket_bytes
@@ -376,43 +377,6 @@ def bench_tiny_model(*, transports: list[str], bucket_bytes: int, repeats: int, 
     }
 
 
-def _print_table(summary: dict) -> None:
-    from rich.console import Console
-    from rich.table import Table
-
-    p = summary["fp8_params"]
-    table = Table(title=f"refit: FP8 vs BF16 ({summary['what_ran']})")
-    cols = ("transport", "applier", "stream", "FP8-param bytes", "rest bytes", "buckets", "seconds", "GB/s")
-    for col in (*cols, "% of copy", "ops/bucket (send, recv)", "syncs/bucket"):
-        table.add_column(col, justify="left" if col in ("transport", "applier", "stream") else "right")
-    for r in summary["runs"]:
-        fp8_param_bytes = p["bf16_bytes"] if r["stream"] == "bf16" else p["fp8_plus_scale_bytes"]
-        ops = r.get("ops") or {}
-        snd, rcv = ops.get("sender", {}), ops.get("receiver", {})
-        table.add_row(
-            r["transport"],
-            r.get("applier", "noop"),
-            r["stream"],
-            f"{fp8_param_bytes / 1e6:,.2f} MB",
-            f"{summary['rest_bf16_bytes'] / 1e6:,.2f} MB",
-            str(r["num_buckets"]),
-            f"{r['seconds']:.3f}",
-            f"{r['gbps']:.2f}",
-            f"{r['pct_of_copy']:.1f}%" if r.get("pct_of_copy") is not None else "-",
-            f"{snd.get('compute_ops_per_bucket', 0):.1f}, {rcv.get('compute_ops_per_bucket', 0):.1f}" if ops else "-",
-            f"{snd.get('host_reads_per_bucket', 0):.1f}, {rcv.get('host_reads_per_bucket', 0):.1f}" if ops else "-",
-        )
-    console = Console(width=max(Console().width, 140))
-    console.print(table)
-    console.print(f"device copy bandwidth: {summary['copy_gbps']:.1f} GB/s read + written ({summary['device']})")
-    console.print(
-        f"FP8-param payload ratio (FP8 + scales) / BF16 = {p['payload_ratio']:.6f} "
-        f"(limit {MAX_FP8_RATIO}); quantization alone {p['quantize_seconds']:.3f}s"
-    )
-    for name, ratio in summary["time_ratio_fp8_over_bf16"].items():
-        console.print(f"time ratio FP8 / BF16 over {name}: {ratio:.3f}")
-
-
 def _stream_passes(runs: list[RunResult], stream: str, use_cuda: bool, appliers: list[str]) -> int:
     """How many times the stream was consumed by the timed runs (repeats, warm-ups, ``dict`` target specs)."""
     n = 0
@@ -593,7 +557,7 @@ def main(argv: list[str] | None = None) -> int:
             timeout=args.timeout,
             threads=threads,
         )
-    _print_table(summary)
+    print_table(summary, max_ratio=MAX_FP8_RATIO)
     if "tiny" in summary and "skipped" not in summary["tiny"]:
         t = summary["tiny"]
         print(
