@@ -42,7 +42,7 @@ def _run(*args: str) -> subprocess.CompletedProcess[str]:
 
 @pytest.mark.slow
 def test_readme_commands_in_order(tmp_path):
-    assert readme_commands() == ["doctor", "config", "manifest", "refit", "grpo", "report"]
+    assert readme_commands() == ["doctor", "config", "manifest", "refit", "grpo", "report", "launch"]
     out = tmp_path / "run"
 
     doctor = _run("doctor", "--json")
@@ -73,3 +73,6 @@ def test_readme_commands_in_order(tmp_path):
 
     report = _run("report", str(out))
     assert "rebuilt from 3 step(s) of 3 arm(s)" in report.stdout and "| bf16 |" in report.stdout
+
+    launched = _run("launch", "--nproc-per-node", "1", "config", "grpo.max_num_steps=3")  # torchrun -m megatron_fp8
+    assert "approved" in launched.stdout and "max_num_steps: 3" in launched.stdout
