@@ -189,6 +189,8 @@ class ColocatedSleep:
         applier: the engine's own applier (wrapped: refits go to :attr:`applier`).
         level: 1 or 2 (:func:`sleep_level_for`).
         kv_scales: the engine's FP8 KV-cache scales; ``None``: no FP8 KV cache (nothing to rewrite).
+        gives_memory_back: whether ``control`` really unmaps the engine's memory (vLLM's sleep mode); ``False`` (the
+            recording control): the applier is not told the KV cache sleeps, so it keeps probing its prefix cache.
 
     Attributes:
         state: a key of :data:`megatron_fp8.vocab.SLEEP_STATES`.
@@ -198,13 +200,20 @@ class ColocatedSleep:
     """
 
     def __init__(
-        self, *, control: SleepControl, applier: VerifyingApplier, level: int, kv_scales: KvScaleAccess | None
+        self,
+        *,
+        control: SleepControl,
+        applier: VerifyingApplier,
+        level: int,
+        kv_scales: KvScaleAccess | None,
+        gives_memory_back: bool = True,
     ):
         if level not in (1, 2):
             raise ConfigError(f"a sleeping engine sleeps at level 1 or 2, got {level!r}")
         self.control = control
         self.level = level
         self.kv_scales = kv_scales
+        self.gives_memory_back = gives_memory_back
         self.state = "serving"
         self.not_serving_reason: str | None = None
         self.asleep_tags: set[str] = set()
@@ -275,7 +284,7 @@ class ColocatedSleep:
 
     def _kv_asleep(self, asleep: bool) -> None:
         """Tell an applier that probes the engine's prefix cache after a commit (vLLM's) whether its KV cache sleeps."""
-        if hasattr(self.applier.inner, "kv_cache_asleep"):
+        if self.gives_memory_back and hasattr(self.applier.inner, "kv_cache_asleep"):
             self.applier.inner.kv_cache_asleep = asleep
 
     def _rewrite_kv_scales(self) -> None:

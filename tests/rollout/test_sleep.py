@@ -175,6 +175,18 @@ def test_order_and_level_2_losses_are_repaired(colocated):
     assert engine.generate(PROMPTS, **ARGS).token_ids == _awake_twin(weights, manifest, stream)
 
 
+def test_a_control_that_gives_nothing_back_leaves_the_prefix_cache_probe_on(colocated):
+    engine, _, _, events, weights, manifest = colocated
+    plain = _engine()
+    logged = LoggingApplier(plain.applier, events)
+    schedule = ColocatedSleep(
+        control=RecordingSleepControl(), applier=logged, level=2, kv_scales=None, gives_memory_back=False
+    )
+    schedule.sleep()
+    schedule.refit(lambda: ColocatedRefit(schedule.applier, timeout=30).refit(iter(_stream(weights, manifest, seed=9))))
+    assert not any(e.startswith("kv_asleep") for e in events) and schedule.state == "serving"
+
+
 def test_fixed_kv_scales_are_rewritten_when_the_refit_carries_none(colocated):
     engine, schedule, refit, events, weights, manifest = colocated
     fixed = ReferenceKvScales(engine.engine).read()

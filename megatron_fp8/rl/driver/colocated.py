@@ -96,7 +96,9 @@ def colocated_memory(
             level,
         )
     kv = engine.kv_scale_access() if hasattr(engine, "kv_scale_access") else None
-    schedule = ColocatedSleep(control=control, applier=engine.applier, level=level, kv_scales=kv)
+    schedule = ColocatedSleep(
+        control=control, applier=engine.applier, level=level, kv_scales=kv, gives_memory_back=own is not None
+    )
     engine.applier = schedule.applier
     offload = TrainerOffload(model.model, optimizer) if trainer_offloads(config) else None
     return PhaseMemory(sleep=schedule, offload=offload, for_logprob=config.policy.offload_optimizer_for_logprob)

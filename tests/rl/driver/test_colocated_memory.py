@@ -47,6 +47,7 @@ def test_hooks_in_run_step_order(trainer, for_logprob):
     assert memory is not None and engine.applier is memory.sleep.applier  # refits go through the schedule
     control = memory.sleep.control
     assert isinstance(control, RecordingSleepControl) and memory.sleep.level == 2
+    assert not memory.sleep.gives_memory_back  # vLLM's applier keeps probing its prefix cache: nothing was unmapped
 
     memory.before_generation()
     assert memory.offload.offloaded
