@@ -203,7 +203,7 @@ def test_hub_id_in_the_cache_resolves_without_network(monkeypatch, tmp_path):
 
 
 def test_missing_relative_path_is_not_sent_to_the_hub(tmp_path):
-    with pytest.raises(ConfigError, match="nor a Hugging Face id"):
+    with pytest.raises(ConfigError, match="does not exist"):
         resolve_model(str(tmp_path / "no" / "such" / "dir"))
-    with pytest.raises(ConfigError, match="nor a Hugging Face id"):
+    with pytest.raises(ConfigError, match="does not exist"):
         resolve_model("./not-here/model")
