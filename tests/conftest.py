@@ -24,6 +24,7 @@ import importlib.metadata
 import logging
 import os
 import re
+import sys
 from pathlib import Path
 
 import pytest
@@ -32,6 +33,8 @@ from packaging.specifiers import InvalidSpecifier, SpecifierSet
 from packaging.version import Version
 
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # the suite's helper modules (``import _warm_cli``)
+import _warm_cli
 
 REPO = Path(__file__).resolve().parents[1]
 REQUIRE_CUDA_ENV = "MFP8_REQUIRE_CUDA"
@@ -259,3 +262,10 @@ def pytest_sessionfinish(session, exitstatus):
     xml.add_global_property("gpu_tests_skipped", _GPU_COUNTS["skipped"])
     xml.add_global_property("cuda_available", str(torch.cuda.is_available()).lower())
     xml.add_global_property("vllm_version", installed_vllm() or "absent")
+
+
+@pytest.fixture(scope="session")
+def warm_cli():
+    """``megatron-fp8`` commands as forks of a process that imported the heavy packages once (tests/_warm_cli.py):
+    ``warm_cli.run(argv, env=..., cwd=..., nprocs=...)`` returns a ``subprocess.CompletedProcess``."""
+    return _warm_cli.shared()

@@ -15,6 +15,7 @@ import sys
 import time
 from pathlib import Path
 
+import _warm_cli
 import pytest
 
 from megatron_fp8.rl.state.outputs import RUN_OUTPUTS, claim_out_dir, rebuild_outputs
@@ -24,7 +25,8 @@ CLI = [sys.executable, "-m", "megatron_fp8.cli"]
 
 
 def _cli(*args: str, timeout: float = 300) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([*CLI, *args], capture_output=True, text=True, timeout=timeout, check=False)
+    """``megatron-fp8 *args`` in a process of its own (the suite's warm launcher, tests/_warm_cli.py)."""
+    return _warm_cli.run(list(args), timeout=timeout)
 
 
 def _snapshot(folder: Path) -> dict[str, bytes]:

@@ -9,6 +9,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import _warm_cli
 import pytest
 
 from megatron_fp8.config import load_config
@@ -17,9 +18,15 @@ from megatron_fp8.files import write_atomically
 REPO = Path(__file__).resolve().parents[2]
 
 
-def _cli(*args: str, cwd: Path = REPO, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
+def _cli(
+    *args: str, cwd: Path = REPO, env: dict[str, str] | None = None, fresh: bool = False
+) -> subprocess.CompletedProcess:
+    """``megatron-fp8 *args`` in a process of its own: forked by the suite's warm launcher (tests/_warm_cli.py), or
+    with ``fresh`` a new interpreter (what shows import-time output: third-party noise)."""
     launch = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MEGATRON_FP8_CACHE")
     environ = {k: v for k, v in os.environ.items() if k not in launch} | (env or {})
+    if not fresh:
+        return _warm_cli.run(list(args), cwd=cwd, env=environ, timeout=300)
     return subprocess.run(
         [sys.executable, "-m", "megatron_fp8.cli", *args],
         cwd=cwd,
@@ -125,10 +132,10 @@ def test_refit_and_manifest_refresh_show_progress_and_no_third_party_noise(tmp_p
     of torch/vLLM, no Python warning (issue 21, item 6)."""
     noise = ("number of parameters", "Loading", "NUMA", "Warning:", "UserWarning", "it/s]")
     env = {"MEGATRON_FP8_CACHE": str(tmp_path / "cache")}
-    manifest = _cli("manifest", "--model", "tiny", "--refresh", env=env)
+    manifest = _cli("manifest", "--model", "tiny", "--refresh", env=env, fresh=True)
     assert manifest.returncode == 0, manifest.stderr[-3000:]
     assert "building vLLM" in manifest.stderr and "in FP8" in manifest.stderr
-    refit = _cli("refit", "--model", "tiny", "--repeats", "1", env=env)
+    refit = _cli("refit", "--model", "tiny", "--repeats", "1", env=env, fresh=True)
     assert refit.returncode == 0, refit.stderr[-3000:]
     assert (
         "building the Megatron-Core model" in refit.stderr and "FP8 refit(s) in process, verified: done" in refit.stderr
@@ -136,5 +143,5 @@ def test_refit_and_manifest_refresh_show_progress_and_no_third_party_noise(tmp_p
     for proc in (manifest, refit):
         output = proc.stdout + proc.stderr
         assert not [n for n in noise if n in output], output[-3000:]
-    verbose = _cli("-v", "refit", "--model", "tiny", "--repeats", "1", env=env)
+    verbose = _cli("-v", "refit", "--model", "tiny", "--repeats", "1", env=env, fresh=True)
     assert "number of parameters" in verbose.stdout + verbose.stderr  # -v shows the Megatron stack's own output

@@ -4,18 +4,17 @@ from __future__ import annotations
 
 import json
 import subprocess
-import sys
 from pathlib import Path
 
+import _warm_cli
 import yaml
 
 ROOT = Path(__file__).resolve().parents[2]
 
 
 def _run(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run(
-        [sys.executable, "-m", "megatron_fp8.cli", "config", *args], capture_output=True, text=True, timeout=120
-    )
+    """``megatron-fp8 config *args`` in a process of its own (the suite's warm launcher, tests/_warm_cli.py)."""
+    return _warm_cli.run(["config", *args], timeout=120)
 
 
 def test_config_json_with_override():

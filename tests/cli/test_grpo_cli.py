@@ -3,9 +3,8 @@
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 
+import _warm_cli
 import pytest
 
 from megatron_fp8.rl.algorithm.metrics import METRIC_KEYS
@@ -32,9 +31,6 @@ REQUIRED_KEYS = {
 def test_grpo_cli_two_steps(tmp_path):
     out = tmp_path / "run"
     cmd = [
-        sys.executable,
-        "-m",
-        "megatron_fp8.cli",
         "grpo",
         "--steps",
         "2",
@@ -45,7 +41,7 @@ def test_grpo_cli_two_steps(tmp_path):
         "grpo.num_generations_per_prompt=2",
         "grpo.warm_start_steps=1",
     ]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600, check=False)
+    proc = _warm_cli.run(cmd, timeout=600)  # a process of its own, forked by the suite's warm launcher
     assert proc.returncode == 0, proc.stderr[-4000:]
     assert "summary:" in proc.stdout
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]

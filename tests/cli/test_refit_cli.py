@@ -3,9 +3,8 @@
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 
+import _warm_cli
 import pytest
 
 pytestmark = [pytest.mark.slow, pytest.mark.megatron, pytest.mark.vllm]
@@ -13,11 +12,8 @@ pytestmark = [pytest.mark.slow, pytest.mark.megatron, pytest.mark.vllm]
 
 @pytest.mark.parametrize("transport", ["inproc", "gloo"])
 def test_refit_cli_json(transport, tmp_path):
-    proc = subprocess.run(
+    proc = _warm_cli.run(  # a process of its own, forked by the suite's warm launcher
         [
-            sys.executable,
-            "-m",
-            "megatron_fp8.cli",
             "refit",
             "--model",
             "tiny",
@@ -28,8 +24,6 @@ def test_refit_cli_json(transport, tmp_path):
             transport,
             "--json",
         ],
-        capture_output=True,
-        text=True,
         timeout=600,
     )
     assert proc.returncode == 0, proc.stderr[-3000:]

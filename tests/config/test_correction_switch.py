@@ -13,6 +13,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import _warm_cli
 import pytest
 
 from megatron_fp8.config import load_config
@@ -25,7 +26,8 @@ KEY = "loss_fn.use_importance_sampling_correction"
 
 
 def _config_cli(*args: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([*CLI, "config", *args], capture_output=True, text=True, timeout=300, check=False)
+    """``megatron-fp8 config *args`` in a process of its own (the suite's warm launcher, tests/_warm_cli.py)."""
+    return _warm_cli.run(["config", *args], timeout=300)
 
 
 def test_the_default_keeps_its_three_arms_and_the_arms_decide():
@@ -116,9 +118,9 @@ def test_a_cap_below_one_is_warned_with_what_it_truncates(caplog):
 def test_a_run_corrects_the_bf16_arm_when_the_key_says_so(tmp_path):
     """The step itself follows the key: a BF16 rollout with the correction on puts the weights in its loss."""
     out = tmp_path / "run"
-    cmd = [*CLI, "grpo", "--steps", "1", "--out", str(out), "--no-progress", f"{KEY}=true", "grpo.arms=[bf16]"]
+    cmd = ["grpo", "--steps", "1", "--out", str(out), "--no-progress", f"{KEY}=true", "grpo.arms=[bf16]"]
     cmd += ["grpo.num_prompts_per_step=2", "grpo.num_generations_per_prompt=2", "grpo.warm_start_steps=0"]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600, check=False)
+    proc = _warm_cli.run(cmd, timeout=600)
     assert proc.returncode == 0, proc.stderr[-4000:]
     (row,) = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     assert row["arm"] == "bf16" and row["is_applied"] is True

@@ -8,10 +8,9 @@ from __future__ import annotations
 import json
 import logging
 import math
-import subprocess
-import sys
 from pathlib import Path
 
+import _warm_cli
 import pytest
 import yaml
 
@@ -63,10 +62,8 @@ def test_nemo_rls_8b_fp8_file_with_openmathinstruct2_staged_is_approved_with_nem
     """The done-when of issue 38: NeMo-RL's 8B FP8 file, only data.train.data_path set, `config` approves it with
     OpenMathInstruct-2's columns, 5% held out for validation (seed grpo.seed) and NeMo-RL's cot prompt."""
     staged = _omi2(tmp_path / "openmathinstruct2_train_1M.jsonl")
-    proc = subprocess.run(
-        [sys.executable, "-m", "megatron_fp8.cli", "config", "--config", str(FP8_8B), f"data.train.data_path={staged}"],
-        capture_output=True,
-        text=True,
+    proc = _warm_cli.run(
+        ["config", "--config", str(FP8_8B), f"data.train.data_path={staged}"],
         timeout=300,
         cwd=tmp_path,  # no examples/prompts/cot.txt here: NeMo-RL's text is used
     )

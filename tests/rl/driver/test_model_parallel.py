@@ -1,5 +1,5 @@
-"""Issue 27: GRPO with Megatron-Core tensor and pipeline parallelism and the distributed optimizer, under torchrun
-with gloo, on the embedded tiny model.
+"""Issue 27: GRPO with Megatron-Core tensor and pipeline parallelism and the distributed optimizer, over gloo, on the
+embedded tiny model.
 
 Each layout runs the real ``megatron-fp8 grpo`` command (BF16 and FP8 arms, 2 steps, tensorwise training
 recipe, NeMo-RL's KL penalty to the reference policy and leave-one-out baseline) and is compared with the run that
@@ -25,8 +25,10 @@ weights the reference run's engine did (each TP rank refits its own colocated en
 ``refit_*_bytes`` in ``metrics.jsonl`` count every engine, so they are TP x the reference's per replica).
 
 The exact equalities (rewards, samples) hold between runs computing alike: every run here, the one-process
-reference included, is a subprocess started by ``_grpo`` with ``OMP_NUM_THREADS=1``, so each engine's CPU GEMMs
-sum in the same order; a reference computed in the pytest process (its default thread count) would not be one.
+reference included, is a process of its own forked by the suite's warm launcher (tests/_warm_cli.py: each rank gets
+torchrun's worker environment, ``RANK``/``WORLD_SIZE``/``MASTER_PORT``..., and ``OMP_NUM_THREADS=1``), so each
+engine's CPU GEMMs sum in the same order; a reference computed in the pytest process (its default thread count)
+would not be one. torchrun itself launches the sharded-rollout layouts (tests/rl/driver/test_sharded_rollout.py).
 """
 
 from __future__ import annotations
@@ -60,17 +62,13 @@ ABS_KL, REL_KL = 1e-7, 1e-2
 ~1e-2 each, so last-bit differences of the weights after an update move it by ~1e-7 absolute, < 1% relative."""
 
 
-def _grpo(out: Path, processes: int, *overrides: str, steps: int = 2, check: bool = True) -> list[dict]:
+def _grpo(cli, out: Path, processes: int, *overrides: str, steps: int = 2, check: bool = True) -> list[dict]:
+    """``megatron-fp8 grpo`` on ``processes`` ranks (torchrun's worker environment; ``cli`` is the suite's warm
+    launcher, tests/_warm_cli.py: each rank its own process, forked after the imports)."""
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "MFP8_ROLE", "ROLLOUT_TASKS")}
     env["OMP_NUM_THREADS"] = "1"
-    grpo = [sys.executable, "-m", "megatron_fp8.cli", "grpo", "--out", str(out), "--steps", str(steps), *COMMON]
-    grpo += list(overrides)
-    if processes > 1:
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={processes}"]
-        cmd += ["-m", "megatron_fp8.cli", *grpo[3:]]
-    else:
-        cmd = grpo
-    proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
+    argv = ["grpo", "--out", str(out), "--steps", str(steps), *COMMON, *overrides]
+    proc = cli.run(argv, cwd=REPO, env=env, nprocs=processes, timeout=600)
     if not check:
         assert proc.returncode != 0
         return [{"stderr": proc.stderr}]
@@ -101,58 +99,60 @@ def _assert_same_run(got: list[dict], ref: list[dict], *, engines_per_replica: i
 
 
 @pytest.fixture(scope="module")
-def one_process(tmp_path_factory) -> list[dict]:
-    return _grpo(tmp_path_factory.mktemp("tp1") / "out", 1)
+def one_process(tmp_path_factory, warm_cli) -> list[dict]:
+    return _grpo(warm_cli, tmp_path_factory.mktemp("tp1") / "out", 1)
 
 
 @pytest.fixture(scope="module")
-def data_parallel_2(tmp_path_factory) -> list[dict]:
-    return _grpo(tmp_path_factory.mktemp("dp2") / "out", 2)
+def data_parallel_2(tmp_path_factory, warm_cli) -> list[dict]:
+    return _grpo(warm_cli, tmp_path_factory.mktemp("dp2") / "out", 2)
 
 
-def test_tensor_parallel_2_equals_one_process(tmp_path, one_process):
-    got = _grpo(tmp_path / "tp2", 2, "policy.megatron_cfg.tensor_model_parallel_size=2")
+def test_tensor_parallel_2_equals_one_process(tmp_path, one_process, warm_cli):
+    got = _grpo(warm_cli, tmp_path / "tp2", 2, "policy.megatron_cfg.tensor_model_parallel_size=2")
     _assert_same_run(got, one_process, engines_per_replica=2)
 
 
-def test_micro_batches_accumulate_to_the_whole_batch_update(tmp_path, one_process):
+def test_micro_batches_accumulate_to_the_whole_batch_update(tmp_path, one_process, warm_cli):
     """``policy.train_micro_batch_size`` (NeMo-RL's key): 3 sequences per forward/backward, gradients
     accumulated, one update per step; ``policy.logprob_batch_size``: the trainer scores the rollout 5 sequences
     per forward. The same run as the whole batch at once (float32 sums in another order)."""
-    got = _grpo(tmp_path / "micro3", 1, "policy.train_micro_batch_size=3", "policy.logprob_batch_size=5")
+    got = _grpo(warm_cli, tmp_path / "micro3", 1, "policy.train_micro_batch_size=3", "policy.logprob_batch_size=5")
     _assert_same_run(got, one_process, engines_per_replica=1)
 
 
-def test_tensor_parallel_2_by_data_parallel_2_equals_data_parallel_2(tmp_path, data_parallel_2):
-    got = _grpo(tmp_path / "tp2dp2", 4, "policy.megatron_cfg.tensor_model_parallel_size=2")
+def test_tensor_parallel_2_by_data_parallel_2_equals_data_parallel_2(tmp_path, data_parallel_2, warm_cli):
+    got = _grpo(warm_cli, tmp_path / "tp2dp2", 4, "policy.megatron_cfg.tensor_model_parallel_size=2")
     _assert_same_run(got, data_parallel_2, engines_per_replica=2)
 
 
 PP2 = ("policy.megatron_cfg.pipeline_model_parallel_size=2", "policy.train_micro_batch_size=16")
 
 
-def test_pipeline_parallel_2_equals_one_process(tmp_path, one_process):
+def test_pipeline_parallel_2_equals_one_process(tmp_path, one_process, warm_cli):
     """Two stages, each its own colocated engine refit with the whole model (the bridge broadcasts each stage's
     layers); 4 micro-batches of 16 per update through the 1F1B schedule, the old policy scored 32 rows per
     forward-only micro-batch, log-probabilities broadcast from the last stage."""
-    got = _grpo(tmp_path / "pp2", 2, *PP2, "policy.logprob_batch_size=32")
+    got = _grpo(warm_cli, tmp_path / "pp2", 2, *PP2, "policy.logprob_batch_size=32")
     _assert_same_run(got, one_process, engines_per_replica=2)
 
 
-def test_pipeline_parallel_2_by_data_parallel_2_equals_data_parallel_2(tmp_path, data_parallel_2):
-    got = _grpo(tmp_path / "pp2dp2", 4, *PP2)
+def test_pipeline_parallel_2_by_data_parallel_2_equals_data_parallel_2(tmp_path, data_parallel_2, warm_cli):
+    got = _grpo(warm_cli, tmp_path / "pp2dp2", 4, *PP2)
     _assert_same_run(got, data_parallel_2, engines_per_replica=2)
 
 
-def test_pipeline_checkpoint_resumes_exactly_and_another_layout_is_refused(tmp_path):
+def test_pipeline_checkpoint_resumes_exactly_and_another_layout_is_refused(tmp_path, warm_cli):
     """PP=2 with the distributed optimizer: 1 step, a checkpoint per stage, then a rerun to 2 steps resumes and its
     second step equals the uninterrupted run's exactly; the same checkpoint under TP=2 is refused by name."""
     ckpt = ("checkpointing.enabled=true", "checkpointing.save_period=1")
     zero1 = "policy.megatron_cfg.optimizer.use_distributed_optimizer=true"
-    whole = _grpo(tmp_path / "whole", 2, *PP2, zero1, *ckpt, f"checkpointing.checkpoint_dir={tmp_path / 'c1'}")
+    whole = _grpo(
+        warm_cli, tmp_path / "whole", 2, *PP2, zero1, *ckpt, f"checkpointing.checkpoint_dir={tmp_path / 'c1'}"
+    )
     resumed_dir = f"checkpointing.checkpoint_dir={tmp_path / 'c2'}"
-    _grpo(tmp_path / "split", 2, *PP2, zero1, *ckpt, resumed_dir, steps=1)
-    split = _grpo(tmp_path / "split", 2, *PP2, zero1, *ckpt, resumed_dir)
+    _grpo(warm_cli, tmp_path / "split", 2, *PP2, zero1, *ckpt, resumed_dir, steps=1)
+    split = _grpo(warm_cli, tmp_path / "split", 2, *PP2, zero1, *ckpt, resumed_dir)
     keys = ("arm", "step", "reward_mean", "sample", "loss", "grad_norm", "gen_kl", "refit_fp8_bytes")
 
     def rows(run: list[dict]) -> list[dict]:
@@ -160,14 +160,16 @@ def test_pipeline_checkpoint_resumes_exactly_and_another_layout_is_refused(tmp_p
 
     assert rows(split) == rows(whole) and len(whole) == 4
     other = ("policy.megatron_cfg.tensor_model_parallel_size=2", "policy.train_micro_batch_size=16")
-    refused = _grpo(tmp_path / "split", 2, *other, zero1, *ckpt, resumed_dir, steps=3, check=False)[0]["stderr"]
+    refused = _grpo(warm_cli, tmp_path / "split", 2, *other, zero1, *ckpt, resumed_dir, steps=3, check=False)[0][
+        "stderr"
+    ]
     assert "pipeline_model_parallel_size" in refused and "tensor_model_parallel_size" in refused
 
 
-def test_distributed_optimizer_is_the_unsharded_run_bit_for_bit(tmp_path, data_parallel_2):
+def test_distributed_optimizer_is_the_unsharded_run_bit_for_bit(tmp_path, data_parallel_2, warm_cli):
     """Each replica keeps the FP32 main weights and moments of half the elements; AdamW is element-wise, the
     gradient norm global, so every metric equals the unsharded run exactly."""
-    got = _grpo(tmp_path / "zero1", 2, "policy.megatron_cfg.optimizer.use_distributed_optimizer=true")
+    got = _grpo(warm_cli, tmp_path / "zero1", 2, "policy.megatron_cfg.optimizer.use_distributed_optimizer=true")
     keys = ("reward_mean", "sample", "loss", "grad_norm", "gen_kl", "refit_fp8_bytes", "refit_bf16_bytes")
     assert [{k: r[k] for k in keys} for r in got] == [{k: r[k] for k in keys} for r in data_parallel_2]
 
@@ -175,24 +177,24 @@ def test_distributed_optimizer_is_the_unsharded_run_bit_for_bit(tmp_path, data_p
 MOE = ("model.name_or_path=tiny-moe", "checkpointing.enabled=false")
 
 
-def test_expert_parallel_2_equals_data_parallel_2_on_the_moe_model(tmp_path):
+def test_expert_parallel_2_equals_data_parallel_2_on_the_moe_model(tmp_path, warm_cli):
     """The same two replicas, their experts split over them: every step equals the run that keeps all 4 experts on
     each rank (MoE batches are padded to one length over the replicas in both runs)."""
-    ref = _grpo(tmp_path / "moe_dp2", 2, *MOE)
-    got = _grpo(tmp_path / "moe_ep2", 2, *MOE, "policy.megatron_cfg.expert_model_parallel_size=2")
+    ref = _grpo(warm_cli, tmp_path / "moe_dp2", 2, *MOE)
+    got = _grpo(warm_cli, tmp_path / "moe_ep2", 2, *MOE, "policy.megatron_cfg.expert_model_parallel_size=2")
     _assert_same_run(got, ref, engines_per_replica=1)
 
 
-def test_expert_parallel_checkpoint_resumes_exactly(tmp_path):
+def test_expert_parallel_checkpoint_resumes_exactly(tmp_path, warm_cli):
     """EP=2: each expert-parallel rank writes its own shard (its experts); 1 step + resume equals 2 steps."""
     moe = ("model.name_or_path=tiny-moe", "policy.megatron_cfg.expert_model_parallel_size=2")
     ckpt = ("checkpointing.enabled=true", "checkpointing.save_period=1")
-    whole = _grpo(tmp_path / "whole", 2, *moe, *ckpt, f"checkpointing.checkpoint_dir={tmp_path / 'c1'}")
+    whole = _grpo(warm_cli, tmp_path / "whole", 2, *moe, *ckpt, f"checkpointing.checkpoint_dir={tmp_path / 'c1'}")
     again = f"checkpointing.checkpoint_dir={tmp_path / 'c2'}"
-    _grpo(tmp_path / "split", 2, *moe, *ckpt, again, steps=1)
+    _grpo(warm_cli, tmp_path / "split", 2, *moe, *ckpt, again, steps=1)
     files = {p.name for p in (tmp_path / "c2" / "fp8" / "step_0").iterdir()}
     assert {"model_tp00_pp00_ep00.pt", "model_tp00_pp00_ep01.pt", "optim_tp00_pp00_ep01.pt"} <= files, files
-    split = _grpo(tmp_path / "split", 2, *moe, *ckpt, again)
+    split = _grpo(warm_cli, tmp_path / "split", 2, *moe, *ckpt, again)
     keys = ("arm", "step", "reward_mean", "sample", "loss", "grad_norm", "gen_kl", "refit_fp8_bytes")
 
     def rows(run: list[dict]) -> list[dict]:
@@ -234,12 +236,14 @@ def test_uneven_micro_batches_are_refused_under_pipeline_parallelism(monkeypatch
         schedule.micro_batches(10, 4, what="k")
 
 
-def test_global_batch_splits_a_step_into_updates_and_micro_batches_stay_exact(tmp_path, one_process):
+def test_global_batch_splits_a_step_into_updates_and_micro_batches_stay_exact(tmp_path, one_process, warm_cli):
     """``policy.train_global_batch_size`` (NeMo-RL's key): the step's samples as updates of 16, each seeing
     the policy the previous one left (the PPO ratio moves: approx KL > 0 at the second update); micro-batches
     of 4 inside them give the same run."""
-    whole = _grpo(tmp_path / "g16", 1, "policy.train_global_batch_size=16")
-    micro = _grpo(tmp_path / "g16m4", 1, "policy.train_global_batch_size=16", "policy.train_micro_batch_size=4")
+    whole = _grpo(warm_cli, tmp_path / "g16", 1, "policy.train_global_batch_size=16")
+    micro = _grpo(
+        warm_cli, tmp_path / "g16m4", 1, "policy.train_global_batch_size=16", "policy.train_micro_batch_size=4"
+    )
     for g, r in zip(whole, one_process, strict=True):
         assert g["reward_mean"] == r["reward_mean"] or g["step"] > 0  # step 0 samples before any update
         assert r["ppo_approx_kl"] == 0.0 and g["ppo_approx_kl"] > 0.0  # one update vs a second on moved weights

@@ -7,6 +7,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import _warm_cli
 import pytest
 import torch
 from safetensors.torch import load_file, save_file
@@ -22,7 +23,9 @@ CLI = [sys.executable, "-m", "megatron_fp8.cli"]
 
 
 def _cli(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([*CLI, *args], capture_output=True, text=True, timeout=300, check=False, env=env)
+    """``megatron-fp8 *args`` in a process of its own (the suite's warm launcher, tests/_warm_cli.py; a fresh
+    interpreter where ``env`` changes what a library reads at import, e.g. ``HF_HUB_OFFLINE``)."""
+    return _warm_cli.run(list(args), env=env, timeout=300)
 
 
 def _write(path: Path, text: str) -> Path:

@@ -1,0 +1,290 @@
+"""A warm ``megatron-fp8`` launcher for the test suite: the interpreter start-up is paid once, not per command.
+
+A command of this project spends most of its test-time wall clock importing torch, transformers, Megatron-Core and
+Megatron-Bridge (~15 s of one core on the 2-core CI machine; the work of a tiny-model GRPO run is ~5 s). The suite
+runs the real CLI a few hundred times, as separate processes. This module keeps one *zygote* per thread setting: a
+process that has imported those packages and then only waits; each command is a ``fork()`` of it that calls
+:func:`megatron_fp8.cli.main` with the command's argv, environment, working directory and its own stdout/stderr, and
+exits with its exit code. Every command still runs in a process of its own (its signal handlers, its
+``torch.distributed`` world, its exit code), from the same start state (the zygote only imported; it never ran a
+command, a thread pool or a process group).
+
+``nprocs > 1`` forks that many ranks with the environment ``torchrun --standalone`` gives its workers (``RANK``,
+``LOCAL_RANK``, ``WORLD_SIZE``, ``LOCAL_WORLD_SIZE``, ``GROUP_RANK``, ``MASTER_ADDR``, ``MASTER_PORT``,
+``TORCHELASTIC_RUN_ID``); like torchrun, the first rank that fails stops the others (SIGTERM) and the launch exits 1;
+the ranks share one stdout and one stderr. What it does not replace, and where the real launcher stays in the suite:
+the entry points themselves (``python -m megatron_fp8``, the console script: tests/cli/test_entry_points.py),
+import-time noise (tests/cli/test_cli_behaviour.py), torchrun's own signal forwarding (tests/rl/driver/
+test_stopping.py), the sharded-rollout layouts (tests/rl/driver/test_sharded_rollout.py) and Slurm's srun
+(tests/slurm). Environment variables that a library reads when it is imported (``OMP_NUM_THREADS`` for libgomp's
+pool, ``HF_HUB_OFFLINE``/``HF_HOME`` for huggingface_hub's constants) are taken at zygote start: a zygote is kept
+per ``OMP_NUM_THREADS`` value, and a command whose environment differs from its zygote's in
+:data:`IMPORT_TIME_ENV` runs as a plain subprocess instead.
+
+Run as a script, this file is the zygote (its protocol: one JSON request per stdin line, one JSON reply per line).
+"""
+
+from __future__ import annotations
+
+import atexit
+import json
+import os
+import select
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+import traceback
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+IMPORT_TIME_ENV = ("OMP_NUM_THREADS", "HF_HUB_OFFLINE", "HF_HOME", "TRANSFORMERS_OFFLINE", "TORCH_CPP_LOG_LEVEL")
+"""Variables read when a library is imported: a command whose values differ from its zygote's is not forked."""
+_CLI_MAIN = str(REPO / "megatron_fp8" / "cli" / "__main__.py")
+
+
+# ----------------------------------------------------------------------------------------------- the zygote side
+def _preload() -> None:
+    """Import what every heavy command imports (before any fork: nothing runs, no thread pool starts)."""
+    import megatron.core  # noqa: F401
+    import torch  # noqa: F401
+    import transformers  # noqa: F401
+
+    import bridge_mappings.adapter as adapter
+    import megatron_fp8.cli
+    from megatron_fp8.cli import COMMANDS
+
+    adapter.import_bridge()  # Megatron-Bridge with the project's patches applied (idempotent, as at a run's entry)
+    for name in ("config", "grpo", "refit", "manifest", "report", "doctor"):
+        megatron_fp8.cli._load(name)
+    assert set(COMMANDS) >= {"config", "grpo"}
+    import megatron_fp8.rl.driver.grpo
+    import megatron_fp8.rl.driver.runtime
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _run_command(argv: list[str], env: dict[str, str], cwd: str, out: str, err: str) -> None:
+    """In a forked child: become the command (fds, cwd, environment, signals), run it, exit with its code."""
+    try:
+        fd_in = os.open(os.devnull, os.O_RDONLY)
+        fd_out = os.open(out, os.O_WRONLY | os.O_APPEND)
+        fd_err = os.open(err, os.O_WRONLY | os.O_APPEND)
+        for fd, target in ((fd_in, 0), (fd_out, 1), (fd_err, 2)):
+            os.dup2(fd, target)
+        os.chdir(cwd)
+        os.environ.clear()
+        os.environ.update(env)
+        for sig in (signal.SIGTERM, signal.SIGUSR1, signal.SIGUSR2, signal.SIGHUP):
+            signal.signal(sig, signal.SIG_DFL)
+        signal.signal(signal.SIGINT, signal.default_int_handler)
+        sys.argv = [_CLI_MAIN, *argv]
+        import torch
+
+        torch.set_num_threads(int(env.get("OMP_NUM_THREADS") or torch.get_num_threads()))
+        from megatron_fp8.cli import main
+
+        code = main(argv)
+    except SystemExit as exc:
+        code = exc.code if isinstance(exc.code, int) else (0 if exc.code is None else 1)
+    except KeyboardInterrupt:  # escaped main (``--debug``): the interpreter prints it and dies of SIGINT
+        traceback.print_exc()
+        sys.stderr.flush()
+        signal.signal(signal.SIGINT, signal.SIG_DFL)
+        os.kill(os.getpid(), signal.SIGINT)
+        code = 130
+    except BaseException:  # escaped main (``--debug``): what the interpreter does with an uncaught exception
+        traceback.print_exc()
+        code = 1
+    try:
+        sys.stdout.flush()
+        sys.stderr.flush()
+    finally:
+        os._exit(code)
+
+
+def _launch(req: dict) -> int:
+    """In the per-request child (its own process group): run ``nprocs`` ranks of the command, torchrun-style."""
+    os.setpgid(0, 0)
+    nprocs = int(req.get("nprocs", 1))
+    env = dict(req["env"])
+    if nprocs == 1:
+        _run_command(req["argv"], env, req["cwd"], req["stdout"], req["stderr"])
+    port = _free_port()
+    run_id = f"warm-{os.getpid()}"
+    pids = {}
+    for rank in range(nprocs):
+        rank_env = {
+            **env,
+            "RANK": str(rank),
+            "LOCAL_RANK": str(rank),
+            "WORLD_SIZE": str(nprocs),
+            "LOCAL_WORLD_SIZE": str(nprocs),
+            "GROUP_RANK": "0",
+            "ROLE_RANK": str(rank),
+            "ROLE_WORLD_SIZE": str(nprocs),
+            "MASTER_ADDR": "127.0.0.1",
+            "MASTER_PORT": str(port),
+            "TORCHELASTIC_RUN_ID": run_id,
+        }
+        pid = os.fork()
+        if pid == 0:
+            _run_command(req["argv"], rank_env, req["cwd"], req["stdout"], req["stderr"])
+        pids[pid] = rank
+    failed = False
+    while pids:
+        pid, status = os.wait()
+        pids.pop(pid, None)
+        if os.waitstatus_to_exitcode(status) != 0 and not failed:
+            failed = True
+            for other in pids:  # torchrun stops the surviving workers of a failed group
+                try:
+                    os.kill(other, signal.SIGTERM)
+                except ProcessLookupError:
+                    pass
+    return 1 if failed else 0
+
+
+def _serve() -> None:
+    _preload()
+    print(json.dumps({"ready": os.getpid()}), flush=True)
+    for line in sys.stdin:
+        req = json.loads(line)
+        pid = os.fork()
+        if pid == 0:
+            code = 1
+            try:
+                code = _launch(req)
+            finally:
+                os._exit(code)
+        print(json.dumps({"pid": pid}), flush=True)
+        _, status = os.waitpid(pid, 0)
+        print(json.dumps({"rc": os.waitstatus_to_exitcode(status)}), flush=True)
+
+
+# ----------------------------------------------------------------------------------------------- the test side
+class _Zygote:
+    def __init__(self, env: dict[str, str]) -> None:
+        self.env = env
+        self.proc = subprocess.Popen(
+            [sys.executable, __file__],
+            cwd=REPO,
+            env=env,
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.DEVNULL,
+            text=True,
+            bufsize=1,
+        )
+        self._ready = False
+
+    def reply(self, timeout: float) -> dict:
+        ready, _, _ = select.select([self.proc.stdout], [], [], max(timeout, 0.0))
+        if not ready:
+            raise TimeoutError
+        line = self.proc.stdout.readline()
+        if not line:
+            raise RuntimeError(f"the warm launcher (pid {self.proc.pid}) exited with {self.proc.wait()}")
+        return json.loads(line)
+
+    def wait_ready(self) -> None:
+        if not self._ready:
+            self.reply(600)
+            self._ready = True
+
+    def close(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.stdin.close()
+            try:
+                self.proc.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+
+
+class WarmCli:
+    """Runs ``megatron-fp8`` commands as forks of a warm zygote (see the module docstring); ``close()`` ends it."""
+
+    def __init__(self) -> None:
+        self._zygotes: dict[str | None, _Zygote] = {}
+
+    def _zygote(self, env: dict[str, str]) -> _Zygote | None:
+        key = env.get("OMP_NUM_THREADS")
+        z = self._zygotes.get(key)
+        if z is None:
+            z = self._zygotes[key] = _Zygote({**env, "TORCH_CPP_LOG_LEVEL": env.get("TORCH_CPP_LOG_LEVEL", "ERROR")})
+        if any(env.get(k) != z.env.get(k) for k in IMPORT_TIME_ENV if k != "TORCH_CPP_LOG_LEVEL"):
+            return None
+        return z
+
+    def run(
+        self,
+        argv: list[str],
+        *,
+        env: dict[str, str] | None = None,
+        cwd: str | os.PathLike = REPO,
+        nprocs: int = 1,
+        timeout: float = 600,
+    ) -> subprocess.CompletedProcess[str]:
+        """Run ``megatron-fp8 *argv`` (``nprocs`` ranks) and return what ``subprocess.run(..., text=True)`` would.
+
+        Raises:
+            subprocess.TimeoutExpired: the command ran past ``timeout`` seconds (its process group is killed).
+        """
+        env = dict(os.environ if env is None else env)
+        shown = [sys.executable, "-m", "megatron_fp8.cli", *argv]
+        z = self._zygote(env)
+        if z is None:  # an import-time variable differs: a fresh interpreter, as a user's shell would start
+            if nprocs > 1:
+                shown = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nprocs}"]
+                shown += ["-m", "megatron_fp8.cli", *argv]
+            return subprocess.run(shown, env=env, cwd=cwd, capture_output=True, text=True, timeout=timeout)
+        z.wait_ready()
+        with tempfile.TemporaryDirectory(prefix="warm-cli-") as tmp:
+            out, err = Path(tmp) / "stdout", Path(tmp) / "stderr"
+            out.touch()
+            err.touch()
+            req = {"argv": argv, "env": env, "cwd": str(cwd), "nprocs": nprocs, "stdout": str(out), "stderr": str(err)}
+            z.proc.stdin.write(json.dumps(req) + "\n")
+            z.proc.stdin.flush()
+            pid = z.reply(60)["pid"]
+            deadline = time.monotonic() + timeout
+            try:
+                rc = z.reply(deadline - time.monotonic())["rc"]
+            except TimeoutError:
+                os.killpg(pid, signal.SIGKILL)
+                z.reply(60)
+                raise subprocess.TimeoutExpired(shown, timeout, out.read_text(), err.read_text()) from None
+            return subprocess.CompletedProcess(shown, rc, out.read_text(), err.read_text())
+
+    def close(self) -> None:
+        for z in self._zygotes.values():
+            z.close()
+        self._zygotes.clear()
+
+
+_SHARED: WarmCli | None = None
+
+
+def shared() -> WarmCli:
+    """The launcher of this test process (one per pytest-xdist worker), started on first use, ended at exit."""
+    global _SHARED
+    if _SHARED is None:
+        _SHARED = WarmCli()
+        atexit.register(_SHARED.close)
+    return _SHARED
+
+
+def run(argv: list[str], **kwargs) -> subprocess.CompletedProcess[str]:
+    """``shared().run(argv, **kwargs)``: a ``megatron-fp8`` command through this process's warm launcher."""
+    return shared().run(argv, **kwargs)
+
+
+if __name__ == "__main__":
+    sys.path.insert(0, str(REPO))  # this checkout's packages, as ``python -m megatron_fp8.cli`` run in it finds them
+    _serve()
