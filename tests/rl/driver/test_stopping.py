@@ -14,6 +14,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import _warm_cli
 import pytest
 
 from megatron_fp8.errors import ConfigError
@@ -34,14 +35,14 @@ def _grpo(out: Path, *overrides: str, fault: str | None = None, steps: int = STE
     env["PYTHONUNBUFFERED"] = "1"
     if fault:
         env[FAULT_ENV] = fault
-    cmd = [
-        sys.executable, "-m", "megatron_fp8.cli", "grpo", "--steps", str(steps), "--arms", "fp8", "--no-progress",
+    argv = [
+        "grpo", "--steps", str(steps), "--arms", "fp8", "--no-progress",
         "--out", str(out), "checkpointing.enabled=true", "checkpointing.save_period=2",
         f"checkpointing.checkpoint_dir={out / 'ckpt'}", "grpo.warm_start_steps=0", *overrides,
     ]  # fmt: skip
-    return subprocess.run(
-        cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=600, preexec_fn=_default_signals
-    )
+    # a process of its own with default signal handlers, forked by the suite's warm launcher (tests/_warm_cli.py);
+    # torchrun's own forwarding is test_one_ranks_signal_stops_every_rank_at_the_same_step's
+    return _warm_cli.run(argv, cwd=REPO, env=env, timeout=600)
 
 
 def _steps(out: Path) -> list[dict]:
