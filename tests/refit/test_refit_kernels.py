@@ -58,7 +58,17 @@ def test_kernel_partials_equal_the_torch_path_in_the_interpreter():
     assert [r[3] for r in rows] == [1, 1, 1, 2, 3, 1]
 
 
-def test_every_single_byte_change_and_every_word_swap_is_caught():
+@pytest.fixture
+def one_thread():
+    """~200k checksums of a 128 KiB payload: one thread each (an integer result, the same with any thread count;
+    two OpenMP threads of small ops on a busy 2-core machine mostly wait on each other)."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+def test_every_single_byte_change_and_every_word_swap_is_caught(one_thread):
     x = torch.randint(0, 256, (8 * BLOCK_WORDS + 22,), dtype=torch.uint8, generator=torch.Generator().manual_seed(1))
     base = payload_checksum(x)
     y = x.clone()  # one buffer, each byte changed and restored in place (a clone per case was half the test's time)

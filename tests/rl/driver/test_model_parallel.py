@@ -35,8 +35,6 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -203,7 +201,7 @@ def test_expert_parallel_checkpoint_resumes_exactly(tmp_path, warm_cli):
     assert rows(split) == rows(whole) and len(whole) == 4
 
 
-def test_expert_parallelism_needs_a_moe_model_and_splits_its_experts_evenly(tmp_path):
+def test_expert_parallelism_needs_a_moe_model_and_splits_its_experts_evenly(warm_cli):
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "MFP8_ROLE", "ROLLOUT_TASKS")}
     for overrides, message in (
         (("policy.megatron_cfg.expert_model_parallel_size=2",), "'tiny' has no routed experts"),
@@ -217,8 +215,7 @@ def test_expert_parallelism_needs_a_moe_model_and_splits_its_experts_evenly(tmp_
             "the CPU distributed optimizer shards over the dense data-parallel ranks",
         ),
     ):
-        cmd = [sys.executable, "-m", "megatron_fp8.cli", "config", *overrides]
-        proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
+        proc = warm_cli.run(["config", *overrides], cwd=REPO, env=env, timeout=300)
         assert proc.returncode != 0 and message in proc.stderr and "approved" not in proc.stdout, proc.stderr
 
 
