@@ -9,10 +9,10 @@ naming ``config.json``, the architecture and the families megatron-fp8 runs, bef
 from __future__ import annotations
 
 import json
-import subprocess
 import sys
 from pathlib import Path
 
+import _warm_cli
 import pytest
 import torch
 from safetensors.torch import save_file
@@ -52,13 +52,10 @@ def _folder(root: Path, config: dict[str, object], weight: str) -> Path:
 )
 def test_config_and_grpo_refuse_the_folder_with_the_same_line(tmp_path, config, weight, arch):
     folder = _folder(tmp_path / "model", config, weight)
-    checked = subprocess.run([*CLI, "config", "--model", str(folder)], capture_output=True, text=True, timeout=300)
+    checked = _warm_cli.run(["config", "--model", str(folder)], timeout=300)  # forked by the warm launcher
     out = tmp_path / "run"
-    run = subprocess.run(
-        [*CLI, "grpo", "--model", str(folder), "--steps", "1", "--no-progress", "--out", str(out)],
-        capture_output=True,
-        text=True,
-        timeout=300,
+    run = _warm_cli.run(
+        ["grpo", "--model", str(folder), "--steps", "1", "--no-progress", "--out", str(out)], timeout=300
     )
     for proc in (checked, run):
         assert proc.returncode == 1, proc.stderr[-2000:]

@@ -18,6 +18,7 @@ import sys
 from collections.abc import Iterator
 from pathlib import Path
 
+import _warm_cli
 import pytest
 
 CLI = [sys.executable, "-m", "megatron_fp8.cli"]
@@ -44,7 +45,9 @@ def _grow(mnt: Path) -> None:
 
 
 def _run(argv: list[str], **env: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(argv, capture_output=True, text=True, timeout=600, env={**os.environ, **env}, check=False)
+    """``megatron-fp8 argv[3:]`` in a process of its own (the suite's warm launcher, tests/_warm_cli.py)."""
+    assert argv[:3] == CLI, argv
+    return _warm_cli.run(argv[3:], env={**os.environ, **env}, timeout=600)
 
 
 def _error_line(proc: subprocess.CompletedProcess[str]) -> str:

@@ -12,6 +12,7 @@ import re
 import subprocess
 import sys
 
+import _warm_cli
 import torch
 
 from megatron_fp8.recipes.precision import math_label, precision_sentence, trainer_dtype_name
@@ -28,11 +29,9 @@ def test_doctor_the_run_log_and_the_summary_say_the_same_sentence(tmp_path):
     label = math_label("fp8" if has_gpu else "bf16-emulated", trainer_dtype_name(has_gpu=has_gpu))
     sentence = precision_sentence(recipe="blockwise", label=label)
     out = tmp_path / "run"
-    run = subprocess.run(
-        [*CLI, "grpo", "--steps", "1", "--arms", "fp8", "--no-progress", "--out", str(out)]
+    run = _warm_cli.run(  # a process of its own, forked by the suite's warm launcher (tests/_warm_cli.py)
+        ["grpo", "--steps", "1", "--arms", "fp8", "--no-progress", "--out", str(out)]
         + ["grpo.warm_start_steps=0", "grpo.num_prompts_per_step=2", "grpo.num_generations_per_prompt=2"],
-        capture_output=True,
-        text=True,
         timeout=600,
     )
     assert run.returncode == 0, run.stderr[-3000:]

@@ -13,11 +13,14 @@ import subprocess
 import sys
 from pathlib import Path
 
+import _warm_cli
+
 CLI = [sys.executable, "-m", "megatron_fp8.cli"]
 
 
 def _cli(*args: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([*CLI, *args], capture_output=True, text=True, timeout=300, check=False)
+    """``megatron-fp8 *args`` in a process of its own (the suite's warm launcher, tests/_warm_cli.py)."""
+    return _warm_cli.run(list(args), timeout=300)
 
 
 def _refused(proc: subprocess.CompletedProcess[str]) -> str:

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import dataclasses
 import subprocess
-import sys
 from pathlib import Path
 
+import _warm_cli
 import pytest
 
 from megatron_fp8.config import load_config
@@ -87,9 +87,8 @@ def test_a_plan_over_the_gpu_is_refused_naming_what_fits():
 
 
 def _config(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run(
-        [sys.executable, "-m", "megatron_fp8.cli", "config", *args], capture_output=True, text=True, timeout=120
-    )
+    """``megatron-fp8 config *args`` in a process of its own (the suite's warm launcher, tests/_warm_cli.py)."""
+    return _warm_cli.run(["config", *args], timeout=120)
 
 
 def test_config_refuses_over_memory_unless_allowed():

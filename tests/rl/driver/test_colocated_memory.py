@@ -4,9 +4,8 @@ the reference engine and a tiny Megatron trainer; and a GRPO run with the schedu
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 
+import _warm_cli
 import pytest
 import torch
 from safetensors.torch import load_file
@@ -92,9 +91,9 @@ def test_grpo_with_the_schedule_equals_grpo_without(tmp_path):
     rewritten after every wake-up)."""
 
     def run(out, *extra):
-        cmd = [sys.executable, "-m", "megatron_fp8", "grpo", "--steps", "2", "--arms", "fp8_tis", "--no-progress"]
+        cmd = ["grpo", "--steps", "2", "--arms", "fp8_tis", "--no-progress"]
         cmd += ["--out", str(out), "policy.generation.vllm_cfg.kv_cache_dtype=fp8", *extra]
-        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=900)
+        proc = _warm_cli.run(cmd, timeout=900)  # a process of its own, forked by the suite's warm launcher
         assert proc.returncode == 0, proc.stderr[-3000:]
         return proc, [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
 
