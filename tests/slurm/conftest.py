@@ -25,6 +25,10 @@ import pytest
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 SLURM_BINARIES = ("slurmctld", "slurmd", "sbatch", "srun", "scontrol", "sinfo")
+FINISHED_STATES = {
+    "COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "PREEMPTED", "BOOT_FAIL", "DEADLINE", "OUT_OF_MEMORY",
+}  # fmt: skip
+"""Job states after which a job no longer runs (Slurm's ``IS_JOB_FINISHED``; a requeued job is PENDING again)."""
 
 
 @dataclass(frozen=True)
@@ -58,6 +62,11 @@ class SlurmCluster:
             **kwargs,
         )
 
+    def job_fields(self, job: str) -> dict[str, str]:
+        """``scontrol show job JOB`` as ``{field: value}`` (``{}`` once Slurm no longer knows the job)."""
+        out = self.run("scontrol", "show", "job", "-o", job, check=False).stdout
+        return dict(w.split("=", 1) for w in out.split() if "=" in w)
+
     def submit(
         self,
         logs: Path,
@@ -68,14 +77,18 @@ class SlurmCluster:
         time_limit_min: int = 10,
         timeout: float = 150,
     ) -> tuple[int, str]:
-        """``sbatch --wait SCRIPT ARGS`` from the repository root; (exit status, the job's log written under ``logs``).
+        """Submit ``SCRIPT ARGS`` from the repository root and wait for the job to end: (its exit status as
+        ``sbatch --wait`` gives it: the batch script's exit code, 1 when a signal ended it; the job's log written
+        under ``logs``).
 
-        Fails the test (with the daemon logs) when sbatch refuses the job.
+        The job's state is read every 0.5 s (``scontrol show job``), not through ``sbatch --wait``, whose polling
+        backs off 2, 8, 32 s: a 3 s job took 10 s and an 11 s one 42 s. Fails the test (with the daemon logs) when
+        sbatch refuses the job or it has not ended after ``timeout`` seconds (then it is cancelled).
         """
         logs.mkdir(parents=True, exist_ok=True)
         res = self.run(
             "sbatch",
-            "--wait",
+            "--parsable",
             f"--output={logs}/%x-%j.out",
             f"--time={time_limit_min}",
             *sbatch_opts,
@@ -83,13 +96,20 @@ class SlurmCluster:
             *args,
             cwd=REPO_ROOT,
             env={**self.env, **env},
-            timeout=timeout,
             check=False,
         )
-        log = "\n".join(p.read_text(errors="replace") for p in sorted(logs.glob("*.out")))
-        if "Submitted batch job" not in res.stdout:
+        job = res.stdout.strip().split(";")[0]
+        if res.returncode != 0 or not job.isdigit():
             pytest.fail(f"sbatch refused the job: {res.stderr}\n{self.daemon_logs()}")
-        return res.returncode, log
+        deadline = time.monotonic() + timeout
+        while (fields := self.job_fields(job)).get("JobState") not in FINISHED_STATES:
+            if time.monotonic() > deadline:
+                self.run("scancel", job, check=False)
+                pytest.fail(f"job {job} not finished after {timeout} s: {fields}\n{self.daemon_logs()}")
+            time.sleep(0.5)
+        exit_code, signal_number = (int(v) for v in fields.get("ExitCode", "1:0").split(":"))
+        log = "\n".join(p.read_text(errors="replace") for p in sorted(logs.glob("*.out")))
+        return (1 if signal_number else exit_code), log
 
     def daemon_logs(self) -> str:
         """Tail of both daemon logs, for failure messages."""

@@ -18,7 +18,7 @@ REPO = Path(__file__).resolve().parents[2]
 
 
 def _submit(cluster, tmp_path: Path, *args: str, env: dict[str, str], timeout: float) -> tuple[int, str]:
-    """``sbatch --wait --ntasks=2 slurm/grpo.sbatch ARGS`` from the repository root; (exit status, the job's log)."""
+    """``slurm/grpo.sbatch ARGS`` on 2 tasks from the repository root, waited for; (exit status, the job's log)."""
     return cluster.submit(
         tmp_path / "logs",
         "slurm/grpo.sbatch",

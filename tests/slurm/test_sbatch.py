@@ -30,7 +30,7 @@ def _submit(
     sbatch_opts: tuple[str, ...] = (),
     timeout: float = 150,
 ) -> tuple[int, str]:
-    """``sbatch --wait`` from the repository root; return (exit status, the job's log)."""
+    """``sbatch`` from the repository root, waited for (``SlurmCluster.submit``); return (exit status, the job's log)."""
     return cluster.submit(tmp_path / "logs", script, *args, env=env, sbatch_opts=sbatch_opts, timeout=timeout)
 
 
