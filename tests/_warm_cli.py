@@ -170,27 +170,41 @@ def _serve() -> None:
 
 # ----------------------------------------------------------------------------------------------- the test side
 class _Zygote:
+    """The zygote process and its reply channel (JSON lines read from the raw pipe: a fast command's ``pid`` and
+    ``rc`` lines may arrive in one read, so lines are split here, never left in a buffered reader ``select`` cannot
+    see)."""
+
     def __init__(self, env: dict[str, str]) -> None:
         self.env = env
+        self._log = tempfile.TemporaryFile()  # the zygote's own stderr (import errors), shown if it dies
         self.proc = subprocess.Popen(
             [sys.executable, __file__],
             cwd=REPO,
             env=env,
             stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,
-            stderr=subprocess.DEVNULL,
-            text=True,
-            bufsize=1,
+            stderr=self._log,
+            bufsize=0,
         )
+        self._buf = b""
         self._ready = False
 
+    def request(self, req: dict) -> None:
+        self.proc.stdin.write((json.dumps(req) + "\n").encode())
+
     def reply(self, timeout: float) -> dict:
-        ready, _, _ = select.select([self.proc.stdout], [], [], max(timeout, 0.0))
-        if not ready:
-            raise TimeoutError
-        line = self.proc.stdout.readline()
-        if not line:
-            raise RuntimeError(f"the warm launcher (pid {self.proc.pid}) exited with {self.proc.wait()}")
+        deadline = time.monotonic() + timeout
+        while b"\n" not in self._buf:
+            remaining = deadline - time.monotonic()
+            if remaining <= 0 or not select.select([self.proc.stdout], [], [], remaining)[0]:
+                raise TimeoutError
+            chunk = os.read(self.proc.stdout.fileno(), 1 << 16)
+            if not chunk:
+                self._log.seek(0)
+                tail = self._log.read().decode(errors="replace")[-3000:]
+                raise RuntimeError(f"the warm launcher (pid {self.proc.pid}) exited with {self.proc.wait()}:\n{tail}")
+            self._buf += chunk
+        line, self._buf = self._buf.split(b"\n", 1)
         return json.loads(line)
 
     def wait_ready(self) -> None:
@@ -205,6 +219,7 @@ class _Zygote:
                 self.proc.wait(timeout=10)
             except subprocess.TimeoutExpired:
                 self.proc.kill()
+        self._log.close()
 
 
 class WarmCli:
@@ -250,8 +265,7 @@ class WarmCli:
             out.touch()
             err.touch()
             req = {"argv": argv, "env": env, "cwd": str(cwd), "nprocs": nprocs, "stdout": str(out), "stderr": str(err)}
-            z.proc.stdin.write(json.dumps(req) + "\n")
-            z.proc.stdin.flush()
+            z.request(req)
             pid = z.reply(60)["pid"]
             deadline = time.monotonic() + timeout
             try:
