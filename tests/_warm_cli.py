@@ -196,7 +196,9 @@ class _Zygote:
         deadline = time.monotonic() + timeout
         while b"\n" not in self._buf:
             remaining = deadline - time.monotonic()
-            if remaining <= 0 or not select.select([self.proc.stdout], [], [], remaining)[0]:
+            poll = select.poll()  # not select(): a pytest process may hold more than 1024 file descriptors
+            poll.register(self.proc.stdout.fileno(), select.POLLIN)
+            if remaining <= 0 or not poll.poll(remaining * 1000):
                 raise TimeoutError
             chunk = os.read(self.proc.stdout.fileno(), 1 << 16)
             if not chunk:

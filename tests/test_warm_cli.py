@@ -55,3 +55,16 @@ def test_a_failed_rank_stops_the_others_and_fails_the_launch(launcher, tmp_path)
     proc = launcher.run(["report", str(tmp_path / "missing")], nprocs=2, timeout=120)
     assert proc.returncode == 1  # a rank failed: the survivors get SIGTERM and the launch exits 1, as torchrun's
     assert 1 <= proc.stderr.count("megatron-fp8 report: error: ") <= 2, proc.stderr  # the ranks share one stderr
+
+
+def test_a_launcher_whose_pipe_is_above_fd_1024_still_hears_its_replies():
+    """A long pytest session holds many descriptors: the zygote's pipe can land above select()'s 1024 limit."""
+    fds = [os.open(os.devnull, os.O_RDONLY) for _ in range(1100)]
+    cli = _warm_cli.WarmCli()
+    try:
+        proc = cli.run(["config", "--bogus"], timeout=300)
+        assert proc.returncode == 2 and "unrecognized arguments: --bogus" in proc.stderr
+    finally:
+        cli.close()
+        for fd in fds:
+            os.close(fd)
