@@ -124,7 +124,6 @@ def _init(backend: str, port: int, rank: int, timeout: float) -> None:
 
 def receiver_main(port: int, plan: LinkPlan, timeout: float, threads: int) -> None:
     """Rank 1: the link measurement, then receive and validate every refit version until the sender closes."""
-    from megatron_fp8.errors import TransportClosedError
     from megatron_fp8.refit import TorchDistTransport
 
     torch.set_num_threads(threads)
@@ -132,13 +131,20 @@ def receiver_main(port: int, plan: LinkPlan, timeout: float, threads: int) -> No
     measure_link(plan, rank=1)
     transport = TorchDistTransport(src=0, timeout=timeout, device=_device(plan.backend, 1))
     receiver = RefitReceiver(transport, apply=CallableApplier(lambda version, pairs: None))
+    receive_until_closed(receiver, timeout=timeout)
+    os._exit(0)
+
+
+def receive_until_closed(receiver, *, timeout: float) -> None:
+    """A receiving rank's loop: one refit version after another, a barrier after each, until the sender closes."""
+    from megatron_fp8.errors import TransportClosedError
+
     while True:
         try:
             receiver.receive(first_timeout=timeout)
         except TransportClosedError:
-            break
+            return
         dist.barrier()
-    os._exit(0)
 
 
 def _free_port() -> int:

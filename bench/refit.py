@@ -183,7 +183,6 @@ def _gloo_receiver_main(port: int, timeout: float, threads: int) -> None:
     """Rank 1 of the gloo benchmark: receive and validate every version until the sender closes."""
     import torch.distributed as dist
 
-    from megatron_fp8.errors import TransportClosedError
     from megatron_fp8.refit import TorchDistTransport
 
     torch.set_num_threads(threads)
@@ -195,12 +194,7 @@ def _gloo_receiver_main(port: int, timeout: float, threads: int) -> None:
         timeout=datetime.timedelta(seconds=timeout * 2),
     )
     receiver = RefitReceiver(TorchDistTransport(src=0, timeout=timeout), apply=CallableApplier(_noop_apply))
-    while True:
-        try:
-            receiver.receive(first_timeout=timeout)
-        except TransportClosedError:
-            break
-        dist.barrier()
+    link_bench.receive_until_closed(receiver, timeout=timeout)
     os._exit(0)
 
 
