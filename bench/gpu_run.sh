@@ -13,6 +13,7 @@
 # GPU_RUN_SMOKE=1 runs the same steps with seconds-long sizes, on a CPU too (what the CI test of this script does).
 # GPU_RUN_STEP_TIMEOUT=S stops a step after S seconds (exit 124 in summary.json) so that the later steps still run
 # inside a lease: `step_name:S` pairs override it per step, e.g. "150 refit_cuda:240".
+# GPU_RUN_SKIP="name ..." leaves those steps out (summary.json: rc "skipped"), e.g. the CPU-only refit_link_gloo.
 set -uo pipefail
 cd "$(dirname "$0")/.." || exit 2
 results=${RESULTS:-bench/results}
@@ -50,6 +51,11 @@ step() {  # step NAME CMD...: run, log, time, remember the exit code
     local name=$1 start rc limit
     shift
     limit=$(step_timeout "$name")
+    if [[ " ${GPU_RUN_SKIP:-} " == *" $name "* ]]; then
+        echo "== $name: skipped (GPU_RUN_SKIP)"
+        steps+=("\"$name\": {\"rc\": \"skipped\", \"seconds\": 0}")
+        return 0
+    fi
     echo "== $name: $*${limit:+ (at most ${limit}s)}"
     start=$(date +%s)
     if [ -n "$limit" ]; then set -- timeout -k 10 "$limit" "$@"; fi
