@@ -146,7 +146,7 @@ def main(argv: list[str] | None = None) -> int:
     fp8_names = set(linear_shapes(spec))
     factories = {
         "bf16": lambda: bf16_stream(weights),
-        "fp8": lambda: fp8_stream(weights, fp8_names, nonfinite="defer"),
+        "fp8": lambda: fp8_stream(weights, fp8_names, in_bucket=True),  # as GRPO and bench/refit.py send it
     }
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if use_cuda else [])
     out: dict = {"device": torch.cuda.get_device_name(0) if use_cuda else "cpu", "layers": spec.num_layers}

@@ -224,10 +224,49 @@ def bench_layer_set_cuda(layer: tuple, layers: int, copy_gbs: float, *, warmup: 
         for w in weights:
             quantize_blockwise(w, backend=backend, nonfinite=nonfinite)
 
+    from megatron_fp8.layout import block_scale_shape
+    from megatron_fp8.quant.triton_grouped import GroupedItem, launch_blockwise_grouped
+
+    # one grouped launch per ~1 GiB of FP8 codes, as a refit bucket quantizes its weights
+    items = [
+        GroupedItem(
+            w3,
+            torch.empty(w3.shape, dtype=torch.float8_e4m3fn, device="cuda"),
+            torch.empty(block_scale_shape(tuple(w3.shape), (128, 128)), device="cuda"),
+        )
+        for w3 in stacks
+    ]
+    groups: list[list[GroupedItem]] = [[]]
+    for it in items:
+        if groups[-1] and sum(g.q.numel() for g in groups[-1]) + it.q.numel() > 1 << 30:
+            groups.append([])
+        groups[-1].append(it)
+
+    def all_grouped():
+        for g in groups:
+            launch_blockwise_grouped(g, 128, 128, "fp32")
+
     out = _layer_set_header(layer, layers, weights, nbytes)
     out["triton_ms"] = _median_cuda(all_kernels, warmup=warmup, reps=reps)
     out["triton_gbs"] = _gbs(nbytes, out["triton_ms"])
     out["pct_of_copy"] = 100 * out["triton_gbs"] / copy_gbs
+    out["grouped_launches"] = len(groups)
+    out["grouped_ms"] = _median_cuda(all_grouped, warmup=warmup, reps=reps)
+    out["grouped_gbs"] = _gbs(nbytes, out["grouped_ms"])
+    out["grouped_pct_of_copy"] = 100 * out["grouped_gbs"] / copy_gbs
+    sweep = {}
+    for warps in (4, 8, 16):  # the launch's own default is 16 for 128x128 tiles
+        sweep[str(warps)] = _median_cuda(
+            lambda warps=warps: [launch_blockwise_grouped(g, 128, 128, "fp32", num_warps=warps) for g in groups],
+            warmup=warmup,
+            reps=reps,
+        )
+    out["grouped_ms_by_num_warps"] = sweep
+    all_grouped()
+    out["grouped_bytes_equal_per_weight"] = all(
+        _same_bytes((it.q, it.scales), triton_kernels.launch_blockwise(it.x3, 128, 128, "fp32")[:2])
+        for it in items[:: max(1, len(items) // 16)]
+    )
     out["triton_api_ms"] = _median_cuda(lambda: all_api("triton"), warmup=1, reps=max(3, reps // 4))
     out["triton_api_defer_ms"] = _median_cuda(lambda: all_api("triton", "defer"), warmup=1, reps=max(3, reps // 4))
     torchao = _torchao_blockwise()
@@ -406,6 +445,12 @@ def print_table(result: dict) -> None:
     ls = result["layer_set"]
     if ls:
         rows.append((f"Llama-8B {ls['layers']}/{ls['layers_full_model']}L", ls))
+        if cuda and "grouped_ms" in ls:
+            grouped = {**ls, "triton_ms": ls["grouped_ms"], "triton_gbs": ls["grouped_gbs"],
+                       "pct_of_copy": ls["grouped_pct_of_copy"], "triton_api_ms": None, "triton_api_defer_ms": None,
+                       "torchao_ms": None, "torch_ms": None, "torch_gbs": None,
+                       "bytes_equal_torch": ls["grouped_bytes_equal_per_weight"]}  # fmt: skip
+            rows.append((f"  grouped: {ls['grouped_launches']} launches", grouped))
     for label, r in rows:
         table.add_row(label, f"{r['bytes_moved'] / 1e6:.1f}", *(_fmt(r.get(key), spec) for _, key, spec in cols))
     Console(width=max(Console().width, 140)).print(table)

@@ -12,8 +12,9 @@ group, not a set per weight:
   quotients into every weight's codes and the scales into every weight's scale tensor. The workspace is bounded
   by ``workspace_bytes``: a larger group runs in several such rounds (weights split at row-block boundaries),
   reusing one buffer;
-* Triton path (CUDA tensors when Triton imports): one kernel launch per weight, writing into the outputs (tested
-  against the torch path under ``TRITON_INTERPRET=1``, ``tests/quant/test_grouped_triton.py``).
+* Triton path (CUDA tensors when Triton imports): one kernel launch for the whole group (per source dtype) over
+  a table of its weights (:mod:`megatron_fp8.quant.triton_grouped`), writing into the outputs (tested against the
+  torch path under ``TRITON_INTERPRET=1``, ``tests/quant/test_grouped_triton.py``).
 
 Non-finite input is never checked here (no host sync): a tile holding NaN/Inf gets a ``+inf`` scale, as with
 ``nonfinite="defer"``, so the caller learns which weight is bad from the scales it already holds (the refit
@@ -236,29 +237,37 @@ def _quantize_triton(
     scale_format: str,
     *,
     copies: tuple[list[torch.Tensor], list[torch.Tensor]],
-) -> None:
-    """The Triton path: one launch per weight, codes and scales written straight into the targets' tensors.
+) -> int:
+    """The Triton path: one launch per source dtype for the whole group
+    (:func:`~megatron_fp8.quant.triton_grouped.launch_blockwise_grouped`), codes and scales written straight into
+    the targets' tensors; returns the number of launches.
 
     Codes that are not contiguous go through a staging tensor (copied in one multi-tensor copy with ``copies``).
     Under Triton's CPU interpreter (``TRITON_INTERPRET=1``), whose float32 -> float8 cast is not
     round-to-nearest-even, the kernel stores the clamped float32 quotient in a staging tensor and torch casts it
     into the codes (as ``quantize_blockwise_triton(fp8_out=False)``); the scales are written in place either way.
     """
+    from megatron_fp8.quant.triton_grouped import GroupedItem, launch_blockwise_grouped
+
     fp8_out = not triton_kernels.interpreter_active()
     dst, src = copies
     staged_dst: list[torch.Tensor] = []
     staged_src: list[torch.Tensor] = []
+    by_dtype: dict[torch.dtype, list[GroupedItem]] = {}
     for t in targets:
         x3 = (t.x if t.x.dim() == 3 else t.x.unsqueeze(0)).contiguous()
         q3 = t.codes if t.codes.dim() == 3 else t.codes.unsqueeze(0)
         direct = fp8_out and q3.is_contiguous()
         q_out = q3 if direct else torch.empty(q3.shape, dtype=FP8_DTYPE if fp8_out else torch.float32, device=q3.device)
-        triton_kernels.launch_blockwise(x3, bn, bk, scale_format, fp8_out=fp8_out, out=(q_out, t.scales.view(-1)))
+        by_dtype.setdefault(x3.dtype, []).append(GroupedItem(x3, q_out, t.scales.view(-1)))
         if not direct:
             staged_dst.append(q3)
             staged_src.append(q_out)
+    for items in by_dtype.values():
+        launch_blockwise_grouped(items, bn, bk, scale_format, fp8_out=fp8_out)
     if dst or staged_dst:
         torch._foreach_copy_(dst + staged_dst, src + staged_src)
+    return len(by_dtype)
 
 
 def quantize_blockwise_into(

@@ -124,12 +124,12 @@ def checksum_of(bucket: Bucket) -> int:
 class _Filling:
     """The single bucket being filled by :func:`pack_buckets`.
 
-    Tensors are only recorded as they arrive (offset, metadata, a reference to the source); :meth:`finish`
+    Tensors are only recorded as they arrive (offset, metadata, a reference to the source); :meth:`launch`
     moves them all at once: one multi-tensor copy into the bucket (the alignment gaps zeroed in the same op),
     the FP8 quantization of the bucket's pending parts (:mod:`megatron_fp8.refit.inbucket`) straight into their
     places, the NaN/Inf probe of the bucket's typed views (:class:`FiniteProbe`; a quantized weight is probed
     through its block scales, never through its FP8 bytes), the payload checksum's partials, and one host read
-    for both. A handful of device ops per bucket, whatever its tensor count.
+    for both (:meth:`_Launched.complete`). A handful of device ops per bucket, whatever its tensor count.
     """
 
     def __init__(self, version: int, index: int, capacity: int, device: torch.device, stream_id: int):
@@ -176,7 +176,12 @@ class _Filling:
         self._dst, self._src, self._gaps = [], [], []
         return self._jobs.run((dst, src))
 
-    def finish(self, *, trailer: VersionTrailer | None, check_finite_values: bool) -> Bucket:
+    def launch(self, *, trailer: VersionTrailer | None, check_finite_values: bool) -> _Launched:
+        """Issue the bucket's device work (fill, quantize, probe, checksum partials) and start its one host read.
+
+        On CUDA the read is a non-blocking copy into pinned memory: the host goes on (e.g. filling the next
+        bucket) while the GPU works; :meth:`_Launched.complete` waits for it.
+        """
         end = align_up(self.used)
         if end > self.used:
             self._gaps.append(self.buffer[self.used : end])
@@ -198,35 +203,62 @@ class _Filling:
         if probe is not None and probe.values is not None:
             parts.append(probe.values.view(torch.int32))
         parts += [scales.reshape(-1).view(torch.int32) for _, scales in flags]
-        host = read_host_int64(torch.cat(parts))  # the bucket's one host read
-        nb = p.numel()
+        values = torch.cat(parts)
+        pending = None
+        if values.is_cuda:
+            pending = torch.empty(values.shape, dtype=values.dtype, pin_memory=True)
+            pending.copy_(values, non_blocking=True)
+            event = torch.cuda.Event()
+            event.record()
+            pending = (pending, event)
+        return _Launched(self, payload, metas, trailer, probe, flags, p.numel(), values, pending)
+
+
+class _Launched:
+    """A bucket whose device work is issued; :meth:`complete` reads its values back and builds the :class:`Bucket`."""
+
+    def __init__(self, filling, payload, metas, trailer, probe, flags, nb, values, pending) -> None:
+        self.filling, self.payload, self.metas, self.trailer = filling, payload, metas, trailer
+        self.probe, self.flags, self.nb, self.values, self.pending = probe, flags, nb, values, pending
+
+    def complete(self) -> Bucket:
+        """Wait for the bucket's host read; refuse a NaN/Inf tensor by name; the finished :class:`Bucket`."""
+        f = self.filling
+        if self.pending is not None:
+            pinned, event = self.pending
+            event.synchronize()
+            host = pinned.numpy()  # the bucket's one host read (already copied)
+        else:
+            host = read_host_int64(self.values)  # the bucket's one host read
+        nb, probe = self.nb, self.probe
         if probe is not None:
             rest = host[2 * nb :].astype(np.int32).view(np.float32)
             nprobe = 0 if probe.values is None else probe.values.numel()
-            probe.check(rest[:nprobe], version=self.version)
+            probe.check(rest[:nprobe], version=f.version)
             at = nprobe
-            for job, scales in flags:
+            for job, scales in self.flags:
                 if not np.isfinite(rest[at : at + scales.numel()]).all():
-                    job.raise_nonfinite(version=self.version)
+                    job.raise_nonfinite(version=f.version)
                 at += scales.numel()
-        is_last = trailer is not None
+        is_last = self.trailer is not None
+        end = self.payload.numel()
         checksum = finish_checksum(host[:nb], host[nb : 2 * nb], nbytes=end) ^ header_digest(
-            version=self.version,
-            index=self.index,
+            version=f.version,
+            index=f.index,
             is_last=is_last,
-            stream_id=self.stream_id,
-            metas=metas,
-            trailer=trailer,
+            stream_id=f.stream_id,
+            metas=self.metas,
+            trailer=self.trailer,
         )
         return Bucket(
-            version=self.version,
-            index=self.index,
+            version=f.version,
+            index=f.index,
             is_last=is_last,
-            metas=metas,
-            payload=payload,
+            metas=self.metas,
+            payload=self.payload,
             checksum=checksum,
-            stream_id=self.stream_id,
-            trailer=trailer,
+            stream_id=f.stream_id,
+            trailer=self.trailer,
         )
 
 
@@ -238,6 +270,7 @@ def pack_buckets(
     device: torch.device | str | None = None,
     check_finite_values: bool = True,
     stream_id: int = 0,
+    lookahead: bool | None = None,
 ) -> Iterator[Bucket]:
     """Pack a stream of named tensors into buckets, in one pass, with bounded memory.
 
@@ -252,7 +285,10 @@ def pack_buckets(
     send the refilled bytes: yield fresh tensors; one tensor under two names, as
     for tied embeddings, is fine). Zero-size tensors are carried (metadata only). A fresh
     buffer is allocated per bucket, so a yielded bucket stays valid while a
-    transport still sends it.
+    transport still sends it. On CUDA a bucket is handed out once the next
+    bucket's device work is issued (its host read waits while the GPU works on
+    the next one, so the GPU does not idle while the host lays out a bucket):
+    two bucket buffers exist at once there.
 
     Args:
         stream: ``(name, tensor)`` pairs; any supported dtype (:data:`DTYPES`),
@@ -265,6 +301,8 @@ def pack_buckets(
             tensor of each bucket.
         check_finite_values: refuse NaN/Inf (see :func:`check_finite`).
         stream_id: id of this sending stamped on every bucket (``0 <= stream_id < 2**62``).
+        lookahead: hand a bucket out only after the next one's device work is issued; ``None``: on CUDA
+            buckets only (on a CPU the ops run as they are issued: nothing to overlap).
 
     Yields:
         :class:`Bucket` objects with indices 0, 1, ...; the last has ``is_last=True`` and the
@@ -286,6 +324,7 @@ def pack_buckets(
     digest = VersionDigest()
     index = 0
     current: _Filling | None = None
+    ahead: _Launched | None = None  # a CUDA bucket launched, completed (host read) after the next one is launched
     for item in stream:
         try:
             name, tensor = item
@@ -306,9 +345,13 @@ def pack_buckets(
         dt = dtype_name(tensor.dtype, tensor_name=name)
         nbytes = tensor.numel() * tensor.element_size()
         if current is not None and not current.fits(nbytes):
-            bucket = current.finish(trailer=None, check_finite_values=check_finite_values)
+            launched = current.launch(trailer=None, check_finite_values=check_finite_values)
             current = None
-            yield bucket
+            if ahead is not None:  # the earlier bucket completes while the device works on this one
+                yield ahead.complete()
+            ahead = launched if (lookahead if lookahead is not None else launched.pending is not None) else None
+            if ahead is None:
+                yield launched.complete()
             index += 1
         if current is None:
             capacity = max(bucket_bytes, align_up(nbytes))
@@ -323,7 +366,10 @@ def pack_buckets(
             "(check the FP8 manifest and the parameter filter)"
         )
     trailer = VersionTrailer(num_tensors=len(announced), tensors=tuple(announced), digest=digest.hexdigest())
-    yield current.finish(trailer=trailer, check_finite_values=check_finite_values)
+    last = current.launch(trailer=trailer, check_finite_values=check_finite_values)
+    if ahead is not None:
+        yield ahead.complete()
+    yield last.complete()
 
 
 def verify_bucket_checksum(bucket: Bucket) -> None:

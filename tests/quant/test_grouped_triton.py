@@ -36,8 +36,25 @@ _SCRIPT = textwrap.dedent(
     from megatron_fp8.quant import triton_kernels as tk
     from megatron_fp8.quant.grouped import BlockwiseTarget, quantize_blockwise_into
 
+    from megatron_fp8.quant import triton_grouped as tg
+
     assert tk.interpreter_active()
     GARBAGE = 0x55
+    LAUNCHES = []  # grids of the grouped kernel's launches, per quantize_blockwise_into call
+    _grouped = tg._grouped_kernel
+
+    class _Counting:
+        def __init__(self, kernel):
+            self.kernel = kernel
+
+        def __getitem__(self, grid):
+            def launch(*args, **kwargs):
+                LAUNCHES[-1].append([grid[0], kwargs["ALIGNED"]])
+                return self.kernel[grid](*args, **kwargs)
+
+            return launch
+
+    tg._grouped_kernel = lambda: _Counting(_grouped())
 
     def make(shape, dtype, seed):
         g = torch.Generator().manual_seed(seed)
@@ -79,7 +96,10 @@ _SCRIPT = textwrap.dedent(
                 if strided_codes and x.dim() == 2:  # codes as a transposed view: the staged copy path
                     codes = torch.full(x.shape[::-1], GARBAGE, dtype=torch.uint8).view(torch.float8_e4m3fn).t()
                 targets.append(BlockwiseTarget(x, codes, scales, f"{label}{i}"))
+            LAUNCHES.append([])
             quantize_blockwise_into(targets, block_size=block, scale_format=fmt, backend="triton")
+            tiles = sum(math.prod(block_scale_shape(tuple(x.shape), block)) for x in xs)
+            out["launches"].append([label, fmt, len({x.dtype for x in xs}), LAUNCHES[-1], tiles])
             for x, t in zip(xs, targets):
                 qr, sr = quantize_blockwise(x, block_size=block, scale_format=fmt, nonfinite="defer", backend="torch")
                 finite = t.scales.isfinite()
@@ -97,7 +117,7 @@ _SCRIPT = textwrap.dedent(
             rows.append([label, "gaps", "", list(block), fmt, untouched, untouched, []])
         return rows
 
-    out = {"rows": []}
+    out = {"rows": [], "launches": []}
     bf16 = torch.bfloat16
     out["rows"] += run("ragged", [make(s, bf16, i) for i, s in enumerate([(1, 1), (129, 257), (127, 128), (300, 260), (256, 384)])])
     stack = make((3, 130, 200), torch.float32, 3)
@@ -111,6 +131,8 @@ _SCRIPT = textwrap.dedent(
     out["rows"] += run("block64x32", [make((70, 90), bf16, 7), make((2, 70, 90), bf16, 8)], block=(64, 32))
     out["rows"] += run("block7x5", [make((40, 50), bf16, 9)], block=(7, 5), fmts=("fp32",))
     out["rows"] += run("strided", [make((200, 300), torch.float32, 10).t(), make((129, 130), bf16, 11)], strided_codes=True)
+    # every K and offset a multiple of 16 bytes: the kernel's ALIGNED variant (the one a refit bucket gets)
+    out["rows"] += run("aligned", [make((256, 384), bf16, 15), make((2, 130, 256), bf16, 16), make((1, 128), bf16, 17)])
     bad2d = make((300, 260), bf16, 12)
     bad2d[130, 259] = float("nan")
     bad3d = make((2, 130, 140), torch.float32, 13)
@@ -123,25 +145,31 @@ _SCRIPT = textwrap.dedent(
 
 
 @pytest.fixture(scope="module")
-def interpreter_rows():
+def interpreter_run():
     env = {**os.environ, "TRITON_INTERPRET": "1"}
     proc = subprocess.run([sys.executable, "-c", _SCRIPT], env=env, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, f"interpreter run failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
     line = next(ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT"))
-    return json.loads(line[len("RESULT") :])["rows"]
+    return json.loads(line[len("RESULT") :])
+
+
+@pytest.fixture(scope="module")
+def interpreter_rows(interpreter_run):
+    return interpreter_run["rows"]
 
 
 def test_the_triton_launch_into_a_bucket_gives_the_torch_bytes(interpreter_rows):
     weights = [r for r in interpreter_rows if r[1] != "gaps"]
-    # 5 ragged + 3 stack/zero + 2 dtypes + 2 block64x32 + 2 strided + 3 non-finite, each in fp32 and ue8m0; 7x5 fp32
-    assert len(weights) == (5 + 3 + 2 + 2 + 2 + 3) * 2 + 1
+    # 5 ragged + 3 stack/zero + 2 dtypes + 2 block64x32 + 2 strided + 3 aligned + 3 non-finite, each in fp32 and
+    # ue8m0; 7x5 fp32
+    assert len(weights) == (5 + 3 + 2 + 2 + 2 + 3 + 3) * 2 + 1
     bad = [r for r in weights if not (r[5] and r[6])]
     assert not bad, f"(case, shape, dtype, block, fmt, codes ok, scales ok, non-finite blocks) differ: {bad}"
 
 
 def test_the_launch_writes_nothing_outside_its_views(interpreter_rows):
     gaps = [r for r in interpreter_rows if r[1] == "gaps"]
-    assert len(gaps) == 6 * 2 + 1
+    assert len(gaps) == 7 * 2 + 1
     assert all(r[5] for r in gaps), [r for r in gaps if not r[5]]
 
 
@@ -153,3 +181,15 @@ def test_nonfinite_inputs_are_flagged_by_an_inf_scale_on_exactly_their_blocks(in
         assert rows[("(2, 130, 140)", fmt)] == [[0, 0, 0], [1, 1, 1]]
     clean = [r for r in interpreter_rows if r[0] != "nonfinite" and r[7]]
     assert not clean, f"a finite weight got a non-finite scale: {clean}"
+
+
+def test_a_group_is_one_launch_per_source_dtype_over_exactly_its_tiles(interpreter_run):
+    """The host's cost is its launches: a bucket's weights go in one launch (per source dtype), not one per
+    weight, and the launch's programs are exactly the group's tiles."""
+    calls = interpreter_run["launches"]
+    assert len(calls) == 7 * 2 + 1
+    for label, fmt, dtypes, grids, tiles in calls:
+        assert len(grids) == dtypes, (label, fmt, grids)
+        assert sum(g[0] for g in grids) == tiles, (label, fmt, grids, tiles)
+        # the vector-load variant exactly where every row of the group starts 16-byte aligned
+        assert all(g[1] == (label == "aligned") for g in grids), (label, grids)

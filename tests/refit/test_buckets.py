@@ -317,3 +317,23 @@ def test_one_tensor_under_two_names_and_disjoint_views_of_one_buffer_travel_as_t
         got = {n: t for b in pack_buckets(items, version=1, bucket_bytes=bucket_bytes) for n, t in unpack_bucket(b)}
         assert torch.equal(got["embed"], whole) and torch.equal(got["lm_head"], whole)
         assert torch.equal(torch.cat([got["a"], got["b"]]), whole)
+
+
+@pytest.mark.parametrize(
+    "name", ["model.layers.0.mlp.down_proj.weight", 'q"uote\\back', "ünïcode\u2028", "tab\tnl\n\x01", ""]
+)
+@pytest.mark.parametrize("shape", [(), (0,), (4096, 14336), (8, 1, 3)])
+def test_the_version_digest_hashes_the_compact_json_of_each_record(name, shape):
+    """The digest's bytes are those of ``json.dumps(record, separators=(",", ":"))`` plus a newline, whatever the
+    name holds (quotes, backslashes, non-ASCII, control characters): a receiver computing it the plain way agrees."""
+    import hashlib
+    import json
+
+    from megatron_fp8.refit.wire import TensorMeta
+
+    meta = TensorMeta(name=name, shape=shape, dtype="float8_e4m3fn", offset=4096, nbytes=123)
+    digest = VersionDigest()
+    digest.add(7, meta)
+    rec = [7, name, list(shape), "float8_e4m3fn", 4096, 123]
+    want = hashlib.blake2b(json.dumps(rec, separators=(",", ":")).encode("utf-8") + b"\n", digest_size=16)
+    assert digest.hexdigest() == want.hexdigest()

@@ -94,6 +94,43 @@ def test_a_nan_weight_is_refused_naming_weight_and_element(bucket_bytes):
         list(pack_buckets(fp8_stream(w, _fp8_names(w), in_bucket=True), version=3, bucket_bytes=bucket_bytes))
 
 
+@pytest.mark.parametrize("bucket_bytes", [1 << 20, 4096, 160], ids=["1MiB", "4KiB", "160B"])
+def test_lookahead_hands_out_the_same_wire_one_bucket_later(bucket_bytes):
+    """With ``lookahead`` (CUDA's default) bucket i is handed out only after bucket i+1's work was issued: the
+    wire is the same, and a bucket is never handed out before the stream reached the end of the next one."""
+    w = _weights()
+    plain = _wire(pack_buckets(fp8_stream(w, _fp8_names(w), in_bucket=True), version=2, bucket_bytes=bucket_bytes))
+    consumed: list[str] = []
+
+    def stream():
+        for name, t in fp8_stream(w, _fp8_names(w), in_bucket=True):
+            consumed.append(name)
+            yield name, t
+
+    seen_at = []
+    ahead = []
+    for b in pack_buckets(stream(), version=2, bucket_bytes=bucket_bytes, lookahead=True):
+        seen_at.append(len(consumed))
+        ahead.append((b.index, b.is_last, b.metas, b.checksum, b.payload.clone(), b.trailer))
+    assert len(plain) == len(ahead) > (1 if bucket_bytes < 1 << 20 else 0)
+    for a, b in zip(plain, ahead, strict=True):
+        assert a[:4] == b[:4] and a[5] == b[5] and torch.equal(a[4], b[4])
+    ends = [sum(len(b[2]) for b in plain[: i + 1]) for i in range(len(plain))]
+    for i in range(len(plain) - 1):  # bucket i goes out after the tensor that opened bucket i+2 was taken
+        assert seen_at[i] >= min(ends[i + 1] + 1, ends[-1]), (i, seen_at, ends)
+
+
+def test_lookahead_refuses_a_nan_weight_before_its_bucket_is_handed_out():
+    w = _weights(nan_at=("l3.w", (100, 200)))
+    got = []
+    with pytest.raises(NonFiniteError, match="'l3.w'"):
+        for b in pack_buckets(
+            fp8_stream(w, _fp8_names(w), in_bucket=True), version=5, bucket_bytes=4096, lookahead=True
+        ):
+            got.append(b)
+    assert not any(m.name.startswith("l3.w") for b in got for m in b.metas)
+
+
 def test_a_part_placed_twice_is_refused():
     (name, codes), _ = blockwise_items("w", torch.randn(128, 128, dtype=torch.bfloat16))
     with pytest.raises(RefitError, match="appear twice"):
@@ -175,3 +212,24 @@ def test_the_dict_applier_copies_once_per_dtype():
     assert c.counts.compute == {"_foreach_copy_": 3}
     for t, s in zip(targets, sources, strict=True):
         assert torch.equal(t.view(torch.uint8), s.view(torch.uint8))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("bucket_bytes", [1 << 20, 4096], ids=["1MiB", "4KiB"])
+def test_cuda_in_bucket_quantization_gives_the_cpu_wire(bucket_bytes):
+    """On CUDA the bucket's weights are quantized by one grouped Triton launch (its in-kernel e4m3 cast, its
+    ALIGNED vector variant for the 16-byte aligned rows, the plain one for ragged K): the payload bytes and
+    checksums are those of the CPU torch quantizer's quantize-then-copy wire, and a NaN weight is refused."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    w = _weights()
+    cpu = _wire(pack_buckets(fp8_stream(w, _fp8_names(w), nonfinite="defer"), version=3, bucket_bytes=bucket_bytes))
+    wc = {n: t.cuda() for n, t in w.items()}
+    cuda = _wire(pack_buckets(fp8_stream(wc, _fp8_names(wc), in_bucket=True), version=3, bucket_bytes=bucket_bytes))
+    assert len(cpu) == len(cuda)
+    for a, b in zip(cpu, cuda, strict=True):
+        assert a[2] == b[2] and a[3] == b[3], f"bucket {a[0]}: metadata or checksum differ"
+        assert torch.equal(a[4], b[4].cpu()), f"bucket {a[0]}: payload bytes differ"
+    bad = {n: t.cuda() for n, t in _weights(nan_at=("l3.w", (100, 200))).items()}
+    with pytest.raises(NonFiniteError, match="l3.w"):
+        list(pack_buckets(fp8_stream(bad, _fp8_names(bad), in_bucket=True), version=4, bucket_bytes=bucket_bytes))

@@ -1,0 +1,201 @@
+"""One Triton launch for a whole group of weights: blockwise FP8 of every weight of a refit bucket.
+
+:func:`launch_blockwise_grouped` quantizes many weights with the tile code of
+:mod:`megatron_fp8.quant.triton_kernels` (the same rule, step by step: the same bytes) in **one** launch over
+the group's tiles, instead of one launch per weight. Launching is the host's cost (each Triton launch is tens of
+microseconds of Python; a Llama-3.1-8B refit quantizes 224 weights), and a GPU waiting on the host is idle.
+
+The launch reads a small int64 table (one host -> device copy of ``16 + 7 * W`` words): the first tile of
+each weight (a prefix sum, padded to a power of two), then per weight the offsets of its source, codes and
+scales from three typed base pointers (the group's first tensors) and its ``N, K, NB, KB``. A program finds its
+weight with one vector compare of the prefix sum, then handles one ``bn x bk`` tile exactly as
+``_blockwise_kernel`` does. Offsets from a base pointer, not raw addresses cast to pointers: the compiler
+keeps the base pointers' 16-byte alignment, and when every offset and ``K`` of the group are multiples of 16
+bytes the table stores them divided by 16 (``ALIGNED``), so the compiler can prove the alignment of every row
+and issue vector loads and stores; any other group runs the same kernel without that promise.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from megatron_fp8.errors import QuantInputError
+from megatron_fp8.layout import ceil_div
+from megatron_fp8.quant.formats import FP8_DTYPE
+from megatron_fp8.quant.triton_kernels import _default_num_warps, _kernels, _next_pow2, tl, triton
+
+__all__ = ["GroupedItem", "launch_blockwise_grouped"]
+
+_ROW = 7  # words per weight in the table: x, q, s offsets, N, K, NB, KB
+_MIN_W_P2 = 16  # the prefix sum is padded to at least this many words (fewer compiled variants)
+_PAD_START = 1 << 62  # a padded prefix-sum word: no program's tile index reaches it
+_X_KINDS = {torch.bfloat16: 0, torch.float16: 1, torch.float32: 2}
+
+
+@dataclass(frozen=True)
+class GroupedItem:
+    """One weight of a grouped launch.
+
+    Attributes:
+        x3: contiguous ``[E, N, K]`` source (every item of a launch has the same dtype).
+        q: contiguous output with ``E * N * K`` elements: float8_e4m3fn, or float32 with ``fp8_out=False``.
+        scales: contiguous float32 output with ``E * ceil(N/bn) * ceil(K/bk)`` elements.
+    """
+
+    x3: torch.Tensor
+    q: torch.Tensor
+    scales: torch.Tensor
+
+
+if triton is not None:
+    from megatron_fp8.quant.triton_kernels import _scale_from_amax
+
+    @triton.jit
+    def _grouped_blockwise_kernel(
+        table_ptr,
+        x_base,
+        q_base,
+        s_base,
+        W_P2: tl.constexpr,
+        BN: tl.constexpr,
+        BK: tl.constexpr,
+        BN_P2: tl.constexpr,
+        BK_P2: tl.constexpr,
+        UE8M0: tl.constexpr,
+        FP8_OUT: tl.constexpr,
+        ALIGNED: tl.constexpr,
+        X_UNIT: tl.constexpr,
+        Q_UNIT: tl.constexpr,
+    ):
+        p = tl.program_id(0).to(tl.int64)
+        starts = tl.load(table_ptr + tl.arange(0, W_P2))
+        w = tl.sum((starts <= p).to(tl.int32), axis=0) - 1
+        t = p - tl.load(table_ptr + w)  # the tile's index within its weight: [E, NB, KB] row-major
+        row = table_ptr + W_P2 + w * 7
+        x_off = tl.load(row)
+        q_off = tl.load(row + 1)
+        s_off = tl.load(row + 2)
+        n = tl.load(row + 3)
+        k = tl.load(row + 4)
+        nb = tl.load(row + 5)
+        kb_count = tl.load(row + 6)
+        if ALIGNED:  # the table holds these divided by 16 bytes: multiplying back proves the alignment
+            x_off = x_off * X_UNIT
+            q_off = q_off * Q_UNIT
+            k = k * 16
+        tiles = nb * kb_count
+        expert = t // tiles
+        rem = t - expert * tiles
+        pid_n = rem // kb_count
+        kb = rem - pid_n * kb_count
+        r = tl.arange(0, BN_P2)
+        c = tl.arange(0, BK_P2)
+        rows = pid_n * BN + r
+        row_ok = (r < BN) & (rows < n)
+        cols = kb * BK + c
+        mask = row_ok[:, None] & ((c < BK) & (cols < k))[None, :]
+        offs = (expert * n * k + rows * k)[:, None] + cols[None, :]
+        x = tl.load(x_base + x_off + offs, mask=mask, other=0.0).to(tl.float32)
+        ax = tl.abs(x)
+        ax = tl.where(ax == ax, ax, float("inf"))  # NaN -> inf: GPU max drops NaN
+        amax = tl.max(tl.max(ax, axis=1), axis=0)
+        scale = _scale_from_amax(amax, UE8M0)
+        y = tl.math.div_rn(x, scale)
+        y = tl.minimum(tl.maximum(y, -448.0), 448.0)
+        if FP8_OUT:
+            tl.store(q_base + q_off + offs, y.to(tl.float8e4nv), mask=mask)
+        else:
+            tl.store(q_base + q_off + offs, y, mask=mask)
+        tl.store(s_base + s_off + t, scale)
+
+
+def _offset(t: torch.Tensor, base: torch.Tensor) -> int:
+    """Elements from ``base``'s first element to ``t``'s (same dtype; may be negative)."""
+    delta = t.data_ptr() - base.data_ptr()
+    size = t.element_size()
+    if delta % size:
+        raise QuantInputError(f"launch_blockwise_grouped: a {t.dtype} tensor is not aligned to its element size")
+    return delta // size
+
+
+def launch_blockwise_grouped(
+    items: Sequence[GroupedItem],
+    bn: int,
+    bk: int,
+    scale_format: str,
+    *,
+    fp8_out: bool = True,
+    num_warps: int | None = None,
+) -> None:
+    """Quantize every item blockwise in one launch (no validation of values, no sync).
+
+    Args:
+        items: the weights and their outputs (:class:`GroupedItem`); one source dtype, one output dtype.
+        bn: block rows (along N).
+        bk: block columns (along K).
+        scale_format: ``"fp32"`` or ``"ue8m0"``.
+        fp8_out: ``True``: the kernel casts to float8_e4m3fn; ``False``: it stores the clamped float32 quotient
+            (Triton's CPU interpreter, whose fp8 cast is inexact).
+        num_warps: warps per program; ``None`` picks from the tile size.
+
+    Raises:
+        QuantInputError: mixed source dtypes, a wrong output dtype/size, or a non-contiguous tensor.
+    """
+    if not items:
+        return
+    kernel = _grouped_kernel()
+    x_base, q_base, s_base = items[0].x3, items[0].q, items[0].scales
+    q_dtype = FP8_DTYPE if fp8_out else torch.float32
+    x_kind = _X_KINDS.get(x_base.dtype)
+    starts: list[int] = []
+    rows: list[list[int]] = []
+    total = 0
+    for it in items:
+        e, n, k = it.x3.shape
+        nb, kb = ceil_div(n, bn), ceil_div(k, bk)
+        if (
+            it.x3.dtype != x_base.dtype
+            or x_kind is None
+            or it.q.dtype != q_dtype
+            or it.q.numel() != e * n * k
+            or it.scales.dtype != torch.float32
+            or it.scales.numel() != e * nb * kb
+            or not (it.x3.is_contiguous() and it.q.is_contiguous() and it.scales.is_contiguous())
+        ):
+            raise QuantInputError(
+                f"launch_blockwise_grouped: every item needs a contiguous {x_base.dtype} source (bfloat16, float16 "
+                f"or float32), a contiguous {q_dtype} output of the source's size and contiguous float32 scales "
+                f"[E, ceil(N/{bn}), ceil(K/{bk})]; got {it.x3.dtype} {tuple(it.x3.shape)} -> {it.q.dtype} "
+                f"{it.q.numel()} elements, {it.scales.dtype} {it.scales.numel()} elements"
+            )
+        starts.append(total)
+        total += e * nb * kb
+        rows.append([_offset(it.x3, x_base), _offset(it.q, q_base), _offset(it.scales, s_base), n, k, nb, kb])
+    if total == 0:
+        return
+    x_unit, q_unit = 16 // x_base.element_size(), 16 // q_base.element_size()
+    aligned = (
+        x_base.data_ptr() % 16 == 0
+        and q_base.data_ptr() % 16 == 0
+        and all(r[0] % x_unit == 0 and r[1] % q_unit == 0 and r[4] % 16 == 0 for r in rows)
+    )
+    if aligned:
+        rows = [[r[0] // x_unit, r[1] // q_unit, r[2], r[3], r[4] // 16, r[5], r[6]] for r in rows]
+    w_p2 = max(_MIN_W_P2, _next_pow2(len(items)))
+    words = starts + [_PAD_START] * (w_p2 - len(starts)) + [v for r in rows for v in r]
+    table = torch.tensor(words, dtype=torch.int64).to(x_base.device, non_blocking=True)
+    bn_p2, bk_p2 = _next_pow2(bn), _next_pow2(bk)
+    kernel[(total,)](
+        table, x_base, q_base, s_base,
+        W_P2=w_p2, BN=bn, BK=bk, BN_P2=bn_p2, BK_P2=bk_p2,
+        UE8M0=scale_format == "ue8m0", FP8_OUT=fp8_out, ALIGNED=aligned, X_UNIT=x_unit, Q_UNIT=q_unit,
+        num_warps=num_warps if num_warps is not None else _default_num_warps(bn_p2 * bk_p2),
+    )  # fmt: skip
+
+
+def _grouped_kernel():
+    _kernels()  # raises the "needs the triton package" error when Triton is missing
+    return _grouped_blockwise_kernel
