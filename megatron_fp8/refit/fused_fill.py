@@ -124,13 +124,18 @@ def _launch(buffer: torch.Tensor, group: list[tuple[int, Segment]], size: int, f
     word = _WORDS[size]
     vec = 16 // size
     srcs = [seg.src.reshape(-1).view(word) for _, seg in group]
-    src_base, dst_base = srcs[0], buffer.view(word)
+    src_base, dst_base = srcs[0], buffer[: buffer.numel() // size * size].view(word)
     rows: list[list[int]] = []
     starts: list[int] = []
     chunk = _CHUNK_BYTES // size
     total = 0
     for (index, seg), src in zip(group, srcs, strict=True):
         delta = src.data_ptr() - src_base.data_ptr()
+        if delta % size:
+            raise RefitError(
+                f"fill_and_flag: segment {index} ({seg.src.dtype} at bucket offset {seg.offset}) starts at an address "
+                f"that is not a multiple of its {size}-byte elements; pass a contiguous copy of it"
+            )
         mask, pattern = PATTERNS.get(seg.src.dtype, _NEVER) if seg.probe else _NEVER
         rows.append([delta // size, seg.offset // size, src.numel(), mask, pattern, index])
         starts.append(total)
@@ -169,6 +174,7 @@ def fill_and_flag(buffer: torch.Tensor, segments: Sequence[Segment]) -> torch.Te
         raise RefitError("fill_and_flag needs Triton; the packer uses its torch path without it")
     flags = torch.zeros(len(segments), dtype=torch.int32, device=buffer.device)
     groups: dict[tuple[int, bool], list[tuple[int, Segment]]] = {}
+    segments = _on_device(buffer, segments)
     for i, seg in enumerate(segments):
         size = seg.src.element_size()
         nbytes = seg.src.numel() * size
@@ -183,6 +189,26 @@ def fill_and_flag(buffer: torch.Tensor, segments: Sequence[Segment]) -> torch.Te
     for (size, _), group in groups.items():
         _launch(buffer, group, size, flags)
     return flags
+
+
+def _on_device(buffer: torch.Tensor, segments: Sequence[Segment]) -> list[Segment]:
+    """Segments whose source lives on another device (host memory) are copied into the bucket first (one
+    multi-tensor copy) and then pass through the kernel from their place in the bucket (a copy onto itself, for the
+    flags): the kernel only reads device memory."""
+    out = list(segments)
+    moved = [i for i, seg in enumerate(out) if seg.src.device != buffer.device and seg.src.numel()]
+    if not moved:
+        return out
+    dst, src = [], []
+    for i in moved:
+        seg = out[i]
+        nbytes = seg.src.numel() * seg.src.element_size()
+        place = buffer[seg.offset : seg.offset + nbytes]
+        dst.append(place)
+        src.append(seg.src.reshape(-1).view(torch.uint8))
+        out[i] = Segment(seg.offset, place.view(seg.src.dtype), seg.probe)
+    torch._foreach_copy_(dst, src)
+    return out
 
 
 class FlagProbe:

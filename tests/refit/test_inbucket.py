@@ -235,3 +235,19 @@ def test_cuda_in_bucket_quantization_gives_the_cpu_wire(bucket_bytes):
         bad = {n: t.cuda() for n, t in _weights(nan_at=where).items()}
         with pytest.raises(NonFiniteError, match=rf"'{where[0]}' of version 4"):
             list(pack_buckets(fp8_stream(bad, _fp8_names(bad), in_bucket=True), version=4, bucket_bytes=bucket_bytes))
+
+
+@pytest.mark.gpu
+def test_host_tensors_packed_into_a_cuda_bucket_give_the_cpu_wire():
+    """A stream of host tensors into CUDA buckets (``device="cuda"``): the fused fill copies them in first and
+    flags NaN/Inf from their place in the bucket (its kernel reads device memory only)."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    w = _weights(2)
+    cpu = _wire(pack_buckets(list(w.items()), version=1, bucket_bytes=4096))
+    cuda = _wire(pack_buckets(list(w.items()), version=1, bucket_bytes=4096, device="cuda"))
+    assert [b[:4] for b in cpu] == [b[:4] for b in cuda]
+    assert all(torch.equal(a[4], b[4].cpu()) for a, b in zip(cpu, cuda, strict=True))
+    bad = _weights(2, nan_at=("l4.w", (1, 2, 3)))
+    with pytest.raises(NonFiniteError, match=r"'l4.w' of version 2 .*first at index \(1, 2, 3\)"):
+        list(pack_buckets(list(bad.items()), version=2, bucket_bytes=4096, device="cuda"))
