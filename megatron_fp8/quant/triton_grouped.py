@@ -27,7 +27,7 @@ from megatron_fp8.layout import ceil_div
 from megatron_fp8.quant.formats import FP8_DTYPE
 from megatron_fp8.quant.triton_kernels import _default_num_warps, _kernels, _next_pow2, tl, triton
 
-__all__ = ["GroupedItem", "launch_blockwise_grouped"]
+__all__ = ["GroupedItem", "launch_blockwise_grouped", "launch_into_bucket"]
 
 _ROW = 7  # words per weight in the table: x, q, s offsets, N, K, NB, KB
 _MIN_W_P2 = 16  # the prefix sum is padded to at least this many words (fewer compiled variants)
@@ -59,6 +59,7 @@ if triton is not None:
         x_base,
         q_base,
         s_base,
+        flag_ptr,
         W_P2: tl.constexpr,
         BN: tl.constexpr,
         BK: tl.constexpr,
@@ -69,6 +70,7 @@ if triton is not None:
         ALIGNED: tl.constexpr,
         X_UNIT: tl.constexpr,
         Q_UNIT: tl.constexpr,
+        FLAGS: tl.constexpr,
     ):
         p = tl.program_id(0).to(tl.int64)
         starts = tl.load(table_ptr + tl.arange(0, W_P2))
@@ -110,6 +112,9 @@ if triton is not None:
         else:
             tl.store(q_base + q_off + offs, y, mask=mask)
         tl.store(s_base + s_off + t, scale)
+        if FLAGS:  # one NaN/Inf flag per weight: amax is +inf exactly when the tile holds NaN/Inf
+            bad = (amax == float("inf")).to(tl.int32)
+            tl.atomic_max(flag_ptr + w, bad, mask=bad > 0)
 
 
 def _offset(t: torch.Tensor, base: torch.Tensor) -> int:
@@ -189,11 +194,83 @@ def launch_blockwise_grouped(
     table = torch.tensor(words, dtype=torch.int64).to(x_base.device, non_blocking=True)
     bn_p2, bk_p2 = _next_pow2(bn), _next_pow2(bk)
     kernel[(total,)](
-        table, x_base, q_base, s_base,
+        table, x_base, q_base, s_base, table,
         W_P2=w_p2, BN=bn, BK=bk, BN_P2=bn_p2, BK_P2=bk_p2,
-        UE8M0=scale_format == "ue8m0", FP8_OUT=fp8_out, ALIGNED=aligned, X_UNIT=x_unit, Q_UNIT=q_unit,
+        UE8M0=scale_format == "ue8m0", FP8_OUT=fp8_out, ALIGNED=aligned, X_UNIT=x_unit, Q_UNIT=q_unit, FLAGS=False,
         num_warps=num_warps if num_warps is not None else _default_num_warps(bn_p2 * bk_p2),
     )  # fmt: skip
+
+
+def launch_into_bucket(
+    buffer: torch.Tensor,
+    items: Sequence[tuple[torch.Tensor, int, int]],
+    block_size: tuple[int, int],
+    scale_format: str,
+) -> torch.Tensor:
+    """Quantize weights straight into a refit bucket in one launch, given byte offsets (no view per weight).
+
+    The refit packer's CUDA path: the codes and scales of every weight are addressed as offsets of the bucket
+    itself (its bytes viewed once as float8_e4m3fn and once as float32), and each weight gets a NaN/Inf flag,
+    so the host reads one int32 per weight instead of its block scales. Under Triton's CPU interpreter the
+    codes go through a float32 shadow of the bucket and torch's cast (the interpreter's e4m3 cast is inexact).
+
+    Args:
+        buffer: the bucket, 1-D uint8.
+        items: ``(source, codes byte offset, scales byte offset)`` per weight: a contiguous ``[N, K]`` or
+            ``[E, N, K]`` source (one dtype for all), offsets multiples of 4 (the packer's are of 16).
+        block_size: ``(bn, bk)``.
+        scale_format: ``"fp32"`` or ``"ue8m0"``.
+
+    Returns:
+        int32 ``[len(items)]`` on the bucket's device: 1 where the weight holds NaN/Inf (its block scale there
+        is ``+inf``), else 0. Nothing is read back (no host sync).
+    """
+    from megatron_fp8.quant.triton_kernels import interpreter_active
+
+    kernel = _grouped_kernel()
+    bn, bk = int(block_size[0]), int(block_size[1])
+    flags = torch.zeros(len(items), dtype=torch.int32, device=buffer.device)
+    if not items:
+        return flags
+    fp8_out = not interpreter_active()
+    x_base = items[0][0]
+    q_base = buffer.view(FP8_DTYPE) if fp8_out else torch.zeros(buffer.numel(), device=buffer.device)
+    s_base = buffer[: buffer.numel() // 4 * 4].view(torch.float32)
+    x_size = x_base.element_size()
+    starts: list[int] = []
+    rows: list[list[int]] = []
+    total = 0
+    for x, q_off, s_off in items:
+        shape = x.shape
+        e, n, k = (1, *shape) if len(shape) == 2 else shape
+        nb, kb = -(-n // bn), -(-k // bk)
+        if x.dtype != x_base.dtype or q_off % 4 or s_off % 4:
+            raise QuantInputError("launch_into_bucket: one source dtype per launch, offsets multiples of 4 bytes")
+        starts.append(total)
+        total += e * nb * kb
+        rows.append([(x.data_ptr() - x_base.data_ptr()) // x_size, q_off, s_off // 4, n, k, nb, kb])
+    if total == 0:
+        return flags
+    x_unit, q_unit = 16 // x_size, 16 // q_base.element_size()
+    aligned = x_base.data_ptr() % 16 == 0 and all(
+        r[0] % x_unit == 0 and r[1] % 16 == 0 and r[4] % 16 == 0 for r in rows
+    )
+    if aligned:
+        rows = [[r[0] // x_unit, r[1] // 16 * (16 // q_unit), r[2], r[3], r[4] // 16, r[5], r[6]] for r in rows]
+    w_p2 = max(_MIN_W_P2, _next_pow2(len(items)))
+    words = starts + [_PAD_START] * (w_p2 - len(starts)) + [v for r in rows for v in r]
+    table = torch.tensor(words, dtype=torch.int64).to(buffer.device, non_blocking=True)
+    bn_p2, bk_p2 = _next_pow2(bn), _next_pow2(bk)
+    kernel[(total,)](
+        table, x_base, q_base, s_base, flags,
+        W_P2=w_p2, BN=bn, BK=bk, BN_P2=bn_p2, BK_P2=bk_p2,
+        UE8M0=scale_format == "ue8m0", FP8_OUT=fp8_out, ALIGNED=aligned, X_UNIT=x_unit, Q_UNIT=q_unit, FLAGS=True,
+        num_warps=_default_num_warps(bn_p2 * bk_p2),
+    )  # fmt: skip
+    if not fp8_out:  # the interpreter: cast the float32 quotients with torch (round to nearest even)
+        for x, q_off, _ in items:
+            buffer[q_off : q_off + x.numel()].view(FP8_DTYPE).copy_(q_base[q_off : q_off + x.numel()].to(FP8_DTYPE))
+    return flags
 
 
 def _grouped_kernel():

@@ -157,8 +157,7 @@ class _Filling:
         if offset > self.used:
             self._gaps.append((self.used, offset))
         if isinstance(tensor, PendingPart):
-            view = self.buffer[offset : offset + nbytes].view(tensor.dtype).view(tensor.shape)
-            src = self._jobs.place(tensor, view)
+            src = self._jobs.place(tensor, self.buffer, offset)
             if src is not None:  # its job ran in an earlier bucket
                 self._copies.append(Segment(offset, src.reshape(-1)))
                 self._copy_meta.append(len(self.metas))
@@ -184,7 +183,7 @@ class _Filling:
     def _fill_fused(self, metas: tuple[TensorMeta, ...], check_finite_values: bool) -> tuple[list, list]:
         """The CUDA path: the pending parts quantized, then every copy and gap in one Triton pass per element width
         that also flags NaN/Inf (:mod:`megatron_fp8.refit.fused_fill`); the jobs' ``(job, scales)`` and the probes."""
-        jobs = self._jobs.run(([], []))
+        jobs = self._jobs.run(([], []), fused=True)
         zeros = _zeros16(self.buffer.device)
         segments = [c if check_finite_values else Segment(c.offset, c.src) for c in self._copies]
         segments += [Segment(a, zeros[: b - a]) for a, b in self._gaps]
@@ -224,7 +223,7 @@ class _Filling:
         p, q = checksum_partials(payload)
         parts = [p, q]
         parts += [pr.values.view(torch.int32) for pr in probes if pr.values is not None]
-        parts += [scales.reshape(-1).view(torch.int32) for _, scales in flags]
+        parts += [t for verdict in flags for t in verdict.tensors]
         values = torch.cat(parts)
         pending = None
         if values.is_cuda:
@@ -260,10 +259,10 @@ class _Launched:
             probe.check(rest[at : at + n] if isinstance(probe, FlagProbe) else rest[at : at + n].view(np.float32),
                         version=f.version)  # fmt: skip
             at += n
-        for job, scales in self.flags:
-            if not np.isfinite(rest[at : at + scales.numel()].view(np.float32)).all():
-                job.raise_nonfinite(version=f.version)
-            at += scales.numel()
+        for verdict in self.flags:  # the quantized weights' NaN/Inf verdicts
+            n = sum(t.numel() for t in verdict.tensors)
+            verdict.check(rest[at : at + n], version=f.version)
+            at += n
         is_last = self.trailer is not None
         end = self.payload.numel()
         checksum = finish_checksum(host[:nb], host[nb : 2 * nb], nbytes=end) ^ header_digest(

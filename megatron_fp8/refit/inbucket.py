@@ -24,6 +24,7 @@ import logging
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 
 from megatron_fp8.errors import NonFiniteError, RefitError
@@ -54,7 +55,13 @@ class BlockwiseFP8:
     block_size: tuple[int, int] = (DEFAULT_BLOCK, DEFAULT_BLOCK)
     scale_format: ScaleFormat = "fp32"
     _outputs: dict[str, torch.Tensor] = field(default_factory=dict, repr=False)
-    _places: dict[str, torch.Tensor] = field(default_factory=dict, repr=False)
+    _places: dict[str, tuple[torch.Tensor, int]] = field(default_factory=dict, repr=False)  # kind -> (bucket, offset)
+    _sizes: dict[str, torch.Size] = field(default_factory=dict, repr=False)
+
+    def __post_init__(self) -> None:  # the parts' shapes, computed once (the packer asks for them several times)
+        shape = tuple(self.source.shape)
+        self._sizes["codes"] = torch.Size(shape)
+        self._sizes["scales"] = torch.Size(block_scale_shape(shape, self.block_size))
 
     @property
     def codes(self) -> PendingPart:
@@ -71,26 +78,30 @@ class BlockwiseFP8:
         """Whether the job has been quantized (its outputs exist)."""
         return bool(self._outputs)
 
-    def shape_of(self, kind: str) -> tuple[int, ...]:
+    def shape_of(self, kind: str) -> torch.Size:
         """Shape of the ``"codes"`` or ``"scales"`` part."""
-        shape = tuple(self.source.shape)
-        return shape if kind == "codes" else block_scale_shape(shape, self.block_size)
+        return self._sizes[kind]
 
     def target(self) -> BlockwiseTarget:
-        """Its :class:`BlockwiseTarget`: the placed bucket views, fresh tensors for the parts not placed (kept)."""
+        """Its :class:`BlockwiseTarget`: views of its places in the bucket, fresh tensors for the parts not placed
+        (kept, for the bucket that holds them)."""
         out = {}
         for kind in ("codes", "scales"):
-            out[kind] = self._places.get(kind)
-            if out[kind] is None:
-                dtype = FP8_DTYPE if kind == "codes" else torch.float32
-                out[kind] = torch.empty(self.shape_of(kind), dtype=dtype, device=self._device())
+            dtype = FP8_DTYPE if kind == "codes" else torch.float32
+            place = self._places.get(kind)
+            if place is None:
+                out[kind] = torch.empty(self._sizes[kind], dtype=dtype, device=self._device())
+            else:
+                buffer, offset = place
+                nbytes = self._sizes[kind].numel() * dtype.itemsize
+                out[kind] = buffer[offset : offset + nbytes].view(dtype).view(self._sizes[kind])
             self._outputs[kind] = out[kind]
         self._places.clear()
         return BlockwiseTarget(self.source, out["codes"], out["scales"], self.name)
 
     def _device(self) -> torch.device:
         placed = next(iter(self._places.values()), None)
-        return placed.device if placed is not None else self.source.device
+        return placed[0].device if placed is not None else self.source.device
 
     def raise_nonfinite(self, *, version: int | None) -> None:
         """Raise :class:`NonFiniteError` naming this weight and its first NaN/Inf element (reads the source)."""
@@ -120,7 +131,7 @@ class PendingPart:
     @property
     def shape(self) -> torch.Size:
         """The tensor's shape."""
-        return torch.Size(self.job.shape_of(self.kind))
+        return self.job._sizes[self.kind]
 
     @property
     def dtype(self) -> torch.dtype:
@@ -202,12 +213,12 @@ class BucketJobs:
     def __init__(self) -> None:
         self.jobs: list[BlockwiseFP8] = []
 
-    def place(self, part: PendingPart, view: torch.Tensor) -> torch.Tensor | None:
-        """Record that ``part`` goes to ``view`` (its typed, shaped place in the bucket).
+    def place(self, part: PendingPart, buffer: torch.Tensor, offset: int) -> torch.Tensor | None:
+        """Record that ``part`` goes to byte ``offset`` of the bucket ``buffer`` (1-D uint8).
 
         Returns:
             ``None`` when the part is written by this bucket's quantization; else (its job ran in an earlier
-            bucket) the tensor to copy into ``view``.
+            bucket) the tensor to copy there.
 
         Raises:
             RefitError: the same part placed twice.
@@ -219,27 +230,95 @@ class BucketJobs:
             raise RefitError(f"the {part.kind} of {job.name!r} appear twice in one refit stream")
         if not job._places:
             self.jobs.append(job)
-        job._places[part.kind] = view
+        job._places[part.kind] = (buffer, offset)
         return None
 
-    def run(self, copies: tuple[list[torch.Tensor], list[torch.Tensor]]) -> list[tuple[BlockwiseFP8, torch.Tensor]]:
+    def run(self, copies: tuple[list[torch.Tensor], list[torch.Tensor]], *, fused: bool = False) -> list:
         """Quantize every job of the bucket into its places, with ``copies`` in the same first multi-tensor copy.
 
+        Args:
+            copies: ``(dst, src)`` tensors to copy as well (the torch path's plain tensors).
+            fused: the bucket is filled by the CUDA fused path: jobs whose two parts both lie in this bucket go
+                through one grouped Triton launch per (block size, scale format) that reads offsets of the bucket
+                and raises one NaN/Inf flag per job (:func:`~megatron_fp8.quant.triton_grouped.launch_into_bucket`).
+
         Returns:
-            ``[(job, its scales)]``: a non-finite scale flags a NaN/Inf in the job's source.
+            Verdicts: objects with ``tensors`` (int32 tensors to read with the bucket's host read) and
+            ``check(host_int32, version=...)`` (their values, in that order), raising :class:`NonFiniteError` for
+            a job whose source holds NaN/Inf.
         """
-        groups: dict[tuple, list[BlockwiseTarget]] = {}
-        flags = []
-        for job in self.jobs:
+        verdicts: list = []
+        rest = self.jobs
+        if fused:
+            from megatron_fp8.quant.triton_grouped import launch_into_bucket
+
+            whole = [j for j in self.jobs if len(j._places) == 2 and _fast_source(j.source)]
+            rest = [j for j in self.jobs if not (len(j._places) == 2 and _fast_source(j.source))]
+            groups: dict[tuple, list[BlockwiseFP8]] = {}
+            for job in whole:
+                groups.setdefault((job.block_size, job.scale_format, job.source.dtype), []).append(job)
+            for (block_size, scale_format, _), jobs in groups.items():
+                buffer = jobs[0]._places["codes"][0]
+                items = [(j.source, j._places["codes"][1], j._places["scales"][1]) for j in jobs]
+                flags = launch_into_bucket(buffer, items, block_size, scale_format)
+                for j in jobs:
+                    j._outputs.update(_bucket_views(j))
+                    j._places.clear()
+                verdicts.append(_FlagVerdict(jobs, flags))
+        groups_t: dict[tuple, list[BlockwiseTarget]] = {}
+        pairs = []
+        for job in rest:
             target = job.target()
-            groups.setdefault((job.block_size, job.scale_format, target.codes.device), []).append(target)
-            flags.append((job, target.scales))
-        if not groups:
-            if copies[0]:
-                torch._foreach_copy_(copies[0], copies[1])
-        for i, ((block_size, scale_format, _), targets) in enumerate(groups.items()):
+            groups_t.setdefault((job.block_size, job.scale_format, target.codes.device), []).append(target)
+            pairs.append((job, target.scales))
+        if not groups_t and copies[0]:
+            torch._foreach_copy_(copies[0], copies[1])
+        for i, ((block_size, scale_format, _), targets) in enumerate(groups_t.items()):
             quantize_blockwise_into(
                 targets, block_size=block_size, scale_format=scale_format, copies=copies if i == 0 else None
             )
+        if pairs:
+            verdicts.append(_ScaleVerdict(pairs))
         self.jobs = []
-        return flags
+        return verdicts
+
+
+def _fast_source(x: torch.Tensor) -> bool:
+    return x.dim() in (2, 3) and x.dtype in (torch.bfloat16, torch.float16, torch.float32) and x.is_contiguous()
+
+
+def _bucket_views(job: BlockwiseFP8) -> dict[str, torch.Tensor]:
+    """The job's outputs as views of the bucket (kept for a later bucket's copy and for :meth:`materialize`)."""
+    out = {}
+    for kind, dtype in (("codes", FP8_DTYPE), ("scales", torch.float32)):
+        buffer, offset = job._places[kind]
+        size = job._sizes[kind]
+        out[kind] = buffer[offset : offset + size.numel() * dtype.itemsize].view(dtype).view(size)
+    return out
+
+
+class _FlagVerdict:
+    """One NaN/Inf flag per job (int32, 1 where a block's amax was not finite), from the grouped launch."""
+
+    def __init__(self, jobs: list[BlockwiseFP8], flags: torch.Tensor):
+        self.jobs, self.tensors = jobs, [flags]
+
+    def check(self, host: np.ndarray, *, version: int | None) -> None:
+        for i in np.flatnonzero(host > 0).tolist():
+            self.jobs[i].raise_nonfinite(version=version)
+
+
+class _ScaleVerdict:
+    """The jobs' block scales themselves (a non-finite scale flags a NaN/Inf in its block), read as int32 bits."""
+
+    def __init__(self, pairs: list[tuple[BlockwiseFP8, torch.Tensor]]):
+        self.pairs = pairs
+        self.tensors = [s.reshape(-1).view(torch.int32) for _, s in pairs]
+
+    def check(self, host: np.ndarray, *, version: int | None) -> None:
+        at = 0
+        scales = host.astype(np.int32).view(np.float32)
+        for job, s in self.pairs:
+            if not np.isfinite(scales[at : at + s.numel()]).all():
+                job.raise_nonfinite(version=version)
+            at += s.numel()

@@ -95,7 +95,36 @@ _SCRIPT = textwrap.dedent(
             a, b = wire(make(), bucket_bytes, False), wire(make(), bucket_bytes, True)
             ok = len(a) == len(b) and all(x[:4] == y[:4] and torch.equal(x[4], y[4]) for x, y in zip(a, b))
             same.append([label, bucket_bytes, len(a), ok])
+    from megatron_fp8.refit.inbucket import blockwise_items
+
+    shapes = [(300, 260), (2, 130, 200), (256, 384), (1, 1), (129, 128)]
+    mixed = {f"w{i}": (torch.randn(sh, generator=g) * 0.05).to(torch.bfloat16) for i, sh in enumerate(shapes)}
+    mixed["w1"][1] = 0  # a whole zero expert
+
+    def mixed_stream(ws, fmt):
+        for name, t in ws.items():
+            yield from blockwise_items(name, t, scale_format=fmt)
+            yield name + ".norm", t.reshape(-1)[:7].float()
+
+    for fmt in ("fp32", "ue8m0"):
+        for bucket_bytes in (1 << 20, 4096):
+            a, b = wire(mixed_stream(mixed, fmt), bucket_bytes, False), wire(mixed_stream(mixed, fmt), bucket_bytes, True)
+            ok = len(a) == len(b) and all(x[:4] == y[:4] and torch.equal(x[4], y[4]) for x, y in zip(a, b))
+            same.append([f"stacks-{fmt}", bucket_bytes, len(a), ok])
     out["same_wire"] = same
+    stack_refused = []
+    bad = {n: t.clone() for n, t in mixed.items()}
+    bad["w1"][1, 129, 199] = float("nan")
+    for bucket_bytes in (1 << 20, 4096):
+        buckets._FORCE_FUSED = True
+        try:
+            list(buckets.pack_buckets(mixed_stream(bad, "fp32"), version=6, bucket_bytes=bucket_bytes))
+            stack_refused.append("not refused")
+        except NonFiniteError as exc:
+            stack_refused.append(str(exc))
+        finally:
+            buckets._FORCE_FUSED = False
+    out["stack_refused"] = stack_refused
 
     refused = []
     for target, index, value in (("model.layers.1.mlp.down_proj.weight", (3, 7), float("nan")),
@@ -136,7 +165,9 @@ def test_exactly_the_tensors_holding_nan_or_inf_are_flagged(run):
 
 
 def test_a_refit_packed_with_the_fused_fill_is_the_torch_paths_wire(run):
-    assert len(run["same_wire"]) == 6
+    """BF16 and FP8-in-the-bucket streams of the tiny model, and expert stacks / ragged blocks / a zero expert in
+    fp32 and ue8m0 (the bucket's quantization through byte offsets and per-weight flags), split across buckets."""
+    assert len(run["same_wire"]) == 10
     assert all(ok for *_, ok in run["same_wire"]), run["same_wire"]
     assert any(n > 3 for _, _, n, _ in run["same_wire"])  # several buckets, tensors split across them
 
@@ -146,3 +177,9 @@ def test_a_nan_or_inf_tensor_is_refused_by_name_and_first_element(run):
     assert len(run["refused"]) == 6
     for name, _, msg in run["refused"]:
         assert f"'{name}' of version 4" in msg and f"first at index {want[name]}" in msg, msg
+
+
+def test_a_nan_in_an_expert_stack_quantized_in_the_bucket_is_refused_by_name_and_element(run):
+    assert len(run["stack_refused"]) == 2
+    for msg in run["stack_refused"]:
+        assert "'w1' of version 6" in msg and "first at index (1, 129, 199)" in msg, msg
