@@ -54,7 +54,7 @@ class BlockwiseFP8:
     source: torch.Tensor
     block_size: tuple[int, int] = (DEFAULT_BLOCK, DEFAULT_BLOCK)
     scale_format: ScaleFormat = "fp32"
-    _outputs: dict[str, torch.Tensor] = field(default_factory=dict, repr=False)
+    _outputs: dict[str, torch.Tensor | tuple[torch.Tensor, int]] = field(default_factory=dict, repr=False)
     _places: dict[str, tuple[torch.Tensor, int]] = field(default_factory=dict, repr=False)  # kind -> (bucket, offset)
     _sizes: dict[str, torch.Size] = field(default_factory=dict, repr=False)
 
@@ -72,6 +72,18 @@ class BlockwiseFP8:
     def scales(self) -> PendingPart:
         """The block scales part (float32 ``[ceil(N/bn), ceil(K/bk)]``)."""
         return PendingPart(self, "scales")
+
+    def output(self, kind: str) -> torch.Tensor:
+        """The quantized ``"codes"`` or ``"scales"`` (a view of the bucket it was quantized into, or its own tensor)."""
+        out = self._outputs[kind]
+        if isinstance(out, tuple):  # (bucket, byte offset) of the grouped launch
+            buffer, offset = out
+            dtype = FP8_DTYPE if kind == "codes" else torch.float32
+            out = (
+                buffer[offset : offset + self._sizes[kind].numel() * dtype.itemsize].view(dtype).view(self._sizes[kind])
+            )
+            self._outputs[kind] = out
+        return out
 
     @property
     def done(self) -> bool:
@@ -157,7 +169,7 @@ class PendingPart:
             quantize_blockwise_into(
                 [self.job.target()], block_size=self.job.block_size, scale_format=self.job.scale_format
             )
-        return self.job._outputs[self.kind]
+        return self.job.output(self.kind)
 
 
 def blockwise_items(
@@ -225,7 +237,7 @@ class BucketJobs:
         """
         job = part.job
         if job.done:
-            return job._outputs[part.kind]
+            return job.output(part.kind)
         if part.kind in job._places:
             raise RefitError(f"the {part.kind} of {job.name!r} appear twice in one refit stream")
         if not job._places:
@@ -261,8 +273,8 @@ class BucketJobs:
                 buffer = jobs[0]._places["codes"][0]
                 items = [(j.source, j._places["codes"][1], j._places["scales"][1]) for j in jobs]
                 flags = launch_into_bucket(buffer, items, block_size, scale_format)
-                for j in jobs:
-                    j._outputs.update(_bucket_views(j))
+                for j in jobs:  # outputs as (bucket, offset): a view is made only if one is asked for
+                    j._outputs.update(j._places)
                     j._places.clear()
                 verdicts.append(_FlagVerdict(jobs, flags))
         groups_t: dict[tuple, list[BlockwiseTarget]] = {}
@@ -285,16 +297,6 @@ class BucketJobs:
 
 def _fast_source(x: torch.Tensor) -> bool:
     return x.dim() in (2, 3) and x.dtype in (torch.bfloat16, torch.float16, torch.float32) and x.is_contiguous()
-
-
-def _bucket_views(job: BlockwiseFP8) -> dict[str, torch.Tensor]:
-    """The job's outputs as views of the bucket (kept for a later bucket's copy and for :meth:`materialize`)."""
-    out = {}
-    for kind, dtype in (("codes", FP8_DTYPE), ("scales", torch.float32)):
-        buffer, offset = job._places[kind]
-        size = job._sizes[kind]
-        out[kind] = buffer[offset : offset + size.numel() * dtype.itemsize].view(dtype).view(size)
-    return out
 
 
 class _FlagVerdict:

@@ -125,6 +125,21 @@ _SCRIPT = textwrap.dedent(
         finally:
             buckets._FORCE_FUSED = False
     out["stack_refused"] = stack_refused
+    # a part quantized by the bucket's grouped launch, asked for afterwards: the bucket's bytes, the quantizer's
+    from megatron_fp8.quant import quantize_blockwise
+
+    parts = list(mixed_stream(mixed, "fp32"))
+    buckets._FORCE_FUSED = True
+    try:
+        held = list(buckets.pack_buckets(iter(parts), version=7, bucket_bytes=1 << 20))
+    finally:
+        buckets._FORCE_FUSED = False
+    q, sc = quantize_blockwise(mixed["w0"], nonfinite="defer", backend="torch")
+    out["materialized"] = bool(
+        len(held) == 1
+        and torch.equal(parts[0][1].materialize().view(torch.uint8), q.view(torch.uint8))
+        and torch.equal(parts[1][1].materialize(), sc)
+    )
 
     refused = []
     for target, index, value in (("model.layers.1.mlp.down_proj.weight", (3, 7), float("nan")),
@@ -183,3 +198,7 @@ def test_a_nan_in_an_expert_stack_quantized_in_the_bucket_is_refused_by_name_and
     assert len(run["stack_refused"]) == 2
     for msg in run["stack_refused"]:
         assert "'w1' of version 6" in msg and "first at index (1, 129, 199)" in msg, msg
+
+
+def test_a_part_quantized_by_the_grouped_launch_materializes_as_its_bucket_bytes(run):
+    assert run["materialized"]
