@@ -16,7 +16,8 @@ between blocks ``p_b * (2b + 1)``, a truncation ``n``. Not cryptographic: it cat
 not an adversary.
 
 On CUDA with Triton the partials come from one kernel launch reading every payload byte once
-(:mod:`megatron_fp8.refit.integrity.kernels`); elsewhere from four torch ops. Both give the same int64 partials.
+(:mod:`megatron_fp8.refit.integrity.kernels`); on CPU from numpy's integer sums over the payload's memory; on any
+other device from four torch ops. All give the same int64 partials.
 """
 
 from __future__ import annotations
@@ -83,6 +84,46 @@ def checksum_partials(payload: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor
 
     if kernels.runs_on(words):
         return kernels.checksum_partials_triton(words, BLOCK_WORDS)
+    if words.device.type == "cpu":
+        return _partials_numpy(words)
+    return _partials_torch(words)
+
+
+_JW_NP = np.arange(1, BLOCK_WORDS + 1, dtype=np.int64)
+_NP_ROWS = 256
+"""Blocks per numpy step (16 MiB of payload: its int64 copy stays 32 MiB whatever the bucket size)."""
+
+
+def _partials_numpy(words: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The CPU path: numpy's int64 sums and dot products over the payload's own memory (no copy of it).
+
+    Exact integer arithmetic, so the same ``p`` and ``q`` as the torch path and the CUDA kernel; about 7x the
+    torch path's throughput on one core (1.4 GB/s against 0.18 GB/s for 64 MiB here, 2026-11-26), which both ends
+    of every CPU refit pay per byte. Reading CPU memory through numpy is not a device sync: the op counter
+    (:mod:`megatron_fp8.refit.opcount`) does not see it.
+    """
+    with torch._C.DisableTorchFunction():
+        w = words.numpy()
+    nwords = w.shape[0]
+    full, rem = divmod(nwords, BLOCK_WORDS)
+    nb = full + (1 if rem else 0)
+    p = np.empty(nb, dtype=np.int64)
+    q = np.empty(nb, dtype=np.int64)
+    for r0 in range(0, full, _NP_ROWS):
+        r1 = min(full, r0 + _NP_ROWS)
+        blocks = w[r0 * BLOCK_WORDS : r1 * BLOCK_WORDS].reshape(r1 - r0, BLOCK_WORDS)
+        p[r0:r1] = blocks.sum(axis=1, dtype=np.int64)
+        q[r0:r1] = blocks.astype(np.int64) @ _JW_NP
+    if rem:
+        tail = w[full * BLOCK_WORDS :]
+        p[full] = tail.sum(dtype=np.int64)
+        q[full] = tail.astype(np.int64) @ _JW_NP[:rem]
+    return torch.from_numpy(p), torch.from_numpy(q)
+
+
+def _partials_torch(words: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The torch path (devices other than CPU and CUDA with Triton): four ops over int32 words."""
+    nwords = words.numel()
     pad = ceil_div(nwords, BLOCK_WORDS) * BLOCK_WORDS - nwords
     if pad:
         words = torch.nn.functional.pad(words, (0, pad))
