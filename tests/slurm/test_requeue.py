@@ -1,5 +1,12 @@
 """A GRPO job signalled by Slurm mid-run saves, requeues itself and finishes in the next allocation, equal step by
-step to an uninterrupted run (issue 25), on the real single-node Slurm of conftest.py."""
+step to an uninterrupted run (issue 25), on the real single-node Slurm of conftest.py.
+
+The three jobs (the uninterrupted one, one signalled with USR1, one with TERM) are submitted together and share the
+node's CPUs (two jobs at a time on the 2-core CI machine: one each asks for one CPU), so that one job's start-up,
+requeue wait and the scheduler's passes overlap another's steps: ~180 s one after another, about half that
+together. What the equality compares does not depend on it: every job computes the same steps with the same thread
+count (Slurm's task/none binds nothing; torch's thread count is the machine's, not its load).
+"""
 
 from __future__ import annotations
 
@@ -32,7 +39,8 @@ def _state(cluster, job: str) -> str:
     return next((w.split("=", 1)[1] for w in out.split() if w.startswith("JobState=")), "UNKNOWN")
 
 
-def _run_job(cluster, tmp_path: Path, name: str, signal: str | None) -> tuple[list[dict], str]:
+def _submit(cluster, tmp_path: Path, name: str) -> tuple[str, Path, Path]:
+    """Submit the GRPO job ``name``: (its id, its output folder, its log folder)."""
     out, ckpt, logs = tmp_path / name / "out", tmp_path / name / "ckpt", tmp_path / name / "logs"
     logs.mkdir(parents=True)
     env = {**cluster.env, "RESULTS_DIR": str(tmp_path / name / "results"), "REQUIRE_GPU": "0", "STEPS": str(STEPS)}
@@ -41,38 +49,62 @@ def _run_job(cluster, tmp_path: Path, name: str, signal: str | None) -> tuple[li
         "sbatch", "--parsable", f"--output={logs}/%x-%j.out", "--time=10", "--ntasks=1", "slurm/grpo.sbatch",
         "configs/tiny_cpu.yaml", *RUN, f"checkpointing.checkpoint_dir={ckpt}", cwd=REPO, env=env,
     )  # fmt: skip
-    job = res.stdout.strip().split(";")[0]
-    signalled = signal is None
+    return res.stdout.strip().split(";")[0], out, logs
+
+
+def _run_jobs(cluster, tmp_path: Path, signals: dict[str, str | None]) -> dict[str, tuple[list[dict], str] | str]:
+    """Run one job per entry of ``signals`` (name -> the signal it gets once its first step is in metrics.jsonl,
+    or None), all submitted at once: name -> (its metrics rows, its log), or why it did not complete."""
+    jobs = {name: _submit(cluster, tmp_path, name) for name in signals}
+    pending = {name for name, sig in signals.items() if sig is not None}  # still to be signalled
+    running = set(jobs)
     deadline = time.monotonic() + 900
-    while time.monotonic() < deadline:
-        state = _state(cluster, job)
-        if state in ("COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "OUT_OF_MEMORY"):
-            break
-        metrics = out / "metrics.jsonl"
-        if not signalled and metrics.is_file() and metrics.read_text().count("\n") >= 1:
-            if signal == "USR1":  # what --signal=B:USR1@lead does: the batch shell, which passes it on
-                cluster.run("scancel", "--batch", "--signal=USR1", job)
-            else:  # the time limit / scancel: SIGTERM to the job's tasks
-                cluster.run("scancel", "--signal=TERM", job)
-            signalled = True
+    while running and time.monotonic() < deadline:
+        for name in sorted(running):
+            job, out, _ = jobs[name]
+            if _state(cluster, job) in ("COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "OUT_OF_MEMORY"):
+                running.discard(name)
+                continue
+            metrics = out / "metrics.jsonl"
+            if name in pending and metrics.is_file() and metrics.read_text().count("\n") >= 1:
+                if signals[name] == "USR1":  # what --signal=B:USR1@lead does: the batch shell, which passes it on
+                    cluster.run("scancel", "--batch", "--signal=USR1", job)
+                else:  # the time limit / scancel: SIGTERM to the job's tasks
+                    cluster.run("scancel", "--signal=TERM", job)
+                pending.discard(name)
         time.sleep(0.2)
-    log = "\n".join(p.read_text(errors="replace") for p in sorted(logs.glob("*.out")))
-    if _state(cluster, job) != "COMPLETED":
-        show = cluster.run("scontrol", "show", "job", job, check=False).stdout
-        pytest.fail(f"job {job} ended {_state(cluster, job)}\n{show}\n{log[-6000:]}\n{cluster.daemon_logs()}")
-    return _rows(out / "metrics.jsonl"), log
+    results: dict[str, tuple[list[dict], str] | str] = {}
+    for name, (job, out, logs) in jobs.items():
+        log = "\n".join(p.read_text(errors="replace") for p in sorted(logs.glob("*.out")))
+        if _state(cluster, job) != "COMPLETED":
+            show = cluster.run("scontrol", "show", "job", job, check=False).stdout
+            results[name] = f"job {job} ended {_state(cluster, job)}\n{show}\n{log[-6000:]}\n{cluster.daemon_logs()}"
+        else:
+            results[name] = (_rows(out / "metrics.jsonl"), log)
+    return results
 
 
 @pytest.fixture(scope="module")
-def uninterrupted(slurm_cluster, tmp_path_factory):
-    rows, log = _run_job(slurm_cluster, tmp_path_factory.mktemp("ref"), "ref", None)
+def jobs(slurm_cluster, tmp_path_factory):
+    return _run_jobs(slurm_cluster, tmp_path_factory.mktemp("jobs"), {"USR1": "USR1", "TERM": "TERM", "ref": None})
+
+
+def _completed(jobs, name: str) -> tuple[list[dict], str]:
+    if isinstance(jobs[name], str):
+        pytest.fail(jobs[name])
+    return jobs[name]
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(jobs):
+    rows, log = _completed(jobs, "ref")
     assert len(rows) == STEPS and "requeueing" not in log
     return rows
 
 
 @pytest.mark.parametrize("signal", ["USR1", "TERM"])
-def test_a_signalled_job_requeues_and_continues_exactly(slurm_cluster, tmp_path, uninterrupted, signal):
-    rows, log = _run_job(slurm_cluster, tmp_path, "run", signal)
+def test_a_signalled_job_requeues_and_continues_exactly(jobs, uninterrupted, signal):
+    rows, log = _completed(jobs, signal)
     assert f"stopped (SIG{signal})" in log and "requeueing job" in log, log[-6000:]
     assert "allocation 1 of this job" in log and "resumed from step" in log, log[-6000:]
     assert rows == uninterrupted

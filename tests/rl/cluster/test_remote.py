@@ -49,10 +49,20 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _run(tmp_path: Path, scenario: str, envs: list[dict[str, str]], *, overrides: str = "", killed=()) -> list[dict]:
+def _run(
+    tmp_path: Path,
+    scenario: str,
+    envs: list[dict[str, str]],
+    *,
+    overrides: str = "",
+    killed=(),
+    beside: tuple[str, dict[str, str]] | None = None,
+) -> list[dict]:
     """Start one worker per entry of ``envs`` (rank = index); their JSON results, in rank order.
 
     Ranks in ``killed`` must die by SIGKILL; the others' exit status is left to the caller (in the result).
+    ``beside`` (scenario, extra environment): one more worker, started at the same time in the same environment
+    but outside the process group (``WORLD_SIZE=1``, ``RANK=0``, a port of its own); its result comes last.
     """
     port = _free_port()
     base = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(REPO), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
@@ -65,6 +75,13 @@ def _run(tmp_path: Path, scenario: str, envs: list[dict[str, str]], *, overrides
         outs.append(out)
         cmd = [sys.executable, str(WORKER), "--scenario", scenario, "--out", str(out), "--overrides", overrides]
         env = {**base, "RANK": str(rank), **extra}
+        procs.append(subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE))
+    if beside is not None:
+        name, extra = beside
+        out = tmp_path / f"{name}_0.json"
+        outs.append(out)
+        cmd = [sys.executable, str(WORKER), "--scenario", name, "--out", str(out), "--overrides", overrides]
+        env = {**base, "WORLD_SIZE": "1", "RANK": "0", "MASTER_PORT": str(_free_port()), **extra}
         procs.append(subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE))
     try:
         for rank, p in enumerate(procs):
@@ -128,16 +145,20 @@ def test_rollout_rank_retires_its_vllm_prefix_cache_on_refit(tmp_path):
     (sgl on AMX CPUs, oneDNN, torch) and its OpenMP thread count change the float sums (on an AMX CPU an engine with
     2 threads and one with 1 differ by ~2e-4 from the second token). So the comparison engine is built in a process
     started exactly like the rollout rank (``_run``'s environment: ``OMP_NUM_THREADS=1``, same vLLM settings), and
-    both report their GEMM paths and thread counts, which must be equal too.
+    both report their GEMM paths and thread counts, which must be equal too. It starts beside the two ranks (its
+    imports overlap their run) and builds its engine once the trainer has written the checkpoint; what else runs
+    on the machine meanwhile changes no thread count and no float sum.
     """
-    trainer, rollout = _run(tmp_path, "vllm_prefix", [{}, {}], overrides=SPLIT)
+    ckpt = tmp_path / "w1"  # where the trainer writes the refit's weights (its --out's folder)
+    fresh_env = {"FRESH_CHECKPOINT": str(ckpt), "FRESH_TRAINER_RESULT": str(tmp_path / "vllm_prefix_0.json")}
+    trainer, rollout, fresh = _run(tmp_path, "vllm_prefix", [{}, {}], overrides=SPLIT, beside=("vllm_fresh", fresh_env))
     assert "error" not in trainer, trainer.get("trace")
     assert rollout.get("served") and "error" not in rollout, rollout
     assert trainer["name"] == "vllm-bf16" and trainer["version"] == 1
     assert trainer["prefix_cache"] == "reset"  # emptied and probed on the rollout rank, reported to the trainer
     assert trainer["same_within_version"] and trainer["changed"]
     # after the refit the rollout rank generates exactly what an engine built from the new weights does
-    (fresh,) = _run(tmp_path, "vllm_fresh", [{"FRESH_CHECKPOINT": trainer["checkpoint"]}])
+    assert trainer["checkpoint"] == str(ckpt)
     assert "error" not in fresh, fresh.get("trace")
     conditions = {k: (fresh[k], rollout[k]) for k in ("threads", "gemm_paths")}
     for who, r in (("rollout rank", rollout), ("comparison", fresh)):  # into the test's report (tests/conftest.py)
