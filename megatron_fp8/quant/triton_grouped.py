@@ -181,6 +181,27 @@ def launch_blockwise_grouped(
         rows.append([_offset(it.x3, x_base), _offset(it.q, q_base), _offset(it.scales, s_base), n, k, nb, kb])
     if total == 0:
         return
+    _launch_table(kernel, starts, rows, total, (x_base, q_base, s_base), None, bn=bn, bk=bk,
+                  scale_format=scale_format, fp8_out=fp8_out, num_warps=num_warps)  # fmt: skip
+
+
+def _launch_table(
+    kernel,
+    starts: list[int],
+    rows: list[list[int]],
+    total: int,
+    bases: tuple[torch.Tensor, torch.Tensor, torch.Tensor],
+    flags: torch.Tensor | None,
+    *,
+    bn: int,
+    bk: int,
+    scale_format: str,
+    fp8_out: bool,
+    num_warps: int | None,
+) -> None:
+    """Write the table (prefix sum, then per weight its x/q/s element offsets from ``bases``, N, K, NB, KB) and
+    launch over ``total`` tiles; the ``ALIGNED`` variant when every row allows it; ``flags``: one per weight."""
+    x_base, q_base, s_base = bases
     x_unit, q_unit = 16 // x_base.element_size(), 16 // q_base.element_size()
     aligned = (
         x_base.data_ptr() % 16 == 0
@@ -189,14 +210,15 @@ def launch_blockwise_grouped(
     )
     if aligned:
         rows = [[r[0] // x_unit, r[1] // q_unit, r[2], r[3], r[4] // 16, r[5], r[6]] for r in rows]
-    w_p2 = max(_MIN_W_P2, _next_pow2(len(items)))
+    w_p2 = max(_MIN_W_P2, _next_pow2(len(rows)))
     words = starts + [_PAD_START] * (w_p2 - len(starts)) + [v for r in rows for v in r]
     table = torch.tensor(words, dtype=torch.int64).to(x_base.device, non_blocking=True)
     bn_p2, bk_p2 = _next_pow2(bn), _next_pow2(bk)
     kernel[(total,)](
-        table, x_base, q_base, s_base, table,
+        table, x_base, q_base, s_base, flags if flags is not None else table,
         W_P2=w_p2, BN=bn, BK=bk, BN_P2=bn_p2, BK_P2=bk_p2,
-        UE8M0=scale_format == "ue8m0", FP8_OUT=fp8_out, ALIGNED=aligned, X_UNIT=x_unit, Q_UNIT=q_unit, FLAGS=False,
+        UE8M0=scale_format == "ue8m0", FP8_OUT=fp8_out, ALIGNED=aligned, X_UNIT=x_unit, Q_UNIT=q_unit,
+        FLAGS=flags is not None,
         num_warps=num_warps if num_warps is not None else _default_num_warps(bn_p2 * bk_p2),
     )  # fmt: skip
 
@@ -236,37 +258,22 @@ def launch_into_bucket(
     x_base = items[0][0]
     q_base = buffer.view(FP8_DTYPE) if fp8_out else torch.zeros(buffer.numel(), device=buffer.device)
     s_base = buffer[: buffer.numel() // 4 * 4].view(torch.float32)
-    x_size = x_base.element_size()
     starts: list[int] = []
     rows: list[list[int]] = []
     total = 0
     for x, q_off, s_off in items:
-        shape = x.shape
-        e, n, k = (1, *shape) if len(shape) == 2 else shape
-        nb, kb = -(-n // bn), -(-k // bk)
+        e, n, k = (1, *x.shape) if x.dim() == 2 else x.shape
+        nb, kb = ceil_div(n, bn), ceil_div(k, bk)
         if x.dtype != x_base.dtype or q_off % 4 or s_off % 4:
             raise QuantInputError("launch_into_bucket: one source dtype per launch, offsets multiples of 4 bytes")
         starts.append(total)
         total += e * nb * kb
-        rows.append([(x.data_ptr() - x_base.data_ptr()) // x_size, q_off, s_off // 4, n, k, nb, kb])
+        # codes: the byte offset is the element offset of both the float8 view and the float32 shadow
+        rows.append([_offset(x, x_base), q_off, s_off // 4, n, k, nb, kb])
     if total == 0:
         return flags
-    x_unit, q_unit = 16 // x_size, 16 // q_base.element_size()
-    aligned = x_base.data_ptr() % 16 == 0 and all(
-        r[0] % x_unit == 0 and r[1] % 16 == 0 and r[4] % 16 == 0 for r in rows
-    )
-    if aligned:
-        rows = [[r[0] // x_unit, r[1] // 16 * (16 // q_unit), r[2], r[3], r[4] // 16, r[5], r[6]] for r in rows]
-    w_p2 = max(_MIN_W_P2, _next_pow2(len(items)))
-    words = starts + [_PAD_START] * (w_p2 - len(starts)) + [v for r in rows for v in r]
-    table = torch.tensor(words, dtype=torch.int64).to(buffer.device, non_blocking=True)
-    bn_p2, bk_p2 = _next_pow2(bn), _next_pow2(bk)
-    kernel[(total,)](
-        table, x_base, q_base, s_base, flags,
-        W_P2=w_p2, BN=bn, BK=bk, BN_P2=bn_p2, BK_P2=bk_p2,
-        UE8M0=scale_format == "ue8m0", FP8_OUT=fp8_out, ALIGNED=aligned, X_UNIT=x_unit, Q_UNIT=q_unit, FLAGS=True,
-        num_warps=_default_num_warps(bn_p2 * bk_p2),
-    )  # fmt: skip
+    _launch_table(kernel, starts, rows, total, (x_base, q_base, s_base), flags, bn=bn, bk=bk,
+                  scale_format=scale_format, fp8_out=fp8_out, num_warps=None)  # fmt: skip
     if not fp8_out:  # the interpreter: cast the float32 quotients with torch (round to nearest even)
         for x, q_off, _ in items:
             buffer[q_off : q_off + x.numel()].view(FP8_DTYPE).copy_(q_base[q_off : q_off + x.numel()].to(FP8_DTYPE))
