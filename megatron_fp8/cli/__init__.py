@@ -16,6 +16,7 @@ import sys
 from types import ModuleType
 
 from megatron_fp8 import __version__
+from megatron_fp8.cli._io import say
 from megatron_fp8.cli._noise import quiet_third_party
 from megatron_fp8.errors import MegatronFP8Error, UsageError
 
@@ -95,18 +96,18 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         if args.debug:
             raise
-        print(f"{prefix}: interrupted; outputs of completed work are kept", file=sys.stderr)
+        say(f"{prefix}: interrupted; outputs of completed work are kept")
         return EXIT_INTERRUPTED
     except MegatronFP8Error as exc:
         if args.debug:
             raise
-        print(f"{prefix}: error: {exc}", file=sys.stderr)
+        say(f"{prefix}: error: {exc}")
         return EXIT_USAGE if isinstance(exc, UsageError) else EXIT_ERROR
     except OSError as exc:
         if args.debug:
             raise
         where = f" ({exc.filename})" if getattr(exc, "filename", None) else ""
-        print(f"{prefix}: error: {exc.strerror or exc}{where}; check the path and its permissions", file=sys.stderr)
+        say(f"{prefix}: error: {exc.strerror or exc}{where}; check the path and its permissions")
         return EXIT_ERROR
     except Exception as exc:
         if args.debug:
@@ -115,12 +116,11 @@ def main(argv: list[str] | None = None) -> int:
 
         kind = disk_error_kind(exc, os.getcwd())
         if kind is not None:  # a write no guard named: still not a bug to report
-            print(f"{prefix}: error: {kind} ({type(exc).__name__}: {exc}); free space, then rerun", file=sys.stderr)
+            say(f"{prefix}: error: {kind} ({type(exc).__name__}: {exc}); free space, then rerun")
             return EXIT_ERROR
-        print(
+        say(
             f"{prefix}: unexpected error: {type(exc).__name__}: {exc} (rerun with --debug for the traceback, "
-            "and please report it)",
-            file=sys.stderr,
+            "and please report it)"
         )
         return EXIT_ERROR
 

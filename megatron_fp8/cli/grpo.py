@@ -19,6 +19,7 @@ import shlex
 import sys
 from pathlib import Path
 
+from megatron_fp8.cli._io import say
 from megatron_fp8.cli._noise import quiet_third_party
 from megatron_fp8.config import load_config_report
 from megatron_fp8.config.refusals import refuse_before_run
@@ -146,7 +147,7 @@ def run(args: argparse.Namespace) -> int:
 
         prefix = os.environ.get(LAUNCH_ENV) or "megatron-fp8"
         command = " ".join([prefix, *(shlex.quote(a) for a in next_command(sys.argv[1:], stopped))])
-        print(f"megatron-fp8 grpo: {stop_message(stopped, command=command)}", file=sys.stderr)
+        say(f"megatron-fp8 grpo: {stop_message(stopped, command=command)}")
         if stopped.reason == "SIGINT":
             return EXIT_INTERRUPTED
         return EXIT_STOPPED if stopped.checkpoint is not None else EXIT_ERROR  # nothing to continue from
