@@ -43,140 +43,39 @@ import logging
 import math
 import time
 from collections.abc import Callable, Iterable, Sequence
-from dataclasses import dataclass, replace
+from dataclasses import replace
 
 import torch
 import torch.distributed as dist
 
-from bridge_mappings.manifest import Manifest
-from megatron_fp8 import errors
 from megatron_fp8.config.schema import RunConfig
-from megatron_fp8.errors import ConfigError, MegatronFP8Error, RefitError, RefitRefusedError, TransportTimeoutError
+from megatron_fp8.errors import ConfigError, MegatronFP8Error, RefitError, TransportTimeoutError
 from megatron_fp8.layout import even_split
-from megatron_fp8.refit.receiver import RefitReceiver
 from megatron_fp8.refit.sender import RefitSender
 from megatron_fp8.refit.wire import RefitVersion
+from megatron_fp8.rl.cluster.messages import (
+    ArmSetup,
+    GenerateRequest,
+    Request,
+    Shared,
+    WireRollout,
+    describe_error,
+    rebuild_error,
+)
 from megatron_fp8.rl.cluster.roles import (
     Groups,
-    Placement,
-    Reply,
-    Shutdown,
     next_seq,
-    recv_control,
     recv_reply,
     refit_backend,
     send_control,
-    take_transport_close,
 )
+from megatron_fp8.rl.cluster.rollout_server import serve_rollout
 from megatron_fp8.rl.state.results import RefitDone, least_checked_prefix_cache
-from megatron_fp8.rollout.engines import Rollout, RolloutEngine
+from megatron_fp8.rollout.engines import Rollout
 
-__all__ = ["ArmSetup", "GenerateRequest", "RemoteRollout", "serve_rollout"]
+__all__ = ["ArmSetup", "GenerateRequest", "RemoteRollout", "serve_rollout"]  # the last from rollout_server
 
 logger = logging.getLogger(__name__)
-
-
-@dataclass(frozen=True)
-class ArmSetup:
-    """What a rollout rank needs to build an arm's engine (picklable, sent once per arm).
-
-    Attributes:
-        arm: the arm's name (a key of :data:`megatron_fp8.vocab.ARMS`).
-        model_path: the HF checkpoint folder the engine loads (a path every rollout rank can read).
-        manifest: vLLM's FP8 manifest (FP8 arms), else ``None``.
-        quantization_config: vLLM's FP8 ``quantization_config`` dict (FP8 arms), else ``None``.
-    """
-
-    arm: str
-    model_path: str
-    manifest: Manifest | None = None
-    quantization_config: dict | None = None
-
-
-@dataclass(frozen=True)
-class GenerateRequest:
-    """One list of prompts to sample, as :meth:`RolloutEngine.generate` takes it.
-
-    Attributes:
-        prompts: token ids per prompt.
-        max_new_tokens: response length limit, tokens.
-        temperature: sampling temperature.
-        seed: prompt ``j`` is sampled with seed ``seed + j``.
-        eos_token_id: end-of-sequence id.
-    """
-
-    prompts: tuple[tuple[int, ...], ...]
-    max_new_tokens: int
-    temperature: float
-    seed: int
-    eos_token_id: int
-
-
-@dataclass(frozen=True)
-class _WireRollout:
-    """A :class:`Rollout` as plain data: log-probabilities as their raw bytes (bit-exact, any dtype)."""
-
-    token_ids: tuple[tuple[int, ...], ...]
-    logprobs: tuple[bytes, ...]
-    dtypes: tuple[str, ...]
-    finished: tuple[bool, ...]
-    engine: str
-
-    @classmethod
-    def of(cls, r: Rollout) -> _WireRollout:
-        lps = [lp.detach().cpu().contiguous() for lp in r.logprobs]
-        return cls(
-            token_ids=tuple(tuple(int(t) for t in ids) for ids in r.token_ids),
-            logprobs=tuple(lp.reshape(-1).view(torch.uint8).numpy().tobytes() for lp in lps),
-            dtypes=tuple(str(lp.dtype).removeprefix("torch.") for lp in lps),
-            finished=tuple(bool(f) for f in r.finished),
-            engine=r.engine,
-        )
-
-    def rollout(self) -> Rollout:
-        def tensor(raw: bytes, dtype: str) -> torch.Tensor:
-            dt = getattr(torch, dtype)
-            return torch.frombuffer(bytearray(raw), dtype=torch.uint8).view(dt) if raw else torch.empty(0, dtype=dt)
-
-        lps = tuple(tensor(b, d) for b, d in zip(self.logprobs, self.dtypes, strict=True))
-        return Rollout(token_ids=self.token_ids, logprobs=lps, finished=self.finished, engine=self.engine)
-
-
-@dataclass(frozen=True)
-class _Request:
-    """Trainer rank 0 -> rollout rank: request ``seq`` of ``kind`` (a ``_RolloutServer.on_<kind>`` handler)."""
-
-    kind: str
-    seq: int
-    body: object = None
-
-
-@dataclass(frozen=True)
-class _Shared:
-    """What trainer rank 0 hands the other trainer ranks: a value, or the error it raised."""
-
-    value: object = None
-    error: tuple[str, str, dict] | None = None  # (type name, message, RefitRefusedError's fields)
-
-
-def _describe(exc: BaseException) -> tuple[str, str, dict]:
-    fields = {}
-    if isinstance(exc, RefitRefusedError):
-        fields = {"version": exc.version, "outcome": exc.outcome, "reason": exc.reason}
-    return type(exc).__name__, str(exc), fields
-
-
-def _rebuild(name: str, message: str, fields: dict | None = None) -> MegatronFP8Error:
-    """The error another process raised, as the same :mod:`megatron_fp8.errors` type where it is one."""
-    cls = getattr(errors, name, None)
-    if cls is RefitRefusedError and fields:
-        return RefitRefusedError(message, **fields)
-    if isinstance(cls, type) and issubclass(cls, MegatronFP8Error) and cls is not RefitRefusedError:
-        try:
-            return cls(message)
-        except TypeError:
-            pass
-    return RefitError(message) if cls is RefitRefusedError else MegatronFP8Error(f"{name}: {message}")
 
 
 # ----------------------------------------------------------------------------- trainer side
@@ -275,20 +174,20 @@ class RemoteRollout:
         failure, shared = None, None
         if self._is_root:
             try:
-                shared = [_Shared(value=v) for v in work(everyone)]
+                shared = [Shared(value=v) for v in work(everyone)]
             except Exception as exc:
-                failure, shared = exc, [_Shared(error=_describe(exc))] * n
+                failure, shared = exc, [Shared(error=describe_error(exc))] * n
         box: list[object] = [shared[0] if shared is not None and n == 1 else None]
         if n > 1:
             dist.scatter_object_list(box, shared, src=0, group=self._groups.trainers)
         if failure is not None:
             raise failure
         got = box[0]
-        assert isinstance(got, _Shared)
+        assert isinstance(got, Shared)
         if got.error is not None:
             if got.error[0] == "TransportTimeoutError":  # the link broke: every trainer rank refuses from now on
                 self._broken = got.error[1]
-            raise _rebuild(*got.error)
+            raise rebuild_error(*got.error)
         return got.value
 
     def _same(self, work: Callable[[], object]) -> object:
@@ -299,7 +198,7 @@ class RemoteRollout:
         """Trainer rank 0: request ``seq`` of ``kind`` to each link rank of ``bodies``, with its body."""
         for link_rank, body in bodies.items():
             try:
-                send_control(self._groups, _Request(kind, seq, body), to=link_rank)
+                send_control(self._groups, Request(kind, seq, body), to=link_rank)
             except TransportTimeoutError as exc:
                 self._broken = str(exc)
                 raise
@@ -321,7 +220,7 @@ class RemoteRollout:
             if reply.error is not None and failure is None:
                 index = link_rank - 1
                 where = f"rollout rank {index} (global rank {self._placement.rollout_ranks[index]}), {what}"
-                failure = _rebuild(reply.error[0], f"{where}: {reply.error[1]}")
+                failure = rebuild_error(reply.error[0], f"{where}: {reply.error[1]}")
             values.append(reply.value)
         if failure is not None:
             raise failure
@@ -357,10 +256,10 @@ class RemoteRollout:
         prompts = tuple(tuple(int(t) for t in p) for p in prompts)
         mine = GenerateRequest(prompts, max_new_tokens, temperature, seed, eos_token_id)
         wire = self._on_root(self._generate_for, mine)  # type: ignore[arg-type]
-        assert isinstance(wire, _WireRollout)
+        assert isinstance(wire, WireRollout)
         return wire.rollout()
 
-    def _generate_for(self, requests: list[GenerateRequest]) -> list[_WireRollout]:
+    def _generate_for(self, requests: list[GenerateRequest]) -> list[WireRollout]:
         """Trainer rank 0: every trainer rank's request, split over the rollout ranks; one answer per request."""
         plan: dict[int, list[tuple[int, int, GenerateRequest]]] = {}
         for r, req in enumerate(requests):
@@ -370,7 +269,7 @@ class RemoteRollout:
         seq = next_seq()
         self._send_all("generate", seq, {lr: tuple(item[2] for item in items) for lr, items in plan.items()})
         answers = self._collect(seq, list(plan), what="generating")
-        pieces: list[list[tuple[int, _WireRollout]]] = [[] for _ in requests]
+        pieces: list[list[tuple[int, WireRollout]]] = [[] for _ in requests]
         for items, answer in zip(plan.values(), answers, strict=True):
             for (r, a, _), wire in zip(items, answer, strict=True):  # type: ignore[call-overload]
                 pieces[r].append((a, wire))
@@ -378,7 +277,7 @@ class RemoteRollout:
         for parts in pieces:
             wires = [w for _, w in sorted(parts, key=lambda x: x[0])]
             out.append(
-                _WireRollout(
+                WireRollout(
                     token_ids=tuple(t for w in wires for t in w.token_ids),
                     logprobs=tuple(b for w in wires for b in w.logprobs),
                     dtypes=tuple(d for w in wires for d in w.dtypes),
@@ -468,124 +367,3 @@ class RemoteRollout:
                 self._ask("end_arm", what=f"closing the {self.setup.arm} engine")
             except MegatronFP8Error as exc:
                 logger.warning("arm %s: closing the rollout engines: %s", self.setup.arm, exc)
-
-
-# ----------------------------------------------------------------------------- rollout side
-
-
-class _RolloutServer:
-    """One rollout rank's engine, refit receiver and request handlers (``on_<kind>``)."""
-
-    def __init__(self, config: RunConfig, groups: Groups, build_engine: Callable[[ArmSetup], RolloutEngine]):
-        self.config, self.groups, self.build_engine = config, groups, build_engine
-        self.engine: RolloutEngine | None = None
-        self.receiver: RefitReceiver | None = None
-        self.arm = ""
-        self.who = f"rollout rank {groups.placement.rollout_index} (global rank {groups.placement.rank})"
-
-    def _engine(self) -> RolloutEngine:
-        if self.engine is None:
-            raise ConfigError(f"{self.who} holds no engine: the trainer must start an arm first")
-        return self.engine
-
-    def on_start_arm(self, setup: ArmSetup) -> tuple[str, str]:
-        self.on_end_arm(None)
-        self.arm, self.engine = setup.arm, self.build_engine(setup)
-        assert self.groups.transport is not None
-        wait = self.config.refit.timeout_s
-        self.receiver = RefitReceiver(
-            self.groups.transport,
-            apply=self.engine.applier,
-            timeout=wait,
-            versions=RefitVersion(),
-            outcome_timeout=wait,
-        )
-        logger.info("%s: arm %s, engine %s ready", self.who, self.arm, self.engine.name)
-        return self.engine.name, self.engine.precision
-
-    def on_generate(self, requests: tuple[GenerateRequest, ...]) -> tuple[_WireRollout, ...]:
-        engine = self._engine()
-        return tuple(
-            _WireRollout.of(
-                engine.generate(
-                    r.prompts,
-                    max_new_tokens=r.max_new_tokens,
-                    temperature=r.temperature,
-                    seed=r.seed,
-                    eos_token_id=r.eos_token_id,
-                )
-            )
-            for r in requests
-        )
-
-    def on_refit(self, version: int) -> tuple[int, float, str | None]:
-        engine, receiver, wait = self._engine(), self.receiver, self.config.refit.timeout_s
-        assert receiver is not None
-        report = receiver.receive(timeout=wait, first_timeout=wait)
-        verify = engine.applier.last_verify
-        err = float(verify.max_rel_error) if verify is not None else math.nan
-        logger.debug(
-            "%s: arm %s refit v%d of v%d committed (error %.3g)", self.who, self.arm, report.version, version, err
-        )
-        return report.version, err, engine.applier.last_prefix_cache
-
-    def on_scale_format(self, _body: None) -> str:
-        return self._engine().weight_scale_format()
-
-    def on_end_arm(self, _body: None) -> None:
-        engine, self.engine, self.receiver = self.engine, None, None
-        if engine is not None:
-            engine.close()
-            logger.info("%s: arm %s engine closed", self.who, self.arm)
-
-    def handle(self, msg: object) -> Reply:
-        """Run one request; its answer, or its error (the server keeps serving)."""
-        seq = int(getattr(msg, "seq", -1))
-        handler = getattr(self, f"on_{msg.kind}", None) if isinstance(msg, _Request) else None
-        if handler is None:
-            return Reply(seq, error=("RefitError", f"{self.who}: unknown request {msg!r:.200}"))
-        try:
-            return Reply(seq, value=handler(msg.body))  # type: ignore[union-attr]
-        except Exception as exc:
-            logger.warning("%s: %s failed: %s: %s", self.who, getattr(msg, "kind", "?"), type(exc).__name__, exc)
-            return Reply(seq, error=(type(exc).__name__, str(exc)))
-
-
-def serve_rollout(
-    config: RunConfig, placement: Placement, groups: Groups, *, build_engine: Callable[[ArmSetup], RolloutEngine]
-) -> None:
-    """A rollout rank's whole run: answer trainer rank 0's requests until it says stop.
-
-    Requests: start an arm (build its engine with ``build_engine``), generate, receive a refit (into the engine's
-    applier through a :class:`~megatron_fp8.refit.receiver.RefitReceiver`, which reports the outcome to the
-    sender; a refused version leaves the last good one serving), report the FP8 weight-scale format, end the
-    arm (close its engine), stop. A request that fails is answered with its error and the rank keeps serving.
-
-    Args:
-        config: the run configuration (``refit.timeout_s``).
-        placement: this rollout rank's placement.
-        groups: the process groups (:func:`megatron_fp8.rl.cluster.roles.join_groups`).
-        build_engine: builds an arm's engine from its :class:`ArmSetup` (the driver's own engine factory).
-
-    Raises:
-        ConfigError: not a rollout rank.
-        TransportTimeoutError: trainer rank 0 sent nothing within ``groups.timeout_s`` or died; the message names it.
-    """
-    if placement.role != "rollout" or groups.link is None:
-        raise ConfigError(f"rank {placement.rank} is a {placement.role} rank; serve_rollout runs on rollout ranks")
-    server = _RolloutServer(config, groups, build_engine)
-    logger.info("%s: serving trainer rank 0", server.who)
-    try:
-        while True:
-            msg = recv_control(groups, sender=0)
-            if isinstance(msg, Shutdown):
-                server.on_end_arm(None)
-                take_transport_close(groups)
-                if msg.reason:
-                    logger.warning("%s: the trainer stopped on an error: %s", server.who, msg.reason)
-                send_control(groups, Reply(msg.seq), to=0, timeout=30.0)
-                logger.info("%s: stopped", server.who)
-                return
-            send_control(groups, server.handle(msg), to=0)
-    finally:
-        server.on_end_arm(None)

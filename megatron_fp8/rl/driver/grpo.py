@@ -38,6 +38,7 @@ and trainer rank 0 sends each refit through ``refit.transport``.
 This module is the driver (arguments -> arms -> outputs); the pieces live beside it:
 :mod:`~megatron_fp8.rl.driver.arm` (one arm: engine, trainer, resume, steps, validation, checkpoints),
 :mod:`~megatron_fp8.rl.driver.phases` (steps 1-7 as rollout / score / train / refit phases),
+:mod:`~megatron_fp8.rl.driver.runtime` (phase lines, the bar, ``metrics.jsonl``, ``validation.jsonl``, loggers),
 :mod:`~megatron_fp8.rl.algorithm.batch` (token batches, advantages), :mod:`~megatron_fp8.rl.state.results`
 (metrics and result types, file names), :mod:`~megatron_fp8.rl.cluster.distributed` (data-parallel
 ranks), :mod:`~megatron_fp8.rl.driver.fp8_rollout` (quantization config and manifest) and
@@ -52,24 +53,20 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import json
 import logging
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import IO
 
 import torch
-from rich.progress import Progress, TaskID
 
 from megatron_fp8.config.schema import RunConfig
 from megatron_fp8.errors import ConfigError, DiskFullError, UsageError
-from megatron_fp8.files import disk_error_kind, disk_guard, write_atomically
+from megatron_fp8.files import disk_error_kind, write_atomically
 from megatron_fp8.rl.algorithm.batch import Tokenizer, eos_and_pad
 from megatron_fp8.rl.cluster.distributed import (
     DataParallel,
-    average_over_ranks,
     data_parallel_from_env,
     share_from_writer,
     trainer_data_parallel,
@@ -83,16 +80,25 @@ from megatron_fp8.rl.driver.arm import ArmHooks, build_engine, run_arm
 from megatron_fp8.rl.driver.fp8_rollout import fp8_manifest, rollout_quantization_config
 from megatron_fp8.rl.driver.phases import GRPOContext
 from megatron_fp8.rl.driver.preflight import preflight
-from megatron_fp8.rl.driver.runtime import bar_callback, environment, phase, progress_bar
+from megatron_fp8.rl.driver.runtime import (
+    MetricsSink,
+    bar_callback,
+    environment,
+    ignore_resume,
+    kept_records,
+    phase,
+    progress_bar,
+    step_recorder,
+    validation_recorder,
+)
 from megatron_fp8.rl.driver.stopping import RunStopped, StopRequests
-from megatron_fp8.rl.driver.validation import ValidationResult
 from megatron_fp8.rl.driver.warm_start import warm_start
 from megatron_fp8.rl.state import report
-from megatron_fp8.rl.state.checkpoint import CheckpointManager, config_fingerprint
-from megatron_fp8.rl.state.loggers import MetricsLogger, build_loggers, step_scalars
+from megatron_fp8.rl.state.checkpoint import CheckpointManager
+from megatron_fp8.rl.state.fingerprint import config_fingerprint
+from megatron_fp8.rl.state.loggers import MetricsLogger, build_loggers
 from megatron_fp8.rl.state.outputs import (
     OUT_DIR_KEY,
-    OUT_FULL_FIX,
     checkpoints_inside,
     claim_out_dir,
     new_run_dir,
@@ -198,7 +204,7 @@ def run_grpo(
     if placement.trainer_rank == 0:  # the writer claims the folder before any model is built
         root = _checkpoint_root(checkpoints) if checkpoints else None
         claim_out_dir(out, overwrite=overwrite, resume=resuming, checkpoint_dir=root)
-    kept = _kept_records(out, resumed) if resuming else {}
+    kept = kept_records(out, resumed) if resuming else {}
     # signals are handled until the outputs are written: one after the last step lets the run finish normally
     stop = StopRequests(config.checkpointing.checkpoint_must_save_by)
     with stop, _trainer_ranks(placement, config) as (dp, groups):
@@ -352,26 +358,6 @@ def _checkpoint_root(checkpoints: dict[str, CheckpointManager]) -> Path:
     return next(iter(checkpoints.values())).arm_dir.parent
 
 
-def _kept_records(out: Path, resumed: dict[str, object]) -> dict[str, tuple[StepMetrics, ...]]:
-    """The metrics of the steps a resumed run keeps (up to each arm's checkpoint); rewrites ``metrics.jsonl``."""
-    path = out / METRICS_FILE
-    if not path.is_file():
-        return {}
-    kept_lines: list[str] = []
-    kept: dict[str, list[StepMetrics]] = {}
-    for number, record in enumerate(report.read_metrics(path), start=1):
-        info = resumed.get(str(record.get("arm")))
-        last = getattr(info, "step", -1) if info is not None else -1
-        step = record.get("step")
-        if isinstance(step, int) and step <= last:
-            kept.setdefault(str(record["arm"]), []).append(StepMetrics.from_json_dict(record, where=f"{path}:{number}"))
-            kept_lines.append(json.dumps(record))
-    write_atomically(path, "".join(line + "\n" for line in kept_lines))
-    dropped = {a: len(v) for a, v in kept.items()}
-    logger.info("resuming: kept the metrics of the checkpointed steps in %s (%s)", path, dropped or "none")
-    return {a: tuple(v) for a, v in kept.items()}
-
-
 @contextlib.contextmanager
 def _trainer_ranks(placement: Placement, config: RunConfig) -> Iterator[tuple[DataParallel, Groups | None]]:
     """This trainer rank's data-parallel place, and the rollout ranks' groups when not colocated."""
@@ -421,7 +407,7 @@ def _run_arms(
     results: list[ArmResult] = []
     manifest, qcfg = None, None
     mode = "a" if resuming else "w"
-    sink_cm = _MetricsSink(out / METRICS_FILE, mode=mode) if dp.is_writer else contextlib.nullcontext(None)
+    sink_cm = MetricsSink(out / METRICS_FILE, mode=mode) if dp.is_writer else contextlib.nullcontext(None)
     val_cm = (out / VALIDATION_FILE).open(mode) if dp.is_writer else contextlib.nullcontext(None)
     with (
         environment(config.policy.megatron_cfg.env_vars),
@@ -453,9 +439,9 @@ def _run_arms(
                     )
         total = n_steps * len(arm_names) - sum(len(v) for v in parts.kept.values())
         hooks = ArmHooks(
-            on_step=_step_recorder(dp, sink=sink, bar=bar, total_steps=total, n_steps=n_steps, loggers=loggers),
-            on_validation=_validation_recorder(dp, sink=val_sink, loggers=loggers),
-            on_resume=sink.drop_from if sink is not None else _ignore_resume,
+            on_step=step_recorder(dp, sink=sink, bar=bar, total_steps=total, n_steps=n_steps, loggers=loggers),
+            on_validation=validation_recorder(dp, sink=val_sink, loggers=loggers),
+            on_resume=sink.drop_from if sink is not None else ignore_resume,
             stop=stop,
         )
         for i, name in enumerate(arm_names):
@@ -495,102 +481,3 @@ def _run_arms(
                 result.mean_gen_kl,
             )
     return results, manifest.source if manifest is not None else ""
-
-
-class _MetricsSink:
-    """``metrics.jsonl`` of the writer: one line appended and flushed per step; a resumed arm's lines from the step
-    it really resumes at are dropped (a damaged newest checkpoint makes it resume earlier than planned)."""
-
-    def __init__(self, path: Path, *, mode: str):
-        self.path = path
-        self._file: IO[str] = path.open(mode)
-
-    def __enter__(self) -> _MetricsSink:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self._file.close()
-
-    def append(self, record: dict[str, object]) -> None:
-        """Append one step record (flushed: a crash keeps every completed step)."""
-        line = json.dumps(record, sort_keys=False) + "\n"
-        with disk_guard(self.path, needed=len(line), kept="the lines of the steps before it", fix=OUT_FULL_FIX):
-            self._file.write(line)
-            self._file.flush()
-
-    def drop_from(self, arm: str, first: int) -> None:
-        """Remove ``arm``'s records of steps ``>= first`` (they are about to be redone), if any."""
-        records = report.read_metrics(self.path)
-        kept = [r for r in records if r.get("arm") != arm or not isinstance(r.get("step"), int) or r["step"] < first]
-        if len(kept) == len(records):
-            return
-        self._file.close()
-        write_atomically(self.path, "".join(json.dumps(r, sort_keys=False) + "\n" for r in kept))
-        self._file = self.path.open("a")
-        logger.info(
-            "arm %s: %d metrics record(s) from step %d on dropped (redone)", arm, len(records) - len(kept), first + 1
-        )
-
-
-def _ignore_resume(arm: str, first: int) -> None:
-    """Ranks that write no metrics have nothing to drop."""
-
-
-def _step_recorder(
-    dp: DataParallel,
-    *,
-    sink: _MetricsSink | None,
-    bar: Progress | None,
-    total_steps: int,
-    n_steps: int,
-    loggers: MetricsLogger,
-) -> Callable[..., StepMetrics]:
-    """What happens after every step: average over ranks, append to ``metrics.jsonl`` and the loggers, advance the bar."""
-    bar_task: TaskID | None = bar.add_task("GRPO", total=total_steps, info="") if bar is not None else None
-
-    def on_step(local: StepMetrics, *, training: tuple[str, str] = ("n/a", "n/a")) -> StepMetrics:
-        m = average_over_ranks(local, dp)
-        if sink is not None:  # appended and flushed per step: a crash keeps every completed step
-            record = m.to_json_dict() | {"training_recipe": training[0], "training_math": training[1]}
-            sink.append(record)
-            loggers.log(step_scalars(record), step=m.step, arm=m.arm)
-        if m.reward_errors:
-            logger.warning("GRPO arm %s step %d: %d reward(s) raised (scored 0)", m.arm, m.step + 1, m.reward_errors)
-        log = logger.debug if bar is not None else logger.info  # without a bar: one line per step
-        log("GRPO arm %s step %d/%d: reward %.3f gen_kl %.2e", m.arm, m.step + 1, n_steps, m.reward_mean, m.gen_kl)
-        if bar is not None and bar_task is not None:
-            bar.update(
-                bar_task,
-                advance=1,
-                description=f"GRPO {m.arm}",
-                info=f"step {m.step + 1}/{n_steps} reward {m.reward_mean:.3f} gen_kl {m.gen_kl:.1e}",
-            )
-        return m
-
-    return on_step
-
-
-def _validation_recorder(
-    dp: DataParallel, *, sink: IO[str] | None, loggers: MetricsLogger
-) -> Callable[[ValidationResult], None]:
-    """After every validation: one line in ``validation.jsonl``, the loggers, and the log."""
-
-    def on_validation(result: ValidationResult) -> None:
-        logger.info(
-            "validation arm %s after %d step(s): accuracy %.3f (%d problems), reward %.3f",
-            result.arm,
-            result.step,
-            result.accuracy,
-            result.problems,
-            result.reward_mean,
-        )
-        if sink is not None:
-            line = json.dumps(result.to_json_dict()) + "\n"
-            with disk_guard(sink.name, needed=len(line), kept="the earlier validations", fix=OUT_FULL_FIX):
-                sink.write(line)
-                sink.flush()
-            loggers.log_validation(
-                result.accuracy, step=result.step, arm=result.arm, extra={"reward_mean": result.reward_mean}
-            )
-
-    return on_validation

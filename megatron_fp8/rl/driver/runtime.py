@@ -1,24 +1,50 @@
-"""What the GRPO driver shows and sets around its phases: phase log lines, the progress bar, the environment.
+"""What the GRPO driver shows, records and sets around its phases: phase log lines, the progress bar, the per-step
+records, the environment.
 
 * :func:`phase` -- one INFO line when a phase starts and one with its time when it ends;
 * :func:`progress_bar` -- a rich progress bar on stderr (log lines print above it);
 * :func:`bar_callback` -- a warm-start progress task on that bar;
-* :func:`environment` -- environment variables set for a block, then restored.
+* :func:`environment` -- environment variables set for a block, then restored;
+* :func:`step_recorder`, :func:`validation_recorder` -- after each step and validation: ``metrics.jsonl`` (the
+  writer's :class:`MetricsSink`, appended and flushed per step), ``validation.jsonl``, the loggers, the bar (every
+  trainer rank averages its step metrics over the data-parallel group first);
+* :func:`kept_records` -- on resume, the metrics of the steps a run keeps.
 """
 
 from __future__ import annotations
 
 import contextlib
+import json
 import logging
 import os
 import sys
 import time
 from collections.abc import Callable, Iterator, Mapping
+from pathlib import Path
+from typing import IO
 
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TaskID, TextColumn, TimeElapsedColumn
 
-__all__ = ["bar_callback", "environment", "phase", "progress_bar"]
+from megatron_fp8.files import disk_guard, write_atomically
+from megatron_fp8.rl.cluster.distributed import DataParallel, average_over_ranks
+from megatron_fp8.rl.driver.validation import ValidationResult
+from megatron_fp8.rl.state import report
+from megatron_fp8.rl.state.loggers import MetricsLogger, step_scalars
+from megatron_fp8.rl.state.outputs import OUT_FULL_FIX
+from megatron_fp8.rl.state.results import METRICS_FILE, StepMetrics
+
+__all__ = [
+    "MetricsSink",
+    "bar_callback",
+    "environment",
+    "ignore_resume",
+    "kept_records",
+    "phase",
+    "progress_bar",
+    "step_recorder",
+    "validation_recorder",
+]
 
 logger = logging.getLogger(__name__)
 
@@ -89,3 +115,122 @@ def bar_callback(bar: Progress | None) -> Callable[[int, int, float], None] | No
         bar.update(task_id[0], completed=step + 1, info=f"step {step + 1}/{total} NLL {loss:.3f}")
 
     return on_step
+
+
+def kept_records(out: Path, resumed: dict[str, object]) -> dict[str, tuple[StepMetrics, ...]]:
+    """The metrics of the steps a resumed run keeps (up to each arm's checkpoint); rewrites ``metrics.jsonl``."""
+    path = out / METRICS_FILE
+    if not path.is_file():
+        return {}
+    kept_lines: list[str] = []
+    kept: dict[str, list[StepMetrics]] = {}
+    for number, record in enumerate(report.read_metrics(path), start=1):
+        info = resumed.get(str(record.get("arm")))
+        last = getattr(info, "step", -1) if info is not None else -1
+        step = record.get("step")
+        if isinstance(step, int) and step <= last:
+            kept.setdefault(str(record["arm"]), []).append(StepMetrics.from_json_dict(record, where=f"{path}:{number}"))
+            kept_lines.append(json.dumps(record))
+    write_atomically(path, "".join(line + "\n" for line in kept_lines))
+    dropped = {a: len(v) for a, v in kept.items()}
+    logger.info("resuming: kept the metrics of the checkpointed steps in %s (%s)", path, dropped or "none")
+    return {a: tuple(v) for a, v in kept.items()}
+
+
+class MetricsSink:
+    """``metrics.jsonl`` of the writer: one line appended and flushed per step; a resumed arm's lines from the step
+    it really resumes at are dropped (a damaged newest checkpoint makes it resume earlier than planned)."""
+
+    def __init__(self, path: Path, *, mode: str):
+        self.path = path
+        self._file: IO[str] = path.open(mode)
+
+    def __enter__(self) -> MetricsSink:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._file.close()
+
+    def append(self, record: dict[str, object]) -> None:
+        """Append one step record (flushed: a crash keeps every completed step)."""
+        line = json.dumps(record, sort_keys=False) + "\n"
+        with disk_guard(self.path, needed=len(line), kept="the lines of the steps before it", fix=OUT_FULL_FIX):
+            self._file.write(line)
+            self._file.flush()
+
+    def drop_from(self, arm: str, first: int) -> None:
+        """Remove ``arm``'s records of steps ``>= first`` (they are about to be redone), if any."""
+        records = report.read_metrics(self.path)
+        kept = [r for r in records if r.get("arm") != arm or not isinstance(r.get("step"), int) or r["step"] < first]
+        if len(kept) == len(records):
+            return
+        self._file.close()
+        write_atomically(self.path, "".join(json.dumps(r, sort_keys=False) + "\n" for r in kept))
+        self._file = self.path.open("a")
+        logger.info(
+            "arm %s: %d metrics record(s) from step %d on dropped (redone)", arm, len(records) - len(kept), first + 1
+        )
+
+
+def ignore_resume(arm: str, first: int) -> None:
+    """Ranks that write no metrics have nothing to drop."""
+
+
+def step_recorder(
+    dp: DataParallel,
+    *,
+    sink: MetricsSink | None,
+    bar: Progress | None,
+    total_steps: int,
+    n_steps: int,
+    loggers: MetricsLogger,
+) -> Callable[..., StepMetrics]:
+    """What happens after every step: average over ranks, append to ``metrics.jsonl`` and the loggers, advance the bar."""
+    bar_task: TaskID | None = bar.add_task("GRPO", total=total_steps, info="") if bar is not None else None
+
+    def on_step(local: StepMetrics, *, training: tuple[str, str] = ("n/a", "n/a")) -> StepMetrics:
+        m = average_over_ranks(local, dp)
+        if sink is not None:  # appended and flushed per step: a crash keeps every completed step
+            record = m.to_json_dict() | {"training_recipe": training[0], "training_math": training[1]}
+            sink.append(record)
+            loggers.log(step_scalars(record), step=m.step, arm=m.arm)
+        if m.reward_errors:
+            logger.warning("GRPO arm %s step %d: %d reward(s) raised (scored 0)", m.arm, m.step + 1, m.reward_errors)
+        log = logger.debug if bar is not None else logger.info  # without a bar: one line per step
+        log("GRPO arm %s step %d/%d: reward %.3f gen_kl %.2e", m.arm, m.step + 1, n_steps, m.reward_mean, m.gen_kl)
+        if bar is not None and bar_task is not None:
+            bar.update(
+                bar_task,
+                advance=1,
+                description=f"GRPO {m.arm}",
+                info=f"step {m.step + 1}/{n_steps} reward {m.reward_mean:.3f} gen_kl {m.gen_kl:.1e}",
+            )
+        return m
+
+    return on_step
+
+
+def validation_recorder(
+    dp: DataParallel, *, sink: IO[str] | None, loggers: MetricsLogger
+) -> Callable[[ValidationResult], None]:
+    """After every validation: one line in ``validation.jsonl``, the loggers, and the log."""
+
+    def on_validation(result: ValidationResult) -> None:
+        logger.info(
+            "validation arm %s after %d step(s): accuracy %.3f (%d problems), reward %.3f",
+            result.arm,
+            result.step,
+            result.accuracy,
+            result.problems,
+            result.reward_mean,
+        )
+        if sink is not None:
+            line = json.dumps(result.to_json_dict()) + "\n"
+            with disk_guard(sink.name, needed=len(line), kept="the earlier validations", fix=OUT_FULL_FIX):
+                sink.write(line)
+                sink.flush()
+            loggers.log_validation(
+                result.accuracy, step=result.step, arm=result.arm, extra={"reward_mean": result.reward_mean}
+            )
+
+    return on_validation

@@ -9,7 +9,7 @@ What a checkpoint holds (file names in :mod:`megatron_fp8.rl.state.checkpoint_fi
   tensor-parallel RNG tracker (when initialised);
 * ``checkpoint.json``: arm, step, data position (the data source is a pure function of ``grpo.seed`` and the step,
   so the step is the position), the step's metrics, caller ``extra`` data, the config fingerprint
-  (:func:`config_fingerprint`), versions (torch, megatron-core, megatron-fp8), parallel sizes, and the SHA-256 and
+  (:func:`~megatron_fp8.rl.state.fingerprint.config_fingerprint`), versions (torch, megatron-core, megatron-fp8), parallel sizes, and the SHA-256 and
   size of every other file;
 * with ``save_consolidated``: ``hf/``, a Hugging Face folder (``model.safetensors`` in the base model's dtype, BF16
   for the embedded models, + its config and tokenizer files) that ``AutoModelForCausalLM.from_pretrained`` reads.
@@ -45,7 +45,7 @@ from typing import Protocol
 
 import torch
 
-from megatron_fp8.config.schema import CheckpointingConfig, JSONValue, RunConfig
+from megatron_fp8.config.schema import CheckpointingConfig, JSONValue
 from megatron_fp8.errors import ConfigError, MegatronFP8Error
 from megatron_fp8.files import DISK_ERRNOS, disk_error_kind, free_bytes
 from megatron_fp8.megatron import MegatronModel, export_hf_weights
@@ -76,27 +76,9 @@ from megatron_fp8.rl.state.checkpoint_files import (
     write_hf_folder,
     write_metadata,
 )
+from megatron_fp8.rl.state.fingerprint import fingerprint_differences
 
 logger = logging.getLogger(__name__)
-
-_FINGERPRINT_SECTIONS: tuple[str, ...] = ("model", "policy", "loss_fn", "grpo", "data", "kv_cache", "rollout")
-"""Config sections that decide what a run computes; ``refit`` (how weights travel: buckets, timeouts, verification,
-transport), ``logging``, ``logger``, ``checkpointing`` and ``out_dir`` do not, and are left out."""
-
-NOT_FINGERPRINTED: dict[str, str] = {
-    "grpo.max_num_steps": "a rerun with more steps resumes where the last one stopped",
-    "grpo.num_steps": "its former spelling (checkpoints written before the rename)",
-    "grpo.arms": "each arm has its own folder",
-    "grpo.val_period": "validation reads the policy, never changes it",
-    "grpo.val_at_start": "validation reads the policy, never changes it",
-    "grpo.max_val_samples": "validation reads the policy, never changes it",
-    "data.validation": "validation reads the policy, never changes it",
-    "policy.model_name": "the loader copies it into model.name_or_path",
-    "policy.megatron_cfg.env_vars": "the process environment (NCCL, logging switches), not the math",
-    "policy.generation.vllm_cfg.gpu_memory_utilization": "vLLM's memory budget, not what it computes",
-    "policy.generation.colocated": "where rollouts run, not what they compute",
-}
-"""Keys inside the fingerprinted sections that may change between a run and its resume, with why."""
 
 
 class CheckpointError(MegatronFP8Error, RuntimeError):
@@ -172,55 +154,6 @@ class ResumeState:
         return self.step + 1
 
 
-# ----------------------------------------------------------------------------- config fingerprint
-
-
-def config_fingerprint(config: RunConfig) -> dict[str, JSONValue]:
-    """The part of the config a checkpoint belongs to: a resume with a different one is refused.
-
-    The sections ``model``, ``policy``, ``loss_fn``, ``grpo``, ``data``, ``kv_cache`` and ``rollout`` without the
-    keys of :data:`NOT_FINGERPRINTED` (more ``--steps``, other arms, validation settings, environment and placement
-    may change); ``refit``, ``logging``, ``logger``, ``checkpointing`` and ``out_dir`` are left out.
-
-    Returns:
-        Nested plain data (JSON), as :meth:`RunConfig.to_dict` writes it.
-    """
-    full = config.to_dict()
-    out: dict[str, JSONValue] = {section: json.loads(json.dumps(full[section])) for section in _FINGERPRINT_SECTIONS}
-    for dotted in NOT_FINGERPRINTED:
-        *parents, leaf = dotted.split(".")
-        node: JSONValue = out
-        for part in parents:
-            node = node.get(part) if isinstance(node, dict) else None
-        if isinstance(node, dict):
-            node.pop(leaf, None)
-    return out
-
-
-def _flatten(value: JSONValue, prefix: str = "") -> dict[str, JSONValue]:
-    if isinstance(value, dict) and value:
-        out: dict[str, JSONValue] = {}
-        for key, sub in value.items():
-            out.update(_flatten(sub, f"{prefix}.{key}" if prefix else str(key)))
-        return out
-    return {prefix: value}
-
-
-_ABSENT = "<absent>"
-
-
-def fingerprint_differences(
-    saved: Mapping[str, JSONValue], current: Mapping[str, JSONValue]
-) -> tuple[tuple[str, JSONValue, JSONValue], ...]:
-    """``(dotted key, saved value, current value)`` for every leaf that differs (``"<absent>"`` where missing)."""
-    a, b = _flatten(dict(saved)), _flatten(dict(current))
-    return tuple(
-        (k, a.get(k, _ABSENT), b.get(k, _ABSENT))
-        for k in sorted(a.keys() | b.keys())
-        if a.get(k, _ABSENT) != b.get(k, _ABSENT)
-    )
-
-
 # ----------------------------------------------------------------------------- the manager
 
 
@@ -237,7 +170,7 @@ class CheckpointManager:
     Args:
         cfg: the ``checkpointing`` section.
         arm: the arm name (its folder).
-        fingerprint: :func:`config_fingerprint` of this run; a checkpoint with another one is refused.
+        fingerprint: :func:`~megatron_fp8.rl.state.fingerprint.config_fingerprint` of this run; a checkpoint with another one is refused.
         is_writer: true on global rank 0 only (see the module docstring for the multi-rank contract).
 
     Raises:

@@ -121,7 +121,7 @@ class CheckpointInfo:
         arm: the arm it belongs to.
         metrics: the metrics of that step (non-finite values come back as ``nan``).
         extra: caller data saved with it (JSON).
-        fingerprint: :func:`megatron_fp8.rl.state.checkpoint.config_fingerprint` of the run that wrote it.
+        fingerprint: :func:`megatron_fp8.rl.state.fingerprint.config_fingerprint` of the run that wrote it.
         files: relative path (``/``-separated) -> digest and size, every file but ``checkpoint.json``.
         metadata: the whole ``checkpoint.json`` (versions, parallel sizes, data position, ...).
     """

@@ -33,7 +33,7 @@ from megatron_fp8.errors import ConfigError, RefitRefusedError
 from megatron_fp8.layout import even_split as _split
 from megatron_fp8.refit.transport.torch_dist import TorchDistTransport
 from megatron_fp8.rl.cluster.distributed import trainer_data_parallel
-from megatron_fp8.rl.cluster.remote import ArmSetup, _rebuild, _WireRollout
+from megatron_fp8.rl.cluster.messages import ArmSetup, WireRollout, rebuild_error
 from megatron_fp8.rl.cluster.roles import TORCH_CHECKED, Placement, identity_group, placement_from, refit_backend
 from megatron_fp8.rollout.engines import Rollout
 from megatron_fp8.rollout.vllm.adapter import describe_gemm_paths
@@ -307,7 +307,7 @@ def test_wire_rollout_round_trip_is_bit_exact_and_split_is_even():
         finished=(True, False, True),
         engine="reference-fp8",
     )
-    back = pickle.loads(pickle.dumps(_WireRollout.of(rollout))).rollout()
+    back = pickle.loads(pickle.dumps(WireRollout.of(rollout))).rollout()
     assert back.token_ids == rollout.token_ids and back.finished == rollout.finished and back.engine == rollout.engine
     for a, b in zip(back.logprobs, rollout.logprobs, strict=True):
         assert a.dtype == b.dtype and torch.equal(a.view(torch.uint8), b.view(torch.uint8))
@@ -315,10 +315,10 @@ def test_wire_rollout_round_trip_is_bit_exact_and_split_is_even():
 
 
 def test_errors_from_another_process_keep_their_type():
-    refused = _rebuild("RefitRefusedError", "no", {"version": 3, "outcome": "refused", "reason": "r"})
+    refused = rebuild_error("RefitRefusedError", "no", {"version": 3, "outcome": "refused", "reason": "r"})
     assert isinstance(refused, RefitRefusedError) and refused.version == 3 and refused.reason == "r"
-    assert type(_rebuild("EngineNotServingError", "x")).__name__ == "EngineNotServingError"
-    assert "RuntimeError: boom" in str(_rebuild("RuntimeError", "boom"))
+    assert type(rebuild_error("EngineNotServingError", "x")).__name__ == "EngineNotServingError"
+    assert "RuntimeError: boom" in str(rebuild_error("RuntimeError", "boom"))
 
 
 def test_private_torch_api_guard():

@@ -29,9 +29,9 @@ from megatron_fp8.rl.state.checkpoint import (
     CheckpointError,
     CheckpointManager,
     CheckpointMismatchError,
-    config_fingerprint,
 )
 from megatron_fp8.rl.state.checkpoint_files import CHECKPOINT_FILE, model_file, optim_file
+from megatron_fp8.rl.state.fingerprint import config_fingerprint, fingerprint_differences
 
 IDS = torch.randint(4, 360, (2, 12), generator=torch.Generator().manual_seed(0))
 LOG = "megatron_fp8.rl.state.checkpoint"
@@ -78,7 +78,7 @@ def test_fingerprint_ignores_steps_validation_arms_and_transport():
     longer = _config(max_num_steps=500, val_period=5, val_at_start=True, max_val_samples=3, arms=("bf16",))
     longer = dataclasses.replace(longer, refit=dataclasses.replace(longer.refit, transport="gloo", bucket_size_mb=8))
     assert config_fingerprint(longer) == base
-    diffs = ckpt.fingerprint_differences(base, config_fingerprint(_with_lr(3e-4)))
+    diffs = fingerprint_differences(base, config_fingerprint(_with_lr(3e-4)))
     assert diffs == (("policy.megatron_cfg.optimizer.lr", 1e-5, 3e-4),)
     assert "refit" not in base and "checkpointing" not in base and "max_num_steps" not in base["grpo"]
 
