@@ -48,9 +48,13 @@ _CLI_MAIN = str(REPO / "megatron_fp8" / "cli" / "__main__.py")
 # ----------------------------------------------------------------------------------------------- the zygote side
 def _preload() -> None:
     """Import what every heavy command imports (before any fork: nothing runs, no thread pool starts)."""
+    import matplotlib
     import megatron.core  # noqa: F401
     import torch  # noqa: F401
     import transformers  # noqa: F401
+
+    matplotlib.use("Agg", force=True)  # what plot_metrics chooses (~0.8 s of pyplot import per run, once here)
+    import matplotlib.pyplot
 
     import bridge_mappings.adapter as adapter
     import megatron_fp8.cli

@@ -241,7 +241,8 @@ def plot_metrics(
         steps = max((len(a.steps) for a in arms), default=0)
         title = f"GRPO, BF16 vs FP8 rollout: {', '.join(a.arm for a in arms)}; {steps} step(s) per arm"
         fig.suptitle(title + (f" (partial: {partial})" if partial else ""), fontsize=12)
-        fig.tight_layout()
+        # fixed margins for the 12 x 7.5 in figure: tight_layout measures every tick label (~0.5 s of a 1 s plot)
+        fig.subplots_adjust(left=0.07, right=0.985, bottom=0.07, top=0.9, wspace=0.2, hspace=0.33)
         buffer = io.BytesIO()
         fig.savefig(buffer, format="png")
         write_atomically(p, buffer.getvalue())
