@@ -21,7 +21,8 @@ from megatron_fp8.rl.state.results import TIMING_SUFFIXES
 pytestmark = [pytest.mark.slurm, pytest.mark.slow]
 
 REPO = Path(__file__).resolve().parents[2]
-STEPS = 12  # the signal lands within the first 2-3 steps; the rest continue in the next allocation
+STEPS = 6  # the signal lands after step 1 or 2 (it is sent once step 1 is in metrics.jsonl); the rest continue in the
+# next allocation (12 before: 18 more steps over the three jobs, no more proved)
 RUN = (
     "--arms", "fp8", "--no-progress", "grpo.warm_start_steps=0", "checkpointing.enabled=true",
     "checkpointing.save_period=10", "logger.tensorboard_enabled=false", "logger.wandb_enabled=false",
