@@ -27,11 +27,30 @@ from megatron_fp8.layout import ceil_div
 from megatron_fp8.quant.formats import FP8_DTYPE
 from megatron_fp8.quant.triton_kernels import _default_num_warps, _kernels, _next_pow2, tl, triton
 
-__all__ = ["GroupedItem", "launch_blockwise_grouped", "launch_into_bucket"]
+__all__ = ["GroupedItem", "launch_blockwise_grouped", "launch_into_bucket", "table_row", "work_table"]
 
-_ROW = 7  # words per weight in the table: x, q, s offsets, N, K, NB, KB
+_ROW = 7  # words per weight in the quantizer's table: x, q, s offsets, N, K, NB, KB
 _MIN_W_P2 = 16  # the prefix sum is padded to at least this many words (fewer compiled variants)
 _PAD_START = 1 << 62  # a padded prefix-sum word: no program's tile index reaches it
+
+
+def work_table(starts: list[int], rows: list[list[int]], device: torch.device) -> tuple[torch.Tensor, int]:
+    """The table a grouped launch reads (this quantizer's, and ``refit/fused_fill.py``'s copy-and-probe kernel).
+
+    Args:
+        starts: per item, the index of its first program (a prefix sum of the programs per item).
+        rows: per item, its words (the same count for every item; :func:`table_row` reads them).
+        device: where the kernel runs (the copy is non-blocking).
+
+    Returns:
+        ``(table, W_P2)``: int64 ``[W_P2 + len(rows) * row_words]``, the prefix sum padded to ``W_P2`` (a power of
+        two, at least 16) with a start no program reaches, then the rows; ``W_P2`` is the kernel's constexpr.
+    """
+    w_p2 = max(_MIN_W_P2, _next_pow2(len(rows)))
+    words = starts + [_PAD_START] * (w_p2 - len(starts)) + [v for r in rows for v in r]
+    return torch.tensor(words, dtype=torch.int64).to(device, non_blocking=True), w_p2
+
+
 _X_KINDS = {torch.bfloat16: 0, torch.float16: 1, torch.float32: 2}
 
 
@@ -51,7 +70,15 @@ class GroupedItem:
 
 
 if triton is not None:
-    from megatron_fp8.quant.triton_kernels import _scale_from_amax
+    from megatron_fp8.quant.triton_kernels import _quantize_tile
+
+    @triton.jit
+    def table_row(table_ptr, W_P2: tl.constexpr, ROW: tl.constexpr):
+        """This program's item in a :func:`work_table`: (pointer to its row, item index, program index within it)."""
+        p = tl.program_id(0).to(tl.int64)
+        starts = tl.load(table_ptr + tl.arange(0, W_P2))
+        w = tl.sum((starts <= p).to(tl.int32), axis=0) - 1
+        return table_ptr + W_P2 + w * ROW, w, p - tl.load(table_ptr + w)
 
     @triton.jit
     def _grouped_blockwise_kernel(
@@ -61,6 +88,7 @@ if triton is not None:
         s_base,
         flag_ptr,
         W_P2: tl.constexpr,
+        ROW: tl.constexpr,
         BN: tl.constexpr,
         BK: tl.constexpr,
         BN_P2: tl.constexpr,
@@ -72,11 +100,7 @@ if triton is not None:
         Q_UNIT: tl.constexpr,
         FLAGS: tl.constexpr,
     ):
-        p = tl.program_id(0).to(tl.int64)
-        starts = tl.load(table_ptr + tl.arange(0, W_P2))
-        w = tl.sum((starts <= p).to(tl.int32), axis=0) - 1
-        t = p - tl.load(table_ptr + w)  # the tile's index within its weight: [E, NB, KB] row-major
-        row = table_ptr + W_P2 + w * 7
+        row, w, t = table_row(table_ptr, W_P2, ROW)  # t: the tile's index within its weight, [E, NB, KB] row-major
         x_off = tl.load(row)
         q_off = tl.load(row + 1)
         s_off = tl.load(row + 2)
@@ -100,17 +124,7 @@ if triton is not None:
         cols = kb * BK + c
         mask = row_ok[:, None] & ((c < BK) & (cols < k))[None, :]
         offs = (expert * n * k + rows * k)[:, None] + cols[None, :]
-        x = tl.load(x_base + x_off + offs, mask=mask, other=0.0).to(tl.float32)
-        ax = tl.abs(x)
-        ax = tl.where(ax == ax, ax, float("inf"))  # NaN -> inf: GPU max drops NaN
-        amax = tl.max(tl.max(ax, axis=1), axis=0)
-        scale = _scale_from_amax(amax, UE8M0)
-        y = tl.math.div_rn(x, scale)
-        y = tl.minimum(tl.maximum(y, -448.0), 448.0)
-        if FP8_OUT:
-            tl.store(q_base + q_off + offs, y.to(tl.float8e4nv), mask=mask)
-        else:
-            tl.store(q_base + q_off + offs, y, mask=mask)
+        scale, amax = _quantize_tile(x_base + x_off + offs, q_base + q_off + offs, mask, UE8M0, FP8_OUT)
         tl.store(s_base + s_off + t, scale)
         if FLAGS:  # one NaN/Inf flag per weight: amax is +inf exactly when the tile holds NaN/Inf
             bad = (amax == float("inf")).to(tl.int32)
@@ -210,13 +224,11 @@ def _launch_table(
     )
     if aligned:
         rows = [[r[0] // x_unit, r[1] // q_unit, r[2], r[3], r[4] // 16, r[5], r[6]] for r in rows]
-    w_p2 = max(_MIN_W_P2, _next_pow2(len(rows)))
-    words = starts + [_PAD_START] * (w_p2 - len(starts)) + [v for r in rows for v in r]
-    table = torch.tensor(words, dtype=torch.int64).to(x_base.device, non_blocking=True)
+    table, w_p2 = work_table(starts, rows, x_base.device)
     bn_p2, bk_p2 = _next_pow2(bn), _next_pow2(bk)
     kernel[(total,)](
         table, x_base, q_base, s_base, flags if flags is not None else table,
-        W_P2=w_p2, BN=bn, BK=bk, BN_P2=bn_p2, BK_P2=bk_p2,
+        W_P2=w_p2, ROW=_ROW, BN=bn, BK=bk, BN_P2=bn_p2, BK_P2=bk_p2,
         UE8M0=scale_format == "ue8m0", FP8_OUT=fp8_out, ALIGNED=aligned, X_UNIT=x_unit, Q_UNIT=q_unit,
         FLAGS=flags is not None,
         num_warps=num_warps if num_warps is not None else _default_num_warps(bn_p2 * bk_p2),

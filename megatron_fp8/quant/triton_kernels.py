@@ -103,6 +103,22 @@ if triton is not None:
         return tl.where(amax == 0.0, 1.0, ratio)
 
     @triton.jit
+    def _quantize_tile(x_ptrs, q_ptrs, mask, UE8M0: tl.constexpr, FP8_OUT: tl.constexpr):
+        # One [BN, BK] tile: its amax (NaN -> +inf), scale, and codes stored at q_ptrs; returns (scale, amax).
+        x = tl.load(x_ptrs, mask=mask, other=0.0).to(tl.float32)
+        ax = tl.abs(x)
+        ax = tl.where(ax == ax, ax, float("inf"))  # NaN -> inf: GPU max drops NaN
+        amax = tl.max(tl.max(ax, axis=1), axis=0)
+        scale = _scale_from_amax(amax, UE8M0)
+        y = tl.math.div_rn(x, scale)
+        y = tl.minimum(tl.maximum(y, -448.0), 448.0)
+        if FP8_OUT:
+            tl.store(q_ptrs, y.to(tl.float8e4nv), mask=mask)
+        else:
+            tl.store(q_ptrs, y, mask=mask)
+        return scale, amax
+
+    @triton.jit
     def _blockwise_kernel(
         x_ptr,
         q_ptr,
@@ -133,17 +149,7 @@ if triton is not None:
             cols = kb * BK + c
             mask = row_ok[:, None] & ((c < BK) & (cols < K))[None, :]
             offs = row_off[:, None] + cols[None, :]
-            x = tl.load(x_ptr + offs, mask=mask, other=0.0).to(tl.float32)
-            ax = tl.abs(x)
-            ax = tl.where(ax == ax, ax, float("inf"))  # NaN -> inf: GPU max drops NaN
-            amax = tl.max(tl.max(ax, axis=1), axis=0)
-            scale = _scale_from_amax(amax, UE8M0)
-            y = tl.math.div_rn(x, scale)
-            y = tl.minimum(tl.maximum(y, -448.0), 448.0)
-            if FP8_OUT:
-                tl.store(q_ptr + offs, y.to(tl.float8e4nv), mask=mask)
-            else:
-                tl.store(q_ptr + offs, y, mask=mask)
+            scale, amax = _quantize_tile(x_ptr + offs, q_ptr + offs, mask, UE8M0, FP8_OUT)
             s_idx = (expert * NB + pid_n) * KB + kb
             tl.store(scale_ptr + s_idx, scale, mask=kb < KB)
             tl.store(amax_ptr + s_idx, amax, mask=kb < KB)

@@ -30,6 +30,7 @@ import numpy as np
 import torch
 
 from megatron_fp8.errors import NonFiniteError, RefitError
+from megatron_fp8.quant.triton_grouped import work_table
 from megatron_fp8.refit.wire import DTYPES, TensorMeta
 
 try:  # Triton is optional: the torch path runs everywhere
@@ -55,9 +56,7 @@ PATTERNS: dict[torch.dtype, tuple[int, int]] = {
 _NEVER = (0, 1)  # bits & 0 is never 1: a segment that is copied, not probed
 _WORDS = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 _CHUNK_BYTES = 16384  # bytes per program
-_MIN_W_P2 = 16
-_PAD_START = 1 << 62
-_ROW = 6
+_ROW = 6  # words per segment in the table: src, dst offsets, words, NaN/Inf mask, pattern, flag index
 
 
 def available() -> bool:
@@ -86,6 +85,7 @@ class Segment:
 
 
 if triton is not None:
+    from megatron_fp8.quant.triton_grouped import table_row
 
     @triton.jit
     def _fill_kernel(
@@ -94,15 +94,12 @@ if triton is not None:
         dst_base,
         flag_ptr,
         W_P2: tl.constexpr,
+        ROW: tl.constexpr,
         BLOCK: tl.constexpr,
         ALIGNED: tl.constexpr,
         VEC: tl.constexpr,
     ):
-        p = tl.program_id(0).to(tl.int64)
-        starts = tl.load(table_ptr + tl.arange(0, W_P2))
-        w = tl.sum((starts <= p).to(tl.int32), axis=0) - 1
-        chunk = p - tl.load(table_ptr + w)
-        row = table_ptr + W_P2 + w * 6
+        row, _, chunk = table_row(table_ptr, W_P2, ROW)
         s_off = tl.load(row)
         d_off = tl.load(row + 1)
         n = tl.load(row + 2)
@@ -149,10 +146,8 @@ def _launch(buffer: torch.Tensor, group: list[tuple[int, Segment]], size: int, f
     )
     if aligned:
         rows = [[r[0] // vec, r[1] // vec, r[2] // vec, *r[3:]] for r in rows]
-    w_p2 = max(_MIN_W_P2, 1 << (len(rows) - 1).bit_length())
-    words = starts + [_PAD_START] * (w_p2 - len(starts)) + [v for r in rows for v in r]
-    table = torch.tensor(words, dtype=torch.int64).to(buffer.device, non_blocking=True)
-    _fill_kernel[(total,)](table, src_base, dst_base, flags, W_P2=w_p2, BLOCK=chunk, ALIGNED=aligned, VEC=vec)
+    table, w_p2 = work_table(starts, rows, buffer.device)
+    _fill_kernel[(total,)](table, src_base, dst_base, flags, W_P2=w_p2, ROW=_ROW, BLOCK=chunk, ALIGNED=aligned, VEC=vec)
 
 
 def fill_and_flag(buffer: torch.Tensor, segments: Sequence[Segment]) -> torch.Tensor:
