@@ -262,6 +262,26 @@ def bench_layer_set_cuda(layer: tuple, layers: int, copy_gbs: float, *, warmup: 
             reps=reps,
         )
     out["grouped_ms_by_num_warps"] = sweep
+    # x / scale through the tile's reciprocal (the default) against an IEEE division per element: time, and the
+    # bytes of every weight of the set compared between the two
+    out["grouped_ms_by_division"] = {
+        division: _median_cuda(
+            lambda division=division: [
+                launch_blockwise_grouped(g, 128, 128, "fp32", division=division) for g in groups
+            ],
+            warmup=warmup,
+            reps=reps,
+        )
+        for division in ("reciprocal", "rn")
+    }
+    same = True
+    for g in groups:
+        launch_blockwise_grouped(g, 128, 128, "fp32", division="rn")
+        ref = [(it.q.view(torch.uint8).clone(), it.scales.clone()) for it in g]
+        launch_blockwise_grouped(g, 128, 128, "fp32", division="reciprocal")
+        same = same and all(_same_bytes((it.q, it.scales), r) for it, r in zip(g, ref, strict=True))
+        del ref
+    out["grouped_divisions_same_bytes"] = same
     all_grouped()
     out["grouped_bytes_equal_per_weight"] = all(
         _same_bytes((it.q, it.scales), triton_kernels.launch_blockwise(it.x3, 128, 128, "fp32")[:2])
@@ -454,6 +474,13 @@ def print_table(result: dict) -> None:
     for label, r in rows:
         table.add_row(label, f"{r['bytes_moved'] / 1e6:.1f}", *(_fmt(r.get(key), spec) for _, key, spec in cols))
     Console(width=max(Console().width, 140)).print(table)
+    if ls and cuda and "grouped_ms_by_division" in ls:
+        by = ls["grouped_ms_by_division"]
+        Console().print(
+            f"grouped, x / scale: reciprocal + fma {by['reciprocal']:.3f} ms, IEEE division {by['rn']:.3f} ms "
+            f"({by['rn'] / by['reciprocal']:.2f}x), same bytes on every weight: "
+            f"{'yes' if ls['grouped_divisions_same_bytes'] else 'NO'}; by num_warps: {ls['grouped_ms_by_num_warps']}"
+        )
     for r in result["shapes"]:
         if r.get("best_config"):
             Console().print(f"best config for {r['shape']}: {r['best_config']}")

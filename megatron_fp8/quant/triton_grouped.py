@@ -32,6 +32,7 @@ __all__ = ["GroupedItem", "launch_blockwise_grouped", "launch_into_bucket", "tab
 _ROW = 7  # words per weight in the quantizer's table: x, q, s offsets, N, K, NB, KB
 _MIN_W_P2 = 16  # the prefix sum is padded to at least this many words (fewer compiled variants)
 _PAD_START = 1 << 62  # a padded prefix-sum word: no program's tile index reaches it
+_DIVISIONS = ("reciprocal", "rn")
 
 
 def work_table(starts: list[int], rows: list[list[int]], device: torch.device) -> tuple[torch.Tensor, int]:
@@ -99,6 +100,7 @@ if triton is not None:
         X_UNIT: tl.constexpr,
         Q_UNIT: tl.constexpr,
         FLAGS: tl.constexpr,
+        RECIP: tl.constexpr,
     ):
         row, w, t = table_row(table_ptr, W_P2, ROW)  # t: the tile's index within its weight, [E, NB, KB] row-major
         x_off = tl.load(row)
@@ -124,7 +126,7 @@ if triton is not None:
         cols = kb * BK + c
         mask = row_ok[:, None] & ((c < BK) & (cols < k))[None, :]
         offs = (expert * n * k + rows * k)[:, None] + cols[None, :]
-        scale, amax = _quantize_tile(x_base + x_off + offs, q_base + q_off + offs, mask, UE8M0, FP8_OUT)
+        scale, amax = _quantize_tile(x_base + x_off + offs, q_base + q_off + offs, mask, UE8M0, FP8_OUT, RECIP)
         tl.store(s_base + s_off + t, scale)
         if FLAGS:  # one NaN/Inf flag per weight: amax is +inf exactly when the tile holds NaN/Inf
             bad = (amax == float("inf")).to(tl.int32)
@@ -148,6 +150,7 @@ def launch_blockwise_grouped(
     *,
     fp8_out: bool = True,
     num_warps: int | None = None,
+    division: str = "reciprocal",
 ) -> None:
     """Quantize every item blockwise in one launch (no validation of values, no sync).
 
@@ -159,10 +162,15 @@ def launch_blockwise_grouped(
         fp8_out: ``True``: the kernel casts to float8_e4m3fn; ``False``: it stores the clamped float32 quotient
             (Triton's CPU interpreter, whose fp8 cast is inexact).
         num_warps: warps per program; ``None`` picks from the tile size.
+        division: how ``x / scale`` is computed, with the same bits either way: ``"reciprocal"`` (the tile's
+            correctly rounded reciprocal and one fma correction, see ``RECIP_MIN_SCALE``) or ``"rn"`` (an IEEE
+            division per element, the reference the benchmark compares against).
 
     Raises:
         QuantInputError: mixed source dtypes, a wrong output dtype/size, or a non-contiguous tensor.
     """
+    if division not in _DIVISIONS:
+        raise QuantInputError(f"launch_blockwise_grouped: division must be one of {_DIVISIONS}, got {division!r}")
     if not items:
         return
     kernel = _grouped_kernel()
@@ -196,7 +204,7 @@ def launch_blockwise_grouped(
     if total == 0:
         return
     _launch_table(kernel, starts, rows, total, (x_base, q_base, s_base), None, bn=bn, bk=bk,
-                  scale_format=scale_format, fp8_out=fp8_out, num_warps=num_warps)  # fmt: skip
+                  scale_format=scale_format, fp8_out=fp8_out, num_warps=num_warps, division=division)  # fmt: skip
 
 
 def _launch_table(
@@ -212,6 +220,7 @@ def _launch_table(
     scale_format: str,
     fp8_out: bool,
     num_warps: int | None,
+    division: str = "reciprocal",
 ) -> None:
     """Write the table (prefix sum, then per weight its x/q/s element offsets from ``bases``, N, K, NB, KB) and
     launch over ``total`` tiles; the ``ALIGNED`` variant when every row allows it; ``flags``: one per weight."""
@@ -230,7 +239,7 @@ def _launch_table(
         table, x_base, q_base, s_base, flags if flags is not None else table,
         W_P2=w_p2, ROW=_ROW, BN=bn, BK=bk, BN_P2=bn_p2, BK_P2=bk_p2,
         UE8M0=scale_format == "ue8m0", FP8_OUT=fp8_out, ALIGNED=aligned, X_UNIT=x_unit, Q_UNIT=q_unit,
-        FLAGS=flags is not None,
+        FLAGS=flags is not None, RECIP=division == "reciprocal",
         num_warps=num_warps if num_warps is not None else _default_num_warps(bn_p2 * bk_p2),
     )  # fmt: skip
 

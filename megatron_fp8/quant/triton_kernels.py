@@ -89,7 +89,12 @@ def available() -> bool:
     return _triton_importable() and torch.cuda.is_available()
 
 
+RECIP_MIN_SCALE: float = 2.0**-90
+"""The smallest block scale the kernels divide by through its reciprocal (below it, and for a non-finite scale,
+they divide); a tile's scale is below it only when its amax is below ``448 * 2**-90`` (about 3.6e-25)."""
+
 if triton is not None:
+    _RECIP_MIN = tl.constexpr(RECIP_MIN_SCALE)
 
     @triton.jit
     def _scale_from_amax(amax, UE8M0: tl.constexpr):
@@ -103,14 +108,33 @@ if triton is not None:
         return tl.where(amax == 0.0, 1.0, ratio)
 
     @triton.jit
-    def _quantize_tile(x_ptrs, q_ptrs, mask, UE8M0: tl.constexpr, FP8_OUT: tl.constexpr):
+    def _divide_by_scale(x, scale, RECIP: tl.constexpr):
+        # x / scale correctly rounded (IEEE division), for one tile's scalar scale. RECIP: through the scale's
+        # correctly rounded reciprocal and one remainder correction (Markstein: q0 = x*r, e = x - q0*scale exact
+        # by fma, q = q0 + e*r), three instructions per element instead of a division; the same float32 bits as
+        # the division wherever the scale is at least RECIP_MIN_SCALE (tests/quant/test_recip_division.py checks
+        # every bfloat16 x against every bfloat16 amax), so other tiles (and a non-finite scale) divide.
+        if RECIP:
+            if (scale >= _RECIP_MIN) & (scale < float("inf")):
+                r = tl.math.div_rn(1.0, scale)
+                q0 = x * r
+                e = tl.math.fma(-q0, scale, x)
+                y = tl.where(e == 0.0, q0, tl.math.fma(e, r, q0))  # e == 0: q0 is exact (and keeps -0.0)
+            else:
+                y = tl.math.div_rn(x, scale)
+        else:
+            y = tl.math.div_rn(x, scale)
+        return y
+
+    @triton.jit
+    def _quantize_tile(x_ptrs, q_ptrs, mask, UE8M0: tl.constexpr, FP8_OUT: tl.constexpr, RECIP: tl.constexpr):
         # One [BN, BK] tile: its amax (NaN -> +inf), scale, and codes stored at q_ptrs; returns (scale, amax).
         x = tl.load(x_ptrs, mask=mask, other=0.0).to(tl.float32)
         ax = tl.abs(x)
         ax = tl.where(ax == ax, ax, float("inf"))  # NaN -> inf: GPU max drops NaN
         amax = tl.max(tl.max(ax, axis=1), axis=0)
         scale = _scale_from_amax(amax, UE8M0)
-        y = tl.math.div_rn(x, scale)
+        y = _divide_by_scale(x, scale, RECIP)
         y = tl.minimum(tl.maximum(y, -448.0), 448.0)
         if FP8_OUT:
             tl.store(q_ptrs, y.to(tl.float8e4nv), mask=mask)
@@ -149,7 +173,7 @@ if triton is not None:
             cols = kb * BK + c
             mask = row_ok[:, None] & ((c < BK) & (cols < K))[None, :]
             offs = row_off[:, None] + cols[None, :]
-            scale, amax = _quantize_tile(x_ptr + offs, q_ptr + offs, mask, UE8M0, FP8_OUT)
+            scale, amax = _quantize_tile(x_ptr + offs, q_ptr + offs, mask, UE8M0, FP8_OUT, True)
             s_idx = (expert * NB + pid_n) * KB + kb
             tl.store(scale_ptr + s_idx, scale, mask=kb < KB)
             tl.store(amax_ptr + s_idx, amax, mask=kb < KB)

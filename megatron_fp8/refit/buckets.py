@@ -165,7 +165,7 @@ class _Filling:
         elif nbytes:
             self._copies.append(Segment(offset, tensor.detach().contiguous(), probe=True))
             self._copy_meta.append(len(self.metas))
-        self.metas.append(TensorMeta(name=name, shape=tuple(tensor.shape), dtype=dt, offset=offset, nbytes=nbytes))
+        self.metas.append(TensorMeta.of(name, tuple(tensor.shape), dt, offset, nbytes))
         self.used = offset + nbytes
 
     def _fill(self) -> list:
@@ -481,16 +481,12 @@ def unpack_bucket(
             "or a forged header)"
         )
     names: set[str] = set()
+    in_order = True  # the packer lays tensors out by increasing offset: no sort needed to find an overlap
+    end = 0
     for m in bucket.metas:
-        dt = torch_dtype(m.dtype, tensor_name=m.name)
-        itemsize = dt.itemsize
-        if m.nbytes != m.numel * itemsize:
-            raise RefitError(
-                f"{where}, tensor {m.name!r}: nbytes {m.nbytes} does not match shape {m.shape} x {m.dtype} "
-                f"({m.numel * itemsize} bytes)"
-            )
-        if m.offset < 0 or m.offset % ALIGN:
-            raise RefitError(f"{where}, tensor {m.name!r}: offset {m.offset} is not a non-negative multiple of {ALIGN}")
+        problem = m.problem
+        if problem is not None:
+            raise RefitError(f"{where}, tensor {m.name!r}: {problem}")
         if m.offset + m.nbytes > size:
             raise RefitError(
                 f"{where}, tensor {m.name!r}: bytes [{m.offset}, {m.offset + m.nbytes}) run past the payload end "
@@ -499,19 +495,43 @@ def unpack_bucket(
         if m.name in names:
             raise RefitError(f"{where}, tensor {m.name!r}: name appears twice in the bucket")
         names.add(m.name)
-    by_offset = sorted((m for m in bucket.metas if m.nbytes), key=lambda m: m.offset)
-    for prev, nxt in zip(by_offset, by_offset[1:], strict=False):
-        if nxt.offset < prev.offset + prev.nbytes:
-            raise RefitError(
-                f"{where}, tensor {nxt.name!r}: bytes from offset {nxt.offset} overlap tensor {prev.name!r} "
-                f"[{prev.offset}, {prev.offset + prev.nbytes})"
-            )
+        if m.nbytes:
+            in_order = in_order and m.offset >= end
+            end = m.offset + m.nbytes
+    if not in_order:
+        by_offset = sorted((m for m in bucket.metas if m.nbytes), key=lambda m: m.offset)
+        for prev, nxt in zip(by_offset, by_offset[1:], strict=False):
+            if nxt.offset < prev.offset + prev.nbytes:
+                raise RefitError(
+                    f"{where}, tensor {nxt.name!r}: bytes from offset {nxt.offset} overlap tensor {prev.name!r} "
+                    f"[{prev.offset}, {prev.offset + prev.nbytes})"
+                )
+    return _views(payload, bucket.metas)
+
+
+def _views(payload: torch.Tensor, metas: tuple[TensorMeta, ...]) -> list[tuple[str, torch.Tensor]]:
+    """``(name, typed and shaped view)`` per record of a validated bucket: the payload is viewed once per dtype
+    and each tensor is one strided view of that (one op per tensor instead of a slice and two views)."""
+    typed: dict[torch.dtype, torch.Tensor | None] = {}
     out = []
-    for m in bucket.metas:
+    for m in metas:
         dt = DTYPES[m.dtype]
-        view = payload[m.offset : m.offset + m.nbytes].view(dt).view(m.shape)
+        base = typed.get(dt, False)
+        if base is False:
+            base = typed[dt] = _typed(payload, dt)
+        if base is None or not m.nbytes:
+            view = payload[m.offset : m.offset + m.nbytes].view(dt).view(m.shape)
+        else:
+            view = base.as_strided(m.shape, m.strides, base.storage_offset() + m.offset // dt.itemsize)
         out.append((m.name, view))
     return out
+
+
+def _typed(payload: torch.Tensor, dt: torch.dtype) -> torch.Tensor | None:
+    """The whole payload viewed as ``dt``, or ``None`` where its length or start do not allow it."""
+    if payload.numel() % dt.itemsize or (payload.storage_offset() % dt.itemsize):
+        return None
+    return payload.view(dt)
 
 
 # ----------------------------------------------------------------------------- sizing

@@ -28,6 +28,7 @@ import math
 import threading
 from collections.abc import Iterable
 from dataclasses import dataclass
+from functools import cached_property
 from json.encoder import encode_basestring_ascii as _json_str
 
 import torch
@@ -103,6 +104,54 @@ class TensorMeta:
         """A compact JSON-able form ``[name, shape, dtype, offset, nbytes]``."""
         return [self.name, list(self.shape), self.dtype, self.offset, self.nbytes]
 
+    @cached_property
+    def json_text(self) -> str:
+        """:meth:`to_json` as compact JSON text (``json.dumps(..., separators=(",", ":"))``'s characters), made once
+        per record: the header digest, the version digest and the metadata encoding of both ends reuse it."""
+        shape = ",".join([str(int(d)) for d in self.shape])
+        return f"[{_json_str(self.name)},[{shape}],{_json_str(self.dtype)},{int(self.offset)},{int(self.nbytes)}]"
+
+    @cached_property
+    def problem(self) -> str | None:
+        """What is wrong with this record on its own (an unknown dtype, a byte count that disagrees with shape and
+        dtype, an offset not a non-negative multiple of :data:`ALIGN`), or ``None``; checked once per record."""
+        dt = DTYPES.get(self.dtype)
+        if dt is None:
+            return f"unknown dtype {self.dtype!r} in refit metadata; valid dtypes: {sorted(DTYPES)}"
+        if self.nbytes != self.numel * dt.itemsize:
+            return (
+                f"nbytes {self.nbytes} does not match shape {self.shape} x {self.dtype} "
+                f"({self.numel * dt.itemsize} bytes)"
+            )
+        if self.offset < 0 or self.offset % ALIGN:
+            return f"offset {self.offset} is not a non-negative multiple of {ALIGN}"
+        return None
+
+    @cached_property
+    def strides(self) -> tuple[int, ...]:
+        """The contiguous strides of :attr:`shape`, in elements."""
+        strides, step = [], 1
+        for d in reversed(self.shape):
+            strides.append(step)
+            step *= d
+        return tuple(reversed(strides))
+
+    @classmethod
+    def of(cls, name: str, shape: tuple[int, ...], dtype: str, offset: int, nbytes: int) -> TensorMeta:
+        """The record with these fields, shared: a refit lays out the same records every step, so each end keeps
+        one object per record (and its :attr:`json_text`) across versions instead of building them again.
+
+        At most :data:`_MAX_SHARED` records are kept (all are dropped when that is reached; a record is immutable,
+        so a dropped one stays valid wherever it is still used).
+        """
+        key = (name, shape, dtype, offset, nbytes)
+        meta = _SHARED_METAS.get(key)
+        if meta is None:
+            if len(_SHARED_METAS) >= _MAX_SHARED:
+                _SHARED_METAS.clear()
+            meta = _SHARED_METAS[key] = cls(name=name, shape=shape, dtype=dtype, offset=offset, nbytes=nbytes)
+        return meta
+
     @classmethod
     def from_json(cls, item: object) -> TensorMeta:
         """Inverse of :meth:`to_json`.
@@ -117,14 +166,19 @@ class TensorMeta:
             shape_t = tuple(int(s) for s in shape)
             if any(s < 0 for s in shape_t):
                 raise ValueError("negative dimension")
-            return cls(name=name, shape=shape_t, dtype=dt, offset=int(offset), nbytes=int(nbytes))
+            return cls.of(name, shape_t, dt, int(offset), int(nbytes))
         except (TypeError, ValueError) as exc:
             raise RefitError(f"malformed refit metadata record {item!r}: {exc}") from None
 
 
+_SHARED_METAS: dict[tuple, TensorMeta] = {}
+_MAX_SHARED = 1 << 17
+"""Records :meth:`TensorMeta.of` keeps (a 70B model with its scales has ~2,000 per layout)."""
+
+
 def encode_metas(metas: Iterable[TensorMeta]) -> bytes:
     """Serialize metadata records to UTF-8 JSON bytes (what travels before a payload)."""
-    return json.dumps([m.to_json() for m in metas], separators=(",", ":")).encode("utf-8")
+    return ("[" + ",".join([m.json_text for m in metas]) + "]").encode("utf-8")
 
 
 def decode_metas(data: bytes) -> tuple[TensorMeta, ...]:
@@ -162,6 +216,12 @@ class AnnouncedTensor:
         """``"(256,) bfloat16, 512 bytes"``, for messages."""
         return f"{self.shape} {self.dtype}, {self.nbytes} bytes"
 
+    @cached_property
+    def json_text(self) -> str:
+        """``[name, shape, dtype, nbytes]`` as compact JSON text (made once)."""
+        shape = ",".join([str(int(d)) for d in self.shape])
+        return f"[{_json_str(self.name)},[{shape}],{_json_str(self.dtype)},{int(self.nbytes)}]"
+
 
 @dataclass(frozen=True)
 class VersionTrailer:
@@ -185,6 +245,12 @@ class VersionTrailer:
             "t": [[t.name, list(t.shape), t.dtype, t.nbytes] for t in self.tensors],
             "d": self.digest,
         }
+
+    @cached_property
+    def json_text(self) -> str:
+        """:meth:`to_json` as compact JSON text (``json.dumps(..., separators=(",", ":"))``'s characters), made once."""
+        tensors = ",".join([t.json_text for t in self.tensors])
+        return f'{{"n":{int(self.num_tensors)},"t":[{tensors}],"d":{_json_str(self.digest)}}}'
 
     @classmethod
     def from_json(cls, item: object) -> VersionTrailer:
@@ -220,11 +286,9 @@ class VersionDigest:
 
     def add(self, index: int, meta: TensorMeta) -> None:
         """Feed one tensor record of bucket ``index``: the compact JSON of
-        ``[index, name, shape, dtype, offset, nbytes]`` and a newline (formatted directly: the bytes of
-        ``json.dumps(record, separators=(",", ":"))`` at a fifth of its host time, once per tensor on each side)."""
-        shape = ",".join([str(int(d)) for d in meta.shape])
-        rec = f"[{int(index)},{_json_str(meta.name)},[{shape}],{_json_str(meta.dtype)},{int(meta.offset)},{int(meta.nbytes)}]\n"
-        self._h.update(rec.encode("ascii"))
+        ``[index, name, shape, dtype, offset, nbytes]`` and a newline (the bytes of
+        ``json.dumps(record, separators=(",", ":"))``, made from the record's :attr:`TensorMeta.json_text`)."""
+        self._h.update(f"[{int(index)},{meta.json_text[1:]}\n".encode("ascii"))
 
     def hexdigest(self) -> str:
         """The digest so far, 32 hex characters."""
@@ -233,8 +297,8 @@ class VersionDigest:
 
 def encode_bucket_meta(metas: Iterable[TensorMeta], trailer: VersionTrailer | None) -> bytes:
     """Serialize a bucket's metadata records and its trailer (if any) to UTF-8 JSON bytes."""
-    obj = {"m": [m.to_json() for m in metas], "t": trailer.to_json() if trailer is not None else None}
-    return json.dumps(obj, separators=(",", ":")).encode("utf-8")
+    records = ",".join([m.json_text for m in metas])
+    return f'{{"m":[{records}],"t":{trailer.json_text if trailer is not None else "null"}}}'.encode()
 
 
 def decode_bucket_meta(data: bytes) -> tuple[tuple[TensorMeta, ...], VersionTrailer | None]:

@@ -23,7 +23,6 @@ other device from four torch ops. All give the same int64 partials.
 from __future__ import annotations
 
 import hashlib
-import json
 from collections.abc import Sequence
 
 import numpy as np
@@ -214,16 +213,12 @@ def header_digest(
     Returns:
         An int in ``[0, 2**61)``.
     """
-    rec = [
-        int(version),
-        int(index),
-        bool(is_last),
-        int(stream_id),
-        [m.to_json() for m in metas],
-        trailer.to_json() if trailer is not None else None,
-    ]
-    data = json.dumps(rec, separators=(",", ":")).encode("utf-8")
-    return int.from_bytes(hashlib.blake2b(data, digest_size=8).digest(), "little") & _HEADER_MASK
+    # the characters of json.dumps([version, index, is_last, stream_id, [m.to_json() ...], trailer.to_json()],
+    # separators=(",", ":")), from the records' own JSON text (made once per record, not once per bucket and side)
+    records = ",".join([m.json_text for m in metas])
+    tail = trailer.json_text if trailer is not None else "null"
+    data = f"[{int(version)},{int(index)},{'true' if is_last else 'false'},{int(stream_id)},[{records}],{tail}]"
+    return int.from_bytes(hashlib.blake2b(data.encode("ascii"), digest_size=8).digest(), "little") & _HEADER_MASK
 
 
 def bucket_checksum(

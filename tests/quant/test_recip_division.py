@@ -1,0 +1,155 @@
+"""The kernels' division by a tile's scale through its reciprocal gives the codes of an IEEE division.
+
+``quant/triton_kernels.py`` computes ``x / scale`` per element as ``q0 = x * r``, ``e = fma(-q0, scale, x)``,
+``q = e == 0 ? q0 : fma(e, r, q0)`` with ``r`` the correctly rounded ``1 / scale`` (Markstein's correction), for
+tiles whose scale is finite and at least ``RECIP_MIN_SCALE``; other tiles divide. Three instructions per element
+instead of a division. These tests replay that arithmetic in numpy with the same single-rounding fma the Triton
+interpreter uses, over every finite bfloat16 ``x`` against bfloat16 amax values (every 61st of all of them, the
+smallest and largest 256, and the 512 around the guard; ``MFP8_EXHAUSTIVE=1`` takes all 32,639: 1.0e9 pairs,
+no code differs, about a minute on 2 cores), and require:
+
+* the e4m3 code (clamped to +-448, round to nearest even) equals the division's, for every pair;
+* the float32 quotient equals the division's wherever the quotient is at least 2**-11 in magnitude (below it both
+  codes are +-0: e4m3's smallest step is 2**-9); below, a tiny ``x`` can leave the remainder subnormal, so the
+  quotient may differ in its last bit there, which the first check shows never reaches a code.
+
+Then the kernel itself, under ``TRITON_INTERPRET=1`` in a child interpreter, gives the same bytes with both
+divisions on values chosen to hit every branch (-0.0, subnormal bfloat16, a tile whose amax is below the guard,
+a NaN tile, ue8m0 scales).
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import textwrap
+
+import numpy as np
+import pytest
+import torch
+
+triton = pytest.importorskip("triton")
+fma_fp32 = pytest.importorskip("triton._C.libtriton").interpreter.fma_fp32
+
+from megatron_fp8.quant.triton_kernels import RECIP_MIN_SCALE  # noqa: E402
+
+FP8_MAX = np.float32(448.0)
+MIN_SCALE = np.float32(2.0**-126)
+
+
+def _every_bf16() -> np.ndarray:
+    x = (np.arange(1 << 16, dtype=np.uint32) << 16).view(np.float32)
+    return x[np.isfinite(x)]
+
+
+def _codes(q: np.ndarray) -> np.ndarray:
+    return torch.from_numpy(np.clip(q, -FP8_MAX, FP8_MAX)).to(torch.float8_e4m3fn).view(torch.uint8).numpy()
+
+
+def _scale(amax: np.float32, ue8m0: bool) -> np.float32:
+    ratio = np.maximum(np.float32(amax / FP8_MAX), MIN_SCALE)
+    if ue8m0:  # the next power of two at or above the ratio
+        bits = np.array([ratio], dtype=np.float32).view(np.int32)[0]
+        exponent = ((bits >> 23) & 0xFF) + (1 if bits & 0x7FFFFF else 0)
+        ratio = np.array([exponent << 23], dtype=np.int32).view(np.float32)[0]
+    return np.float32(ratio)
+
+
+def _recip_divide(x: np.ndarray, scale: np.float32) -> np.ndarray:
+    r = np.float32(np.float32(1.0) / scale)
+    q0 = x * r
+    e = fma_fp32(-q0, np.full_like(x, scale), x)
+    return np.where(e == 0, q0, fma_fp32(e, np.full_like(x, r), q0))
+
+
+def _amax_set() -> np.ndarray:
+    ax = np.unique(np.abs(_every_bf16()))
+    ax = ax[ax > 0]
+    guard_amax = np.float32(RECIP_MIN_SCALE) * FP8_MAX
+    at = int(np.searchsorted(ax, guard_amax))
+    if os.environ.get("MFP8_EXHAUSTIVE") == "1":
+        return ax
+    return np.unique(np.concatenate([ax[::61], ax[:256], ax[-256:], ax[max(0, at - 256) : at + 256]]))
+
+
+@pytest.mark.parametrize("ue8m0", [False, True], ids=["fp32-scale", "ue8m0-scale"])
+def test_every_bf16_value_gets_the_divisions_code(ue8m0: bool) -> None:
+    x_all = _every_bf16()
+    order = np.argsort(np.abs(x_all))
+    xs, axs = x_all[order], np.abs(x_all[order])
+    pairs = code_diffs = quotient_diffs = fast_tiles = 0
+    for amax in _amax_set():
+        x = xs[: int(np.searchsorted(axs, amax, side="right"))]  # a tile holds values up to its amax
+        scale = _scale(amax, ue8m0)
+        if not scale >= RECIP_MIN_SCALE:  # the kernel divides there
+            continue
+        fast_tiles += 1
+        ref = x / scale
+        got = _recip_divide(x, scale)
+        differ = got.view(np.uint32) != ref.view(np.uint32)  # equal quotients give equal codes
+        code_diffs += int((_codes(got[differ]) != _codes(ref[differ])).sum())
+        quotient_diffs += int((np.abs(ref[differ]) >= 2.0**-11).sum())
+        pairs += x.size
+    assert fast_tiles > 500 and pairs > 10_000_000, (fast_tiles, pairs)
+    assert code_diffs == 0, f"{code_diffs} of {pairs} codes differ from the division's"
+    assert quotient_diffs == 0, f"{quotient_diffs} float32 quotients >= 2**-11 differ from the division's"
+
+
+def test_the_guard_is_needed_below_it() -> None:
+    """Without the guard the reciprocal path does give other codes (tiny tiles): the guard is what makes it exact."""
+    x_all = _every_bf16()
+    ax = np.abs(x_all)
+    diffs = 0
+    for amax in np.unique(ax[(ax > 0) & (ax < np.float32(RECIP_MIN_SCALE) * FP8_MAX)])[::4]:
+        x = x_all[ax <= amax]
+        scale = _scale(amax, False)
+        diffs += int((_codes(_recip_divide(x, scale)) != _codes(x / scale)).sum())
+    assert diffs > 0
+
+
+_KERNEL_SCRIPT = textwrap.dedent(
+    """
+    import torch
+    from megatron_fp8.quant.triton_grouped import GroupedItem, launch_blockwise_grouped
+    from megatron_fp8.quant.triton_kernels import interpreter_active
+
+    assert interpreter_active()
+    g = torch.Generator().manual_seed(0)
+    w = torch.randn(3, 256, 256, generator=g).to(torch.bfloat16)
+    w[0, :128, :128] = -0.0                                       # a zero tile of negative zeros
+    w[0, :128, 128:] *= 1e-30                                     # amax ~4e-30: below the guard, divides
+    w[0, 128:, :128] = torch.randint(-32, 32, (128, 128), generator=g).to(torch.bfloat16) * 2.0**-133  # subnormal
+    w[1, 5, 7] = float("nan")                                     # a NaN tile: infinite scale, divides
+    w[1, 200:, 200:] *= 2.0**-20
+    w[2, 130, 131] = -0.0
+    out = {}
+    for fmt in ("fp32", "ue8m0"):
+        for division in ("reciprocal", "rn"):
+            q = torch.empty(w.numel(), dtype=torch.float32)
+            s = torch.empty(3 * 2 * 2, dtype=torch.float32)
+            launch_blockwise_grouped([GroupedItem(w, q, s)], 128, 128, fmt, fp8_out=False, division=division)
+            out[fmt, division] = (q.to(torch.float8_e4m3fn).view(torch.uint8), s)
+        (qa, sa), (qb, sb) = out[fmt, "reciprocal"], out[fmt, "rn"]
+        assert torch.equal(qa, qb), (fmt, int((qa != qb).sum()))
+        assert torch.equal(sa.view(torch.int32), sb.view(torch.int32)), fmt
+        assert (qa == 0x80).sum() > 128 * 128, "the negative zeros keep their sign"
+    print("same bytes")
+    """
+)
+
+
+def test_the_kernel_gives_the_same_bytes_with_either_division() -> None:
+    env = {**os.environ, "TRITON_INTERPRET": "1"}
+    proc = subprocess.run(
+        [sys.executable, "-c", _KERNEL_SCRIPT], env=env, capture_output=True, text=True, timeout=600, check=False
+    )
+    assert proc.returncode == 0 and "same bytes" in proc.stdout, proc.stdout[-2000:] + proc.stderr[-4000:]
+
+
+def test_an_unknown_division_is_refused() -> None:
+    from megatron_fp8.errors import QuantInputError
+    from megatron_fp8.quant.triton_grouped import launch_blockwise_grouped
+
+    with pytest.raises(QuantInputError, match="division must be one of"):
+        launch_blockwise_grouped([], 128, 128, "fp32", division="fast")
