@@ -162,7 +162,7 @@ def launch_blockwise_grouped(
         fp8_out: ``True``: the kernel casts to float8_e4m3fn; ``False``: it stores the clamped float32 quotient
             (Triton's CPU interpreter, whose fp8 cast is inexact).
         num_warps: warps per program; ``None`` picks from the tile size.
-        division: how ``x / scale`` is computed, with the same bits either way: ``"reciprocal"`` (the tile's
+        division: how ``x / scale`` is computed, with the same codes either way: ``"reciprocal"`` (the tile's
             correctly rounded reciprocal and one fma correction, see ``RECIP_MIN_SCALE``) or ``"rn"`` (an IEEE
             division per element, the reference the benchmark compares against).
 

@@ -111,9 +111,10 @@ if triton is not None:
     def _divide_by_scale(x, scale, RECIP: tl.constexpr):
         # x / scale correctly rounded (IEEE division), for one tile's scalar scale. RECIP: through the scale's
         # correctly rounded reciprocal and one remainder correction (Markstein: q0 = x*r, e = x - q0*scale exact
-        # by fma, q = q0 + e*r), three instructions per element instead of a division; the same float32 bits as
-        # the division wherever the scale is at least RECIP_MIN_SCALE (tests/quant/test_recip_division.py checks
-        # every bfloat16 x against every bfloat16 amax), so other tiles (and a non-finite scale) divide.
+        # by fma, q = q0 + e*r), three instructions per element instead of a division; the same e4m3 code as the
+        # division (the same float32 quotient from 2**-11 up) wherever the scale is at least RECIP_MIN_SCALE
+        # (tests/quant/test_recip_division.py checks every bfloat16 x against every bfloat16 amax), so other tiles
+        # (and a non-finite scale) divide.
         if RECIP:
             if (scale >= _RECIP_MIN) & (scale < float("inf")):
                 r = tl.math.div_rn(1.0, scale)
