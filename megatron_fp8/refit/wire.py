@@ -74,7 +74,16 @@ def torch_dtype(name: str, *, tensor_name: str | None = None) -> torch.dtype:
         return DTYPES[name]
     except KeyError:
         who = f"tensor {tensor_name!r}: " if tensor_name else ""
-        raise RefitError(f"{who}unknown dtype {name!r} in refit metadata; valid dtypes: {sorted(DTYPES)}") from None
+        raise RefitError(f"{who}{_unknown_dtype(name)}") from None
+
+
+def _unknown_dtype(name: str) -> str:
+    return f"unknown dtype {name!r} in refit metadata; valid dtypes: {sorted(DTYPES)}"
+
+
+def _shape_text(shape: tuple[int, ...]) -> str:
+    """``shape`` as the inside of its compact JSON list (``"4096,4096"``)."""
+    return ",".join([str(int(d)) for d in shape])
 
 
 @dataclass(frozen=True)
@@ -108,7 +117,7 @@ class TensorMeta:
     def json_text(self) -> str:
         """:meth:`to_json` as compact JSON text (``json.dumps(..., separators=(",", ":"))``'s characters), made once
         per record: the header digest, the version digest and the metadata encoding of both ends reuse it."""
-        shape = ",".join([str(int(d)) for d in self.shape])
+        shape = _shape_text(self.shape)
         return f"[{_json_str(self.name)},[{shape}],{_json_str(self.dtype)},{int(self.offset)},{int(self.nbytes)}]"
 
     @cached_property
@@ -117,7 +126,7 @@ class TensorMeta:
         dtype, an offset not a non-negative multiple of :data:`ALIGN`), or ``None``; checked once per record."""
         dt = DTYPES.get(self.dtype)
         if dt is None:
-            return f"unknown dtype {self.dtype!r} in refit metadata; valid dtypes: {sorted(DTYPES)}"
+            return _unknown_dtype(self.dtype)
         if self.nbytes != self.numel * dt.itemsize:
             return (
                 f"nbytes {self.nbytes} does not match shape {self.shape} x {self.dtype} "
@@ -219,8 +228,7 @@ class AnnouncedTensor:
     @cached_property
     def json_text(self) -> str:
         """``[name, shape, dtype, nbytes]`` as compact JSON text (made once)."""
-        shape = ",".join([str(int(d)) for d in self.shape])
-        return f"[{_json_str(self.name)},[{shape}],{_json_str(self.dtype)},{int(self.nbytes)}]"
+        return f"[{_json_str(self.name)},[{_shape_text(self.shape)}],{_json_str(self.dtype)},{int(self.nbytes)}]"
 
 
 @dataclass(frozen=True)

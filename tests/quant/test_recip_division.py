@@ -28,11 +28,11 @@ import textwrap
 import numpy as np
 import pytest
 import torch
+from triton._C.libtriton import interpreter  # the interpreter's own single-rounding fma (triton is pinned)
 
-triton = pytest.importorskip("triton")
-fma_fp32 = pytest.importorskip("triton._C.libtriton").interpreter.fma_fp32
+from megatron_fp8.quant.triton_kernels import RECIP_MIN_SCALE
 
-from megatron_fp8.quant.triton_kernels import RECIP_MIN_SCALE  # noqa: E402
+fma_fp32 = interpreter.fma_fp32
 
 FP8_MAX = np.float32(448.0)
 MIN_SCALE = np.float32(2.0**-126)
