@@ -155,8 +155,9 @@ def _launch(req: dict) -> int:
     return 1 if failed else 0
 
 
-def _serve() -> None:
-    _preload()
+def _serve(*, preload: bool = True) -> None:
+    if preload:
+        _preload()
     print(json.dumps({"ready": os.getpid()}), flush=True)
     for line in sys.stdin:
         req = json.loads(line)
@@ -178,11 +179,11 @@ class _Zygote:
     ``rc`` lines may arrive in one read, so lines are split here, never left in a buffered reader ``select`` cannot
     see)."""
 
-    def __init__(self, env: dict[str, str]) -> None:
+    def __init__(self, env: dict[str, str], *, preload: bool = True) -> None:
         self.env = env
         self._log = tempfile.TemporaryFile()  # the zygote's own stderr (import errors), shown if it dies
         self.proc = subprocess.Popen(
-            [sys.executable, __file__],
+            [sys.executable, __file__, *([] if preload else ["--no-preload"])],
             cwd=REPO,
             env=env,
             stdin=subprocess.PIPE,
@@ -229,16 +230,23 @@ class _Zygote:
 
 
 class WarmCli:
-    """Runs ``megatron-fp8`` commands as forks of a warm zygote (see the module docstring); ``close()`` ends it."""
+    """Runs ``megatron-fp8`` commands as forks of a warm zygote (see the module docstring); ``close()`` ends it.
 
-    def __init__(self) -> None:
+    Args:
+        preload: import the heavy packages in the zygote (the point of it). ``False`` only for tests of the launcher
+            itself whose command fails before any heavy import: each fork then imports what it needs.
+    """
+
+    def __init__(self, *, preload: bool = True) -> None:
         self._zygotes: dict[str | None, _Zygote] = {}
+        self._preload = preload
 
     def _zygote(self, env: dict[str, str]) -> _Zygote | None:
         key = env.get("OMP_NUM_THREADS")
         z = self._zygotes.get(key)
         if z is None:
-            z = self._zygotes[key] = _Zygote({**env, "TORCH_CPP_LOG_LEVEL": env.get("TORCH_CPP_LOG_LEVEL", "ERROR")})
+            log_level = env.get("TORCH_CPP_LOG_LEVEL", "ERROR")
+            z = self._zygotes[key] = _Zygote({**env, "TORCH_CPP_LOG_LEVEL": log_level}, preload=self._preload)
         if any(env.get(k) != z.env.get(k) for k in IMPORT_TIME_ENV if k != "TORCH_CPP_LOG_LEVEL"):
             return None
         return z
@@ -307,4 +315,4 @@ def run(argv: list[str], **kwargs) -> subprocess.CompletedProcess[str]:
 
 if __name__ == "__main__":
     sys.path.insert(0, str(REPO))  # this checkout's packages, as ``python -m megatron_fp8.cli`` run in it finds them
-    _serve()
+    _serve(preload="--no-preload" not in sys.argv[1:])

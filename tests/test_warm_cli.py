@@ -15,9 +15,8 @@ import pytest
 
 @pytest.fixture(scope="module")
 def launcher():
-    cli = _warm_cli.WarmCli()
-    yield cli
-    cli.close()
+    """The suite's own launcher (its zygote already warm when other tests used it): the one under test."""
+    return _warm_cli.shared()
 
 
 def test_exit_code_streams_env_and_cwd_match_a_fresh_interpreter(launcher, tmp_path):
@@ -58,9 +57,10 @@ def test_a_failed_rank_stops_the_others_and_fails_the_launch(launcher, tmp_path)
 
 
 def test_a_launcher_whose_pipe_is_above_fd_1024_still_hears_its_replies():
-    """A long pytest session holds many descriptors: the zygote's pipe can land above select()'s 1024 limit."""
+    """A long pytest session holds many descriptors: the zygote's pipe can land above select()'s 1024 limit.
+    (What the zygote imported plays no part here: it imports nothing, and the command fails in its argument parser.)"""
     fds = [os.open(os.devnull, os.O_RDONLY) for _ in range(1100)]
-    cli = _warm_cli.WarmCli()
+    cli = _warm_cli.WarmCli(preload=False)
     try:
         proc = cli.run(["config", "--bogus"], timeout=300)
         assert proc.returncode == 2 and "unrecognized arguments: --bogus" in proc.stderr

@@ -2,6 +2,12 @@
 
 The command list is read from the README's usage block, so a command added there and not exercised here
 fails the test. Each command must exit 0, print what the README says it prints, and end without a traceback.
+
+``grpo`` and ``launch`` start a fresh interpreter, as the README's commands do: ``grpo`` so that what a new user sees
+includes what the libraries print while they are imported (no Apex/TE warnings), ``launch`` because it starts
+torchrun itself. The others are forks of the suite's warm launcher (tests/_warm_cli.py: a process of its own that
+runs the same ``megatron_fp8.cli.main`` with the same argv, after the imports): their output is the same, and the
+console script and ``python -m`` entry points themselves are tests/cli/test_entry_points.py's.
 """
 
 from __future__ import annotations
@@ -12,6 +18,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import _warm_cli
 import pytest
 import yaml
 
@@ -33,8 +40,12 @@ def readme_commands() -> list[str]:
     return [n for n in names if n != "COMMAND"]
 
 
-def _run(*args: str) -> subprocess.CompletedProcess[str]:
-    proc = subprocess.run([*CLI, *args], capture_output=True, text=True, timeout=900, check=False, cwd=ROOT)
+def _run(*args: str, fresh: bool = False) -> subprocess.CompletedProcess[str]:
+    """``megatron-fp8 *args`` from the repository root: a fresh interpreter with ``fresh``, else a warm fork."""
+    if fresh:
+        proc = subprocess.run([*CLI, *args], capture_output=True, text=True, timeout=900, check=False, cwd=ROOT)
+    else:
+        proc = _warm_cli.run(list(args), cwd=ROOT, timeout=900)
     assert proc.returncode == 0, (args, proc.stderr[-3000:])
     assert "Traceback" not in proc.stderr, proc.stderr[-3000:]
     return proc
@@ -61,7 +72,9 @@ def test_readme_commands_in_order(tmp_path):
     refit = json.loads(_run("refit", "--model", "tiny", "--repeats", "1", "--json").stdout)
     assert refit["verified"] is True and refit["fp8_params"] == 28
 
-    grpo = _run("grpo", "--steps", "1", "--out", str(out), "--arms", "bf16,fp8,fp8_tis", "--no-progress", *SMALL_RUN)
+    grpo = _run(
+        "grpo", "--steps", "1", "--out", str(out), "--arms", "bf16,fp8,fp8_tis", "--no-progress", *SMALL_RUN, fresh=True
+    )  # fmt: skip
     for name in ("metrics.jsonl", "summary.md", "metrics.png", "config.yaml"):
         assert (out / name).is_file(), name
     assert (out / "warm_start" / "model.safetensors").is_file()
@@ -74,5 +87,6 @@ def test_readme_commands_in_order(tmp_path):
     report = _run("report", str(out))
     assert "rebuilt from 3 step(s) of 3 arm(s)" in report.stdout and "| bf16 |" in report.stdout
 
-    launched = _run("launch", "--nproc-per-node", "1", "config", "grpo.max_num_steps=3")  # torchrun -m megatron_fp8
+    # torchrun -m megatron_fp8
+    launched = _run("launch", "--nproc-per-node", "1", "config", "grpo.max_num_steps=3", fresh=True)
     assert "approved" in launched.stdout and "max_num_steps: 3" in launched.stdout

@@ -1,19 +1,24 @@
 """A GRPO job signalled by Slurm mid-run saves, requeues itself and finishes in the next allocation, equal step by
 step to an uninterrupted run (issue 25), on the real single-node Slurm of conftest.py.
 
-The three jobs (the uninterrupted one, one signalled with USR1, one with TERM) are submitted together and share the
-node's CPUs (two jobs at a time on the 2-core CI machine: one each asks for one CPU), so that one job's start-up,
-requeue wait and the scheduler's passes overlap another's steps: ~180 s one after another, about half that
-together. What the equality compares does not depend on it: every job computes the same steps with the same thread
-count (Slurm's task/none binds nothing; torch's thread count is the machine's, not its load).
+The two jobs (one signalled with USR1, one with TERM) are submitted together and share the node's CPUs (one each
+on the 2-core CI machine), so that one job's start-up, requeue wait and the scheduler's passes overlap the other's
+steps. The uninterrupted run they are compared with is the reference, not the subject: the same command, run while
+they run as a fork of the suite's warm launcher (tests/_warm_cli.py) with the jobs' environment less Slurm's (a
+third job would wait for a free CPU: ~130 s for the three jobs against ~80 s for two). What the equality compares
+does not depend on where the run ran: the same code and settings, and the same thread count (Slurm's task/none
+binds nothing and the sbatch scripts set no ``OMP_NUM_THREADS``: torch's thread count is the machine's, as in the
+warm launcher's fork, not its load).
 """
 
 from __future__ import annotations
 
 import json
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
+import _warm_cli
 import pytest
 
 from megatron_fp8.rl.state.results import TIMING_SUFFIXES
@@ -53,11 +58,28 @@ def _submit(cluster, tmp_path: Path, name: str) -> tuple[str, Path, Path]:
     return res.stdout.strip().split(";")[0], out, logs
 
 
-def _run_jobs(cluster, tmp_path: Path, signals: dict[str, str | None]) -> dict[str, tuple[list[dict], str] | str]:
-    """Run one job per entry of ``signals`` (name -> the signal it gets once its first step is in metrics.jsonl,
-    or None), all submitted at once: name -> (its metrics rows, its log), or why it did not complete."""
+def _uninterrupted(cluster, tmp_path: Path) -> tuple[list[dict], str] | str:
+    """The jobs' command, never signalled, as a fork of the warm launcher: (its metrics rows, its stderr), or why it
+    failed. Its environment is the one the jobs are submitted with (``sbatch`` exports it to the job) less
+    ``SLURM_CONF``."""
+    out = tmp_path / "ref" / "out"
+    env = {k: v for k, v in cluster.env.items() if k != "SLURM_CONF"}
+    argv = ["grpo", "--config", "configs/tiny_cpu.yaml", "--steps", str(STEPS), "--out", str(out), *RUN]
+    argv.append(f"checkpointing.checkpoint_dir={tmp_path / 'ref' / 'ckpt'}")
+    proc = _warm_cli.run(argv, cwd=REPO, env=env, timeout=900)
+    if proc.returncode != 0:
+        return f"the uninterrupted run exited {proc.returncode}\n{proc.stderr[-6000:]}"
+    return _rows(out / "metrics.jsonl"), proc.stderr
+
+
+def _run_jobs(cluster, tmp_path: Path, signals: dict[str, str]) -> dict[str, tuple[list[dict], str] | str]:
+    """Run one job per entry of ``signals`` (name -> the signal it gets once its first step is in metrics.jsonl),
+    all submitted at once, and the uninterrupted run (``"ref"``) beside them: name -> (its metrics rows, its log), or
+    why it did not complete."""
     jobs = {name: _submit(cluster, tmp_path, name) for name in signals}
-    pending = {name for name, sig in signals.items() if sig is not None}  # still to be signalled
+    reference = ThreadPoolExecutor(max_workers=1)
+    ref = reference.submit(_uninterrupted, cluster, tmp_path)
+    pending = set(signals)  # still to be signalled
     running = set(jobs)
     deadline = time.monotonic() + 900
     while running and time.monotonic() < deadline:
@@ -82,12 +104,14 @@ def _run_jobs(cluster, tmp_path: Path, signals: dict[str, str | None]) -> dict[s
             results[name] = f"job {job} ended {_state(cluster, job)}\n{show}\n{log[-6000:]}\n{cluster.daemon_logs()}"
         else:
             results[name] = (_rows(out / "metrics.jsonl"), log)
+    results["ref"] = ref.result(timeout=900)
+    reference.shutdown()
     return results
 
 
 @pytest.fixture(scope="module")
 def jobs(slurm_cluster, tmp_path_factory):
-    return _run_jobs(slurm_cluster, tmp_path_factory.mktemp("jobs"), {"USR1": "USR1", "TERM": "TERM", "ref": None})
+    return _run_jobs(slurm_cluster, tmp_path_factory.mktemp("jobs"), {"USR1": "USR1", "TERM": "TERM"})
 
 
 def _completed(jobs, name: str) -> tuple[list[dict], str]:

@@ -251,11 +251,11 @@ logprob_batch_size 2, activation_checkpointing, use_distributed_optimizer (from 
 TINY_NEMO_RL = (
     "policy.model_name=tiny",
     "policy.megatron_cfg.fp8_cfg.fp8_recipe=tensorwise",
-    "grpo.num_prompts_per_step=4",
+    "grpo.num_prompts_per_step=2",  # 8 samples: 8 micro-batches of one sequence through the 2 stages per update
     "grpo.num_generations_per_prompt=4",
     "policy.generation.max_new_tokens=16",
     "grpo.val_at_start=false",
-    "policy.train_global_batch_size=16",
+    "policy.train_global_batch_size=8",
     "data.default.prompt_file=null",
     *(f"data.{s}.data_path=data/math_tiny/{s}.jsonl" for s in ("train", "validation")),
     *(f"data.{s}.input_key=problem" for s in ("train", "validation")),

@@ -7,6 +7,11 @@ engine (vLLM's ``external_launcher``), both submit the replica's whole batch (``
 verifies exactly on both shards (``refit_max_rel_error`` 0, averaged over the ranks). On 4 ranks (trainer TP 2 x DP
 2) the ranks {0, 1} and {2, 3} each hold one engine, which generates its replica's 32 samples. A layout whose engines would
 span two replicas is refused before anything starts, naming the fix.
+
+The 2-rank layout runs under torchrun itself; the 4-rank layout and the refusal run as forks of the suite's warm
+launcher (tests/_warm_cli.py), each rank with torchrun's worker environment (``RANK``, ``LOCAL_RANK``,
+``WORLD_SIZE``, ``MASTER_ADDR``/``MASTER_PORT``...: what vLLM's ``external_launcher`` reads), so that its four ranks
+do not each pay the ~12 s of CPU a fresh interpreter spends importing torch, Megatron and transformers.
 """
 
 from __future__ import annotations
@@ -17,6 +22,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import _warm_cli
 import pytest
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
@@ -31,17 +37,22 @@ COMMON = (
 their refits; a warm start under TP 2 x DP 2 is tests/rl/driver/test_model_parallel.py's."""
 
 
-def _torchrun(out: Path, *overrides: str, processes: int = 2) -> subprocess.CompletedProcess:
+def _launch(out: Path, *overrides: str, processes: int = 2, torchrun: bool = False) -> subprocess.CompletedProcess:
+    """``megatron-fp8 grpo`` on ``processes`` ranks: under ``torchrun --standalone`` with ``torchrun``, else forked
+    by the warm launcher with torchrun's worker environment."""
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "MFP8_ROLE", "ROLLOUT_TASKS")}
     env["OMP_NUM_THREADS"] = "1"
+    argv = ["grpo", "--out", str(out), "--steps", "2", "--no-progress", *COMMON, *overrides]
+    if not torchrun:
+        return _warm_cli.run(argv, cwd=REPO, env=env, nprocs=processes, timeout=600)
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={processes}", "-m"]
-    cmd += ["megatron_fp8", "grpo", "--out", str(out), "--steps", "2", "--no-progress", *COMMON, *overrides]
-    return subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
+    return subprocess.run([*cmd, "megatron_fp8", *argv], cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
 
 
 @pytest.mark.parametrize(("processes", "replicas"), [(2, 1), (4, 2)])
 def test_two_grpo_steps_with_tp2_engines_sharded_over_the_trainer_ranks(tmp_path, processes, replicas):
-    proc = _torchrun(tmp_path / "out", "policy.megatron_cfg.tensor_model_parallel_size=2", processes=processes)
+    tp2 = "policy.megatron_cfg.tensor_model_parallel_size=2"
+    proc = _launch(tmp_path / "out", tp2, processes=processes, torchrun=processes == 2)
     assert proc.returncode == 0, proc.stderr[-4000:]
     assert proc.stderr.count("(external_launcher)") == processes  # each rank built its shard of an engine
     rows = [json.loads(line) for line in (tmp_path / "out" / "metrics.jsonl").read_text().splitlines()]
@@ -57,7 +68,7 @@ def test_two_grpo_steps_with_tp2_engines_sharded_over_the_trainer_ranks(tmp_path
 
 
 def test_an_engine_spanning_two_replicas_is_refused_naming_the_fix(tmp_path):
-    proc = _torchrun(tmp_path / "out")  # trainer TP 1 on 2 ranks: 2 replicas, one engine of 2 ranks over both
+    proc = _launch(tmp_path / "out")  # trainer TP 1 on 2 ranks: 2 replicas, one engine of 2 ranks over both
     assert proc.returncode != 0
     assert "would span 2 data-parallel replicas" in proc.stderr
     assert "tensor_parallel_size=1" in proc.stderr

@@ -138,19 +138,27 @@ def test_one_ranks_signal_stops_every_rank_at_the_same_step(tmp_path):
     """torchrun, two data-parallel ranks (gloo): only rank 1 gets SIGTERM, inside its train step; both finish that
     step, agree, save it once and exit 75; the same command continues to the uninterrupted two-rank run.
 
-    The uninterrupted run and the signalled one run at the same time (two torchruns, each with its own rendezvous
-    port and folder): what they compute does not depend on it (``OMP_NUM_THREADS=1``; the signal is sent at a named
-    point, not after a time)."""
+    The uninterrupted run is the reference, not the subject: its two ranks are forks of the suite's warm launcher
+    (tests/_warm_cli.py, torchrun's worker environment), run while the signalled torchrun runs, each with its own
+    rendezvous port and folder. What they compute does not depend on either (the same code and settings,
+    ``OMP_NUM_THREADS=1`` in every rank; the signal is sent at a named point, not after a time)."""
 
-    def start(out: Path, fault: str | None) -> subprocess.Popen:
+    def env_of(fault: str | None) -> dict[str, str]:
         env = {k: v for k, v in os.environ.items() if k not in (FAULT_ENV, "RANK", "WORLD_SIZE", "MFP8_ROLE")}
         env.update(OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1", **({FAULT_ENV: fault} if fault else {}))
-        cmd = [
-            sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", "-m",
-            "megatron_fp8.cli", "grpo", "--steps", str(STEPS), "--arms", "bf16", "--no-progress", "--out", str(out),
+        return env
+
+    def argv(out: Path) -> list[str]:
+        return [
+            "grpo", "--steps", str(STEPS), "--arms", "bf16", "--no-progress", "--out", str(out),
             "checkpointing.enabled=true", "checkpointing.save_period=10", f"checkpointing.checkpoint_dir={out / 'c'}",
             "grpo.warm_start_steps=0",
         ]  # fmt: skip
+
+    def start(out: Path, fault: str | None) -> subprocess.Popen:
+        env = env_of(fault)
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", "-m"]
+        cmd += ["megatron_fp8.cli", *argv(out)]
         pipe = subprocess.PIPE
         return subprocess.Popen(
             cmd, cwd=REPO, env=env, stdout=pipe, stderr=pipe, text=True, preexec_fn=_default_signals
@@ -169,11 +177,11 @@ def test_one_ranks_signal_stops_every_rank_at_the_same_step(tmp_path):
         return finish(start(out, fault))
 
     ref, out = tmp_path / "ref", tmp_path / "run"
-    ref_run, first_run = start(ref, None), start(out, "train:SIGTERM:1@1")
+    first_run = start(out, "train:SIGTERM:1@1")
     try:
-        first = finish(first_run)
+        reference = _warm_cli.run(argv(ref), cwd=REPO, env=env_of(None), nprocs=2, timeout=900)
     finally:
-        reference = finish(ref_run)
+        first = finish(first_run)
     assert reference.returncode == 0, reference.stderr[-3000:]
     assert first.returncode != 0 and "exitcode  : 75" in first.stderr, first.stderr[-3000:]
     assert first.stderr.count("stopped (SIGTERM) after 2 of 3 steps of arm bf16") == 2  # both ranks, same step
