@@ -198,7 +198,7 @@ def test_grpo_sbatch_real_two_step_run(slurm_cluster, tmp_path):
 TINY_8B_LAYOUT = (
     "model.name_or_path=tiny",
     "policy.megatron_cfg.fp8_cfg.fp8_recipe=tensorwise",  # the tiny model's TP=2 shards are not 128x128 blocks
-    "grpo.num_prompts_per_step=4",
+    "grpo.num_prompts_per_step=2",  # 8 samples: the claim is the layout, not the batch
     "grpo.num_generations_per_prompt=4",
     "policy.generation.max_new_tokens=16",
     "grpo.val_at_start=false",
