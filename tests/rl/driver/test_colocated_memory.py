@@ -92,7 +92,7 @@ def test_grpo_with_the_schedule_equals_grpo_without(tmp_path):
 
     def run(out, *extra):
         cmd = ["grpo", "--steps", "2", "--arms", "fp8_tis", "--no-progress"]
-        cmd += ["--out", str(out), "policy.generation.vllm_cfg.kv_cache_dtype=fp8", *extra]
+        cmd += ["--out", str(out), "policy.generation.vllm_cfg.kv_cache_dtype=fp8", "grpo.warm_start_steps=2", *extra]
         proc = _warm_cli.run(cmd, timeout=900)  # a process of its own, forked by the suite's warm launcher
         assert proc.returncode == 0, proc.stderr[-3000:]
         return proc, [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]

@@ -33,6 +33,7 @@ def _config(tmp_path: Path, *extra: str):
             "checkpointing.save_period=1",
             "grpo.num_prompts_per_step=4",
             "grpo.num_generations_per_prompt=4",
+            "grpo.warm_start_steps=2",  # each run warm-starts anew; 2 supervised steps give rewards > 0 already
             *extra,
         ],
     )
