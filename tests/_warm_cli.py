@@ -15,7 +15,7 @@ command, a thread pool or a process group).
 the ranks share one stdout and one stderr. What it does not replace, and where the real launcher stays in the suite:
 the entry points themselves (``python -m megatron_fp8``, the console script: tests/cli/test_entry_points.py),
 import-time noise (tests/cli/test_cli_behaviour.py), torchrun's own signal forwarding (tests/rl/driver/
-test_stopping.py), the sharded-rollout layouts (tests/rl/driver/test_sharded_rollout.py) and Slurm's srun
+test_stopping.py), the 2-rank sharded-rollout layout (tests/rl/driver/test_sharded_rollout.py) and Slurm's srun
 (tests/slurm). Environment variables that a library reads when it is imported (``OMP_NUM_THREADS`` for libgomp's
 pool, ``HF_HUB_OFFLINE``/``HF_HOME`` for huggingface_hub's constants) are taken at zygote start: a zygote is kept
 per ``OMP_NUM_THREADS`` value, and a command whose environment differs from its zygote's in

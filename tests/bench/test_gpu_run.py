@@ -55,7 +55,8 @@ def test_gpu_run_step_timeout_stops_a_step_and_runs_the_next(tmp_path):
     summary = json.loads((tmp_path / "summary.json").read_text())
     assert summary["gpu_tests"]["rc"] == 124 and proc.returncode == 124, proc.stdout[-2000:]
     assert summary["quant_cuda"]["rc"] == 0
-    assert {summary[k]["rc"] for k in ("refit_cuda", "refit_profile_cuda", "refit_link_gloo", "refit_link_nccl")} == {124}
+    stopped = ("refit_cuda", "refit_profile_cuda", "refit_link_gloo", "refit_link_nccl")
+    assert {summary[k]["rc"] for k in stopped} == {124}
 
 
 def test_gpu_run_refuses_without_cuda_unless_smoke(tmp_path):

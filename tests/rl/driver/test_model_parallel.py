@@ -28,7 +28,8 @@ The exact equalities (rewards, samples) hold between runs computing alike: every
 reference included, is a process of its own forked by the suite's warm launcher (tests/_warm_cli.py: each rank gets
 torchrun's worker environment, ``RANK``/``WORLD_SIZE``/``MASTER_PORT``..., and ``OMP_NUM_THREADS=1``), so each
 engine's CPU GEMMs sum in the same order; a reference computed in the pytest process (its default thread count)
-would not be one. torchrun itself launches the sharded-rollout layouts (tests/rl/driver/test_sharded_rollout.py).
+would not be one. torchrun itself launches the 2-rank sharded-rollout layout
+(tests/rl/driver/test_sharded_rollout.py).
 """
 
 from __future__ import annotations
