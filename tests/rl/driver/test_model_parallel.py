@@ -44,8 +44,6 @@ pytestmark = [pytest.mark.slow]
 
 REPO = Path(__file__).resolve().parents[3]
 COMMON = (
-    "--arms",
-    "bf16,fp8",
     "policy.megatron_cfg.fp8_cfg.fp8_recipe=tensorwise",
     # NeMo-RL's loss and baseline: every layout also swaps its shards of the reference policy in and out
     "loss_fn.reference_policy_kl_penalty=0.1",
@@ -65,12 +63,14 @@ ABS_KL, REL_KL = 1e-7, 1e-2
 ~1e-2 each, so last-bit differences of the weights after an update move it by ~1e-7 absolute, < 1% relative."""
 
 
-def _grpo(cli, out: Path, processes: int, *overrides: str, steps: int = 2, check: bool = True) -> list[dict]:
+def _grpo(
+    cli, out: Path, processes: int, *overrides: str, steps: int = 2, arms: str = "bf16,fp8", check: bool = True
+) -> list[dict]:
     """``megatron-fp8 grpo`` on ``processes`` ranks (torchrun's worker environment; ``cli`` is the suite's warm
     launcher, tests/_warm_cli.py: each rank its own process, forked after the imports)."""
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "MFP8_ROLE", "ROLLOUT_TASKS")}
     env["OMP_NUM_THREADS"] = "1"
-    argv = ["grpo", "--out", str(out), "--steps", str(steps), *COMMON, *overrides]
+    argv = ["grpo", "--out", str(out), "--steps", str(steps), "--arms", arms, *COMMON, *overrides]
     proc = cli.run(argv, cwd=REPO, env=env, nprocs=processes, timeout=600)
     if not check:
         assert proc.returncode != 0
@@ -147,25 +147,25 @@ def test_pipeline_parallel_2_by_data_parallel_2_equals_data_parallel_2(tmp_path,
 
 def test_pipeline_checkpoint_resumes_exactly_and_another_layout_is_refused(tmp_path, warm_cli):
     """PP=2 with the distributed optimizer: 1 step, a checkpoint per stage, then a rerun to 2 steps resumes and its
-    second step equals the uninterrupted run's exactly; the same checkpoint under TP=2 is refused by name."""
+    second step equals the uninterrupted run's exactly; the same checkpoint under TP=2 is refused by name. The FP8
+    arm only (its checkpoint holds what the BF16 arm's does, and its refits FP8 weights and scales)."""
     ckpt = ("checkpointing.enabled=true", "checkpointing.save_period=1")
     zero1 = "policy.megatron_cfg.optimizer.use_distributed_optimizer=true"
-    whole = _grpo(
-        warm_cli, tmp_path / "whole", 2, *PP2, zero1, *ckpt, f"checkpointing.checkpoint_dir={tmp_path / 'c1'}"
-    )
+    run = (*PP2, zero1, *ckpt)
+    whole = _grpo(warm_cli, tmp_path / "whole", 2, *run, f"checkpointing.checkpoint_dir={tmp_path / 'c1'}", arms="fp8")
     resumed_dir = f"checkpointing.checkpoint_dir={tmp_path / 'c2'}"
-    _grpo(warm_cli, tmp_path / "split", 2, *PP2, zero1, *ckpt, resumed_dir, steps=1)
-    split = _grpo(warm_cli, tmp_path / "split", 2, *PP2, zero1, *ckpt, resumed_dir)
+    _grpo(warm_cli, tmp_path / "split", 2, *run, resumed_dir, steps=1, arms="fp8")
+    split = _grpo(warm_cli, tmp_path / "split", 2, *run, resumed_dir, arms="fp8")
     keys = ("arm", "step", "reward_mean", "sample", "loss", "grad_norm", "gen_kl", "refit_fp8_bytes")
 
     def rows(run: list[dict]) -> list[dict]:
         return sorted(({k: r[k] for k in keys} for r in run), key=lambda r: (r["arm"], r["step"]))
 
-    assert rows(split) == rows(whole) and len(whole) == 4
+    assert rows(split) == rows(whole) and len(whole) == 2 and whole[0]["refit_fp8_bytes"] > 0
     other = ("policy.megatron_cfg.tensor_model_parallel_size=2", "policy.train_micro_batch_size=16")
-    refused = _grpo(warm_cli, tmp_path / "split", 2, *other, zero1, *ckpt, resumed_dir, steps=3, check=False)[0][
-        "stderr"
-    ]
+    refused = _grpo(
+        warm_cli, tmp_path / "split", 2, *other, zero1, *ckpt, resumed_dir, steps=3, arms="fp8", check=False
+    )[0]["stderr"]
     assert "pipeline_model_parallel_size" in refused and "tensor_model_parallel_size" in refused
 
 
@@ -189,21 +189,24 @@ def test_expert_parallel_2_equals_data_parallel_2_on_the_moe_model(tmp_path, war
 
 
 def test_expert_parallel_checkpoint_resumes_exactly(tmp_path, warm_cli):
-    """EP=2: each expert-parallel rank writes its own shard (its experts); 1 step + resume equals 2 steps."""
+    """EP=2: each expert-parallel rank writes its own shard (its experts); 1 step + resume equals 2 steps (the FP8
+    arm, as in the pipeline-parallel resume above)."""
     moe = ("model.name_or_path=tiny-moe", "policy.megatron_cfg.expert_model_parallel_size=2")
     ckpt = ("checkpointing.enabled=true", "checkpointing.save_period=1")
-    whole = _grpo(warm_cli, tmp_path / "whole", 2, *moe, *ckpt, f"checkpointing.checkpoint_dir={tmp_path / 'c1'}")
+    whole = _grpo(
+        warm_cli, tmp_path / "whole", 2, *moe, *ckpt, f"checkpointing.checkpoint_dir={tmp_path / 'c1'}", arms="fp8"
+    )
     again = f"checkpointing.checkpoint_dir={tmp_path / 'c2'}"
-    _grpo(warm_cli, tmp_path / "split", 2, *moe, *ckpt, again, steps=1)
+    _grpo(warm_cli, tmp_path / "split", 2, *moe, *ckpt, again, steps=1, arms="fp8")
     files = {p.name for p in (tmp_path / "c2" / "fp8" / "step_0").iterdir()}
     assert {"model_tp00_pp00_ep00.pt", "model_tp00_pp00_ep01.pt", "optim_tp00_pp00_ep01.pt"} <= files, files
-    split = _grpo(warm_cli, tmp_path / "split", 2, *moe, *ckpt, again)
+    split = _grpo(warm_cli, tmp_path / "split", 2, *moe, *ckpt, again, arms="fp8")
     keys = ("arm", "step", "reward_mean", "sample", "loss", "grad_norm", "gen_kl", "refit_fp8_bytes")
 
     def rows(run: list[dict]) -> list[dict]:
         return sorted(({k: r[k] for k in keys} for r in run), key=lambda r: (r["arm"], r["step"]))
 
-    assert rows(split) == rows(whole) and len(whole) == 4
+    assert rows(split) == rows(whole) and len(whole) == 2 and whole[0]["refit_fp8_bytes"] > 0
 
 
 def test_expert_parallelism_needs_a_moe_model_and_splits_its_experts_evenly(warm_cli):

@@ -138,8 +138,9 @@ def test_one_ranks_signal_stops_every_rank_at_the_same_step(tmp_path):
     """torchrun, two data-parallel ranks (gloo): only rank 1 gets SIGTERM, inside its train step; both finish that
     step, agree, save it once and exit 75; the same command continues to the uninterrupted two-rank run.
 
-    The uninterrupted run is the reference, not the subject: its two ranks are forks of the suite's warm launcher
-    (tests/_warm_cli.py, torchrun's worker environment), run while the signalled torchrun runs, each with its own
+    torchrun runs the signalled run (its forwarding of the signal is the subject). The uninterrupted run and the
+    continuation are the same command with torchrun's worker environment, forked by the suite's warm launcher
+    (tests/_warm_cli.py); the uninterrupted one runs while the signalled torchrun runs, each with its own
     rendezvous port and folder. What they compute does not depend on either (the same code and settings,
     ``OMP_NUM_THREADS=1`` in every rank; the signal is sent at a named point, not after a time)."""
 
@@ -173,9 +174,6 @@ def test_one_ranks_signal_stops_every_rank_at_the_same_step(tmp_path):
                 proc.kill()
                 proc.wait()
 
-    def torchrun(out: Path, fault: str | None) -> subprocess.CompletedProcess:
-        return finish(start(out, fault))
-
     ref, out = tmp_path / "ref", tmp_path / "run"
     first_run = start(out, "train:SIGTERM:1@1")
     try:
@@ -186,7 +184,7 @@ def test_one_ranks_signal_stops_every_rank_at_the_same_step(tmp_path):
     assert first.returncode != 0 and "exitcode  : 75" in first.stderr, first.stderr[-3000:]
     assert first.stderr.count("stopped (SIGTERM) after 2 of 3 steps of arm bf16") == 2  # both ranks, same step
     assert sorted(p.name for p in (out / "c" / "bf16").iterdir()) == ["step_1"]
-    second = torchrun(out, None)
+    second = _warm_cli.run(argv(out), cwd=REPO, env=env_of(None), nprocs=2, timeout=900)
     assert second.returncode == 0, second.stderr[-3000:]
     assert _steps(out) == _steps(ref)
 
