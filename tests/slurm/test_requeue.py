@@ -31,6 +31,7 @@ STEPS = 6  # the signal lands after step 1 or 2 (it is sent once step 1 is in me
 RUN = (
     "--arms", "fp8", "--no-progress", "grpo.warm_start_steps=0", "checkpointing.enabled=true",
     "checkpointing.save_period=10", "logger.tensorboard_enabled=false", "logger.wandb_enabled=false",
+    "grpo.num_prompts_per_step=2",  # 16 samples a step (tiny_cpu: 64): a requeue's continuation does not depend on it
 )  # fmt: skip
 
 

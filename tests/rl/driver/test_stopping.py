@@ -38,7 +38,8 @@ def _grpo(out: Path, *overrides: str, fault: str | None = None, steps: int = STE
     argv = [
         "grpo", "--steps", str(steps), "--arms", "fp8", "--no-progress",
         "--out", str(out), "checkpointing.enabled=true", "checkpointing.save_period=2",
-        f"checkpointing.checkpoint_dir={out / 'ckpt'}", "grpo.warm_start_steps=0", *overrides,
+        f"checkpointing.checkpoint_dir={out / 'ckpt'}", "grpo.warm_start_steps=0",
+        "grpo.num_prompts_per_step=2", *overrides,  # 16 samples a step: where a stop lands does not depend on it
     ]  # fmt: skip
     # a process of its own with default signal handlers, forked by the suite's warm launcher (tests/_warm_cli.py);
     # torchrun's own forwarding is test_one_ranks_signal_stops_every_rank_at_the_same_step's
@@ -103,8 +104,9 @@ def test_a_second_signal_stops_at_once_without_saving(tmp_path):
 @pytest.mark.slow
 def test_checkpoint_must_save_by_saves_and_stops_before_the_limit(tmp_path):
     out = tmp_path / "run"
-    # a 1 s budget: the run stops once a step plus a save could cross it (after step 0 or 1, as the machine runs)
-    proc = _grpo(out, "checkpointing.checkpoint_must_save_by=00:00:00:01")
+    # a 1 s budget: the run stops once a step plus a save could cross it (after step 0 or 1, as the machine runs;
+    # tiny_cpu's 64 samples a step, so that a step is long enough for that)
+    proc = _grpo(out, "checkpointing.checkpoint_must_save_by=00:00:00:01", "grpo.num_prompts_per_step=8")
     assert proc.returncode == EXIT_STOPPED, proc.stderr[-3000:]
     done = next(n for n in (1, 2) if f"after {n} of 3 steps" in proc.stderr)
     assert "checkpoint_must_save_by is near" in proc.stderr
