@@ -4,7 +4,7 @@ step to an uninterrupted run (issue 25), on the real single-node Slurm of confte
 The two jobs (one signalled with USR1, one with TERM) are submitted together and share the node's CPUs (one each
 on the 2-core CI machine), so that one job's start-up, requeue wait and the scheduler's passes overlap the other's
 steps. The uninterrupted run they are compared with is the reference, not the subject: the same command, run while
-they run as a fork of the suite's warm launcher (tests/_warm_cli.py) with the jobs' environment less Slurm's (a
+they run as a fork of the suite's warm launcher (tests/_warm_cli.py) in the environment the jobs get (a
 third job would wait for a free CPU: ~130 s for the three jobs against ~80 s for two). What the equality compares
 does not depend on where the run ran: the same code and settings, and the same thread count (Slurm's task/none
 binds nothing and the sbatch scripts set no ``OMP_NUM_THREADS``: torch's thread count is the machine's, as in the
@@ -73,13 +73,9 @@ def _uninterrupted(cluster, tmp_path: Path) -> tuple[list[dict], str] | str:
     return _rows(out / "metrics.jsonl"), proc.stderr
 
 
-def _run_jobs(cluster, tmp_path: Path, signals: dict[str, str]) -> dict[str, tuple[list[dict], str] | str]:
-    """Run one job per entry of ``signals`` (name -> the signal it gets once its first step is in metrics.jsonl),
-    all submitted at once, and the uninterrupted run (``"ref"``) beside them: name -> (its metrics rows, its log), or
-    why it did not complete."""
-    jobs = {name: _submit(cluster, tmp_path, name) for name in signals}
-    reference = ThreadPoolExecutor(max_workers=1)
-    ref = reference.submit(_uninterrupted, cluster, tmp_path)
+def _signal_and_wait(cluster, jobs: dict[str, tuple[str, Path, Path]], signals: dict[str, str]) -> None:
+    """Send each job its signal once its first step is in metrics.jsonl; return when every job has ended (or
+    after 900 s)."""
     pending = set(signals)  # still to be signalled
     running = set(jobs)
     deadline = time.monotonic() + 900
@@ -97,6 +93,16 @@ def _run_jobs(cluster, tmp_path: Path, signals: dict[str, str]) -> dict[str, tup
                     cluster.run("scancel", "--signal=TERM", job)
                 pending.discard(name)
         time.sleep(0.2)
+
+
+def _run_jobs(cluster, tmp_path: Path, signals: dict[str, str]) -> dict[str, tuple[list[dict], str] | str]:
+    """Run one job per entry of ``signals`` (name -> the signal it gets once its first step is in metrics.jsonl),
+    all submitted at once, and the uninterrupted run (``"ref"``) beside them: name -> (its metrics rows, its log), or
+    why it did not complete."""
+    jobs = {name: _submit(cluster, tmp_path, name) for name in signals}
+    with ThreadPoolExecutor(max_workers=1) as pool:  # the uninterrupted run, while the jobs run
+        ref = pool.submit(_uninterrupted, cluster, tmp_path)
+        _signal_and_wait(cluster, jobs, signals)
     results: dict[str, tuple[list[dict], str] | str] = {}
     for name, (job, out, logs) in jobs.items():
         log = "\n".join(p.read_text(errors="replace") for p in sorted(logs.glob("*.out")))
@@ -105,8 +111,7 @@ def _run_jobs(cluster, tmp_path: Path, signals: dict[str, str]) -> dict[str, tup
             results[name] = f"job {job} ended {_state(cluster, job)}\n{show}\n{log[-6000:]}\n{cluster.daemon_logs()}"
         else:
             results[name] = (_rows(out / "metrics.jsonl"), log)
-    results["ref"] = ref.result(timeout=900)
-    reference.shutdown()
+    results["ref"] = ref.result()
     return results
 
 
