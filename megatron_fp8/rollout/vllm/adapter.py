@@ -247,7 +247,8 @@ def build_llm(
         else "",
     )
     adopted = torch.distributed.is_available() and torch.distributed.is_initialized()
-    llm = LLM(**args)
+    with contextlib.nullcontext() if torch.cuda.is_available() else _patches.torch_distributed_cpu_groups():
+        llm = LLM(**args)
     _ADOPTED_WORLD[llm] = adopted
     if not torch.cuda.is_available():
         logger.info(

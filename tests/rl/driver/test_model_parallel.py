@@ -21,7 +21,8 @@ seed is a function of (seed, step, its index among the step's samples), not of t
 0 samples exactly what the reference run samples (equal rewards); the losses, gradient norms and mismatch metrics agree up to the order of the
 reductions (the vocabulary-parallel cross entropy, the TP all-reduces: stated tolerances below); step 1's
 rewards and sample, generated after the first refit, equal the reference run's, so every engine received the
-weights the reference run's engine did (each TP rank refits its own colocated engine with the gathered weights:
+weights the reference run's engine did, up to the BF16 rounding of main weights that an update reduced in another
+order leaves apart in their last bits (``REL_GEN_KL_UPDATED``) (each TP rank refits its own colocated engine with the gathered weights:
 ``refit_*_bytes`` in ``metrics.jsonl`` count every engine, so they are TP x the reference's per replica).
 
 The exact equalities (rewards, samples) hold between runs computing alike: every run here, the one-process
@@ -59,8 +60,18 @@ ABS_LOSS = 1e-6
 """Absolute tolerance of the loss: a mean of per-token terms of size ~|advantage| ~ 1 that cancel (a group's
 advantages sum to 0), so float32 reductions in another order move it by ~1e-7 while it is itself ~1e-3."""
 ABS_KL, REL_KL = 1e-7, 1e-2
-"""Tolerance of the mismatch metrics (nats per token): a KL of ~3e-5 is a difference of two log-probabilities of
-~1e-2 each, so last-bit differences of the weights after an update move it by ~1e-7 absolute, < 1% relative."""
+"""Tolerance of the mismatch metrics (nats per token) where both runs' engines hold the same BF16 weights, bit for
+bit: at step 0 (the warm start's checkpoint) for ``gen_kl``, at every step for ``kl_penalty`` (policy against
+reference, both the trainer's own, float32 reductions in another order)."""
+REL_GEN_KL_UPDATED = 0.25
+"""Relative tolerance of ``gen_kl`` after an update. Two runs that reduce in another order end the update with float32
+main weights that differ in their last bits; each element near a BF16 rounding boundary then reaches the engine one
+BF16 step (2**-8 relative) apart. ``gen_kl`` (~2e-5) is half the mean square of per-token log-prob differences of
+~5e-3 between the engine's and the trainer's BF16 arithmetic, rounding noise whose pattern such a step redraws:
+on an AMX CPU (oneDNN's BF16 GEMMs) the micro-batched update moved the BF16 arm's step-1 ``gen_kl`` by 11.6%
+(2.018e-5 -> 2.252e-5, its mean |difference| by 3%) while its loss, gradient norm and ``kl_penalty`` agreed to 1e-6;
+on AVX2 no element crossed and it agreed to 1e-5. A layout that refits wrong weights moves it by orders of
+magnitude (and changes the samples, compared exactly)."""
 
 
 def _grpo(
@@ -87,7 +98,8 @@ def _assert_same_run(got: list[dict], ref: list[dict], *, engines_per_replica: i
         assert g["sample"] == r["sample"], where
         assert g["loss"] == pytest.approx(r["loss"], rel=REL, abs=ABS_LOSS), where
         assert g["grad_norm"] == pytest.approx(r["grad_norm"], rel=REL), where
-        assert g["gen_kl"] == pytest.approx(r["gen_kl"], abs=ABS_KL, rel=REL_KL), where
+        rel_gen_kl = REL_KL if r["step"] == 0 else REL_GEN_KL_UPDATED
+        assert g["gen_kl"] == pytest.approx(r["gen_kl"], abs=ABS_KL, rel=rel_gen_kl), where
         assert g["kl_penalty"] == pytest.approx(r["kl_penalty"], abs=ABS_KL, rel=REL_KL), where
         assert g["refit_max_rel_error"] == r["refit_max_rel_error"] == 0.0, where
         for cls in ("fp8", "scales", "bf16"):  # each TP rank's engine got what the reference's engine got

