@@ -5,6 +5,10 @@ Dockerfile installs in one call, with the base image's torch/TE/triton stood in 
 the representative subset (``resolve.SUBSET``: the Hugging Face stack, setuptools, torch users; about a minute);
 the whole set (about 170 packages, several minutes) is the ``slow`` test. Needs an index (PyPI): skips when it is
 unreachable.
+
+Every resolution the selected tests check starts together when the first of them needs one (the ``resolutions``
+fixture): each is one pip process that uses ~60% of a core and waits on the index the rest, so on a machine with an
+empty cache the module takes about its longest resolution (the whole set's) rather than the sum of four.
 """
 
 from __future__ import annotations
@@ -13,6 +17,8 @@ import importlib.util
 import json
 import socket
 import sys
+from collections.abc import Iterator
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -51,8 +57,34 @@ def _pins_with(tmp_path: Path, name: str, version: str) -> Path:
     return out
 
 
-def test_container_requirement_set_resolves():
-    res = resolve.resolve(only=resolve.SUBSET)
+_CHANGED_PIN = {  # a test -> the pin its resolution changes (a known conflict)
+    "test_datasets_needing_a_newer_hub_than_transformers_is_a_conflict": ("datasets", "5.2.0"),
+    "test_modelopt_needing_setuptools_80_is_a_conflict": ("nvidia-modelopt", "0.47.0"),
+}
+_WHOLE = "test_whole_container_requirement_set_resolves"
+_SUBSET = "test_container_requirement_set_resolves"
+
+
+@pytest.fixture(scope="module")
+def resolutions(request, tmp_path_factory, _index_reachable) -> Iterator[dict[str, Future]]:
+    """Test name -> its resolution, for the tests of this module that this session runs, all started at once."""
+    selected = {item.originalname for item in request.session.items if item.module is request.module}
+    tmp = tmp_path_factory.mktemp("resolutions")
+    jobs = {}
+    if _SUBSET in selected:
+        jobs[_SUBSET] = {"only": resolve.SUBSET}
+    for name, (package, version) in _CHANGED_PIN.items():
+        if name in selected:
+            (tmp / name).mkdir()
+            jobs[name] = {"container_pins": _pins_with(tmp / name, package, version), "only": resolve.SUBSET}
+    if _WHOLE in selected:
+        jobs[_WHOLE] = {"report": tmp / "report.json"}
+    with ThreadPoolExecutor(max_workers=max(1, len(jobs)), thread_name_prefix="resolve") as pool:
+        yield {name: pool.submit(resolve.resolve, **kwargs) for name, kwargs in jobs.items()}
+
+
+def test_container_requirement_set_resolves(resolutions):
+    res = resolutions[_SUBSET].result()
     assert res.ok, res.log[-4000:]
     assert res.installed["transformers"] == "4.57.1"
     assert res.installed["datasets"] == resolve.pins.parse_container_pins().pins["datasets"].version
@@ -61,14 +93,14 @@ def test_container_requirement_set_resolves():
     assert res.installed["torch"].startswith("2.8.0a0")  # the base image's own torch, not a second one
 
 
-def test_datasets_needing_a_newer_hub_than_transformers_is_a_conflict(tmp_path):
-    res = resolve.resolve(container_pins=_pins_with(tmp_path, "datasets", "5.2.0"), only=resolve.SUBSET)
+def test_datasets_needing_a_newer_hub_than_transformers_is_a_conflict(resolutions):
+    res = resolutions["test_datasets_needing_a_newer_hub_than_transformers_is_a_conflict"].result()
     assert not res.ok
     assert "huggingface-hub" in res.log and "conflict" in res.log.lower(), res.log[-3000:]
 
 
-def test_modelopt_needing_setuptools_80_is_a_conflict(tmp_path):
-    res = resolve.resolve(container_pins=_pins_with(tmp_path, "nvidia-modelopt", "0.47.0"), only=resolve.SUBSET)
+def test_modelopt_needing_setuptools_80_is_a_conflict(resolutions):
+    res = resolutions["test_modelopt_needing_setuptools_80_is_a_conflict"].result()
     assert not res.ok
     assert "setuptools" in res.log and "conflict" in res.log.lower(), res.log[-3000:]
 
@@ -80,16 +112,18 @@ def test_base_file_names_the_from_base_packages():
 
 
 @pytest.mark.slow
-def test_whole_container_requirement_set_resolves(tmp_path):
-    res = resolve.resolve(report=tmp_path / "report.json")
+def test_whole_container_requirement_set_resolves(resolutions):
+    res = resolutions[_WHOLE].result()
     assert res.ok, res.log[-4000:]
     for name in ("ray", "xgrammar", "transformers", "numba", "setuptools"):  # vLLM 0.11's own dependencies
         assert name in res.installed
 
 
-def test_a_resolution_is_kept_by_the_hash_of_its_pins_and_a_changed_pin_asks_again(tmp_path, monkeypatch):
+def test_a_resolution_is_kept_by_the_hash_of_its_pins_and_a_changed_pin_asks_again(tmp_path, monkeypatch, resolutions):
     """The cache in front of the index: the same pins are answered from the user cache (the index is not asked),
     a changed pin file is a new key and is resolved; a failure that is not a conflict is never kept."""
+    for started in resolutions.values():  # the module's real resolutions are done before pip is faked below
+        started.result()
     calls = []
 
     def fake(**kwargs):
