@@ -57,12 +57,12 @@ def _pins_with(tmp_path: Path, name: str, version: str) -> Path:
     return out
 
 
-_CHANGED_PIN = {  # a test -> the pin its resolution changes (a known conflict)
-    "test_datasets_needing_a_newer_hub_than_transformers_is_a_conflict": ("datasets", "5.2.0"),
-    "test_modelopt_needing_setuptools_80_is_a_conflict": ("nvidia-modelopt", "0.47.0"),
+_RESOLUTIONS = {  # a test -> its resolution: (the pin it changes to make a known conflict, or None; subset only?)
+    "test_container_requirement_set_resolves": (None, True),
+    "test_datasets_needing_a_newer_hub_than_transformers_is_a_conflict": (("datasets", "5.2.0"), True),
+    "test_modelopt_needing_setuptools_80_is_a_conflict": (("nvidia-modelopt", "0.47.0"), True),
+    "test_whole_container_requirement_set_resolves": (None, False),
 }
-_WHOLE = "test_whole_container_requirement_set_resolves"
-_SUBSET = "test_container_requirement_set_resolves"
 
 
 @pytest.fixture(scope="module")
@@ -71,38 +71,39 @@ def resolutions(request, tmp_path_factory, _index_reachable) -> Iterator[dict[st
     selected = {item.originalname for item in request.session.items if item.module is request.module}
     tmp = tmp_path_factory.mktemp("resolutions")
     jobs = {}
-    if _SUBSET in selected:
-        jobs[_SUBSET] = {"only": resolve.SUBSET}
-    for name, (package, version) in _CHANGED_PIN.items():
+    for name, (pin, subset) in _RESOLUTIONS.items():
         if name in selected:
-            (tmp / name).mkdir()
-            jobs[name] = {"container_pins": _pins_with(tmp / name, package, version), "only": resolve.SUBSET}
-    if _WHOLE in selected:
-        jobs[_WHOLE] = {"report": tmp / "report.json"}
+            jobs[name] = {"only": resolve.SUBSET if subset else None}
+            if pin is not None:
+                (tmp / name).mkdir()
+                jobs[name]["container_pins"] = _pins_with(tmp / name, *pin)
     with ThreadPoolExecutor(max_workers=max(1, len(jobs)), thread_name_prefix="resolve") as pool:
         yield {name: pool.submit(resolve.resolve, **kwargs) for name, kwargs in jobs.items()}
 
 
-def test_container_requirement_set_resolves(resolutions):
-    res = resolutions[_SUBSET].result()
-    assert res.ok, res.log[-4000:]
-    assert res.installed["transformers"] == "4.57.1"
-    assert res.installed["datasets"] == resolve.pins.parse_container_pins().pins["datasets"].version
-    assert res.installed["huggingface-hub"].split(".")[0] == "0"  # transformers 4.57 needs huggingface-hub < 1
-    assert int(res.installed["setuptools"].split(".")[0]) < 80  # vLLM 0.11 on Python 3.12
-    assert res.installed["torch"].startswith("2.8.0a0")  # the base image's own torch, not a second one
+@pytest.fixture
+def resolution(request, resolutions) -> resolve.Resolution:
+    """The resolution this test checks (started with the module's others)."""
+    return resolutions[request.node.originalname].result()
 
 
-def test_datasets_needing_a_newer_hub_than_transformers_is_a_conflict(resolutions):
-    res = resolutions["test_datasets_needing_a_newer_hub_than_transformers_is_a_conflict"].result()
-    assert not res.ok
-    assert "huggingface-hub" in res.log and "conflict" in res.log.lower(), res.log[-3000:]
+def test_container_requirement_set_resolves(resolution):
+    assert resolution.ok, resolution.log[-4000:]
+    assert resolution.installed["transformers"] == "4.57.1"
+    assert resolution.installed["datasets"] == resolve.pins.parse_container_pins().pins["datasets"].version
+    assert resolution.installed["huggingface-hub"].split(".")[0] == "0"  # transformers 4.57 needs huggingface-hub < 1
+    assert int(resolution.installed["setuptools"].split(".")[0]) < 80  # vLLM 0.11 on Python 3.12
+    assert resolution.installed["torch"].startswith("2.8.0a0")  # the base image's own torch, not a second one
 
 
-def test_modelopt_needing_setuptools_80_is_a_conflict(resolutions):
-    res = resolutions["test_modelopt_needing_setuptools_80_is_a_conflict"].result()
-    assert not res.ok
-    assert "setuptools" in res.log and "conflict" in res.log.lower(), res.log[-3000:]
+def test_datasets_needing_a_newer_hub_than_transformers_is_a_conflict(resolution):
+    assert not resolution.ok
+    assert "huggingface-hub" in resolution.log and "conflict" in resolution.log.lower(), resolution.log[-3000:]
+
+
+def test_modelopt_needing_setuptools_80_is_a_conflict(resolution):
+    assert not resolution.ok
+    assert "setuptools" in resolution.log and "conflict" in resolution.log.lower(), resolution.log[-3000:]
 
 
 def test_base_file_names_the_from_base_packages():
@@ -112,11 +113,10 @@ def test_base_file_names_the_from_base_packages():
 
 
 @pytest.mark.slow
-def test_whole_container_requirement_set_resolves(resolutions):
-    res = resolutions[_WHOLE].result()
-    assert res.ok, res.log[-4000:]
+def test_whole_container_requirement_set_resolves(resolution):
+    assert resolution.ok, resolution.log[-4000:]
     for name in ("ray", "xgrammar", "transformers", "numba", "setuptools"):  # vLLM 0.11's own dependencies
-        assert name in res.installed
+        assert name in resolution.installed
 
 
 def test_a_resolution_is_kept_by_the_hash_of_its_pins_and_a_changed_pin_asks_again(tmp_path, monkeypatch, resolutions):
