@@ -30,7 +30,10 @@ def _default_signals() -> None:  # the child gets default handlers (a background
         signal.signal(sig, signal.SIG_DFL)
 
 
-def _grpo(out: Path, *overrides: str, fault: str | None = None, steps: int = STEPS) -> subprocess.CompletedProcess:
+def _grpo(
+    out: Path, *overrides: str, fault: str | None = None, steps: int = STEPS, prompts: int = 2
+) -> subprocess.CompletedProcess:
+    """``prompts`` x 8 samples a step (16 by default: where a stop lands does not depend on it; tiny_cpu: 64)."""
     env = {k: v for k, v in os.environ.items() if k != FAULT_ENV}
     env["PYTHONUNBUFFERED"] = "1"
     if fault:
@@ -39,7 +42,7 @@ def _grpo(out: Path, *overrides: str, fault: str | None = None, steps: int = STE
         "grpo", "--steps", str(steps), "--arms", "fp8", "--no-progress",
         "--out", str(out), "checkpointing.enabled=true", "checkpointing.save_period=2",
         f"checkpointing.checkpoint_dir={out / 'ckpt'}", "grpo.warm_start_steps=0",
-        "grpo.num_prompts_per_step=2", *overrides,  # 16 samples a step: where a stop lands does not depend on it
+        f"grpo.num_prompts_per_step={prompts}", *overrides,
     ]  # fmt: skip
     # a process of its own with default signal handlers, forked by the suite's warm launcher (tests/_warm_cli.py);
     # torchrun's own forwarding is test_one_ranks_signal_stops_every_rank_at_the_same_step's
@@ -106,7 +109,7 @@ def test_checkpoint_must_save_by_saves_and_stops_before_the_limit(tmp_path):
     out = tmp_path / "run"
     # a 1 s budget: the run stops once a step plus a save could cross it (after step 0 or 1, as the machine runs;
     # tiny_cpu's 64 samples a step, so that a step is long enough for that)
-    proc = _grpo(out, "checkpointing.checkpoint_must_save_by=00:00:00:01", "grpo.num_prompts_per_step=8")
+    proc = _grpo(out, "checkpointing.checkpoint_must_save_by=00:00:00:01", prompts=8)
     assert proc.returncode == EXIT_STOPPED, proc.stderr[-3000:]
     done = next(n for n in (1, 2) if f"after {n} of 3 steps" in proc.stderr)
     assert "checkpoint_must_save_by is near" in proc.stderr
