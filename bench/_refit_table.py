@@ -16,7 +16,7 @@ def print_table(summary: dict, *, max_ratio: float) -> None:
     p = summary["fp8_params"]
     table = Table(title=f"refit: FP8 vs BF16 ({summary['what_ran']})")
     cols = ("transport", "applier", "stream", "FP8-param bytes", "rest bytes", "buckets", "seconds", "GB/s")
-    for col in (*cols, "% of copy", "ops/bucket (send, recv)", "syncs/bucket"):
+    for col in (*cols, "recv tail s", "% of copy", "ops/bucket (send, recv)", "syncs/bucket"):
         table.add_column(col, justify="left" if col in ("transport", "applier", "stream") else "right")
     for r in summary["runs"]:
         fp8_param_bytes = p["bf16_bytes"] if r["stream"] == "bf16" else p["fp8_plus_scale_bytes"]
@@ -31,6 +31,7 @@ def print_table(summary: dict, *, max_ratio: float) -> None:
             str(r["num_buckets"]),
             f"{r['seconds']:.3f}",
             f"{r['gbps']:.2f}",
+            f"{r['receiver_tail_s']:.4f}" if r.get("receiver_tail_s") is not None else "-",
             f"{r['pct_of_copy']:.1f}%" if r.get("pct_of_copy") is not None else "-",
             f"{snd.get('compute_ops_per_bucket', 0):.1f}, {rcv.get('compute_ops_per_bucket', 0):.1f}" if ops else "-",
             f"{snd.get('host_reads_per_bucket', 0):.1f}, {rcv.get('host_reads_per_bucket', 0):.1f}" if ops else "-",

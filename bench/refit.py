@@ -93,6 +93,8 @@ class RunResult:
         num_tensors: tensors per refit.
         num_buckets: buckets per refit.
         gbps: ``total_bytes / seconds / 1e9``.
+        receiver_tail_s: in-process runs: median seconds from the last bucket's arrival to the receiver's commit
+            (its work that nothing overlaps, :attr:`ReceiveReport.tail_seconds`); ``None`` for other transports.
     """
 
     stream: str
@@ -107,6 +109,7 @@ class RunResult:
     applier: str = "noop"
     pct_of_copy: float | None = None
     ops: dict | None = None
+    receiver_tail_s: float | None = None
 
 
 def _free_port() -> int:
@@ -119,10 +122,13 @@ def _noop_apply(version: int, pairs: list[tuple[str, torch.Tensor]]) -> None:
     """Receiver-side applier of the benchmark: buckets are fully validated (checksums), nothing is copied."""
 
 
-def _result(name: str, transport: str, reports: list, times: list[float], applier: str = "noop") -> RunResult:
+def _result(
+    name: str, transport: str, reports: list, times: list[float], applier: str = "noop", tails: list[float] = ()
+) -> RunResult:
     rep = reports[-1]
     med = statistics.median(times)
     return RunResult(
+        receiver_tail_s=statistics.median(tails) if tails else None,
         stream=name,
         transport=transport,
         seconds=med,
@@ -152,14 +158,15 @@ def _bench_inproc(
         transport = InProcTransport(maxsize=2, timeout=timeout)  # 2 buckets in flight: double buffering
         receiver = RefitReceiver(transport, apply=dev.make_applier(applier_kind, spec, device))
         sender = RefitSender(transport, bucket_bytes=bucket_bytes, device=device)
-        reports, times = [], []
+        reports, times, tails = [], [], []
         warmup = 1 if device.type == "cuda" else 0  # CUDA: allocator, Triton compile
         for version in range(1, repeats + warmup + 1):
             errors: list[BaseException] = []
+            got: list = []
 
-            def receive(errors: list[BaseException] = errors, receiver: RefitReceiver = receiver) -> None:
+            def receive(errors: list[BaseException] = errors, receiver: RefitReceiver = receiver, got=got) -> None:
                 try:
-                    receiver.receive(first_timeout=timeout)
+                    got.append(receiver.receive(first_timeout=timeout))
                 except BaseException as exc:  # surfaced below
                     errors.append(exc)
 
@@ -175,7 +182,8 @@ def _bench_inproc(
             if version > warmup:
                 reports.append(report)
                 times.append(time.perf_counter() - start)
-        results.append(_result(name, "inproc", reports, times, applier_kind))
+                tails.append(got[0].tail_seconds)
+        results.append(_result(name, "inproc", reports, times, applier_kind, tails))
     return results
 
 

@@ -42,12 +42,12 @@ from megatron_fp8.refit import fused_fill
 from megatron_fp8.refit.fused_fill import PATTERNS, FlagProbe, Segment, fill_and_flag
 from megatron_fp8.refit.inbucket import BucketJobs, PendingPart
 from megatron_fp8.refit.integrity.checksum import (
+    HostRead,
     bucket_checksum,
     checksum_partials,
     finish_checksum,
     header_digest,
     payload_checksum,
-    read_host_int64,
 )
 from megatron_fp8.refit.integrity.finite import FiniteProbe, check_finite
 from megatron_fp8.refit.wire import (
@@ -224,33 +224,21 @@ class _Filling:
         parts = [p, q]
         parts += [pr.values.view(torch.int32) for pr in probes if pr.values is not None]
         parts += [t for verdict in flags for t in verdict.tensors]
-        values = torch.cat(parts)
-        pending = None
-        if values.is_cuda:
-            pending = torch.empty(values.shape, dtype=values.dtype, pin_memory=True)
-            pending.copy_(values, non_blocking=True)
-            event = torch.cuda.Event()
-            event.record()
-            pending = (pending, event)
-        return _Launched(self, payload, metas, trailer, probes, flags, p.numel(), values, pending)
+        read = HostRead(torch.cat(parts))
+        return _Launched(self, payload, metas, trailer, probes, flags, p.numel(), read)
 
 
 class _Launched:
     """A bucket whose device work is issued; :meth:`complete` reads its values back and builds the :class:`Bucket`."""
 
-    def __init__(self, filling, payload, metas, trailer, probes, flags, nb, values, pending) -> None:
+    def __init__(self, filling, payload, metas, trailer, probes, flags, nb, read: HostRead) -> None:
         self.filling, self.payload, self.metas, self.trailer = filling, payload, metas, trailer
-        self.probes, self.flags, self.nb, self.values, self.pending = probes, flags, nb, values, pending
+        self.probes, self.flags, self.nb, self.read = probes, flags, nb, read
 
     def complete(self) -> Bucket:
         """Wait for the bucket's host read; refuse a NaN/Inf tensor by name; the finished :class:`Bucket`."""
         f = self.filling
-        if self.pending is not None:
-            pinned, event = self.pending
-            event.synchronize()
-            host = pinned.numpy()  # the bucket's one host read (already copied)
-        else:
-            host = read_host_int64(self.values)  # the bucket's one host read
+        host = self.read.result()  # the bucket's one host read
         nb = self.nb
         rest = host[2 * nb :].astype(np.int32)
         at = 0
@@ -397,7 +385,7 @@ def pack_buckets(
             current = None
             if ahead is not None:  # the earlier bucket completes while the device works on this one
                 yield ahead.complete()
-            ahead = launched if (lookahead if lookahead is not None else launched.pending is not None) else None
+            ahead = launched if (lookahead if lookahead is not None else launched.read.asynchronous) else None
             if ahead is None:
                 yield launched.complete()
             index += 1

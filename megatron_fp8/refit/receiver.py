@@ -47,7 +47,7 @@ from megatron_fp8.errors import (
 )
 from megatron_fp8.refit.applier import CallableApplier, RefitApplier
 from megatron_fp8.refit.buckets import checksum_error, header_digest_of, unpack_bucket
-from megatron_fp8.refit.integrity.checksum import checksum_partials, finish_checksum, read_host_int64
+from megatron_fp8.refit.integrity.checksum import HostRead, checksum_partials, finish_checksum, read_host_int64
 from megatron_fp8.refit.transport.base import Transport
 from megatron_fp8.refit.wire import Bucket, RefitOutcome, RefitVersion, TensorMeta, VersionDigest, VersionTrailer
 
@@ -67,6 +67,8 @@ class ReceiveReport:
         num_buckets: buckets received.
         payload_bytes: tensor bytes received (no padding).
         seconds: wall time from the first bucket's arrival to the end of commit.
+        tail_seconds: wall time from the last bucket's arrival to the end of commit (the receiver's work that
+            nothing overlaps: settling what is still pending, the announced-set check, the applier).
         discarded_buckets: stale buckets of earlier abandoned versions dropped first.
         outcome_delivered: the sender took the ``committed`` outcome (``False``: it is gone or stopped waiting).
     """
@@ -76,6 +78,7 @@ class ReceiveReport:
     num_buckets: int
     payload_bytes: int
     seconds: float
+    tail_seconds: float = 0.0
     discarded_buckets: int = 0
     outcome_delivered: bool = True
 
@@ -133,6 +136,7 @@ class _Version:
         self.stream_id = bucket.stream_id
         self.verify_checksum = verify_checksum
         self.start = time.perf_counter()
+        self.last_arrival = self.start
         self.expected_index = 0
         self.num_buckets = 0
         self.staged: list[tuple[str, torch.Tensor]] = []
@@ -143,7 +147,8 @@ class _Version:
         self.trailer: VersionTrailer | None = None
         self.error: BaseException | None = None
         self.ended = False  # a trusted last bucket arrived
-        self.pending: list[tuple[Bucket, tuple[torch.Tensor, torch.Tensor]]] = []  # checksum not yet read back
+        # not settled yet: (bucket, checksum blocks, its (p, q) partials, their started host read on CUDA)
+        self.pending: list[tuple[Bucket, int, tuple[torch.Tensor, torch.Tensor], HostRead | None]] = []
 
     @property
     def key(self) -> tuple[int, int]:
@@ -160,8 +165,12 @@ class _Version:
     def take(self, bucket: Bucket) -> None:
         """Account for one bucket of this version (validate and stage it, or just read it after a failure).
 
-        The checksum's device pass starts here; its host read waits until a bucket claims to be the last
-        (or the version fails): then one read settles every pending bucket, in order (:meth:`settle`).
+        The checksum's device pass starts here. On CUDA the host read of its partials starts too, and every
+        pending bucket whose read has already landed (:meth:`HostRead.ready`, not a sync) is settled now
+        (:meth:`settle`: checksum compared, tensors recorded, views made), so that host work overlaps the
+        device's work on the rest of the version instead of following the last bucket. Elsewhere (reads are
+        synchronous) the partials of every bucket are read back in one read when a bucket claims to be the last
+        (or the version fails). Buckets are accepted or refused in order either way.
         """
         self.num_buckets += 1
         if bucket.index != self.expected_index:
@@ -176,31 +185,50 @@ class _Version:
             self._accept(bucket)
             return
         try:
-            partials = checksum_partials(bucket.payload)
+            p, q = checksum_partials(bucket.payload)
         except RefitError as exc:
             self.settle()
             self.fail(RefitError(f"{bucket.describe()}: {exc}"))
             return
-        self.pending.append((bucket, partials))
+        read = HostRead(torch.cat((p, q))) if p.is_cuda else None
+        self.pending.append((bucket, p.numel(), (p, q), read))
         if bucket.is_last:
             self.settle()
+        elif read is not None:
+            self.settle(ready_only=True)
 
-    def settle(self) -> None:
-        """Read the checksum partials of every pending bucket back at once, then accept or refuse each, in order."""
-        if not self.pending:
+    def settle(self, *, ready_only: bool = False) -> None:
+        """Compare the checksums of the pending buckets and accept or refuse each, in order.
+
+        Args:
+            ready_only: settle only the leading buckets whose partials have reached the host (CUDA reads that
+                landed); by default every pending bucket, waiting for its read where needed.
+        """
+        n = len(self.pending)
+        if ready_only:
+            n = 0
+            while n < len(self.pending) and (read := self.pending[n][3]) is not None and read.ready():
+                n += 1
+        if n == 0:
             return
-        pending, self.pending = self.pending, []
-        host = read_host_int64(torch.cat([t for _, (p, q) in pending for t in (p, q)]))  # the one host read
+        # out of self.pending while they settle: a failure recorded meanwhile (fail() settles first) must not
+        # settle a later bucket ahead of the rest of this batch
+        pending, kept, self.pending = self.pending[:n], self.pending[n:], []
+        unread = [t for _, _, partials, read in pending if read is None for t in partials]
+        host_unread = read_host_int64(torch.cat(unread)) if unread else None  # one read for all synchronous ones
         at = 0
-        for bucket, (p, _q) in pending:
-            nb = p.numel()
-            got = finish_checksum(host[at : at + nb], host[at + nb : at + 2 * nb], nbytes=bucket.nbytes)
-            at += 2 * nb
+        for bucket, nb, _, read in pending:
+            if read is None:
+                host, at = host_unread[at : at + 2 * nb], at + 2 * nb
+            else:
+                host = read.result()
+            got = finish_checksum(host[:nb], host[nb:], nbytes=bucket.nbytes)
             got ^= header_digest_of(bucket)
             if got == bucket.checksum:
                 self._accept(bucket)
             else:
                 self.fail(checksum_error(bucket, got))
+        self.pending = kept + self.pending
 
     def _accept(self, bucket: Bucket) -> None:
         """A bucket whose checksum holds: record its tensors, trust its ``is_last``, stage it."""
@@ -379,6 +407,7 @@ class RefitReceiver:
                 )
                 self._pushed_back = bucket  # it starts the next receive()
                 break
+            cur.last_arrival = time.perf_counter()
             cur.take(bucket)
             wait = per_bucket
         assert cur is not None
@@ -417,7 +446,8 @@ class RefitReceiver:
             num_tensors=len(cur.staged),
             num_buckets=cur.num_buckets,
             payload_bytes=cur.payload_bytes,
-            seconds=time.perf_counter() - cur.start,
+            seconds=(end := time.perf_counter()) - cur.start,
+            tail_seconds=end - cur.last_arrival,
             discarded_buckets=discarded,
             outcome_delivered=delivered,
         )

@@ -3,7 +3,9 @@
 Faults are made by a hostile wire: :class:`TamperingTransport` is the real in-process transport whose
 ``send`` alters or loses buckets of one version in transit. Each test asserts the refusal, its named
 reason, that the applier holds the last good version byte for byte, that the sender saw the refusal,
-and that the next clean version commits.
+and that the next clean version commits. The ``wire`` tests run with CPU buckets and (``gpu``) with CUDA
+buckets, where the receiver reads each bucket's checksum partials back on its own and settles buckets
+while later ones are still in flight: the refusals must name the same bucket and reason on both.
 """
 
 from __future__ import annotations
@@ -31,7 +33,7 @@ def _model(seed: int) -> list[tuple[str, torch.Tensor]]:
 
 
 def _holds(applier: DictApplier, items) -> bool:
-    return all(torch.equal(applier.tensors[n].view(torch.uint8), t.view(torch.uint8)) for n, t in items)
+    return all(torch.equal(applier.tensors[n].cpu().view(torch.uint8), t.view(torch.uint8)) for n, t in items)
 
 
 class TamperingTransport(InProcTransport):
@@ -61,14 +63,15 @@ def _send_in_thread(sender, items, version):
     return th, box
 
 
-@pytest.fixture
-def wire():
-    """A tampering wire, a sender, and a receiver whose applier holds version 1."""
+@pytest.fixture(params=["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+def wire(request):
+    """A tampering wire, a sender packing buckets on the device, and a receiver whose applier holds version 1."""
+    device = torch.device(request.param)
     transport = TamperingTransport(maxsize=64, timeout=5.0)
     v1 = _model(1)
-    applier = DictApplier({n: torch.zeros_like(t) for n, t in v1})
+    applier = DictApplier({n: torch.zeros_like(t, device=device) for n, t in v1})
     receiver = RefitReceiver(transport, apply=applier, timeout=0.5)  # 0.5 s: how long a lost tail is waited for
-    sender = RefitSender(transport, bucket_bytes=BUCKET)
+    sender = RefitSender(transport, bucket_bytes=BUCKET, device=device)
     th, box = _send_in_thread(sender, v1, 1)
     receiver.receive()
     th.join()
@@ -128,6 +131,18 @@ def test_swapped_gate_up_names_are_refused_by_the_checksum(wire):
         )
 
     _refused(wire, swap, r"bucket 1 of version 2: checksum mismatch")
+
+
+def test_of_two_corrupted_buckets_the_first_is_named(wire):
+    def flip(bucket):  # one payload bit of buckets 1 and 3
+        if bucket.index not in (1, 3):
+            return bucket
+        payload = bucket.payload.clone()
+        payload[7] ^= 4
+        return dataclasses.replace(bucket, payload=payload)
+
+    err = _refused(wire, flip, r"^bucket 1 of version 2: checksum mismatch")
+    assert "bucket 3" not in str(err)
 
 
 def test_dropped_middle_bucket_is_refused_naming_the_missing_tensors(wire):

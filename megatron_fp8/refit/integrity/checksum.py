@@ -193,6 +193,48 @@ def read_host_int64(values: torch.Tensor) -> np.ndarray:
     return values.detach().cpu().numpy()
 
 
+class HostRead:
+    """A host read of a 1-D int64 tensor started now and taken later (:meth:`result`), so the host can go on.
+
+    On CUDA the values are copied into pinned host memory by a non-blocking copy on the current stream and an
+    event is recorded after it: :meth:`result` waits for that event only, not for work queued behind it (the next
+    bucket's kernels, or another thread's on a shared stream). Elsewhere :meth:`result` is
+    :func:`read_host_int64`. Either way one host read (one device sync on a GPU).
+
+    Args:
+        values: 1-D int64 tensor (any device); not written to until :meth:`result` returns.
+    """
+
+    __slots__ = ("_event", "_pinned", "_values")
+
+    def __init__(self, values: torch.Tensor):
+        self._values: torch.Tensor | None = values
+        self._pinned: torch.Tensor | None = None
+        self._event = None
+        if values.is_cuda:
+            self._pinned = torch.empty(values.shape, dtype=values.dtype, pin_memory=True)
+            self._pinned.copy_(values, non_blocking=True)
+            self._event = torch.cuda.Event()
+            self._event.record()
+            self._values = None
+
+    @property
+    def asynchronous(self) -> bool:
+        """Whether the copy runs behind the host's back (CUDA): waiting for it later is worth a lookahead."""
+        return self._values is None
+
+    def ready(self) -> bool:
+        """Whether :meth:`result` would return without waiting for the device (always, off CUDA); not a sync."""
+        return self._event is None or self._event.query()
+
+    def result(self) -> np.ndarray:
+        """The values as a host int64 numpy array (waits for the copy on CUDA)."""
+        if self._values is not None:
+            return read_host_int64(self._values)
+        self._event.synchronize()
+        return self._pinned.numpy()
+
+
 _HEADER_MASK = (1 << 61) - 1
 
 
