@@ -101,6 +101,7 @@ if triton is not None:
         Q_UNIT: tl.constexpr,
         FLAGS: tl.constexpr,
         RECIP: tl.constexpr,
+        CLAMP: tl.constexpr,
     ):
         row, w, t = table_row(table_ptr, W_P2, ROW)  # t: the tile's index within its weight, [E, NB, KB] row-major
         x_off = tl.load(row)
@@ -126,7 +127,7 @@ if triton is not None:
         cols = kb * BK + c
         mask = row_ok[:, None] & ((c < BK) & (cols < k))[None, :]
         offs = (expert * n * k + rows * k)[:, None] + cols[None, :]
-        scale, amax = _quantize_tile(x_base + x_off + offs, q_base + q_off + offs, mask, UE8M0, FP8_OUT, RECIP)
+        scale, amax = _quantize_tile(x_base + x_off + offs, q_base + q_off + offs, mask, UE8M0, FP8_OUT, RECIP, CLAMP)
         tl.store(s_base + s_off + t, scale)
         if FLAGS:  # one NaN/Inf flag per weight: amax is +inf exactly when the tile holds NaN/Inf
             bad = (amax == float("inf")).to(tl.int32)
@@ -151,6 +152,7 @@ def launch_blockwise_grouped(
     fp8_out: bool = True,
     num_warps: int | None = None,
     division: str = "reciprocal",
+    clamp: bool = True,
 ) -> None:
     """Quantize every item blockwise in one launch (no validation of values, no sync).
 
@@ -165,6 +167,9 @@ def launch_blockwise_grouped(
         division: how ``x / scale`` is computed, with the same codes either way: ``"reciprocal"`` (the tile's
             correctly rounded reciprocal and one fma correction, see ``RECIP_MIN_SCALE``) or ``"rn"`` (an IEEE
             division per element, the reference the benchmark compares against).
+        clamp: clamp the quotient to +-448 before the cast (the default). ``False`` gives the same codes for
+            every finite tile (two instructions per element fewer; ``bench/quant.py`` times both); a tile holding
+            NaN/Inf, which every caller refuses, then gets NaN codes instead of +-448.
 
     Raises:
         QuantInputError: mixed source dtypes, a wrong output dtype/size, or a non-contiguous tensor.
@@ -204,7 +209,8 @@ def launch_blockwise_grouped(
     if total == 0:
         return
     _launch_table(kernel, starts, rows, total, (x_base, q_base, s_base), None, bn=bn, bk=bk,
-                  scale_format=scale_format, fp8_out=fp8_out, num_warps=num_warps, division=division)  # fmt: skip
+                  scale_format=scale_format, fp8_out=fp8_out, num_warps=num_warps, division=division,
+                  clamp=clamp)  # fmt: skip
 
 
 def _launch_table(
@@ -221,6 +227,7 @@ def _launch_table(
     fp8_out: bool,
     num_warps: int | None,
     division: str = "reciprocal",
+    clamp: bool = True,
 ) -> None:
     """Write the table (prefix sum, then per weight its x/q/s element offsets from ``bases``, N, K, NB, KB) and
     launch over ``total`` tiles; the ``ALIGNED`` variant when every row allows it; ``flags``: one per weight."""
@@ -239,7 +246,7 @@ def _launch_table(
         table, x_base, q_base, s_base, flags if flags is not None else table,
         W_P2=w_p2, ROW=_ROW, BN=bn, BK=bk, BN_P2=bn_p2, BK_P2=bk_p2,
         UE8M0=scale_format == "ue8m0", FP8_OUT=fp8_out, ALIGNED=aligned, X_UNIT=x_unit, Q_UNIT=q_unit,
-        FLAGS=flags is not None, RECIP=division == "reciprocal",
+        FLAGS=flags is not None, RECIP=division == "reciprocal", CLAMP=clamp,
         num_warps=num_warps if num_warps is not None else _default_num_warps(bn_p2 * bk_p2),
     )  # fmt: skip
 

@@ -16,6 +16,11 @@ no code differs, about a minute on 2 cores), and require:
 Then the kernel itself, under ``TRITON_INTERPRET=1`` in a child interpreter, gives the same bytes with both
 divisions on values chosen to hit every branch (-0.0, subnormal bfloat16, a tile whose amax is below the guard,
 a NaN tile, ue8m0 scales).
+
+The kernels' optional clamp (``clamp=False``): the largest quotient of any tile, ``amax / scale`` by either
+division, must round to 448 under the cast alone, for every bfloat16 amax of the set, so that the clamp to +-448
+never changes a finite tile's code; the interpreter's kernel and (``gpu``) the CUDA kernel, whose cast saturates,
+give the same bytes with and without it.
 """
 
 from __future__ import annotations
@@ -96,6 +101,20 @@ def test_every_bf16_value_gets_the_divisions_code(ue8m0: bool) -> None:
     assert quotient_diffs == 0, f"{quotient_diffs} float32 quotients >= 2**-11 differ from the division's"
 
 
+@pytest.mark.parametrize("ue8m0", [False, True], ids=["fp32-scale", "ue8m0-scale"])
+def test_the_clamp_never_changes_the_code_of_a_finite_tile(ue8m0: bool) -> None:
+    amaxes = _amax_set()
+    scales = np.array([_scale(a, ue8m0) for a in amaxes], dtype=np.float32)
+    fast = scales >= np.float32(RECIP_MIN_SCALE)
+    top = [amaxes / scales, _recip_divide(amaxes[fast], scales[fast])]  # each tile's largest quotient, both ways
+    for q in top:
+        assert np.all(q <= np.float32(448.0) * np.float32(1 + 2.0**-20)), float(q.max())
+        unclamped = torch.from_numpy(np.concatenate([q, -q])).to(torch.float8_e4m3fn).view(torch.uint8).numpy()
+        assert np.array_equal(unclamped, _codes(np.concatenate([q, -q])))
+    if not ue8m0:  # a power-of-two scale is at least amax / 448; a rounded one can be below it
+        assert float((amaxes / scales).max()) > 448.0, "some quotient does exceed 448 (the cast rounds it back)"
+
+
 def test_the_guard_is_needed_below_it() -> None:
     """Without the guard the reciprocal path does give other codes (tiny tiles): the guard is what makes it exact."""
     x_all = _every_bf16()
@@ -125,14 +144,22 @@ _KERNEL_SCRIPT = textwrap.dedent(
     w[2, 130, 131] = -0.0
     out = {}
     for fmt in ("fp32", "ue8m0"):
-        for division in ("reciprocal", "rn"):
+        for division, clamp in (("reciprocal", True), ("rn", True), ("reciprocal", False)):
             q = torch.empty(w.numel(), dtype=torch.float32)
             s = torch.empty(3 * 2 * 2, dtype=torch.float32)
-            launch_blockwise_grouped([GroupedItem(w, q, s)], 128, 128, fmt, fp8_out=False, division=division)
-            out[fmt, division] = (q.to(torch.float8_e4m3fn).view(torch.uint8), s)
-        (qa, sa), (qb, sb) = out[fmt, "reciprocal"], out[fmt, "rn"]
-        assert torch.equal(qa, qb), (fmt, int((qa != qb).sum()))
-        assert torch.equal(sa.view(torch.int32), sb.view(torch.int32)), fmt
+            launch_blockwise_grouped(
+                [GroupedItem(w, q, s)], 128, 128, fmt, fp8_out=False, division=division, clamp=clamp
+            )
+            out[fmt, division, clamp] = (q.to(torch.float8_e4m3fn).view(torch.uint8), s)
+        qa, sa = out[fmt, "reciprocal", True]
+        nan_at = 1 * 256 * 256 + 5 * 256 + 7
+        for (qb, sb), clamped in ((out[fmt, "rn", True], True), (out[fmt, "reciprocal", False], False)):
+            if not clamped:  # the NaN itself: max(NaN, -448) drops it (-448: 0xfe), the cast keeps it
+                assert (int(qa[nan_at]), int(qb[nan_at])) == (0xFE, 0x7F), (int(qa[nan_at]), int(qb[nan_at]))
+                qb = qb.clone()
+                qb[nan_at] = qa[nan_at]
+            assert torch.equal(qa, qb), (fmt, clamped, int((qa != qb).sum()))
+            assert torch.equal(sa.view(torch.int32), sb.view(torch.int32)), fmt
         assert (qa == 0x80).sum() > 128 * 128, "the negative zeros keep their sign"
     print("same bytes")
     """
@@ -145,6 +172,33 @@ def test_the_kernel_gives_the_same_bytes_with_either_division() -> None:
         [sys.executable, "-c", _KERNEL_SCRIPT], env=env, capture_output=True, text=True, timeout=600, check=False
     )
     assert proc.returncode == 0 and "same bytes" in proc.stdout, proc.stdout[-2000:] + proc.stderr[-4000:]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("fmt", ["fp32", "ue8m0"])
+def test_on_cuda_the_kernel_without_the_clamp_gives_the_same_bytes(fmt: str) -> None:
+    """The CUDA cast saturates (``cvt.rn.satfinite``): without the clamp, every finite tile's codes are the same."""
+    from megatron_fp8.quant.triton_grouped import GroupedItem, launch_blockwise_grouped
+
+    g = torch.Generator().manual_seed(1)
+    shapes = [(1, 4096, 4096), (2, 384, 1000), (1, 200, 136)]  # full tiles, edge tiles along N and K
+    xs = []
+    for e, n, k in shapes:
+        x = torch.randn(e, n, k, generator=g) * torch.logspace(-30, 30, e * n).view(e, n, 1)
+        x[0, 0, 0] = -0.0
+        xs.append(x.to(torch.bfloat16).cuda())
+    out = {}
+    for clamp in (True, False):
+        items = [
+            GroupedItem(x, torch.empty(x.shape, dtype=torch.float8_e4m3fn, device="cuda"), torch.empty(
+                x.shape[0] * -(-x.shape[1] // 128) * -(-x.shape[2] // 128), device="cuda"))
+            for x in xs
+        ]  # fmt: skip
+        launch_blockwise_grouped(items, 128, 128, fmt, clamp=clamp)
+        out[clamp] = [(it.q.view(torch.uint8).cpu(), it.scales.cpu()) for it in items]
+    for (qa, sa), (qb, sb) in zip(out[True], out[False], strict=True):
+        assert torch.equal(qa, qb), int((qa != qb).sum())
+        assert torch.equal(sa.view(torch.int32), sb.view(torch.int32))
 
 
 def test_an_unknown_division_is_refused() -> None:
