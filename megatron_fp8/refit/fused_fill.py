@@ -1,13 +1,20 @@
-"""Fill a CUDA bucket and flag NaN/Inf in the same pass: one Triton launch per element width.
+"""Grouped byte passes over many tensors on CUDA: one Triton launch per element width, whatever the tensor count.
 
-The torch path of the packer copies a bucket's plain tensors with one multi-tensor copy and then reads them
-again for the NaN/Inf probe (``torch._foreach_norm``): two passes over the bytes, and the copy itself runs at
-about half of the device's copy bandwidth (an H200 profile, 2026-11-26: 15.3 ms copy + 6.9 ms probe for the
-16 GB Llama-3.1-8B set). :func:`fill_and_flag` does both in one pass: each program copies one chunk of one
-tensor (16 KiB) with vector loads and stores and tests every element it moved against its dtype's NaN/Inf bit
-pattern (:data:`PATTERNS`), raising that tensor's flag with an atomic max. The bytes written are the source's
-(a copy); a flagged tensor is then named by the exact per-tensor rule
-(:func:`~megatron_fp8.refit.integrity.finite.check_finite`), as the torch path does.
+The kernel reads a table of segments (one per tensor) and runs in one of three modes:
+
+* **fill** (:func:`fill_and_flag`): copy a bucket's plain tensors to their offsets and flag NaN/Inf in the same
+  pass. The torch path of the packer copies with one multi-tensor copy and then reads the bytes again for the
+  NaN/Inf probe (``torch._foreach_norm``): two passes, and the copy itself runs at about half of the device's copy
+  bandwidth (an H200 profile, 2026-11-26: 15.3 ms copy + 6.9 ms probe for the 16 GB Llama-3.1-8B set).
+  :func:`copy_many` is the same copy between any two lists of tensors (the appliers' snapshot and write);
+* **compare** (:func:`compare_many`): one read of two lists of tensors, a flag per pair whose bytes differ (the
+  appliers' read-back, where torch needs two concatenations, a comparison and a reduction);
+* **probe** (:func:`probe_many`): one read, a flag per tensor holding a NaN/Inf bit pattern of its dtype
+  (:data:`PATTERNS`; torch needs two reductions over an FP8 tensor's bytes).
+
+Each program handles one chunk of one tensor (16 KiB) with vector loads and stores and raises its tensor's flag
+with an atomic max; the bytes written are the source's (a copy). A flagged tensor is then named by the exact
+per-tensor rule (:func:`~megatron_fp8.refit.integrity.finite.check_finite`), as the torch path does.
 
 A launch reads an int64 table (one host -> device copy): the first chunk of each segment (a prefix sum, padded
 to a power of two), then per segment its source and destination offsets from two typed base pointers, its
@@ -40,7 +47,18 @@ except Exception:  # ImportError, or a broken install raising at import time
     triton = None
     tl = None
 
-__all__ = ["PATTERNS", "FlagProbe", "Segment", "available", "fill_and_flag", "interpreter_active"]
+__all__ = [
+    "PATTERNS",
+    "FlagProbe",
+    "Segment",
+    "available",
+    "compare_many",
+    "copy_many",
+    "fill_and_flag",
+    "interpreter_active",
+    "probe_many",
+    "runs_on",
+]
 
 PATTERNS: dict[torch.dtype, tuple[int, int]] = {
     torch.bfloat16: (0x7F80, 0x7F80),
@@ -98,7 +116,10 @@ if triton is not None:
         BLOCK: tl.constexpr,
         ALIGNED: tl.constexpr,
         VEC: tl.constexpr,
+        MODE: tl.constexpr,
     ):
+        # MODE: _COPY (copy src -> dst and flag src's NaN/Inf patterns), _COMPARE (flag a segment whose src and dst
+        # words differ; nothing written), _PROBE (flag src's NaN/Inf patterns; dst unused, nothing written)
         row, _, chunk = table_row(table_ptr, W_P2, ROW)
         s_off = tl.load(row)
         d_off = tl.load(row + 1)
@@ -110,31 +131,61 @@ if triton is not None:
         offs = chunk * BLOCK + tl.arange(0, BLOCK)
         inside = offs < n
         x = tl.load(src_base + s_off + offs, mask=inside, other=0)
-        tl.store(dst_base + d_off + offs, x, mask=inside)
-        bits_mask = tl.load(row + 3).to(x.dtype)
-        pattern = tl.load(row + 4).to(x.dtype)
-        bad = tl.max(((x & bits_mask) == pattern).to(tl.int32), axis=0)  # masked-off lanes are 0: never bad
+        if MODE == 1:
+            y = tl.load(dst_base + d_off + offs, mask=inside, other=0)
+            bad = tl.max((x != y).to(tl.int32), axis=0)  # masked-off lanes are 0 on both sides: never bad
+        else:
+            if MODE == 0:
+                tl.store(dst_base + d_off + offs, x, mask=inside)
+            bits_mask = tl.load(row + 3).to(x.dtype)
+            pattern = tl.load(row + 4).to(x.dtype)
+            bad = tl.max(((x & bits_mask) == pattern).to(tl.int32), axis=0)  # masked-off lanes are 0: never bad
         tl.atomic_max(flag_ptr + tl.load(row + 5), bad, mask=bad > 0)
 
 
 def _launch(buffer: torch.Tensor, group: list[tuple[int, Segment]], size: int, flags: torch.Tensor) -> None:
     word = _WORDS[size]
-    vec = 16 // size
     srcs = [seg.src.reshape(-1).view(word) for _, seg in group]
-    src_base, dst_base = srcs[0], buffer[: buffer.numel() // size * size].view(word)
+    dst_base = buffer[: buffer.numel() // size * size].view(word)
+    items = []
+    for (index, seg), src in zip(group, srcs, strict=True):
+        mask, pattern = PATTERNS.get(seg.src.dtype, _NEVER) if seg.probe else _NEVER
+        items.append((index, src, seg.offset // size, mask, pattern))
+    _launch_items(items, srcs[0], dst_base, size, flags, _COPY, what="fill_and_flag")
+
+
+_COPY, _COMPARE, _PROBE = 0, 1, 2
+"""The kernel's modes (its ``MODE`` constexpr)."""
+
+
+def _launch_items(
+    items: list[tuple[int, torch.Tensor, int | torch.Tensor, int, int]],
+    src_base: torch.Tensor,
+    dst_base: torch.Tensor,
+    size: int,
+    flags: torch.Tensor,
+    mode: int,
+    *,
+    what: str,
+) -> None:
+    """One launch over ``items``: ``(flag index, 1-D word source, destination as an element offset of dst_base or
+    a 1-D word tensor, NaN/Inf mask, pattern)``, every source and destination addressed from the two bases."""
+    vec = 16 // size
+    chunk = _CHUNK_BYTES // size
     rows: list[list[int]] = []
     starts: list[int] = []
-    chunk = _CHUNK_BYTES // size
     total = 0
-    for (index, seg), src in zip(group, srcs, strict=True):
-        delta = src.data_ptr() - src_base.data_ptr()
-        if delta % size:
+    for index, src, dst, mask, pattern in items:
+        deltas = [src.data_ptr() - src_base.data_ptr()]
+        if isinstance(dst, torch.Tensor):
+            deltas.append(dst.data_ptr() - dst_base.data_ptr())
+        if any(d % size for d in deltas):
             raise RefitError(
-                f"fill_and_flag: segment {index} ({seg.src.dtype} at bucket offset {seg.offset}) starts at an address "
-                f"that is not a multiple of its {size}-byte elements; pass a contiguous copy of it"
+                f"{what}: tensor {index} ({src.numel()} {size}-byte words) starts at an address that is not a multiple "
+                f"of its {size}-byte elements from the others'; pass a contiguous copy of it"
             )
-        mask, pattern = PATTERNS.get(seg.src.dtype, _NEVER) if seg.probe else _NEVER
-        rows.append([delta // size, seg.offset // size, src.numel(), mask, pattern, index])
+        d_off = deltas[1] // size if isinstance(dst, torch.Tensor) else dst
+        rows.append([deltas[0] // size, d_off, src.numel(), mask, pattern, index])
         starts.append(total)
         total += math.ceil(src.numel() / chunk)
     if total == 0:
@@ -146,8 +197,9 @@ def _launch(buffer: torch.Tensor, group: list[tuple[int, Segment]], size: int, f
     )
     if aligned:
         rows = [[r[0] // vec, r[1] // vec, r[2] // vec, *r[3:]] for r in rows]
-    table, w_p2 = work_table(starts, rows, buffer.device)
-    _fill_kernel[(total,)](table, src_base, dst_base, flags, W_P2=w_p2, ROW=_ROW, BLOCK=chunk, ALIGNED=aligned, VEC=vec)
+    table, w_p2 = work_table(starts, rows, src_base.device)
+    _fill_kernel[(total,)](table, src_base, dst_base, flags, W_P2=w_p2, ROW=_ROW, BLOCK=chunk, ALIGNED=aligned,
+                           VEC=vec, MODE=mode)  # fmt: skip
 
 
 def fill_and_flag(buffer: torch.Tensor, segments: Sequence[Segment]) -> torch.Tensor:
@@ -184,6 +236,112 @@ def fill_and_flag(buffer: torch.Tensor, segments: Sequence[Segment]) -> torch.Te
     for (size, _), group in groups.items():
         _launch(buffer, group, size, flags)
     return flags
+
+
+def _many(mode: int, srcs: Sequence[torch.Tensor], dsts: Sequence[torch.Tensor] | None, *, what: str) -> tuple:
+    """Launch ``mode`` over tensors (and their partners), one launch per (element size, 16-byte alignment).
+
+    Returns:
+        ``(flags, launches)``: int32 flags ``[len(srcs)]`` on the tensors' device, and the number of launches.
+    """
+    if triton is None:
+        raise RefitError(f"{what} needs Triton")
+    if dsts is not None and len(dsts) != len(srcs):
+        raise RefitError(f"{what}: {len(srcs)} sources but {len(dsts)} destinations")
+    device = next((t.device for t in srcs if t.numel()), None)
+    flags = torch.zeros(len(srcs), dtype=torch.int32, device=device if device is not None else "cpu")
+    groups: dict[tuple[int, bool], list[tuple[int, torch.Tensor, torch.Tensor | None]]] = {}
+    for i, src in enumerate(srcs):
+        dst = dsts[i] if dsts is not None else None
+        size = src.element_size()
+        nbytes = src.numel() * size
+        if nbytes == 0:
+            continue
+        pair = (src,) if dst is None else (src, dst)
+        if any(not t.is_contiguous() or t.device != device or t.element_size() != size for t in pair) or (
+            dst is not None and dst.numel() != src.numel()
+        ):
+            raise RefitError(
+                f"{what}: tensor {i} ({src.dtype} {tuple(src.shape)}"
+                + ("" if dst is None else f" and {dst.dtype} {tuple(dst.shape)}")
+                + f") must be contiguous, on {device}, with one element size and count per pair"
+            )
+        whole = nbytes % 16 == 0 and all(t.data_ptr() % 16 == 0 for t in pair)
+        groups.setdefault((size, whole), []).append((i, src, dst))
+    for (size, _), group in groups.items():
+        word = _WORDS[size]
+        items = []
+        for i, src, dst in group:
+            mask, pattern = PATTERNS.get(src.dtype, _NEVER) if mode == _PROBE else _NEVER
+            items.append(
+                (i, src.reshape(-1).view(word), 0 if dst is None else dst.reshape(-1).view(word), mask, pattern)
+            )
+        src_base = items[0][1]
+        dst_base = src_base if dsts is None else items[0][2]
+        _launch_items(items, src_base, dst_base, size, flags, mode, what=what)
+    return flags, len(groups)
+
+
+def copy_many(targets: Sequence[torch.Tensor], sources: Sequence[torch.Tensor]) -> int:
+    """``targets[i].copy_(sources[i])`` for every ``i``, bytes as they are: one launch per element width.
+
+    Args:
+        targets: contiguous tensors on one device (the tensors of any dtype; written).
+        sources: contiguous tensors on the same device, each with its target's element size and count.
+
+    Returns:
+        The number of launches (no host sync).
+
+    Raises:
+        RefitError: Triton missing, or a pair that is not contiguous, on the device, or alike in size.
+    """
+    return _many(_COPY, sources, targets, what="copy_many")[1]
+
+
+def compare_many(held: Sequence[torch.Tensor], sent: Sequence[torch.Tensor]) -> torch.Tensor:
+    """Which ``held[i]`` differ from ``sent[i]`` in any byte: one read of both, one launch per element width.
+
+    Args:
+        held: contiguous tensors on one device.
+        sent: contiguous tensors on the same device, each with its partner's element size and count.
+
+    Returns:
+        int32 ``[len(held)]`` on the device: 1 where the bytes differ, else 0 (nothing read back: no host sync).
+
+    Raises:
+        RefitError: as :func:`copy_many`.
+    """
+    return _many(_COMPARE, sent, held, what="compare_many")[0]
+
+
+def probe_many(tensors: Sequence[torch.Tensor]) -> torch.Tensor:
+    """Which tensors hold a NaN/Inf bit pattern of their dtype (:data:`PATTERNS`): one read, one launch per width.
+
+    Args:
+        tensors: contiguous tensors on one device; dtypes without a pattern (integers, bool, the fnuz formats) are
+            never flagged, so check those another way.
+
+    Returns:
+        int32 ``[len(tensors)]`` on the device: 1 where a tensor holds NaN/Inf, else 0 (no host sync).
+
+    Raises:
+        RefitError: Triton missing, or a tensor that is not contiguous or not on the first one's device.
+    """
+    return _many(_PROBE, tensors, None, what="probe_many")[0]
+
+
+_FORCE_ON_CPU = False
+"""Tests only: let :func:`runs_on` take CPU tensors too while the kernel runs in Triton's CPU interpreter."""
+
+
+def runs_on(tensors: Sequence[torch.Tensor]) -> bool:
+    """Whether the appliers' copies, read-backs and NaN/Inf probes take the many-tensor passes for these tensors:
+    Triton present and every one contiguous on one CUDA device (or, in tests, on CPU under the interpreter)."""
+    if triton is None or not tensors:
+        return False
+    device = tensors[0].device
+    on = device.type == "cuda" or (_FORCE_ON_CPU and device.type == "cpu" and interpreter_active())
+    return on and all(t.device == device and t.is_contiguous() for t in tensors)
 
 
 def _on_device(buffer: torch.Tensor, segments: Sequence[Segment]) -> list[Segment]:

@@ -3,7 +3,9 @@
 A version holds hundreds of tensors; the per-tensor loops (a copy, a compare and a host read each) are
 what made a refit host-bound. Here each step is one multi-tensor op (``torch._foreach_copy_``) or a few
 ops over byte-concatenations bounded by :data:`CHUNK_BYTES`, and every result a caller needs on the host
-comes back in one read.
+comes back in one read. On CUDA with Triton, contiguous tensors take the grouped byte passes of
+:mod:`megatron_fp8.refit.fused_fill` instead (a copy or a comparison in one pass at copy bandwidth, one launch per
+element width).
 """
 
 from __future__ import annotations
@@ -11,6 +13,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 import torch
+
+from megatron_fp8.refit import fused_fill
 
 CHUNK_BYTES = 256 << 20
 """Bytes compared per concatenation in :func:`first_mismatch` (bounds its temporaries: 2x this per chunk)."""
@@ -44,7 +48,9 @@ def snapshot(tensors: Sequence[torch.Tensor]) -> list[torch.Tensor]:
                 dst.append(view)
                 src.append(_bytes(t))
             at += nbytes
-        if dst:
+        if dst and fused_fill.runs_on(src):
+            fused_fill.copy_many(dst, src)
+        elif dst:
             torch._foreach_copy_(dst, src)
     return out  # type: ignore[return-value]
 
@@ -77,6 +83,12 @@ def first_mismatch(held: Sequence[torch.Tensor], sent: Sequence[torch.Tensor]) -
         filled[h.device] = filled.get(h.device, 0) + nbytes
     bad: list[int] = []
     for device, groups in chunks.items():
+        idx = [i for g in groups for i in g]
+        pairs = [held[i] for i in idx] + [sent[i] for i in idx]
+        if fused_fill.runs_on(pairs):  # one pass over both sides, one flag per pair, one host read
+            differs = fused_fill.compare_many(pairs[: len(idx)], pairs[len(idx) :]).tolist()
+            bad.extend(i for i, d in zip(idx, differs, strict=True) if d)
+            continue
         flags = []
         for idx in groups:
             a = torch.cat([_bytes(held[i]) for i in idx])

@@ -138,7 +138,9 @@ class FiniteProbe:
 
     Float tensors are grouped by dtype and reduced with one ``torch._foreach_norm(ord=inf)`` per group (NaN
     and Inf survive the reduction); FP8 tensors with one or two ``torch._foreach_max`` over byte views per
-    group (their NaN/Inf patterns are the extreme byte values, see :data:`_FP8_MAX_RULES`). The results are
+    group (their NaN/Inf patterns are the extreme byte values, see :data:`_FP8_MAX_RULES`). On CUDA with Triton
+    the contiguous ones are flagged instead by one read of each in one launch per element width
+    (:func:`~megatron_fp8.refit.fused_fill.probe_many`: their NaN/Inf bit patterns). The results are
     stacked into :attr:`values` (float32, on the tensors' device) for the caller to read together with
     anything else it needs on the host. Dtypes without such a rule (the fnuz formats) and tensors on another
     device than the first are checked one by one by :meth:`check`. Integer and bool tensors need no check.
@@ -162,6 +164,13 @@ class FiniteProbe:
                 continue
             dtype_name(t.dtype, tensor_name=name)
             groups.setdefault(t.dtype, []).append(i)
+        from megatron_fp8.refit import fused_fill  # imports this module's check_finite lazily
+
+        flagged = [i for idx in groups.values() for i in idx if self.pairs[i][1].dtype in fused_fill.PATTERNS]
+        if flagged and fused_fill.runs_on([self.pairs[i][1] for i in flagged]):
+            results.extend(fused_fill.probe_many([self.pairs[i][1].detach() for i in flagged]).float().unbind())
+            self._rules.append((flagged, 1.0))
+            groups = {dt: idx for dt, idx in groups.items() if dt not in fused_fill.PATTERNS}
         for dtype, idx in groups.items():
             tensors = [self.pairs[i][1].detach() for i in idx]
             if dtype in _FLOAT_DTYPES:
