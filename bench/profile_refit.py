@@ -3,6 +3,7 @@
     python bench/profile_refit.py --out bench/results/refit_profile_cuda.json   # on a CUDA machine
 
 Per stream it prints wall seconds, the GPU's busy time (sum of kernel and memcpy times), the number of launches,
+the timeline (host work before the first device op and after the last, device idle time in the refit's window),
 the kernels and host-side ops that cost most, and (a fourth refit under cProfile) the Python functions that take
 the sender's and the receiver's thread time; the JSON holds the same. On CPU (``--device cpu --smoke``) it
 runs the same code on the 1-layer /8 shapes so that the script is checked without a GPU.
@@ -103,6 +104,51 @@ def _one_refit(
     return wall
 
 
+def timeline(host: list[tuple[float, float]], device: list[tuple[float, float]]) -> dict:
+    """Where the device waited on the host in one profiled refit, from event intervals (microseconds).
+
+    Args:
+        host: ``(start, end)`` of every host-side op of the refit (its span is the refit's window).
+        device: ``(start, end)`` of every kernel and memcpy on the device.
+
+    Returns:
+        ``window_ms`` (first host op to last), ``head_ms`` (window start to the first device activity: the host
+        work before the GPU has anything to do), ``tail_ms`` (last device activity to window end: what the host
+        does after the GPU is done, e.g. the receiver settling and committing), ``device_idle_ms`` (the window
+        minus the union of device intervals, head and tail included); all 0 without device events.
+    """
+    if not host or not device:
+        return {"window_ms": 0.0, "head_ms": 0.0, "tail_ms": 0.0, "device_idle_ms": 0.0}
+    w0, w1 = min(a for a, _ in host), max(b for _, b in host)
+    busy, cur_a, cur_b = 0.0, None, None
+    for a, b in sorted((max(a, w0), min(b, w1)) for a, b in device if b > w0 and a < w1):
+        if cur_b is None or a > cur_b:
+            busy += 0.0 if cur_b is None else cur_b - cur_a
+            cur_a, cur_b = a, b
+        else:
+            cur_b = max(cur_b, b)
+    busy += 0.0 if cur_b is None else cur_b - cur_a
+    first = min(a for a, _ in device)
+    last = max(b for _, b in device)
+    return {
+        "window_ms": (w1 - w0) / 1e3,
+        "head_ms": max(0.0, first - w0) / 1e3,
+        "tail_ms": max(0.0, w1 - last) / 1e3,
+        "device_idle_ms": (w1 - w0 - busy) / 1e3,
+    }
+
+
+def _timeline_of(prof) -> dict:
+    host, device = [], []
+    for e in prof.events():
+        span = (e.time_range.start, e.time_range.end)
+        if e.device_type == torch.autograd.DeviceType.CUDA:
+            device.append(span)
+        elif e.device_type == torch.autograd.DeviceType.CPU and not e.name.startswith("Activity Buffer"):
+            host.append(span)
+    return timeline(host, device)
+
+
 def _summarize(prof, wall: float, use_cuda: bool, top: int) -> dict:
     events = prof.key_averages()
     device_rows, host_rows = [], []
@@ -119,6 +165,7 @@ def _summarize(prof, wall: float, use_cuda: bool, top: int) -> dict:
     host_rows.sort(key=lambda r: -r["self_cpu_ms"])
     return {
         "wall_s": wall,
+        "timeline": _timeline_of(prof),
         "gpu_busy_ms": busy_us / 1e3,
         "device_launches": launches,
         "top_device": device_rows[:top],
@@ -165,13 +212,19 @@ def main(argv: list[str] | None = None) -> int:
         out[name] = {"unprofiled_wall_s": plain, **_summarize(prof, wall, use_cuda, args.top)}
         out[name]["python"] = {"wall_s": py_wall, **python}
         s = out[name]
+        tl = s["timeline"]
         log.info(
-            "== %s: %.4f s unprofiled, %.4f s profiled, GPU busy %.2f ms, %d launches",
+            "== %s: %.4f s unprofiled, %.4f s profiled, GPU busy %.2f ms, %d launches; host before the first "
+            "device op %.2f ms, after the last %.2f ms, device idle %.2f ms of %.2f",
             name,
             plain,
             wall,
             s["gpu_busy_ms"],
             s["device_launches"],
+            tl["head_ms"],
+            tl["tail_ms"],
+            tl["device_idle_ms"],
+            tl["window_ms"],
         )
         for r in s["top_device"]:
             log.info("   dev %8.3f ms x%-5d %s", r["ms"], r["count"], r["name"])

@@ -28,9 +28,12 @@ def test_gpu_run_smoke_writes_every_result(tmp_path):
     assert refit["copy_gbps"] > 0 and set(refit["ops_per_bucket"]) == {"bf16", "fp8"}
     for r in refit["runs"]:
         assert r["pct_of_copy"] > 0 and r["ops"]["sender"]["host_reads_per_bucket"] <= 1.0
+        assert (r["receiver_tail_s"] is not None) == (r["transport"] == "inproc")
+        assert r["receiver_tail_s"] is None or 0 <= r["receiver_tail_s"] < max(r["seconds_all"])
     assert (tmp_path / "quant_cuda.json").exists() and (tmp_path / "gpu_tests.xml").exists()
     profile = json.loads((tmp_path / "refit_profile_cuda.json").read_text())
     assert set(profile) >= {"bf16", "fp8"} and profile["fp8"]["wall_s"] > 0 and profile["fp8"]["top_host"]
+    assert set(profile["fp8"]["timeline"]) == {"window_ms", "head_ms", "tail_ms", "device_idle_ms"}
     link = json.loads((tmp_path / "refit_link_gloo.json").read_text())
     assert link["link"]["gbps"] > 0 and {r["stream"] for r in link["runs"]} == {"bf16", "fp8"}
     nccl = json.loads((tmp_path / "refit_link_nccl.json").read_text())
