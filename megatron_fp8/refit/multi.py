@@ -83,11 +83,11 @@ def first_mismatch(held: Sequence[torch.Tensor], sent: Sequence[torch.Tensor]) -
         filled[h.device] = filled.get(h.device, 0) + nbytes
     bad: list[int] = []
     for device, groups in chunks.items():
-        idx = [i for g in groups for i in g]
-        pairs = [held[i] for i in idx] + [sent[i] for i in idx]
+        every = [i for g in groups for i in g]
+        pairs = [held[i] for i in every] + [sent[i] for i in every]
         if fused_fill.runs_on(pairs):  # one pass over both sides, one flag per pair, one host read
-            differs = fused_fill.compare_many(pairs[: len(idx)], pairs[len(idx) :]).tolist()
-            bad.extend(i for i, d in zip(idx, differs, strict=True) if d)
+            differs = fused_fill.compare_many(pairs[: len(every)], pairs[len(every) :]).tolist()
+            bad.extend(i for i, d in zip(every, differs, strict=True) if d)
             continue
         flags = []
         for idx in groups:
