@@ -39,7 +39,7 @@ from megatron_fp8.errors import RefitError
 from megatron_fp8.layout import ceil_div
 from megatron_fp8.quant.grouped import zero_scalar
 from megatron_fp8.refit import fused_fill
-from megatron_fp8.refit.fused_fill import PATTERNS, FlagProbe, Segment, fill_and_flag
+from megatron_fp8.refit.fused_fill import PATTERNS, Segment, fill_and_flag
 from megatron_fp8.refit.inbucket import BucketJobs, PendingPart
 from megatron_fp8.refit.integrity.checksum import (
     HostRead,
@@ -49,7 +49,7 @@ from megatron_fp8.refit.integrity.checksum import (
     header_digest,
     payload_checksum,
 )
-from megatron_fp8.refit.integrity.finite import FiniteProbe, check_finite
+from megatron_fp8.refit.integrity.finite import FiniteProbe, FlagProbe, check_finite
 from megatron_fp8.refit.wire import (
     ALIGN,
     DTYPES,

@@ -33,12 +33,10 @@ import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-import numpy as np
 import torch
 
-from megatron_fp8.errors import NonFiniteError, RefitError
+from megatron_fp8.errors import RefitError
 from megatron_fp8.quant.triton_grouped import work_table
-from megatron_fp8.refit.wire import DTYPES, TensorMeta
 
 try:  # Triton is optional: the torch path runs everywhere
     import triton
@@ -49,7 +47,6 @@ except Exception:  # ImportError, or a broken install raising at import time
 
 __all__ = [
     "PATTERNS",
-    "FlagProbe",
     "Segment",
     "available",
     "compare_many",
@@ -362,40 +359,3 @@ def _on_device(buffer: torch.Tensor, segments: Sequence[Segment]) -> list[Segmen
         out[i] = Segment(seg.offset, place.view(seg.src.dtype), seg.probe)
     torch._foreach_copy_(dst, src)
     return out
-
-
-class FlagProbe:
-    """The NaN/Inf verdict of a :func:`fill_and_flag` pass, read with the bucket's one host read.
-
-    Args:
-        entries: the metadata record of each segment's tensor, in the order given to :func:`fill_and_flag`
-            (``None`` for a segment that was not probed: a part, an alignment gap).
-        buffer: the bucket (a flagged tensor is read back from it by its record).
-        flags: :func:`fill_and_flag`'s result.
-    """
-
-    def __init__(self, entries: Sequence[TensorMeta | None], buffer: torch.Tensor, flags: torch.Tensor):
-        self.entries = list(entries)
-        self.buffer = buffer
-        self.values = flags
-
-    def check(self, host_flags: np.ndarray, *, version: int | None = None) -> None:
-        """Raise for the first flagged tensor (in stream order), naming it and its first bad element.
-
-        Raises:
-            NonFiniteError: as :func:`~megatron_fp8.refit.integrity.finite.check_finite`.
-        """
-        from megatron_fp8.refit.integrity.finite import check_finite
-
-        for i in np.flatnonzero(np.asarray(host_flags) > 0).tolist():
-            m = self.entries[i]
-            if m is None:
-                continue
-            tensor = self.buffer[m.offset : m.offset + m.nbytes].view(DTYPES[m.dtype]).view(m.shape)
-            check_finite(m.name, tensor, version=version)
-            where = f" of version {version}" if version is not None else ""
-            raise NonFiniteError(
-                f"tensor {m.name!r}{where}: the bucket's NaN/Inf pass flagged it but it reads finite now (it changed "
-                "while it was copied?); refusing to refit it",
-                name=m.name,
-            )

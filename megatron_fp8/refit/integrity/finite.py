@@ -2,6 +2,10 @@
 
 FP8 NaN/Inf encodings (e.g. ``0x7f``/``0xff`` for ``float8_e4m3fn``) are
 checked on the raw bytes, so no FP8 tensor is ever upcast for the test.
+
+Many tensors at once: :class:`FiniteProbe` (a few multi-tensor reductions, or on CUDA the grouped probe pass of
+:mod:`megatron_fp8.refit.fused_fill`) and :class:`FlagProbe` (the verdict of a fused bucket fill); either way a
+flagged tensor is named, with its first bad element, by :func:`check_finite`.
 """
 
 from __future__ import annotations
@@ -12,7 +16,8 @@ import numpy as np
 import torch
 
 from megatron_fp8.errors import NonFiniteError
-from megatron_fp8.refit.wire import dtype_name
+from megatron_fp8.refit import fused_fill
+from megatron_fp8.refit.wire import DTYPES, TensorMeta, dtype_name
 from megatron_fp8.vocab import SCALE_SUFFIX
 
 _CHECK_CHUNK = 1 << 24  # elements per reduction in the finiteness fast path (bounds the temporaries)
@@ -164,8 +169,6 @@ class FiniteProbe:
                 continue
             dtype_name(t.dtype, tensor_name=name)
             groups.setdefault(t.dtype, []).append(i)
-        from megatron_fp8.refit import fused_fill  # imports this module's check_finite lazily
-
         flagged = [i for idx in groups.values() for i in idx if self.pairs[i][1].dtype in fused_fill.PATTERNS]
         if flagged and fused_fill.runs_on([self.pairs[i][1] for i in flagged]):
             results.extend(fused_fill.probe_many([self.pairs[i][1].detach() for i in flagged]).float().unbind())
@@ -206,3 +209,39 @@ class FiniteProbe:
         for i in sorted(suspects):  # the exact per-tensor rule decides and names the element
             name, tensor = self.pairs[i]
             check_finite(name, tensor, version=version)
+
+
+class FlagProbe:
+    """The NaN/Inf verdict of a :func:`~megatron_fp8.refit.fused_fill.fill_and_flag` pass, read with the bucket's
+    one host read.
+
+    Args:
+        entries: the metadata record of each segment's tensor, in the order given to ``fill_and_flag``
+            (``None`` for a segment that was not probed: a part, an alignment gap).
+        buffer: the bucket (a flagged tensor is read back from it by its record).
+        flags: ``fill_and_flag``'s result.
+    """
+
+    def __init__(self, entries: Sequence[TensorMeta | None], buffer: torch.Tensor, flags: torch.Tensor):
+        self.entries = list(entries)
+        self.buffer = buffer
+        self.values = flags
+
+    def check(self, host_flags: np.ndarray, *, version: int | None = None) -> None:
+        """Raise for the first flagged tensor (in stream order), naming it and its first bad element.
+
+        Raises:
+            NonFiniteError: as :func:`~megatron_fp8.refit.integrity.finite.check_finite`.
+        """
+        for i in np.flatnonzero(np.asarray(host_flags) > 0).tolist():
+            m = self.entries[i]
+            if m is None:
+                continue
+            tensor = self.buffer[m.offset : m.offset + m.nbytes].view(DTYPES[m.dtype]).view(m.shape)
+            check_finite(m.name, tensor, version=version)
+            where = f" of version {version}" if version is not None else ""
+            raise NonFiniteError(
+                f"tensor {m.name!r}{where}: the bucket's NaN/Inf pass flagged it but it reads finite now (it changed "
+                "while it was copied?); refusing to refit it",
+                name=m.name,
+            )
