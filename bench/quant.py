@@ -272,36 +272,40 @@ def bench_layer_set_cuda(layer: tuple, layers: int, copy_gbs: float, *, warmup: 
             warmup=warmup,
             reps=reps,
         )
-        for division in ("reciprocal", "rn")
+        for division in ("reciprocal", "rn", "reciprocal_noselect")
     }
     same = True
     for g in groups:
         launch_blockwise_grouped(g, 128, 128, "fp32", division="rn")
         ref = [(it.q.view(torch.uint8).clone(), it.scales.clone()) for it in g]
-        launch_blockwise_grouped(g, 128, 128, "fp32", division="reciprocal")
-        same = same and all(_same_bytes((it.q, it.scales), r) for it, r in zip(g, ref, strict=True))
+        for division in ("reciprocal", "reciprocal_noselect"):
+            launch_blockwise_grouped(g, 128, 128, "fp32", division=division)
+            same = same and all(_same_bytes((it.q, it.scales), r) for it, r in zip(g, ref, strict=True))
         del ref
     out["grouped_divisions_same_bytes"] = same
     # without the clamp to +-448 (two instructions per element fewer, the same codes for finite tiles), at each
     # num_warps: the kernel is ALU-bound (ncu, docs/gpu.md), so this is the next thing to measure
-    out["grouped_ms_no_clamp_by_num_warps"] = {
-        str(warps): _median_cuda(
-            lambda warps=warps: [
-                launch_blockwise_grouped(g, 128, 128, "fp32", num_warps=warps, clamp=False) for g in groups
-            ],
-            warmup=warmup,
-            reps=reps,
-        )
-        for warps in (4, 8, 16)
-    }
-    same = True
-    for g in groups:
-        launch_blockwise_grouped(g, 128, 128, "fp32")
-        ref = [(it.q.view(torch.uint8).clone(), it.scales.clone()) for it in g]
-        launch_blockwise_grouped(g, 128, 128, "fp32", clamp=False)
-        same = same and all(_same_bytes((it.q, it.scales), r) for it, r in zip(g, ref, strict=True))
-        del ref
-    out["grouped_no_clamp_same_bytes"] = same
+    # and "lean": no clamp and the select-free division (four instructions per element fewer)
+    variants = {"no_clamp": {"clamp": False}, "lean": {"clamp": False, "division": "reciprocal_noselect"}}
+    for variant, options in variants.items():
+        out[f"grouped_ms_{variant}_by_num_warps"] = {
+            str(warps): _median_cuda(
+                lambda warps=warps, options=options: [
+                    launch_blockwise_grouped(g, 128, 128, "fp32", num_warps=warps, **options) for g in groups
+                ],
+                warmup=warmup,
+                reps=reps,
+            )
+            for warps in (4, 8, 16)
+        }
+        same = True
+        for g in groups:
+            launch_blockwise_grouped(g, 128, 128, "fp32")
+            ref = [(it.q.view(torch.uint8).clone(), it.scales.clone()) for it in g]
+            launch_blockwise_grouped(g, 128, 128, "fp32", **options)
+            same = same and all(_same_bytes((it.q, it.scales), r) for it, r in zip(g, ref, strict=True))
+            del ref
+        out[f"grouped_{variant}_same_bytes"] = same
     all_grouped()
     out["grouped_bytes_equal_per_weight"] = all(
         _same_bytes((it.q, it.scales), triton_kernels.launch_blockwise(it.x3, 128, 128, "fp32")[:2])
@@ -497,14 +501,16 @@ def print_table(result: dict) -> None:
     if ls and cuda and "grouped_ms_by_division" in ls:
         by = ls["grouped_ms_by_division"]
         Console().print(
-            f"grouped, x / scale: reciprocal + fma {by['reciprocal']:.3f} ms, IEEE division {by['rn']:.3f} ms "
+            f"grouped, x / scale: reciprocal + fma {by['reciprocal']:.3f} ms (select-free "
+            f"{by['reciprocal_noselect']:.3f} ms), IEEE division {by['rn']:.3f} ms "
             f"({by['rn'] / by['reciprocal']:.2f}x), same bytes on every weight: "
             f"{'yes' if ls['grouped_divisions_same_bytes'] else 'NO'}; by num_warps: {ls['grouped_ms_by_num_warps']}"
         )
-        Console().print(
-            f"grouped without the clamp, by num_warps: {ls['grouped_ms_no_clamp_by_num_warps']}, same bytes on every "
-            f"weight: {'yes' if ls['grouped_no_clamp_same_bytes'] else 'NO'}"
-        )
+        for variant, what in (("no_clamp", "without the clamp"), ("lean", "without the clamp and the select")):
+            Console().print(
+                f"grouped {what}, by num_warps: {ls[f'grouped_ms_{variant}_by_num_warps']}, same bytes on every "
+                f"weight: {'yes' if ls[f'grouped_{variant}_same_bytes'] else 'NO'}"
+            )
     for r in result["shapes"]:
         if r.get("best_config"):
             Console().print(f"best config for {r['shape']}: {r['best_config']}")

@@ -32,7 +32,8 @@ __all__ = ["GroupedItem", "launch_blockwise_grouped", "launch_into_bucket", "tab
 _ROW = 7  # words per weight in the quantizer's table: x, q, s offsets, N, K, NB, KB
 _MIN_W_P2 = 16  # the prefix sum is padded to at least this many words (fewer compiled variants)
 _PAD_START = 1 << 62  # a padded prefix-sum word: no program's tile index reaches it
-_DIVISIONS = ("reciprocal", "rn")
+_DIVISIONS = {"rn": 0, "reciprocal": 1, "reciprocal_noselect": 2}
+"""``division`` -> the kernels' ``RECIP`` constexpr (``triton_kernels._divide_by_scale``)."""
 
 
 def work_table(starts: list[int], rows: list[list[int]], device: torch.device) -> tuple[torch.Tensor, int]:
@@ -165,8 +166,10 @@ def launch_blockwise_grouped(
             (Triton's CPU interpreter, whose fp8 cast is inexact).
         num_warps: warps per program; ``None`` picks from the tile size.
         division: how ``x / scale`` is computed, with the same codes either way: ``"reciprocal"`` (the tile's
-            correctly rounded reciprocal and one fma correction, see ``RECIP_MIN_SCALE``) or ``"rn"`` (an IEEE
-            division per element, the reference the benchmark compares against).
+            correctly rounded reciprocal and one fma correction, see ``RECIP_MIN_SCALE``), ``"reciprocal_noselect"``
+            (the same with the remainder negated: the same quotient bits without the select that keeps -0.0, two
+            instructions per element fewer) or ``"rn"`` (an IEEE division per element, the reference the benchmark
+            compares against).
         clamp: clamp the quotient to +-448 before the cast (the default). ``False`` gives the same codes for
             every finite tile (two instructions per element fewer; ``bench/quant.py`` times both); a tile holding
             NaN/Inf, which every caller refuses, then gets NaN codes instead of +-448.
@@ -175,7 +178,9 @@ def launch_blockwise_grouped(
         QuantInputError: mixed source dtypes, a wrong output dtype/size, or a non-contiguous tensor.
     """
     if division not in _DIVISIONS:
-        raise QuantInputError(f"launch_blockwise_grouped: division must be one of {_DIVISIONS}, got {division!r}")
+        raise QuantInputError(
+            f"launch_blockwise_grouped: division must be one of {tuple(_DIVISIONS)}, got {division!r}"
+        )
     if not items:
         return
     kernel = _grouped_kernel()
@@ -246,7 +251,7 @@ def _launch_table(
         table, x_base, q_base, s_base, flags if flags is not None else table,
         W_P2=w_p2, ROW=_ROW, BN=bn, BK=bk, BN_P2=bn_p2, BK_P2=bk_p2,
         UE8M0=scale_format == "ue8m0", FP8_OUT=fp8_out, ALIGNED=aligned, X_UNIT=x_unit, Q_UNIT=q_unit,
-        FLAGS=flags is not None, RECIP=division == "reciprocal", CLAMP=clamp,
+        FLAGS=flags is not None, RECIP=_DIVISIONS[division], CLAMP=clamp,
         num_warps=num_warps if num_warps is not None else _default_num_warps(bn_p2 * bk_p2),
     )  # fmt: skip
 

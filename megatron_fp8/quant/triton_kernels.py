@@ -115,12 +115,18 @@ if triton is not None:
         # division (the same float32 quotient from 2**-11 up) wherever the scale is at least RECIP_MIN_SCALE
         # (tests/quant/test_recip_division.py checks every bfloat16 x against every bfloat16 amax), so other tiles
         # (and a non-finite scale) divide.
-        if RECIP:
+        # RECIP == 2: the same arithmetic with the remainder negated, e' = q0*scale - x and q = q0 - e'*r (the
+        # negations are operand modifiers of the fma): -e' is e exactly, so every quotient is the same bits, and
+        # +-0.0 keeps its sign without the select (-0*r + -0 = -0), two instructions per element fewer.
+        if RECIP != 0:
             if (scale >= _RECIP_MIN) & (scale < float("inf")):
                 r = tl.math.div_rn(1.0, scale)
                 q0 = x * r
-                e = tl.math.fma(-q0, scale, x)
-                y = tl.where(e == 0.0, q0, tl.math.fma(e, r, q0))  # e == 0: q0 is exact (and keeps -0.0)
+                if RECIP == 2:
+                    y = tl.math.fma(-tl.math.fma(q0, scale, -x), r, q0)
+                else:
+                    e = tl.math.fma(-q0, scale, x)
+                    y = tl.where(e == 0.0, q0, tl.math.fma(e, r, q0))  # e == 0: q0 is exact (and keeps -0.0)
             else:
                 y = tl.math.div_rn(x, scale)
         else:
@@ -180,7 +186,7 @@ if triton is not None:
             cols = kb * BK + c
             mask = row_ok[:, None] & ((c < BK) & (cols < K))[None, :]
             offs = row_off[:, None] + cols[None, :]
-            scale, amax = _quantize_tile(x_ptr + offs, q_ptr + offs, mask, UE8M0, FP8_OUT, True, True)
+            scale, amax = _quantize_tile(x_ptr + offs, q_ptr + offs, mask, UE8M0, FP8_OUT, 1, True)
             s_idx = (expert * NB + pid_n) * KB + kb
             tl.store(scale_ptr + s_idx, scale, mask=kb < KB)
             tl.store(amax_ptr + s_idx, amax, mask=kb < KB)

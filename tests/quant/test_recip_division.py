@@ -15,7 +15,9 @@ no code differs, about a minute on 2 cores), and require:
 
 Then the kernel itself, under ``TRITON_INTERPRET=1`` in a child interpreter, gives the same bytes with both
 divisions on values chosen to hit every branch (-0.0, subnormal bfloat16, a tile whose amax is below the guard,
-a NaN tile, ue8m0 scales).
+a NaN tile, ue8m0 scales). ``division="reciprocal_noselect"`` (the remainder negated, ``q = fma(-e', r, q0)``
+with ``e' = fma(q0, scale, -x)``, no select for an exact quotient) must give the same quotient bits as the
+select form for every pair, signed zeros included, and the same bytes in the kernel.
 
 The kernels' optional clamp (``clamp=False``): the largest quotient of any tile, ``amax / scale`` by either
 division, must round to 448 under the cast alone, for every bfloat16 amax of the set, so that the clamp to +-448
@@ -68,6 +70,14 @@ def _recip_divide(x: np.ndarray, scale: np.float32) -> np.ndarray:
     return np.where(e == 0, q0, fma_fp32(e, np.full_like(x, r), q0))
 
 
+def _recip_divide_noselect(x: np.ndarray, scale: np.float32) -> np.ndarray:
+    """The kernels' ``division="reciprocal_noselect"``: the remainder negated, no select for an exact quotient."""
+    r = np.float32(np.float32(1.0) / scale)
+    q0 = x * r
+    e_neg = fma_fp32(q0, np.full_like(x, scale), -x)
+    return fma_fp32(-e_neg, np.full_like(x, r), q0)
+
+
 def _amax_set() -> np.ndarray:
     ax = np.unique(np.abs(_every_bf16()))
     ax = ax[ax > 0]
@@ -83,7 +93,7 @@ def test_every_bf16_value_gets_the_divisions_code(ue8m0: bool) -> None:
     x_all = _every_bf16()
     order = np.argsort(np.abs(x_all))
     xs, axs = x_all[order], np.abs(x_all[order])
-    pairs = code_diffs = quotient_diffs = fast_tiles = 0
+    pairs = code_diffs = quotient_diffs = fast_tiles = noselect_diffs = 0
     for amax in _amax_set():
         x = xs[: int(np.searchsorted(axs, amax, side="right"))]  # a tile holds values up to its amax
         scale = _scale(amax, ue8m0)
@@ -92,6 +102,7 @@ def test_every_bf16_value_gets_the_divisions_code(ue8m0: bool) -> None:
         fast_tiles += 1
         ref = x / scale
         got = _recip_divide(x, scale)
+        noselect_diffs += int((_recip_divide_noselect(x, scale).view(np.uint32) != got.view(np.uint32)).sum())
         differ = got.view(np.uint32) != ref.view(np.uint32)  # equal quotients give equal codes
         code_diffs += int((_codes(got[differ]) != _codes(ref[differ])).sum())
         quotient_diffs += int((np.abs(ref[differ]) >= 2.0**-11).sum())
@@ -99,6 +110,7 @@ def test_every_bf16_value_gets_the_divisions_code(ue8m0: bool) -> None:
     assert fast_tiles > 500 and pairs > 10_000_000, (fast_tiles, pairs)
     assert code_diffs == 0, f"{code_diffs} of {pairs} codes differ from the division's"
     assert quotient_diffs == 0, f"{quotient_diffs} float32 quotients >= 2**-11 differ from the division's"
+    assert noselect_diffs == 0, f"{noselect_diffs} quotients of the negated-remainder form differ (bits, +-0 sign)"
 
 
 @pytest.mark.parametrize("ue8m0", [False, True], ids=["fp32-scale", "ue8m0-scale"])
@@ -144,7 +156,10 @@ _KERNEL_SCRIPT = textwrap.dedent(
     w[2, 130, 131] = -0.0
     out = {}
     for fmt in ("fp32", "ue8m0"):
-        for division, clamp in (("reciprocal", True), ("rn", True), ("reciprocal", False)):
+        for division, clamp in (
+            ("reciprocal", True), ("rn", True), ("reciprocal", False), ("reciprocal_noselect", True),
+            ("reciprocal_noselect", False),
+        ):
             q = torch.empty(w.numel(), dtype=torch.float32)
             s = torch.empty(3 * 2 * 2, dtype=torch.float32)
             launch_blockwise_grouped(
@@ -153,7 +168,8 @@ _KERNEL_SCRIPT = textwrap.dedent(
             out[fmt, division, clamp] = (q.to(torch.float8_e4m3fn).view(torch.uint8), s)
         qa, sa = out[fmt, "reciprocal", True]
         nan_at = 1 * 256 * 256 + 5 * 256 + 7
-        for (qb, sb), clamped in ((out[fmt, "rn", True], True), (out[fmt, "reciprocal", False], False)):
+        others = [(v, k[2]) for k, v in out.items() if k[0] == fmt and k[1:] != ("reciprocal", True)]
+        for (qb, sb), clamped in others:
             if not clamped:  # the NaN itself: max(NaN, -448) drops it (-448: 0xfe), the cast keeps it
                 assert (int(qa[nan_at]), int(qb[nan_at])) == (0xFE, 0x7F), (int(qa[nan_at]), int(qb[nan_at]))
                 qb = qb.clone()
@@ -176,8 +192,9 @@ def test_the_kernel_gives_the_same_bytes_with_either_division() -> None:
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("fmt", ["fp32", "ue8m0"])
-def test_on_cuda_the_kernel_without_the_clamp_gives_the_same_bytes(fmt: str) -> None:
-    """The CUDA cast saturates (``cvt.rn.satfinite``): without the clamp, every finite tile's codes are the same."""
+def test_on_cuda_the_kernel_variants_give_the_same_bytes(fmt: str) -> None:
+    """The CUDA cast saturates (``cvt.rn.satfinite``): without the clamp, and with the select-free division, every
+    finite tile's codes are the same as the default kernel's."""
     from megatron_fp8.quant.triton_grouped import GroupedItem, launch_blockwise_grouped
 
     g = torch.Generator().manual_seed(1)
@@ -188,17 +205,23 @@ def test_on_cuda_the_kernel_without_the_clamp_gives_the_same_bytes(fmt: str) -> 
         x[0, 0, 0] = -0.0
         xs.append(x.to(torch.bfloat16).cuda())
     out = {}
-    for clamp in (True, False):
+    variants = {
+        "default": {},
+        "no clamp": {"clamp": False},
+        "lean": {"clamp": False, "division": "reciprocal_noselect"},
+    }
+    for variant, options in variants.items():
         items = [
             GroupedItem(x, torch.empty(x.shape, dtype=torch.float8_e4m3fn, device="cuda"), torch.empty(
                 x.shape[0] * -(-x.shape[1] // 128) * -(-x.shape[2] // 128), device="cuda"))
             for x in xs
         ]  # fmt: skip
-        launch_blockwise_grouped(items, 128, 128, fmt, clamp=clamp)
-        out[clamp] = [(it.q.view(torch.uint8).cpu(), it.scales.cpu()) for it in items]
-    for (qa, sa), (qb, sb) in zip(out[True], out[False], strict=True):
-        assert torch.equal(qa, qb), int((qa != qb).sum())
-        assert torch.equal(sa.view(torch.int32), sb.view(torch.int32))
+        launch_blockwise_grouped(items, 128, 128, fmt, **options)
+        out[variant] = [(it.q.view(torch.uint8).cpu(), it.scales.cpu()) for it in items]
+    for variant in ("no clamp", "lean"):
+        for (qa, sa), (qb, sb) in zip(out["default"], out[variant], strict=True):
+            assert torch.equal(qa, qb), (variant, int((qa != qb).sum()))
+            assert torch.equal(sa.view(torch.int32), sb.view(torch.int32)), variant
 
 
 def test_an_unknown_division_is_refused() -> None:
