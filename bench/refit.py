@@ -51,7 +51,7 @@ import statistics
 import sys
 import threading
 import time
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import asdict, dataclass, field, replace
 
 import _refit_device as dev
@@ -123,7 +123,7 @@ def _noop_apply(version: int, pairs: list[tuple[str, torch.Tensor]]) -> None:
 
 
 def _result(
-    name: str, transport: str, reports: list, times: list[float], applier: str = "noop", tails: list[float] = ()
+    name: str, transport: str, reports: list, times: list[float], applier: str = "noop", tails: Sequence[float] = ()
 ) -> RunResult:
     rep = reports[-1]
     med = statistics.median(times)

@@ -147,7 +147,8 @@ def _launch(buffer: torch.Tensor, group: list[tuple[int, Segment]], size: int, f
     items = []
     for (index, seg), src in zip(group, srcs, strict=True):
         mask, pattern = PATTERNS.get(seg.src.dtype, _NEVER) if seg.probe else _NEVER
-        items.append((index, src, seg.offset // size, mask, pattern))
+        at = seg.offset // size
+        items.append((index, src, dst_base[at : at + src.numel()], mask, pattern))
     _launch_items(items, srcs[0], dst_base, size, flags, _COPY, what="fill_and_flag")
 
 
@@ -156,7 +157,7 @@ _COPY, _COMPARE, _PROBE = 0, 1, 2
 
 
 def _launch_items(
-    items: list[tuple[int, torch.Tensor, int | torch.Tensor, int, int]],
+    items: list[tuple[int, torch.Tensor, torch.Tensor, int, int]],
     src_base: torch.Tensor,
     dst_base: torch.Tensor,
     size: int,
@@ -165,24 +166,21 @@ def _launch_items(
     *,
     what: str,
 ) -> None:
-    """One launch over ``items``: ``(flag index, 1-D word source, destination as an element offset of dst_base or
-    a 1-D word tensor, NaN/Inf mask, pattern)``, every source and destination addressed from the two bases."""
+    """One launch over ``items``: ``(flag index, 1-D word source, 1-D word destination, NaN/Inf mask, pattern)``,
+    every source and destination addressed as an element offset from its base (a probe passes its source twice)."""
     vec = 16 // size
     chunk = _CHUNK_BYTES // size
     rows: list[list[int]] = []
     starts: list[int] = []
     total = 0
     for index, src, dst, mask, pattern in items:
-        deltas = [src.data_ptr() - src_base.data_ptr()]
-        if isinstance(dst, torch.Tensor):
-            deltas.append(dst.data_ptr() - dst_base.data_ptr())
+        deltas = (src.data_ptr() - src_base.data_ptr(), dst.data_ptr() - dst_base.data_ptr())
         if any(d % size for d in deltas):
             raise RefitError(
                 f"{what}: tensor {index} ({src.numel()} {size}-byte words) starts at an address that is not a multiple "
                 f"of its {size}-byte elements from the others'; pass a contiguous copy of it"
             )
-        d_off = deltas[1] // size if isinstance(dst, torch.Tensor) else dst
-        rows.append([deltas[0] // size, d_off, src.numel(), mask, pattern, index])
+        rows.append([deltas[0] // size, deltas[1] // size, src.numel(), mask, pattern, index])
         starts.append(total)
         total += math.ceil(src.numel() / chunk)
     if total == 0:
@@ -235,7 +233,9 @@ def fill_and_flag(buffer: torch.Tensor, segments: Sequence[Segment]) -> torch.Te
     return flags
 
 
-def _many(mode: int, srcs: Sequence[torch.Tensor], dsts: Sequence[torch.Tensor] | None, *, what: str) -> tuple:
+def _many(
+    mode: int, srcs: Sequence[torch.Tensor], dsts: Sequence[torch.Tensor] | None, *, what: str
+) -> tuple[torch.Tensor, int]:
     """Launch ``mode`` over tensors (and their partners), one launch per (element size, 16-byte alignment).
 
     Returns:
@@ -270,12 +270,9 @@ def _many(mode: int, srcs: Sequence[torch.Tensor], dsts: Sequence[torch.Tensor] 
         items = []
         for i, src, dst in group:
             mask, pattern = PATTERNS.get(src.dtype, _NEVER) if mode == _PROBE else _NEVER
-            items.append(
-                (i, src.reshape(-1).view(word), 0 if dst is None else dst.reshape(-1).view(word), mask, pattern)
-            )
-        src_base = items[0][1]
-        dst_base = src_base if dsts is None else items[0][2]
-        _launch_items(items, src_base, dst_base, size, flags, mode, what=what)
+            words = src.reshape(-1).view(word)
+            items.append((i, words, words if dst is None else dst.reshape(-1).view(word), mask, pattern))
+        _launch_items(items, items[0][1], items[0][2], size, flags, mode, what=what)
     return flags, len(groups)
 
 

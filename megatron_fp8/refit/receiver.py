@@ -147,8 +147,8 @@ class _Version:
         self.trailer: VersionTrailer | None = None
         self.error: BaseException | None = None
         self.ended = False  # a trusted last bucket arrived
-        # not settled yet: (bucket, checksum blocks, its (p, q) partials, their started host read on CUDA)
-        self.pending: list[tuple[Bucket, int, tuple[torch.Tensor, torch.Tensor], HostRead | None]] = []
+        # not settled yet: (bucket, its (p, q) checksum partials, their started host read on CUDA)
+        self.pending: list[tuple[Bucket, tuple[torch.Tensor, torch.Tensor], HostRead | None]] = []
 
     @property
     def key(self) -> tuple[int, int]:
@@ -191,7 +191,7 @@ class _Version:
             self.fail(RefitError(f"{bucket.describe()}: {exc}"))
             return
         read = HostRead(torch.cat((p, q))) if p.is_cuda else None
-        self.pending.append((bucket, p.numel(), (p, q), read))
+        self.pending.append((bucket, (p, q), read))
         if bucket.is_last:
             self.settle()
         elif read is not None:
@@ -207,17 +207,18 @@ class _Version:
         n = len(self.pending)
         if ready_only:
             n = 0
-            while n < len(self.pending) and (read := self.pending[n][3]) is not None and read.ready():
+            while n < len(self.pending) and (read := self.pending[n][2]) is not None and read.ready():
                 n += 1
         if n == 0:
             return
         # out of self.pending while they settle: a failure recorded meanwhile (fail() settles first) must not
         # settle a later bucket ahead of the rest of this batch
         pending, kept, self.pending = self.pending[:n], self.pending[n:], []
-        unread = [t for _, _, partials, read in pending if read is None for t in partials]
+        unread = [t for _, partials, read in pending if read is None for t in partials]
         host_unread = read_host_int64(torch.cat(unread)) if unread else None  # one read for all synchronous ones
         at = 0
-        for bucket, nb, _, read in pending:
+        for bucket, (p, _), read in pending:
+            nb = p.numel()
             if read is None:
                 host, at = host_unread[at : at + 2 * nb], at + 2 * nb
             else:
