@@ -203,6 +203,7 @@ def refit_stream(
     *,
     check: bool = True,
     in_bucket: bool = False,
+    cpu: bool = True,
 ) -> Iterator[tuple[str, torch.Tensor | PendingPart]]:
     """The refit stream of a built Megatron model: HF names, FP8 exactly where vLLM holds FP8.
 
@@ -215,6 +216,8 @@ def refit_stream(
         in_bucket: yield each FP8 weight's codes and scales as pending parts the refit packer quantizes straight
             into its bucket (:func:`in_bucket_parts`; what the refit uses), instead of quantizing each weight here
             into tensors of its own (which raises on NaN/Inf with a host sync per weight).
+        cpu: copy each exported weight to the host before it is quantized (Megatron-Bridge's ``cpu`` flag);
+            ``False`` keeps it on the trainer's device, where it is quantized.
     """
     settings = settings or ExportSettings()
     fp8 = manifest.fp8_set
@@ -227,5 +230,6 @@ def refit_stream(
             if in_bucket
             else (lambda name, t: quantize_named(name, t, settings))
         ),
+        cpu=cpu,
     )
     return checked_stream(stream, manifest) if check else stream

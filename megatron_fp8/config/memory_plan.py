@@ -13,11 +13,13 @@ sharded over DP with the distributed optimizer, :mod:`megatron_fp8.config.memory
   ``optimizer_cpu_offload``);
 * **training**: ``W + G + O`` (``O`` not with ``optimizer_cpu_offload``) + what the sleeping engine keeps
   (:data:`SLEEPING_ENGINE_BYTES`, assumed: its CUDA context and graphs; at sleep level 0 its whole budget);
-* **refit**: ``W`` + the woken engine weights (its FP8 / BF16 weights / rollout TP) + one refit bucket
-  (``refit.bucket_size_mb``) + what the sleeping engine keeps, + ``G + O`` unless offloaded (they go before the refit).
+* **refit**: ``W`` + the woken engine weights (its FP8 / BF16 weights / rollout TP) + the refit buckets in flight
+  (:data:`REFIT_BUCKETS_IN_FLIGHT` x ``refit.bucket_size_mb``: the stream stays on the GPU and the receiver stages the
+  version in host memory) + what the sleeping engine keeps, + ``G + O`` unless offloaded (they go before the refit).
 
 Activations are not included (they depend on the micro-batch and sequence length). Host memory: the offloaded ``O``
-(pinned) and, at sleep level 1, the engine's weights. A separate rollout rank (``colocated.enabled: false``) holds the
+(pinned), at sleep level 1 the engine's weights, and, colocated, the refit's staged version (the engine's weights,
+pinned, until the commit). A separate rollout rank (``colocated.enabled: false``) holds the
 engine budget alone; a trainer rank then has training and refit phases only.
 
 ``config``, ``doctor --config`` and ``grpo`` print the plan; ``config`` and ``grpo`` refuse a plan whose peak exceeds
@@ -40,6 +42,14 @@ from megatron_fp8.config.memory import (
 from megatron_fp8.config.models import ModelDims, known_dims
 from megatron_fp8.config.schema import RunConfig
 from megatron_fp8.vocab import MEMORY_PHASES, SLEEP_LEVELS
+
+COLOCATED_QUEUED_BUCKETS = 1
+"""Refit buckets a GRPO run's colocated refit lets wait between its sender and its receiver (the in-process queue)."""
+
+REFIT_BUCKETS_IN_FLIGHT = COLOCATED_QUEUED_BUCKETS + 3
+"""Refit buckets a colocated GPU holds at once when the refit stream stays on the GPU (a vLLM engine): the one being
+filled, the one whose device work awaits its host read (the sender's lookahead), the queued ones, and the one the
+receiver is copying to the host (the receiver stages the version in host memory for vLLM's applier)."""
 
 SLEEPING_ENGINE_BYTES = 2 * 10**9
 """What a sleeping vLLM engine is assumed to keep on its GPU (CUDA context, CUDA graphs, NCCL buffers), bytes."""
@@ -139,7 +149,8 @@ class MemoryPlan:
         gpu_bytes, gpu_name: the GPU (or the assumption).
         sleep_level: the engine's sleep level (0: awake throughout, or not colocated).
         offload: whether the trainer offloads its optimizer state and gradients during generation.
-        host_bytes: host memory per rank the plan adds (offloaded optimizer state; level-1 engine weights).
+        host_bytes: host memory per rank the plan adds (offloaded optimizer state; level-1 engine weights; the
+            colocated refit's staged version).
     """
 
     phases: tuple[PhasePeak, ...]
@@ -204,6 +215,7 @@ def plan_memory(
     budget = int(vllm.gpu_memory_utilization * gpu_bytes)
     engine_weights = engine_weight_bytes(cfg, dims) // vllm.tensor_parallel_size
     bucket = cfg.refit.bucket_size_mb << 20
+    in_flight = REFIT_BUCKETS_IN_FLIGHT * bucket
     level, offload = sleep_level(cfg), trainer_offloads(cfg)
     trainer = (("trainer weights", weights), ("gradients", grads), ("optimizer state", optim_gpu))
     if not cfg.policy.generation.colocated.enabled:
@@ -222,12 +234,13 @@ def plan_memory(
         PhasePeak("training", (*trainer, *asleep)),
         PhasePeak(
             "refit",
-            (*kept, ("woken engine weights", engine_weights), ("refit bucket", bucket), *asleep)
+            (*kept, ("woken engine weights", engine_weights), ("refit buckets in flight", in_flight), *asleep)
             if level
-            else (*trainer, ("engine awake", budget), ("refit bucket", bucket)),
+            else (*trainer, ("engine awake", budget), ("refit buckets in flight", in_flight)),
         ),
     )
-    host = (optim if offload else optim_host) + (engine_weights if level == 1 else 0)
+    staged = engine_weight_bytes(cfg, dims)  # the version the receiver stages on the host until the commit
+    host = (optim if offload else optim_host) + (engine_weights if level == 1 else 0) + staged
     assert tuple(p.phase for p in phases) == tuple(MEMORY_PHASES)
     return MemoryPlan(
         phases=phases, gpu_bytes=gpu_bytes, gpu_name=gpu_name, sleep_level=level, offload=offload, host_bytes=host

@@ -47,7 +47,13 @@ _SHOWN = 5
 
 @runtime_checkable
 class RefitApplier(Protocol):
-    """Two-phase application of one refit version to an engine's weights."""
+    """Two-phase application of one refit version to an engine's weights.
+
+    Optional: an applier whose attribute ``keeps_host_copies`` is true keeps every staged tensor in host memory
+    until its commit; the receiver then stages the version in host memory for it and calls
+    ``stage(name, tensor, owned=True)`` with views of host copies made for that version alone (never reused), which
+    the applier keeps as they are (:func:`keeps_host_copies`).
+    """
 
     def begin(self, version: int, metas: Sequence[TensorMeta]) -> None:
         """Check that every tensor of the version can be applied; raise :class:`RefitError` naming one that can't."""
@@ -60,6 +66,11 @@ class RefitApplier(Protocol):
 
     def abort(self, version: int, reason: str) -> None:
         """Drop anything staged for ``version``; the engine keeps its last committed version."""
+
+
+def keeps_host_copies(applier: object) -> bool:
+    """Whether ``applier`` keeps its staged tensors in host memory (then the receiver stages on the host for it)."""
+    return bool(getattr(applier, "keeps_host_copies", False))
 
 
 # ----------------------------------------------------------------------------- shared checks

@@ -56,10 +56,19 @@ class ColocatedRefit:
         applier: the engine side (e.g. :class:`~megatron_fp8.rollout.vllm.applier.VllmApplier`).
         bucket_bytes: bucket capacity in bytes (default: sized for the device).
         timeout: seconds any single wait may take before it is an error.
+        queued_buckets: buckets that may wait between sender and receiver (>= 1); with the sender's bucket being
+            filled, the one awaiting its read and the receiver's, what a device holds of the refit at once.
     """
 
-    def __init__(self, applier: RefitApplier, *, bucket_bytes: int | None = None, timeout: float = 120.0):
-        self.transport = InProcTransport(timeout=timeout)
+    def __init__(
+        self,
+        applier: RefitApplier,
+        *,
+        bucket_bytes: int | None = None,
+        timeout: float = 120.0,
+        queued_buckets: int = 4,
+    ):
+        self.transport = InProcTransport(maxsize=queued_buckets, timeout=timeout)
         self.sender = RefitSender(self.transport, bucket_bytes=bucket_bytes, timeout=timeout, versions=RefitVersion())
         self.receiver = RefitReceiver(self.transport, apply=applier, timeout=timeout, versions=RefitVersion())
         self.timeout = timeout

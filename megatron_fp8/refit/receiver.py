@@ -24,7 +24,14 @@ waits for the first (within its own first-bucket deadline) or is refused.
 
 Memory: the staging area holds one full version of received payload (the
 price of atomicity); appliers receive zero-copy views of it. The announced set
-costs ~100 bytes per tensor of the version.
+costs ~100 bytes per tensor of the version. An applier that keeps the version in
+host memory until its commit (``keeps_host_copies``, e.g. the vLLM applier, whose
+workers load from host tensors) gets the staging area in host memory instead:
+each bucket is copied to the host as it arrives (on CUDA into pinned memory,
+behind the host's back, right after its checksum pass is queued) and the device
+bucket is dropped, so a GPU holds only the buckets in flight, not the version;
+the applier is handed views of those copies, made for this version alone, with
+``owned=True`` and keeps them without a copy of its own.
 """
 
 from __future__ import annotations
@@ -45,9 +52,15 @@ from megatron_fp8.errors import (
     TransportClosedError,
     TransportTimeoutError,
 )
-from megatron_fp8.refit.applier import CallableApplier, RefitApplier
+from megatron_fp8.refit.applier import CallableApplier, RefitApplier, keeps_host_copies
 from megatron_fp8.refit.buckets import checksum_error, header_digest_of, unpack_bucket
-from megatron_fp8.refit.integrity.checksum import HostRead, checksum_partials, finish_checksum, read_host_int64
+from megatron_fp8.refit.integrity.checksum import (
+    HostCopy,
+    HostRead,
+    checksum_partials,
+    finish_checksum,
+    read_host_int64,
+)
 from megatron_fp8.refit.transport.base import Transport
 from megatron_fp8.refit.wire import Bucket, RefitOutcome, RefitVersion, TensorMeta, VersionDigest, VersionTrailer
 
@@ -129,12 +142,17 @@ def trailer_mismatch(
 
 
 class _Version:
-    """The version being received: what arrived, staged, and the first failure."""
+    """The version being received: what arrived, staged, and the first failure.
 
-    def __init__(self, bucket: Bucket, *, verify_checksum: bool):
+    With ``host_copies`` every bucket's payload is copied to the host when it arrives (:class:`HostCopy`) and only
+    the copy is kept (staged views are of it); else the bucket itself is kept.
+    """
+
+    def __init__(self, bucket: Bucket, *, verify_checksum: bool, host_copies: bool = False):
         self.version = bucket.version
         self.stream_id = bucket.stream_id
         self.verify_checksum = verify_checksum
+        self.host_copies = host_copies
         self.start = time.perf_counter()
         self.last_arrival = self.start
         self.expected_index = 0
@@ -147,8 +165,9 @@ class _Version:
         self.trailer: VersionTrailer | None = None
         self.error: BaseException | None = None
         self.ended = False  # a trusted last bucket arrived
-        # not settled yet: (bucket, its (p, q) checksum partials, their started host read on CUDA)
-        self.pending: list[tuple[Bucket, tuple[torch.Tensor, torch.Tensor], HostRead | None]] = []
+        # not settled yet: (bucket, its (p, q) checksum partials, their started host read on CUDA, the started host
+        # copy of its payload when host_copies: the bucket kept then carries that copy's tensor as its payload)
+        self.pending: list[tuple[Bucket, tuple[torch.Tensor, torch.Tensor], HostRead | None, HostCopy | None]] = []
 
     @property
     def key(self) -> tuple[int, int]:
@@ -182,7 +201,7 @@ class _Version:
             )
         self.expected_index = bucket.index + 1
         if not self.verify_checksum:
-            self._accept(bucket)
+            self._accept(self._on_host(bucket, HostCopy(bucket.payload).tensor()) if self.host_copies else bucket)
             return
         try:
             p, q = checksum_partials(bucket.payload)
@@ -190,8 +209,12 @@ class _Version:
             self.settle()
             self.fail(RefitError(f"{bucket.describe()}: {exc}"))
             return
+        copy = None
+        if self.host_copies:  # queued before the partials' read: that read landing means the copy landed too
+            copy = HostCopy(bucket.payload)
+            bucket = self._on_host(bucket, copy.destination)  # its bytes land before the partials' read
         read = HostRead(torch.cat((p, q))) if p.is_cuda else None
-        self.pending.append((bucket, (p, q), read))
+        self.pending.append((bucket, (p, q), read, copy))
         if bucket.is_last:
             self.settle()
         elif read is not None:
@@ -214,10 +237,10 @@ class _Version:
         # out of self.pending while they settle: a failure recorded meanwhile (fail() settles first) must not
         # settle a later bucket ahead of the rest of this batch
         pending, kept, self.pending = self.pending[:n], self.pending[n:], []
-        unread = [t for _, partials, read in pending if read is None for t in partials]
+        unread = [t for _, partials, read, _ in pending if read is None for t in partials]
         host_unread = read_host_int64(torch.cat(unread)) if unread else None  # one read for all synchronous ones
         at = 0
-        for bucket, (p, _), read in pending:
+        for bucket, (p, _), read, copy in pending:
             nb = p.numel()
             if read is None:
                 host, at = host_unread[at : at + 2 * nb], at + 2 * nb
@@ -226,10 +249,17 @@ class _Version:
             got = finish_checksum(host[:nb], host[nb:], nbytes=bucket.nbytes)
             got ^= header_digest_of(bucket)
             if got == bucket.checksum:
+                if copy is not None:
+                    copy.tensor()  # landed already (queued before the partials' read); no wait in practice
                 self._accept(bucket)
             else:
                 self.fail(checksum_error(bucket, got))
         self.pending = kept + self.pending
+
+    @staticmethod
+    def _on_host(bucket: Bucket, payload: torch.Tensor) -> Bucket:
+        """``bucket`` carrying its host copy ``payload`` (the device payload is no longer referenced here)."""
+        return dataclasses.replace(bucket, payload=payload)
 
     def _accept(self, bucket: Bucket) -> None:
         """A bucket whose checksum holds: record its tensors, trust its ``is_last``, stage it."""
@@ -389,7 +419,9 @@ class RefitReceiver:
                 logger.info("dropping stale %s of an abandoned refit", bucket.describe())
                 continue
             if cur is None:
-                cur = _Version(bucket, verify_checksum=self.verify_checksum)
+                cur = _Version(
+                    bucket, verify_checksum=self.verify_checksum, host_copies=keeps_host_copies(self.applier)
+                )
                 if bucket.version <= self.versions.last:
                     cur.fail(
                         RefitError(
@@ -421,7 +453,10 @@ class RefitReceiver:
             try:
                 self.applier.begin(cur.version, cur.metas)
                 stage_many = getattr(self.applier, "stage_many", None)  # optional: the whole version at once
-                if stage_many is not None:
+                if cur.host_copies:  # views of host copies made for this version alone: kept without a copy
+                    for name, tensor in cur.staged:
+                        self.applier.stage(name, tensor, owned=True)
+                elif stage_many is not None:
                     stage_many(cur.staged)
                 else:
                     for name, tensor in cur.staged:

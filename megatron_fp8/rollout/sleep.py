@@ -38,7 +38,7 @@ from typing import Protocol, TypeVar
 import torch
 
 from megatron_fp8.errors import ConfigError, EngineNotServingError, RefitError
-from megatron_fp8.refit.applier import RefitApplier
+from megatron_fp8.refit.applier import RefitApplier, keeps_host_copies
 from megatron_fp8.refit.verify import VerifyReport
 from megatron_fp8.refit.wire import TensorMeta
 from megatron_fp8.rollout.reference.engine import ReferenceFP8Engine
@@ -353,9 +353,18 @@ class SleepingApplier:
         self._pending = {}
         self.inner.begin(version, metas)
 
-    def stage(self, name: str, tensor: torch.Tensor) -> None:
-        """The inner ``stage``; a KV scale is also kept (host float32) for the rewrite after each wake-up."""
-        self.inner.stage(name, tensor)
+    @property
+    def keeps_host_copies(self) -> bool:
+        """The inner applier's (:func:`megatron_fp8.refit.applier.keeps_host_copies`)."""
+        return keeps_host_copies(self.inner)
+
+    def stage(self, name: str, tensor: torch.Tensor, *, owned: bool = False) -> None:
+        """The inner ``stage`` (``owned`` passed on: only to an inner applier that keeps host copies); a KV scale is
+        also kept (host float32) for the rewrite after each wake-up."""
+        if owned:
+            self.inner.stage(name, tensor, owned=True)
+        else:
+            self.inner.stage(name, tensor)
         if _is_kv_scale(name):
             self._pending[name] = tensor.detach().to("cpu", torch.float32).clone().reshape(())
 

@@ -10,7 +10,9 @@ import _warm_cli
 import pytest
 
 from megatron_fp8.config import load_config
+from megatron_fp8.config.memory import engine_weight_bytes
 from megatron_fp8.config.memory_plan import (
+    REFIT_BUCKETS_IN_FLIGHT,
     SLEEPING_ENGINE_BYTES,
     memory_report,
     plan_memory,
@@ -50,14 +52,24 @@ def test_shipped_8b_plan_sleeps_the_engine_while_training():
     assert p["training"]["optimizer state"] == 12 * (LLAMA.num_parameters // 4) // 2  # sharded over DP 4
     assert p["training"]["sleeping engine (assumed)"] == SLEEPING_ENGINE_BYTES and "engine" not in p["training"]
     assert p["generation"] == {"engine": 40 * GB, "trainer weights": w}  # optimizer and gradients offloaded
-    assert set(p["refit"]) == {"trainer weights", "woken engine weights", "refit bucket", "sleeping engine (assumed)"}
+    assert set(p["refit"]) == {
+        "trainer weights",
+        "woken engine weights",
+        "refit buckets in flight",
+        "sleeping engine (assumed)",
+    }
+    # the refit stream stays on the GPU: the buckets in flight there, the version staged in host memory
+    assert p["refit"]["refit buckets in flight"] == REFIT_BUCKETS_IN_FLIGHT * (cfg.refit.bucket_size_mb << 20)
     assert plan.fits and plan.peak.phase == "generation" and round(plan.peak.total / GB, 1) == 48.0
-    assert plan.host_bytes == p["training"]["optimizer state"]  # pinned host copies of the offloaded state
+    staged = engine_weight_bytes(cfg, LLAMA)
+    assert 8.5 * GB < staged < 9.5 * GB  # the FP8 version of 8B (1 B per linear weight, BF16 embeddings and norms)
+    # pinned host copies of the offloaded state, and the refit's version staged until its commit
+    assert plan.host_bytes == p["training"]["optimizer state"] + staged
     # the engine awake throughout (sleep level 0): the trainer's whole state next to the engine's budget
     awake = plan_memory(_replaced(cfg, "policy.generation.colocated", sleep_level=0), LLAMA, gpu=H100, processes=8)
     assert not awake.offload and all("engine awake" in ph or "engine" in ph for ph in _phases(awake).values())
     assert awake.peak.total == 40 * GB + sum(v for k, v in p["training"].items() if "engine" not in k) + (
-        cfg.refit.bucket_size_mb << 20
+        REFIT_BUCKETS_IN_FLIGHT * (cfg.refit.bucket_size_mb << 20)
     )
     # level 1 keeps the engine's weights in host memory
     level1 = plan_memory(_replaced(cfg, "policy.generation.colocated", sleep_level=1), LLAMA, gpu=H100, processes=8)

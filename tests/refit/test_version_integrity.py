@@ -5,7 +5,8 @@ Faults are made by a hostile wire: :class:`TamperingTransport` is the real in-pr
 reason, that the applier holds the last good version byte for byte, that the sender saw the refusal,
 and that the next clean version commits. The ``wire`` tests run with CPU buckets and (``gpu``) with CUDA
 buckets, where the receiver reads each bucket's checksum partials back on its own and settles buckets
-while later ones are still in flight: the refusals must name the same bucket and reason on both.
+while later ones are still in flight: the refusals must name the same bucket and reason on both. Each also
+runs with an applier that keeps host copies (the receiver's host staging, as for the vLLM applier).
 """
 
 from __future__ import annotations
@@ -36,6 +37,17 @@ def _holds(applier: DictApplier, items) -> bool:
     return all(torch.equal(applier.tensors[n].cpu().view(torch.uint8), t.view(torch.uint8)) for n, t in items)
 
 
+class HostStagedApplier(DictApplier):
+    """The reference applier, told to keep host copies: the receiver stages the version on the host for it
+    (what it does for the vLLM applier); every staged tensor must arrive as an owned host copy."""
+
+    keeps_host_copies = True
+
+    def stage(self, name, tensor, *, owned=False):
+        assert owned and tensor.device.type == "cpu", (name, owned, tensor.device)
+        super().stage(name, tensor)
+
+
 class TamperingTransport(InProcTransport):
     """The in-process transport with a hostile wire: ``fault(bucket)`` alters a bucket or loses it (``None``)."""
 
@@ -63,13 +75,21 @@ def _send_in_thread(sender, items, version):
     return th, box
 
 
-@pytest.fixture(params=["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+@pytest.fixture(
+    params=[
+        ("cpu", DictApplier),
+        ("cpu", HostStagedApplier),
+        pytest.param(("cuda", DictApplier), marks=pytest.mark.gpu),
+        pytest.param(("cuda", HostStagedApplier), marks=pytest.mark.gpu),
+    ],
+    ids=["cpu", "cpu-host-staged", "cuda", "cuda-host-staged"],
+)
 def wire(request):
     """A tampering wire, a sender packing buckets on the device, and a receiver whose applier holds version 1."""
-    device = torch.device(request.param)
+    device, kind = torch.device(request.param[0]), request.param[1]
     transport = TamperingTransport(maxsize=64, timeout=5.0)
     v1 = _model(1)
-    applier = DictApplier({n: torch.zeros_like(t, device=device) for n, t in v1})
+    applier = kind({n: torch.zeros_like(t, device=device) for n, t in v1})
     receiver = RefitReceiver(transport, apply=applier, timeout=0.5)  # 0.5 s: how long a lost tail is waited for
     sender = RefitSender(transport, bucket_bytes=BUCKET, device=device)
     th, box = _send_in_thread(sender, v1, 1)

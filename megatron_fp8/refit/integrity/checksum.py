@@ -18,6 +18,10 @@ not an adversary.
 On CUDA with Triton the partials come from one kernel launch reading every payload byte once
 (:mod:`megatron_fp8.refit.integrity.kernels`); on CPU from numpy's integer sums over the payload's memory; on any
 other device from four torch ops. All give the same int64 partials.
+
+The host reads: :class:`HostCopy` copies a tensor to the host behind the host's back (pinned memory and an event on
+CUDA); :class:`HostRead` reads a bucket's partials (and probe flags) back through it, and the receiver stages whole
+buckets in host memory with it for an applier that keeps host copies.
 """
 
 from __future__ import annotations
@@ -193,46 +197,79 @@ def read_host_int64(values: torch.Tensor) -> np.ndarray:
     return values.detach().cpu().numpy()
 
 
+class HostCopy:
+    """A host copy of ``values`` that belongs to its taker alone (never a view of ``values``).
+
+    Args:
+        values: any tensor; on CUDA it must not be written to until :meth:`ready` (or :meth:`tensor` returned).
+    """
+
+    __slots__ = ("_event", "_host")
+
+    def __init__(self, values: torch.Tensor):
+        self._event = None
+        if values.is_cuda:
+            self._host = torch.empty(values.shape, dtype=values.dtype, pin_memory=True)
+            self._host.copy_(values.detach(), non_blocking=True)
+            self._event = torch.cuda.Event()
+            self._event.record()
+        else:
+            self._host = values.detach().to("cpu", copy=True)
+
+    @property
+    def asynchronous(self) -> bool:
+        """Whether the copy runs behind the host's back (CUDA): waiting for it later is worth a lookahead."""
+        return self._event is not None
+
+    @property
+    def destination(self) -> torch.Tensor:
+        """The host tensor the copy goes to, without waiting: its bytes are valid once :meth:`ready` (or after
+        any later host wait on work queued behind the copy on its stream)."""
+        return self._host
+
+    def ready(self) -> bool:
+        """Whether :meth:`tensor` would return without waiting for the device (always, off CUDA); not a sync."""
+        return self._event is None or self._event.query()
+
+    def tensor(self) -> torch.Tensor:
+        """The host tensor (same shape and dtype as the source; pinned on CUDA); waits for the copy on CUDA."""
+        if self._event is not None:
+            self._event.synchronize()
+        return self._host
+
+
 class HostRead:
     """A host read of a 1-D int64 tensor started now and taken later (:meth:`result`), so the host can go on.
 
-    On CUDA the values are copied into pinned host memory by a non-blocking copy on the current stream and an
-    event is recorded after it: :meth:`result` waits for that event only, not for work queued behind it (the next
-    bucket's kernels, or another thread's on a shared stream). Elsewhere :meth:`result` is
-    :func:`read_host_int64`. Either way one host read (one device sync on a GPU).
+    On CUDA a :class:`HostCopy` (pinned memory, non-blocking, an event after it):
+    :meth:`result` waits for that event only, not for work queued behind it (the next bucket's kernels, or another
+    thread's on a shared stream). Elsewhere :meth:`result` is :func:`read_host_int64`. Either way one host read
+    (one device sync on a GPU).
 
     Args:
         values: 1-D int64 tensor (any device); not written to until :meth:`result` returns.
     """
 
-    __slots__ = ("_event", "_pinned", "_values")
+    __slots__ = ("_copy", "_values")
 
     def __init__(self, values: torch.Tensor):
-        self._values: torch.Tensor | None = values
-        self._pinned: torch.Tensor | None = None
-        self._event = None
-        if values.is_cuda:
-            self._pinned = torch.empty(values.shape, dtype=values.dtype, pin_memory=True)
-            self._pinned.copy_(values, non_blocking=True)
-            self._event = torch.cuda.Event()
-            self._event.record()
-            self._values = None
+        self._values: torch.Tensor | None = None if values.is_cuda else values
+        self._copy = HostCopy(values) if values.is_cuda else None
 
     @property
     def asynchronous(self) -> bool:
         """Whether the copy runs behind the host's back (CUDA): waiting for it later is worth a lookahead."""
-        return self._values is None
+        return self._copy is not None
 
     def ready(self) -> bool:
         """Whether :meth:`result` would return without waiting for the device (always, off CUDA); not a sync."""
-        return self._event is None or self._event.query()
+        return self._copy is None or self._copy.ready()
 
     def result(self) -> np.ndarray:
         """The values as a host int64 numpy array (waits for the copy on CUDA)."""
-        if self._values is not None:
+        if self._copy is None:
             return read_host_int64(self._values)
-        self._event.synchronize()
-        return self._pinned.numpy()
+        return self._copy.tensor().numpy()
 
 
 _HEADER_MASK = (1 << 61) - 1

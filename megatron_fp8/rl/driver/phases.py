@@ -26,12 +26,14 @@ import torch
 
 from bridge_mappings.manifest import Manifest
 from bridge_mappings.quantized_export import ExportSettings, checked_stream, quantized_stream, refit_stream
+from megatron_fp8.config.memory_plan import COLOCATED_QUEUED_BUCKETS
 from megatron_fp8.config.schema import KVCacheConfig, RunConfig
 from megatron_fp8.errors import ConfigError, ManifestError
 from megatron_fp8.megatron import MegatronModel, StepOptimizer, export_hf_weights, sequence_logprobs, train_step
 from megatron_fp8.megatron.reference import ReferenceWeights
 from megatron_fp8.megatron.schedule import from_last_stage
 from megatron_fp8.recipes.precision import math_label, trainer_dtype_name
+from megatron_fp8.refit.applier import keeps_host_copies
 from megatron_fp8.refit.pipeline import ColocatedRefit
 from megatron_fp8.rl.algorithm.batch import Tokenizer, decode_response, group_advantages, make_batch, pad_to_length
 from megatron_fp8.rl.algorithm.correction import ISResult, PPOStats, ppo_loss
@@ -59,6 +61,12 @@ class RefitTarget(Protocol):
     """Where an arm's refits go: its colocated engine (:class:`ColocatedTarget`) or separate rollout ranks
     (:class:`megatron_fp8.rl.cluster.remote.RemoteRollout`)."""
 
+    @property
+    def stream_on_device(self) -> bool:
+        """Whether the target takes the refit stream on the trainer's device (a GPU trainer then exports and
+        quantizes there); ``False``: it wants host tensors (the export copies each weight to the host)."""
+        ...
+
     def refit(self, stream: Iterable[tuple[str, torch.Tensor]]) -> RefitDone:
         """Send one version; return when every engine committed it (raises when one refused)."""
         ...
@@ -79,7 +87,16 @@ class ColocatedTarget:
 
     def __init__(self, engine: RolloutEngine, *, bucket_bytes: int, timeout: float):
         self._engine = engine
-        self._refit = ColocatedRefit(engine.applier, bucket_bytes=bucket_bytes, timeout=timeout)
+        self._refit = ColocatedRefit(
+            engine.applier, bucket_bytes=bucket_bytes, timeout=timeout, queued_buckets=COLOCATED_QUEUED_BUCKETS
+        )
+
+    @property
+    def stream_on_device(self) -> bool:
+        """An applier that keeps host copies (vLLM's) gets the version staged on the host by the receiver, one
+        bucket at a time, so the stream may stay on the trainer's GPU (its weights quantized there, the FP8 bytes
+        copied to the host); the reference engine's applier takes host tensors."""
+        return keeps_host_copies(self._engine.applier)
 
     def refit(self, stream: Iterable[tuple[str, torch.Tensor]]) -> RefitDone:
         """One verified refit of the engine (see :class:`~megatron_fp8.refit.pipeline.ColocatedRefit`)."""
@@ -482,20 +499,28 @@ def _token_weighted(stats: Sequence[PPOStats]) -> dict[str, float]:
 
 def _refit_tensors(state: ArmState) -> Iterable[tuple[str, torch.Tensor]]:
     """The HF-named stream: BF16 export, or FP8 per the manifest (+ KV-cache scales when recorded); each FP8
-    weight is quantized by the refit packer straight into its bucket (``in_bucket=True``: a few ops per bucket)."""
-    fp32_trainer = next(state.model.model[0].parameters()).dtype == torch.float32
+    weight is quantized by the refit packer straight into its bucket (``in_bucket=True``: a few ops per bucket).
+
+    The export stays on the trainer's GPU when the target takes a device stream (:attr:`RefitTarget.stream_on_device`):
+    the weights are then quantized there (the Triton in-bucket path) and only the refit's bytes reach the host;
+    otherwise every weight is copied to the host first and quantized there.
+    """
+    first = next(state.model.model[0].parameters())
+    fp32_trainer = first.dtype == torch.float32
+    cpu = not (first.is_cuda and state.refit.stream_on_device)
     if state.spec.rollout_precision != "fp8":
-        return rollout_dtype_stream(export_hf_weights(state.model)) if fp32_trainer else export_hf_weights(state.model)
+        exported = export_hf_weights(state.model, cpu=cpu)
+        return rollout_dtype_stream(exported) if fp32_trainer else exported
     if state.manifest is None:
         raise ManifestError(f"arm {state.spec.name} rolls out in FP8 but was given no FP8 manifest")
     stream: Iterable[tuple[str, torch.Tensor]]
     if fp32_trainer:  # quantize the BF16 values, as a BF16 trainer on a GPU would send them
-        bf16 = rollout_dtype_stream(export_hf_weights(state.model))
+        bf16 = rollout_dtype_stream(export_hf_weights(state.model, cpu=cpu))
         stream = checked_stream(
             quantized_stream(bf16, state.manifest, state.export_settings, in_bucket=True), state.manifest
         )
     else:  # the bridge adapter uses Megatron-Bridge's quantized-export hook where the installed version has one
-        stream = refit_stream(state.model, state.manifest, state.export_settings, in_bucket=True)
+        stream = refit_stream(state.model, state.manifest, state.export_settings, in_bucket=True, cpu=cpu)
     if state.kv_recorder is not None and state.kv_recorder.layers():
         kv = compute_kv_scales(
             state.kv_recorder, percentile=state.kv_settings.percentile, margin=state.kv_settings.margin

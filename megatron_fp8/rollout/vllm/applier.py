@@ -7,7 +7,9 @@ protocol for an engine carrying
 * ``begin`` checks the version's metadata (names, shapes, dtypes, completeness) against
   the refit set the engine reported (``mfp8_expected``) and refuses before anything is
   staged; ``partial=True`` is the explicit opt-in to partial versions;
-* ``stage`` keeps a copy of each tensor (the receiver hands views of its buckets);
+* ``stage`` keeps each tensor in host memory until the commit (``keeps_host_copies``: the receiver stages the
+  version on the host for it, so a refit stream on a GPU holds only its buckets in flight there, and the workers
+  load from host tensors as vLLM's loaders expect); a tensor it is not told it owns is copied to the host;
 * ``commit`` hands the whole version to every worker (``collective_rpc("mfp8_apply")``),
   which validates it again (values included) before its first write, loads it, verifies
   it exactly, and on a failure after the first write rolls back (native reload) or stops
@@ -178,11 +180,25 @@ class VllmApplier:
         validate_metas(((m.name, tuple(m.shape), m.dtype) for m in metas), self.expected, partial=self.partial)
         self._pending = version
 
-    def stage(self, name: str, tensor: torch.Tensor) -> None:
-        """Keep a copy of one tensor (the receiver's bucket buffers are reused)."""
+    keeps_host_copies = True
+    """The staged version is kept in host memory (:func:`megatron_fp8.refit.applier.keeps_host_copies`)."""
+
+    def stage(self, name: str, tensor: torch.Tensor, *, owned: bool = False) -> None:
+        """Keep one tensor in host memory until the commit.
+
+        Args:
+            name: its HF name.
+            tensor: the values (any device).
+            owned: ``tensor`` is a view of a host copy made for this version alone (the receiver's host staging):
+                kept as it is. Otherwise it is copied to the host (bucket buffers may be reused).
+        """
         if self._pending is None:
             raise RefitError(f"stage({name!r}) called before a successful begin()")
-        self._items.append((name, tensor.clone()))
+        if owned and tensor.device.type != "cpu":
+            raise RefitError(
+                f"stage({name!r}, owned=True) was handed a {tensor.device} tensor; owned tensors are host copies"
+            )
+        self._items.append((name, tensor if owned else tensor.detach().to("cpu", copy=True)))
 
     def commit(self, version: int) -> None:
         """Apply the staged version on every worker; see the module docstring for what a failure leaves."""

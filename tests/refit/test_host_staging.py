@@ -1,0 +1,180 @@
+"""The receiver's host staging: an applier that keeps host copies (the vLLM applier) gets the version in host
+memory, one copy per bucket made as the bucket arrives, and a GPU keeps only the buckets in flight.
+
+CPU tests check the contract on every machine (owned host copies, one per bucket, none a view of a bucket the
+sender sent, the bytes sent, one copy op per bucket on the receiver's thread); ``gpu`` tests check the CUDA path
+(pinned, asynchronous copies; the device payload dropped, so the refit's device memory stays near its buckets in
+flight instead of growing with the version).
+"""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+import torch
+
+from megatron_fp8.refit import InProcTransport, RefitReceiver, RefitSender
+from megatron_fp8.refit.applier import keeps_host_copies
+from megatron_fp8.refit.integrity.checksum import HostCopy
+from megatron_fp8.refit.opcount import OpCounter
+from megatron_fp8.refit.pipeline import ColocatedRefit
+from megatron_fp8.refit.synthetic import SPECS, fp8_stream, linear_shapes, synthetic_weights
+
+BUCKET = 256 * 1024
+
+
+class HostKeeper:
+    """An applier that keeps what it is handed, as the vLLM applier does (writes to no engine)."""
+
+    keeps_host_copies = True
+
+    def __init__(self):
+        self.staged: list[tuple[str, torch.Tensor, bool]] = []
+        self.committed: list[tuple[str, torch.Tensor]] = []
+
+    def begin(self, version, metas):
+        self.staged = []
+
+    def stage(self, name, tensor, *, owned=False):
+        self.staged.append((name, tensor, owned))
+
+    def commit(self, version):
+        self.committed = [(n, t) for n, t, _ in self.staged]
+
+    def abort(self, version, reason):
+        self.staged = []
+
+
+class PlainKeeper(HostKeeper):
+    """The same applier without host copies (the receiver hands it views of its buckets)."""
+
+    keeps_host_copies = False
+
+    def stage(self, name, tensor):
+        self.staged.append((name, tensor, False))
+
+
+class RecordingTransport(InProcTransport):
+    """The in-process transport, remembering the payload storage of every bucket sent."""
+
+    def __init__(self, **kwargs):
+        super().__init__(**kwargs)
+        self.sent_ptrs: list[int] = []
+        self.buckets = 0
+
+    def send(self, bucket, *, timeout=None):
+        self.sent_ptrs.append(bucket.payload.untyped_storage().data_ptr())
+        self.buckets += 1
+        super().send(bucket, timeout=timeout)
+
+
+def _items(device="cpu", *, layers=2):
+    """An FP8 refit stream of the tiny spec (2 layers: 7 buckets; 8 layers: 28)."""
+    spec = SPECS["tiny"].shrunk(1, num_layers=layers)
+    return [(n, t.to(device)) for n, t in fp8_stream(synthetic_weights(spec, seed=3), linear_shapes(spec))]
+
+
+def _receive(applier, items, device, *, maxsize=64):
+    """Send ``items`` as version 1 from a thread; receive it here under an op counter; (transport, counts)."""
+    transport = RecordingTransport(maxsize=maxsize, timeout=10.0)
+    sender = RefitSender(transport, bucket_bytes=BUCKET, device=device)
+    receiver = RefitReceiver(transport, apply=applier, timeout=10.0)
+    box: dict = {}
+    th = threading.Thread(target=lambda: box.setdefault("report", sender.send(items, version=1)))
+    th.start()
+    with OpCounter() as counter:
+        receiver.receive()
+    th.join()
+    assert "report" in box
+    return transport, counter.counts
+
+
+def test_host_copy_off_cuda_is_an_owned_copy():
+    src = torch.arange(1000, dtype=torch.int32)
+    copy = HostCopy(src)
+    assert copy.ready() and not copy.asynchronous
+    got = copy.tensor()
+    src.fill_(-1)
+    assert got.data_ptr() != src.data_ptr() and torch.equal(got, torch.arange(1000, dtype=torch.int32))
+
+
+def test_the_protocol_flag_is_read_from_the_applier():
+    assert keeps_host_copies(HostKeeper()) and not keeps_host_copies(PlainKeeper()) and not keeps_host_copies(object())
+
+
+def test_an_applier_keeping_host_copies_gets_owned_copies_one_per_bucket_with_the_bytes_sent():
+    items = _items()
+    keeper = HostKeeper()
+    transport, counts = _receive(keeper, items, "cpu")
+    assert transport.buckets >= 4, "the test needs several buckets"
+    sent = dict(items)
+    assert [n for n, _, _ in keeper.staged] == [n for n, _ in items]
+    storages = set()
+    for name, tensor, owned in keeper.staged:
+        assert owned and tensor.device.type == "cpu", name
+        assert torch.equal(tensor.view(torch.uint8), sent[name].view(torch.uint8)), name
+        storages.add(tensor.untyped_storage().data_ptr())
+    assert len(storages) == transport.buckets  # one host copy per bucket, every tensor a view of its bucket's copy
+    assert not storages & set(transport.sent_ptrs)  # never a view of a bucket the sender may reuse
+
+    plain = PlainKeeper()
+    plain_transport, plain_counts = _receive(plain, items, "cpu")
+    assert {t.untyped_storage().data_ptr() for _, t, _ in plain.staged} <= set(plain_transport.sent_ptrs)  # views
+    extra = counts.compute - plain_counts.compute
+    assert sum(extra.values()) == transport.buckets, extra  # exactly one copy op per bucket, nothing per tensor
+    assert counts.num_host_reads == plain_counts.num_host_reads
+
+
+def test_a_corrupted_bucket_stages_nothing_with_host_copies():
+    items = _items()
+    keeper = HostKeeper()
+    refit = ColocatedRefit(keeper, bucket_bytes=BUCKET, timeout=10.0)
+    original = refit.transport.send
+
+    def flip(bucket, *, timeout=None):
+        if bucket.index == 1:
+            bucket.payload[-1] ^= 1
+        original(bucket, timeout=timeout)
+
+    refit.transport.send = flip
+    try:
+        with pytest.raises(Exception, match="bucket 1 of version 1: checksum mismatch"):
+            refit.refit(items)
+        assert keeper.committed == [] and keeper.staged == []
+        refit.transport.send = original
+        result = refit.refit(items)
+        assert result.version == 2 and len(keeper.committed) == len(items)
+    finally:
+        refit.close()
+
+
+@pytest.mark.gpu
+def test_gpu_host_copy_is_pinned_asynchronous_and_survives_the_source_being_reused():
+    src = torch.randint(0, 255, (64 << 20,), dtype=torch.uint8, device="cuda")
+    want = src.cpu()
+    copy = HostCopy(src)
+    assert copy.asynchronous and copy.destination.is_pinned()
+    del src  # freed: the allocator may hand its memory to the next allocation, ordered after the copy
+    again = torch.zeros(64 << 20, dtype=torch.uint8, device="cuda")
+    again.fill_(7)
+    assert torch.equal(copy.tensor(), want)
+
+
+@pytest.mark.gpu
+def test_gpu_host_staging_keeps_only_the_buckets_in_flight_on_the_device():
+    items = _items("cuda", layers=8)
+    version_bytes = sum(t.numel() * t.element_size() for _, t in items)
+    keeper = HostKeeper()
+    torch.cuda.synchronize()
+    base = torch.cuda.memory_allocated()
+    torch.cuda.reset_peak_memory_stats()
+    transport, _ = _receive(keeper, items, "cuda", maxsize=1)
+    torch.cuda.synchronize()
+    peak = torch.cuda.max_memory_allocated() - base
+    assert transport.buckets >= 20
+    assert all(owned and t.device.type == "cpu" and t.is_pinned() for _, t, owned in keeper.staged)
+    sent = dict(items)
+    assert all(torch.equal(t.view(torch.uint8), sent[n].cpu().view(torch.uint8)) for n, t, _ in keeper.staged)
+    assert torch.cuda.memory_allocated() - base < 2 * BUCKET  # nothing of the version is left on the device
+    assert peak < version_bytes / 2, (peak, version_bytes)  # the version never sat on the device whole
