@@ -19,9 +19,34 @@ from megatron_fp8.refit.opcount import OpCounter
 Stream = Iterable[tuple[str, torch.Tensor]]
 StreamFactory = Callable[[], Stream]
 TargetSpec = list[tuple[str, tuple[int, ...], str]]
-APPLIERS = ("noop", "dict")
+APPLIERS = ("noop", "dict", "host")
 """``noop``: buckets fully validated (checksums, announced set), nothing copied; ``dict``: :class:`DictApplier` into
-targets on the device (values checked, backup for rollback, one multi-tensor copy, read back and compared)."""
+targets on the device (values checked, backup for rollback, one multi-tensor copy, read back and compared); ``host``:
+the receiver's host staging as vLLM's applier gets it (every bucket copied into pinned host memory as it arrives,
+the version kept there until the commit), without an engine to load it into (in-process only)."""
+
+
+class HostStagingApplier:
+    """Keeps the version the receiver staged in host memory for it, as vLLM's applier does, and drops it at the
+    commit: what a GRPO refit into vLLM pays before vLLM's own load (:func:`megatron_fp8.refit.applier.keeps_host_copies`).
+    """
+
+    keeps_host_copies = True
+
+    def __init__(self) -> None:
+        self.staged: list[tuple[str, torch.Tensor]] = []
+
+    def begin(self, version: int, metas) -> None:
+        self.staged = []
+
+    def stage(self, name: str, tensor: torch.Tensor, *, owned: bool = False) -> None:
+        self.staged.append((name, tensor if owned else tensor.to("cpu", copy=True)))
+
+    def commit(self, version: int) -> None:
+        self.staged = []
+
+    def abort(self, version: int, reason: str) -> None:
+        self.staged = []
 
 
 def sync(device: torch.device) -> None:
@@ -55,9 +80,11 @@ def target_spec(factory: StreamFactory) -> TargetSpec:
 
 
 def make_applier(kind: str, spec: TargetSpec | None, device: torch.device):
-    """The receiver-side applier of a run: ``noop`` or a ``dict`` over zero targets of ``spec`` on ``device``."""
+    """The receiver-side applier of a run: ``noop``, a ``dict`` over zero targets of ``spec`` on ``device``, or ``host``."""
     if kind == "noop":
         return CallableApplier(lambda version, pairs: None)
+    if kind == "host":
+        return HostStagingApplier()
     if kind == "dict":
         assert spec is not None
         targets = {n: torch.zeros(shape, dtype=getattr(torch, dt), device=device) for n, shape, dt in spec}

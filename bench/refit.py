@@ -11,8 +11,11 @@ of the "FP8 params" payload comparison.
 Transports: ``inproc`` (sender and receiver threads of this process), ``gloo``
 (CPU: this process is rank 0, a spawned process receives) and ``cuda_ipc``
 (CUDA: a spawned process on the same GPU receives). Appliers: ``noop`` (every
-bucket validated, nothing copied) and ``dict`` (a DictApplier into targets on the
-device: values checked, rollback backup, one multi-tensor copy, read back).
+bucket validated, nothing copied), ``dict`` (a DictApplier into targets on the
+device: values checked, rollback backup, one multi-tensor copy, read back) and
+``host`` (in-process only: the receiver stages the version in pinned host memory,
+as for vLLM's applier in a GRPO run; on CUDA the bytes cross to the host, so
+FP8's halving shows there).
 Each timing runs from the first stream item to the receiver's commit; on CUDA a
 warm-up refit runs first. The JSON also holds the device's copy bandwidth (bytes
 read + written per second by a 1 GiB ``copy_``, as in bench/quant.py), each run's
@@ -285,7 +288,8 @@ def bench_stream_factories(
         repeats: refits per (stream, transport); the median is reported.
         timeout: per-wait transport deadline, seconds.
         threads: torch intra-op threads of the gloo receiver process.
-        appliers: receiver-side appliers (:data:`_refit_device.APPLIERS`); gloo runs ``noop`` only.
+        appliers: receiver-side appliers (:data:`_refit_device.APPLIERS`); gloo runs ``noop`` only, ``host`` runs
+            in process only.
         device: where buckets (and ``dict`` targets) live; default CPU.
 
     Returns:
@@ -301,6 +305,8 @@ def bench_stream_factories(
                 if applier != "noop":
                     continue
                 kwargs = {"threads": threads}
+            elif applier == "host" and name != "inproc":
+                continue
             else:
                 kwargs = {"applier_kind": applier, "device": device}
             if device.type == "cuda":  # the last run's targets and buckets stay reserved in the caching allocator:
@@ -428,7 +434,9 @@ def main(argv: list[str] | None = None) -> int:
         default=None,
         help="comma-separated: inproc,gloo (CPU), inproc,cuda_ipc (CUDA; the default there)",
     )
-    ap.add_argument("--appliers", default=None, help="comma-separated: noop,dict (default: noop on CPU, both on CUDA)")
+    ap.add_argument(
+        "--appliers", default=None, help="comma-separated: noop,dict,host (default: noop on CPU, all three on CUDA)"
+    )
     ap.add_argument("--bucket-mb", type=float, default=None, help="bucket size in MiB (default: sized for the device)")
     ap.add_argument("--repeats", type=int, default=1)
     ap.add_argument("--threads", type=int, default=None, help="torch intra-op threads (default: torch's)")
@@ -466,7 +474,8 @@ def main(argv: list[str] | None = None) -> int:
         torch.cuda.set_device(device)
         args.out = args.out or "bench/results/refit_cuda.json"
     transport_names = args.transports or ("inproc,cuda_ipc" if use_cuda else ",".join(TRANSPORT_NAMES))
-    appliers = [a for a in (args.appliers or ("noop,dict" if use_cuda else "noop")).split(",") if a]
+    appliers = [a for a in (args.appliers or ("noop,dict,host" if use_cuda else "noop")).split(",") if a]
+    counted = "dict" if "dict" in appliers else appliers[-1]  # the applier whose op counts the JSON records
     base = get_spec(args.spec)
     layers = args.layers if args.layers is not None else (base.num_layers if use_cuda else 2)
     spec = base.shrunk(args.shrink, num_layers=min(layers, base.num_layers))
@@ -492,9 +501,7 @@ def main(argv: list[str] | None = None) -> int:
         name: dev.count_ops(
             factory,
             bucket_bytes=bucket_bytes,
-            applier=dev.make_applier(
-                appliers[-1], dev.target_spec(factory) if appliers[-1] == "dict" else None, device
-            ),
+            applier=dev.make_applier(counted, dev.target_spec(factory) if counted == "dict" else None, device),
             device=device,
         )
         for name, factory in factories.items()

@@ -98,6 +98,8 @@ class RemoteRollout:
 
     collective_generate = True
     engine_ranks = 1  # each trainer rank asks for its own samples
+    stream_on_device = False
+    """The refit stream is exported to the host (the link's transport sends host buckets)."""
 
     def __init__(self, *, setup: ArmSetup, config: RunConfig, groups: Groups):
         self.name, self.precision, self.setup = "", "", setup

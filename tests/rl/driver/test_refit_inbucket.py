@@ -50,13 +50,19 @@ def _state(weights, precision: str, monkeypatch, *, scale_format: str = "fp32"):
     """An arm state with only what ``_refit_tensors`` reads; the export answers ``weights`` as parameters (they
     require grad, as a trainer's do)."""
     params = {n: t.detach().clone().requires_grad_(True) for n, t in weights.items()}
-    monkeypatch.setattr(phases, "export_hf_weights", lambda model: iter(list(params.items())))
+
+    def export(model, *, cpu=True):
+        assert cpu, "a CPU trainer's export goes to the host"
+        return iter(list(params.items()))
+
+    monkeypatch.setattr(phases, "export_hf_weights", export)
     return SimpleNamespace(
         spec=SimpleNamespace(name=precision, rollout_precision=precision),
         manifest=_manifest(weights),
         export_settings=ExportSettings(scale_format=scale_format),
         kv_recorder=None,
         model=SimpleNamespace(model=[torch.nn.Linear(2, 2)]),  # float32 parameters: the CPU trainer's branch
+        refit=SimpleNamespace(stream_on_device=True),  # a colocated vLLM engine (the stream stays on a GPU trainer's)
     )
 
 
@@ -143,3 +149,63 @@ def test_a_nan_in_a_grpo_fp8_weight_is_refused_naming_it(checkpoint, monkeypatch
     state = _state(bad, "fp8", monkeypatch)
     with pytest.raises(NonFiniteError, match=rf"'{name}' of version 5 .*first at index \(300, 7\)"):
         list(pack_buckets(phases._refit_tensors(state), version=5, bucket_bytes=48 << 10))
+
+
+class _GpuParameter:
+    """What ``_refit_tensors`` reads of a GPU trainer's first parameter (no GPU here)."""
+
+    is_cuda = True
+    dtype = torch.bfloat16
+
+
+@pytest.mark.parametrize("precision", ["bf16", "fp8"])
+@pytest.mark.parametrize("on_device", [True, False], ids=["vllm-colocated", "host-target"])
+def test_a_gpu_trainer_exports_on_its_gpu_exactly_when_the_target_takes_a_device_stream(
+    monkeypatch, precision, on_device
+):
+    """The BF16 export and the FP8 refit stream are asked for host tensors only when the target wants them."""
+    asked: list[bool] = []
+
+    def export(model, *, cpu=True):
+        asked.append(cpu)
+        return iter(())
+
+    def stream(model, manifest, settings, *, in_bucket, cpu=True):
+        assert in_bucket
+        asked.append(cpu)
+        return iter(())
+
+    monkeypatch.setattr(phases, "export_hf_weights", export)
+    monkeypatch.setattr(phases, "refit_stream", stream)
+    state = SimpleNamespace(
+        spec=SimpleNamespace(name=precision, rollout_precision=precision),
+        manifest=_manifest({"model.layers.0.mlp.up_proj.weight": torch.zeros(1)}),
+        export_settings=ExportSettings(),
+        kv_recorder=None,
+        model=SimpleNamespace(model=[SimpleNamespace(parameters=lambda: iter([_GpuParameter()]))]),
+        refit=SimpleNamespace(stream_on_device=on_device),
+    )
+    list(phases._refit_tensors(state))
+    assert asked == [not on_device]
+
+
+def test_which_targets_take_a_device_stream():
+    """vLLM's applier keeps host copies (the receiver stages on the host for it), also behind the sleep schedule:
+    its colocated target takes the stream on the GPU; the reference engine's applier and the separate rollout ranks'
+    link take host tensors."""
+    from megatron_fp8.rl.cluster.remote import RemoteRollout
+    from megatron_fp8.rollout.reference.applier import ReferenceEngineApplier
+    from megatron_fp8.rollout.sleep import ColocatedSleep, RecordingSleepControl
+    from megatron_fp8.rollout.vllm.applier import VllmApplier
+
+    vllm = object.__new__(VllmApplier)  # its class's declaration; building one needs an engine (tests/rollout/vllm)
+    slept = ColocatedSleep(control=RecordingSleepControl(), applier=vllm, level=2, kv_scales=None).applier
+    reference = object.__new__(ReferenceEngineApplier)
+    assert RemoteRollout.stream_on_device is False
+    for applier, on_device in ((vllm, True), (slept, True), (reference, False)):
+        target = phases.ColocatedTarget(SimpleNamespace(applier=applier), bucket_bytes=1 << 20, timeout=1.0)
+        try:
+            assert target.stream_on_device is on_device, applier
+            assert target._refit.receiver.applier is applier and target._refit.transport._queue.maxsize == 1
+        finally:
+            target.close()
