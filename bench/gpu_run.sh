@@ -6,7 +6,8 @@
 #                                         (it returns at most 8 files from $OUT; this writes 16)
 #
 # Writes to ${RESULTS:-bench/results}: gpu_tests.xml/.log, quant_cuda.json/.log, refit_cuda.json/.log,
-# refit_profile_cuda.json/.log (where one refit's GPU and host time goes), refit_link_{gloo,nccl}.json/.log (the
+# refit_profile_cuda.json/.log (where one refit's GPU and host time goes), refit_host_cuda.json/.log (the refit with
+# the receiver's host staging, as GRPO's into vLLM), refit_link_{gloo,nccl}.json/.log (the
 # bandwidth-bound refit over a 2-process link, with the link's own bandwidth; NCCL needs two GPUs) and
 # summary.json (each step's exit code and seconds). Every step runs even when an earlier one fails; the exit
 # code is the first failure's. Wheels found in .whl/ (docs/gpu.md lists them) are installed to /tmp/site first.
@@ -72,6 +73,8 @@ if [ "$smoke" = 1 ]; then
     step quant_cuda "$python" bench/quant.py --smoke --out "$results/quant_cuda.json"
     step refit_cuda "$python" bench/refit.py --smoke --no-tiny --out "$results/refit_cuda.json"
     step refit_profile_cuda "$python" bench/profile_refit.py --device cpu --smoke --out "$results/refit_profile_cuda.json"
+    step refit_host_cuda "$python" bench/refit.py --smoke --no-tiny --transports inproc --appliers noop,host \
+        --out "$results/refit_host_cuda.json"
     step refit_link_gloo "$python" bench/refit.py --link gloo --smoke --out "$results/refit_link_gloo.json"
     step refit_link_nccl "$python" bench/refit.py --link nccl --smoke --out "$results/refit_link_nccl.json"
 else
@@ -79,6 +82,9 @@ else
     step quant_cuda "$python" bench/quant.py --device cuda --out "$results/quant_cuda.json"
     step refit_cuda "$python" bench/refit.py --device cuda --repeats 3 --out "$results/refit_cuda.json"
     step refit_profile_cuda "$python" bench/profile_refit.py --out "$results/refit_profile_cuda.json"
+    # the receiver's host staging (GRPO's refit into vLLM): the version crosses to pinned host memory bucket by bucket
+    step refit_host_cuda "$python" bench/refit.py --device cuda --repeats 3 --no-tiny --transports inproc \
+        --appliers noop,host --out "$results/refit_host_cuda.json"
     # bandwidth-bound: the 32-layer set / 8 over gloo (CPU, 1 thread), and the full-width 8B set over NCCL between
     # two GPUs (its JSON says "skipped" on a one-GPU machine)
     step refit_link_gloo env OMP_NUM_THREADS=1 "$python" bench/refit.py --link gloo --threads 1 \

@@ -435,7 +435,7 @@ def main(argv: list[str] | None = None) -> int:
         help="comma-separated: inproc,gloo (CPU), inproc,cuda_ipc (CUDA; the default there)",
     )
     ap.add_argument(
-        "--appliers", default=None, help="comma-separated: noop,dict,host (default: noop on CPU, all three on CUDA)"
+        "--appliers", default=None, help="comma-separated: noop,dict,host (default: noop on CPU, noop,dict on CUDA)"
     )
     ap.add_argument("--bucket-mb", type=float, default=None, help="bucket size in MiB (default: sized for the device)")
     ap.add_argument("--repeats", type=int, default=1)
@@ -474,7 +474,7 @@ def main(argv: list[str] | None = None) -> int:
         torch.cuda.set_device(device)
         args.out = args.out or "bench/results/refit_cuda.json"
     transport_names = args.transports or ("inproc,cuda_ipc" if use_cuda else ",".join(TRANSPORT_NAMES))
-    appliers = [a for a in (args.appliers or ("noop,dict,host" if use_cuda else "noop")).split(",") if a]
+    appliers = [a for a in (args.appliers or ("noop,dict" if use_cuda else "noop")).split(",") if a]
     counted = "dict" if "dict" in appliers else appliers[-1]  # the applier whose op counts the JSON records
     base = get_spec(args.spec)
     layers = args.layers if args.layers is not None else (base.num_layers if use_cuda else 2)

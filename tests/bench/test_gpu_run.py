@@ -21,6 +21,7 @@ def test_gpu_run_smoke_writes_every_result(tmp_path):
         "quant_cuda": 0,
         "refit_cuda": 0,
         "refit_profile_cuda": 0,
+        "refit_host_cuda": 0,
         "refit_link_gloo": 0,
         "refit_link_nccl": 0,
     }
@@ -34,6 +35,14 @@ def test_gpu_run_smoke_writes_every_result(tmp_path):
     profile = json.loads((tmp_path / "refit_profile_cuda.json").read_text())
     assert set(profile) >= {"bf16", "fp8"} and profile["fp8"]["wall_s"] > 0 and profile["fp8"]["top_host"]
     assert set(profile["fp8"]["timeline"]) == {"window_ms", "head_ms", "tail_ms", "device_idle_ms"}
+    host = json.loads((tmp_path / "refit_host_cuda.json").read_text())
+    assert {(r["applier"], r["stream"]) for r in host["runs"]} == {
+        (a, s) for a in ("noop", "host") for s in ("bf16", "fp8")
+    }
+    assert {r["transport"] for r in host["runs"]} == {"inproc"} and set(host["time_ratio_fp8_over_bf16"]) == {
+        "inproc/noop",
+        "inproc/host",
+    }
     link = json.loads((tmp_path / "refit_link_gloo.json").read_text())
     assert link["link"]["gbps"] > 0 and {r["stream"] for r in link["runs"]} == {"bf16", "fp8"}
     nccl = json.loads((tmp_path / "refit_link_nccl.json").read_text())
@@ -51,14 +60,16 @@ def test_gpu_run_step_timeout_stops_a_step_and_runs_the_next(tmp_path):
         PYTHON=sys.executable,
         OMP_NUM_THREADS="1",
         # per-step overrides: every step but quant_cuda stopped after 1 s (the whole smoke run is the test above's);
-        # quant_cuda, after a stopped step and before four more, runs under the 300 s default
-        GPU_RUN_STEP_TIMEOUT="300 gpu_tests:1 refit_cuda:1 refit_profile_cuda:1 refit_link_gloo:1 refit_link_nccl:1",
+        # quant_cuda, after a stopped step and before five more, runs under the 300 s default
+        GPU_RUN_STEP_TIMEOUT=(
+            "300 gpu_tests:1 refit_cuda:1 refit_profile_cuda:1 refit_host_cuda:1 refit_link_gloo:1 refit_link_nccl:1"
+        ),
     )
     proc = subprocess.run(["bash", "bench/gpu_run.sh"], cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
     summary = json.loads((tmp_path / "summary.json").read_text())
     assert summary["gpu_tests"]["rc"] == 124 and proc.returncode == 124, proc.stdout[-2000:]
     assert summary["quant_cuda"]["rc"] == 0
-    stopped = ("refit_cuda", "refit_profile_cuda", "refit_link_gloo", "refit_link_nccl")
+    stopped = ("refit_cuda", "refit_profile_cuda", "refit_host_cuda", "refit_link_gloo", "refit_link_nccl")
     assert {summary[k]["rc"] for k in stopped} == {124}
 
 
