@@ -60,11 +60,23 @@ def test_refits_match_engines_built_from_the_same_weights(tmp_path):
     llm = adapter.build_llm(str(path), skip_tokenizer_init=True)
     try:
         applier = VllmApplier(llm, fp8_names=None)
-        refit = ColocatedRefit(applier, timeout=60)
+        refit = ColocatedRefit(applier, bucket_bytes=1 << 20, timeout=60)
+        staged: list[tuple[bool, str, int]] = []
+        real_stage = applier.stage
+
+        def recording_stage(name, tensor, **kwargs):  # observes what the receiver hands the real applier
+            staged.append((kwargs.get("owned", False), tensor.device.type, tensor.untyped_storage().data_ptr()))
+            real_stage(name, tensor, **kwargs)
+
+        applier.stage = recording_stage
         got = []
         for i, weights in enumerate(sets, start=1):
+            staged.clear()
             result = refit.refit(weights.items())
             assert result.version == i
+            # the receiver staged the version on the host for vLLM's applier: owned copies, one per bucket
+            assert len(staged) == len(weights) and all(owned and device == "cpu" for owned, device, _ in staged)
+            assert len({ptr for _, _, ptr in staged}) == result.send.num_buckets > 1
             assert llm.collective_rpc("mfp8_status")[0] == {"version": i, "serving": True}
             assert applier.last_verify is not None and applier.last_verify.checked >= 28
             assert applier.last_verify.max_rel_error < 2e-2
