@@ -210,9 +210,10 @@ class HostCopy:
         self._event = None
         if values.is_cuda:
             self._host = torch.empty(values.shape, dtype=values.dtype, pin_memory=True)
-            self._host.copy_(values.detach(), non_blocking=True)
-            self._event = torch.cuda.Event()
-            self._event.record()
+            with torch.cuda.device(values.device):  # the copy and its event on the source device's current stream
+                self._host.copy_(values.detach(), non_blocking=True)
+                self._event = torch.cuda.Event()
+                self._event.record()
         else:
             self._host = values.detach().to("cpu", copy=True)
 

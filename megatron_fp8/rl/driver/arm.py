@@ -28,10 +28,9 @@ from megatron_fp8.rl.algorithm.kv_calibration import KVAmaxRecorder, attach_kv_a
 from megatron_fp8.rl.cluster.distributed import DataParallel, check_against_megatron
 from megatron_fp8.rl.cluster.remote import ArmSetup, RemoteRollout
 from megatron_fp8.rl.cluster.roles import Groups
-from megatron_fp8.rl.driver.colocated import colocated_memory
+from megatron_fp8.rl.driver.colocated import ColocatedTarget, colocated_memory, refit_route
 from megatron_fp8.rl.driver.phases import (
     ArmState,
-    ColocatedTarget,
     GRPOContext,
     RefitTarget,
     quiet_stdout,
@@ -229,6 +228,9 @@ def run_arm(
                 kv_settings=config.kv_cache,
                 # the KL penalty's reference: the weights the arm starts from, captured before any resume
                 reference=ReferenceWeights.capture(model) if config.loss_fn.kl_enabled else None,
+            )
+            logger.info(
+                "arm %s: refit: %s", spec.name, refit_route(model, stream_on_device=state.refit.stream_on_device)
             )
             kv_hooks = (
                 attach_kv_amax_hooks(model.model[0], state.kv_recorder, kind="megatron")

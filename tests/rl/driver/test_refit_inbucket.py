@@ -27,7 +27,7 @@ from megatron_fp8.refit import DictApplier, InProcTransport, RefitReceiver, Refi
 from megatron_fp8.refit.buckets import pack_buckets
 from megatron_fp8.refit.inbucket import PendingPart
 from megatron_fp8.refit.opcount import OpCounter, OpCounts
-from megatron_fp8.rl.driver import phases
+from megatron_fp8.rl.driver import colocated, phases
 
 MAX_EXTRA_OPS = 8
 BUCKET_BYTES = 256 << 10
@@ -187,6 +187,9 @@ def test_a_gpu_trainer_exports_on_its_gpu_exactly_when_the_target_takes_a_device
     )
     list(phases._refit_tensors(state))
     assert asked == [not on_device]
+    assert colocated.exports_to_host(state.model, stream_on_device=on_device) is (not on_device)
+    route = colocated.refit_route(state.model, stream_on_device=on_device)  # what the run's log says
+    assert ("stays on the trainer's GPU" in route) is on_device
 
 
 def test_which_targets_take_a_device_stream():
@@ -203,7 +206,7 @@ def test_which_targets_take_a_device_stream():
     reference = object.__new__(ReferenceEngineApplier)
     assert RemoteRollout.stream_on_device is False
     for applier, on_device in ((vllm, True), (slept, True), (reference, False)):
-        target = phases.ColocatedTarget(SimpleNamespace(applier=applier), bucket_bytes=1 << 20, timeout=1.0)
+        target = colocated.ColocatedTarget(SimpleNamespace(applier=applier), bucket_bytes=1 << 20, timeout=1.0)
         try:
             assert target.stream_on_device is on_device, applier
             assert target._refit.receiver.applier is applier and target._refit.transport._queue.maxsize == 1
