@@ -242,7 +242,13 @@ def test_callable_applier():
 
 def test_200_refits_flat_rss():
     """200 refits in a process of their own (``_rss_worker.py``): the RSS floor stays flat (no leak per refit)."""
-    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE")} | {"OMP_NUM_THREADS": "1"}
+    # one malloc arena: every refit's sender is a new thread, and glibc gives new threads new arenas (up to 8 per
+    # core), each keeping freed memory of its own; a late one raised the floor by 7-11 MiB in a run with no leak (seen
+    # on the 2-core CI machine, once in ~10 runs). With one arena the floor moved <= 1.4 MiB over 6 runs.
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE")} | {
+        "OMP_NUM_THREADS": "1",
+        "MALLOC_ARENA_MAX": "1",
+    }
     proc = subprocess.run(
         [sys.executable, str(Path(__file__).with_name("_rss_worker.py"))],
         capture_output=True,
