@@ -475,7 +475,6 @@ def main(argv: list[str] | None = None) -> int:
         args.out = args.out or "bench/results/refit_cuda.json"
     transport_names = args.transports or ("inproc,cuda_ipc" if use_cuda else ",".join(TRANSPORT_NAMES))
     appliers = [a for a in (args.appliers or ("noop,dict" if use_cuda else "noop")).split(",") if a]
-    counted = "dict" if "dict" in appliers else appliers[-1]  # the applier whose op counts the JSON records
     base = get_spec(args.spec)
     layers = args.layers if args.layers is not None else (base.num_layers if use_cuda else 2)
     spec = base.shrunk(args.shrink, num_layers=min(layers, base.num_layers))
@@ -501,7 +500,9 @@ def main(argv: list[str] | None = None) -> int:
         name: dev.count_ops(
             factory,
             bucket_bytes=bucket_bytes,
-            applier=dev.make_applier(counted, dev.target_spec(factory) if counted == "dict" else None, device),
+            applier=dev.make_applier(
+                appliers[-1], dev.target_spec(factory) if appliers[-1] == "dict" else None, device
+            ),
             device=device,
         )
         for name, factory in factories.items()

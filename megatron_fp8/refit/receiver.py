@@ -165,9 +165,8 @@ class _Version:
         self.trailer: VersionTrailer | None = None
         self.error: BaseException | None = None
         self.ended = False  # a trusted last bucket arrived
-        # not settled yet: (bucket, its (p, q) checksum partials, their started host read on CUDA, the started host
-        # copy of its payload when host_copies: the bucket kept then carries that copy's tensor as its payload)
-        self.pending: list[tuple[Bucket, tuple[torch.Tensor, torch.Tensor], HostRead | None, HostCopy | None]] = []
+        # not settled yet: (bucket as kept, its (p, q) checksum partials, their started host read on CUDA)
+        self.pending: list[tuple[Bucket, tuple[torch.Tensor, torch.Tensor], HostRead | None]] = []
 
     @property
     def key(self) -> tuple[int, int]:
@@ -201,7 +200,7 @@ class _Version:
             )
         self.expected_index = bucket.index + 1
         if not self.verify_checksum:
-            self._accept(self._on_host(bucket, HostCopy(bucket.payload).tensor()) if self.host_copies else bucket)
+            self._accept(self._kept(bucket, wait=True))
             return
         try:
             p, q = checksum_partials(bucket.payload)
@@ -209,12 +208,9 @@ class _Version:
             self.settle()
             self.fail(RefitError(f"{bucket.describe()}: {exc}"))
             return
-        copy = None
-        if self.host_copies:  # queued before the partials' read: that read landing means the copy landed too
-            copy = HostCopy(bucket.payload)
-            bucket = self._on_host(bucket, copy.destination)  # its bytes land before the partials' read
+        bucket = self._kept(bucket, wait=False)  # a host copy is queued before the partials' read below
         read = HostRead(torch.cat((p, q))) if p.is_cuda else None
-        self.pending.append((bucket, (p, q), read, copy))
+        self.pending.append((bucket, (p, q), read))
         if bucket.is_last:
             self.settle()
         elif read is not None:
@@ -237,10 +233,10 @@ class _Version:
         # out of self.pending while they settle: a failure recorded meanwhile (fail() settles first) must not
         # settle a later bucket ahead of the rest of this batch
         pending, kept, self.pending = self.pending[:n], self.pending[n:], []
-        unread = [t for _, partials, read, _ in pending if read is None for t in partials]
+        unread = [t for _, partials, read in pending if read is None for t in partials]
         host_unread = read_host_int64(torch.cat(unread)) if unread else None  # one read for all synchronous ones
         at = 0
-        for bucket, (p, _), read, copy in pending:
+        for bucket, (p, _), read in pending:
             nb = p.numel()
             if read is None:
                 host, at = host_unread[at : at + 2 * nb], at + 2 * nb
@@ -248,18 +244,20 @@ class _Version:
                 host = read.result()
             got = finish_checksum(host[:nb], host[nb:], nbytes=bucket.nbytes)
             got ^= header_digest_of(bucket)
-            if got == bucket.checksum:
-                if copy is not None:
-                    copy.tensor()  # landed already (queued before the partials' read); no wait in practice
+            if got == bucket.checksum:  # a host copy has landed: it was queued before the partials' read
                 self._accept(bucket)
             else:
                 self.fail(checksum_error(bucket, got))
         self.pending = kept + self.pending
 
-    @staticmethod
-    def _on_host(bucket: Bucket, payload: torch.Tensor) -> Bucket:
-        """``bucket`` carrying its host copy ``payload`` (the device payload is no longer referenced here)."""
-        return dataclasses.replace(bucket, payload=payload)
+    def _kept(self, bucket: Bucket, *, wait: bool) -> Bucket:
+        """``bucket`` as this version keeps it: itself, or with ``host_copies`` carrying a host copy of its payload
+        (the device payload no longer referenced here). ``wait=False`` leaves a CUDA copy in flight: it lands before
+        any host read queued after it on the stream (the bucket's partials)."""
+        if not self.host_copies:
+            return bucket
+        copy = HostCopy(bucket.payload)
+        return dataclasses.replace(bucket, payload=copy.tensor() if wait else copy.destination)
 
     def _accept(self, bucket: Bucket) -> None:
         """A bucket whose checksum holds: record its tensors, trust its ``is_last``, stage it."""
