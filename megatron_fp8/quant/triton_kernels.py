@@ -115,15 +115,18 @@ if triton is not None:
         # division (the same float32 quotient from 2**-11 up) wherever the scale is at least RECIP_MIN_SCALE
         # (tests/quant/test_recip_division.py checks every bfloat16 x against every bfloat16 amax), so other tiles
         # (and a non-finite scale) divide.
-        # RECIP == 2: the same arithmetic with the remainder negated, e' = q0*scale - x and q = q0 - e'*r (the
-        # negations are operand modifiers of the fma): -e' is e exactly, so every quotient is the same bits, and
-        # +-0.0 keeps its sign without the select (-0*r + -0 = -0), two instructions per element fewer.
+        # RECIP == 2: the same arithmetic with the remainder negated, e' = q0*scale - x and q = q0 + e'*(-r) (the
+        # negations are operand modifiers of the fma): e'*(-r) is e*r exactly, so every quotient is the same bits,
+        # and +-0.0 keeps its sign without the select (x = -0: e' = +0, +0*(-r) + -0 = -0), two instructions per
+        # element fewer. The negation is on r, never zero: Triton lowers unary minus to `0 - v`, which turns -(+0)
+        # into +0, so -e' would lose -0.0's sign on CUDA (the H200 run of 2026-11-27 showed it; the interpreter
+        # negates exactly and did not).
         if RECIP != 0:
             if (scale >= _RECIP_MIN) & (scale < float("inf")):
                 r = tl.math.div_rn(1.0, scale)
                 q0 = x * r
                 if RECIP == 2:
-                    y = tl.math.fma(-tl.math.fma(q0, scale, -x), r, q0)
+                    y = tl.math.fma(tl.math.fma(q0, scale, -x), -r, q0)
                 else:
                     e = tl.math.fma(-q0, scale, x)
                     y = tl.where(e == 0.0, q0, tl.math.fma(e, r, q0))  # e == 0: q0 is exact (and keeps -0.0)
