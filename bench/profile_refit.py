@@ -4,8 +4,11 @@
 
 Per stream it prints wall seconds, the GPU's busy time (sum of kernel and memcpy times), the number of launches,
 the timeline (host work before the first device op and after the last, device idle time in the refit's window),
-the kernels and host-side ops that cost most, and (a fourth refit under cProfile) the Python functions that take
-the sender's and the receiver's thread time; the JSON holds the same. On CPU (``--device cpu --smoke``) it
+the kernels and host-side ops that cost most, and (one more refit under cProfile) the Python functions that take
+the sender's and the receiver's thread time; the JSON holds the same. The unprofiled wall is the median of
+``--repeats`` refits, which also give each side's thread CPU time (``thread_cpu_s``: a side whose CPU time is far
+below the wall is waiting, on the GPU, the other thread or the GIL) and, alternated with as many refits at a short
+GIL switch interval, ``gil_switch_interval`` (whether the handoff between the two threads waits on the GIL). On CPU (``--device cpu --smoke``) it
 runs the same code on the 1-layer /8 shapes so that the script is checked without a GPU.
 """
 
@@ -14,9 +17,11 @@ from __future__ import annotations
 import argparse
 import cProfile
 import io
+import itertools
 import json
 import logging
 import pstats
+import statistics
 import sys
 import threading
 import time
@@ -48,8 +53,17 @@ def _top_functions(prof: cProfile.Profile, top: int) -> list[str]:
 
 
 def _one_refit(
-    factory, *, device: torch.device, bucket_bytes: int, applier, version: int, python: dict | None = None
+    factory,
+    *,
+    device: torch.device,
+    bucket_bytes: int,
+    applier,
+    version: int,
+    python: dict | None = None,
+    cpu: dict | None = None,
 ) -> float:
+    """One inproc refit (sender here, receiver on a thread); its wall seconds. ``python``: filled with each side's
+    top functions under cProfile. ``cpu``: filled with each side's thread CPU seconds (``time.thread_time``)."""
     transport = InProcTransport(maxsize=2, timeout=600)
     receiver = RefitReceiver(transport, apply=applier)
     sender = RefitSender(transport, bucket_bytes=bucket_bytes, device=device)
@@ -70,11 +84,14 @@ def _one_refit(
     def receive() -> None:
         if mine is not None:
             mine.enable()
+        t0 = time.thread_time()
         try:
             receiver.receive(first_timeout=600)
         except BaseException as exc:  # surfaced below
             errors.append(exc)
         finally:
+            if cpu is not None:
+                cpu["receiver"] = time.thread_time() - t0
             if mine is not None:
                 mine.disable()
 
@@ -87,9 +104,12 @@ def _one_refit(
     th.start()
     if main_prof is not None and per_thread:
         main_prof.enable()
+    t0 = time.thread_time()
     try:
         sender.send(factory(), version=version)
     finally:
+        if cpu is not None:
+            cpu["sender"] = time.thread_time() - t0
         if main_prof is not None and per_thread:
             main_prof.disable()
         th.join()
@@ -102,6 +122,56 @@ def _one_refit(
     for side, prof in profs.items():
         python[side] = _top_functions(prof, 15)
     return wall
+
+
+def _runner(factory, *, device: torch.device, bucket_bytes: int, applier):
+    """``run(**kw)``: one :func:`_one_refit` of ``factory``'s stream, each call with the next version (1, 2, ...)."""
+    versions = itertools.count(1)
+
+    def run(**kw) -> float:
+        return _one_refit(factory, device=device, bucket_bytes=bucket_bytes, applier=applier,
+                          version=next(versions), **kw)  # fmt: skip
+
+    return run
+
+
+SHORT_SWITCH_INTERVAL_S = 0.0002
+"""The GIL switch interval compared with Python's default (5 ms): how long a thread that wants the GIL waits before
+asking the holder to drop it. The inproc refit hands buckets between two threads, so a long interval can leave the
+GPU waiting on a thread that waits for the GIL."""
+
+
+def _unprofiled(run, repeats: int) -> tuple[dict, dict]:
+    """``repeats`` unprofiled refits at Python's switch interval, then ``repeats`` at a short one, alternating.
+
+    Returns:
+        ``({"wall_s", "thread_cpu_s": {"sender", "receiver"}}`` medians at the default interval,
+        ``{"default_s", "short_s", "wall_s_default", "wall_s_short"}`` (every wall, seconds)).
+    """
+    default = sys.getswitchinterval()
+    walls: dict[float, list[float]] = {default: [], SHORT_SWITCH_INTERVAL_S: []}
+    cpus: list[dict] = []
+    try:
+        for _ in range(repeats):
+            for interval, ws in walls.items():
+                sys.setswitchinterval(interval)
+                cpu: dict = {}
+                ws.append(run(cpu=cpu))
+                if interval == default:
+                    cpus.append(cpu)
+    finally:
+        sys.setswitchinterval(default)
+    plain = {
+        "wall_s": statistics.median(walls[default]),
+        "thread_cpu_s": {side: statistics.median(c[side] for c in cpus) for side in ("sender", "receiver")},
+    }
+    gil = {
+        "default_s": default,
+        "short_s": SHORT_SWITCH_INTERVAL_S,
+        "wall_s_default": walls[default],
+        "wall_s_short": walls[SHORT_SWITCH_INTERVAL_S],
+    }
+    return plain, gil
 
 
 def timeline(host: list[tuple[float, float]], device: list[tuple[float, float]]) -> dict:
@@ -180,6 +250,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--smoke", action="store_true", help="1 layer, widths / 8 (CPU check of the script)")
     ap.add_argument("--applier", default="noop", choices=("noop", "dict"))
     ap.add_argument("--top", type=int, default=12)
+    ap.add_argument(
+        "--repeats", type=int, default=5, help="unprofiled refits per GIL switch interval (medians; default 5)"
+    )
     ap.add_argument("--trace", default=None, help="also write a Chrome trace of the FP8 refit here")
     ap.add_argument("--out", default=None)
     args = ap.parse_args(argv)
@@ -199,17 +272,17 @@ def main(argv: list[str] | None = None) -> int:
     out: dict = {"device": torch.cuda.get_device_name(0) if use_cuda else "cpu", "layers": spec.num_layers}
     for name, factory in factories.items():
         applier = dev.make_applier(args.applier, dev.target_spec(factory) if args.applier == "dict" else None, device)
-        _one_refit(factory, device=device, bucket_bytes=bucket_bytes, applier=applier, version=1)  # warm-up
-        plain = _one_refit(factory, device=device, bucket_bytes=bucket_bytes, applier=applier, version=2)
+        run = _runner(factory, device=device, bucket_bytes=bucket_bytes, applier=applier)
+        run()  # warm-up
+        plain, gil = _unprofiled(run, args.repeats)
         with profile(activities=activities) as prof:
-            wall = _one_refit(factory, device=device, bucket_bytes=bucket_bytes, applier=applier, version=3)
+            wall = run()
         if args.trace and name == "fp8":
             prof.export_chrome_trace(args.trace)
         python: dict = {}
-        py_wall = _one_refit(
-            factory, device=device, bucket_bytes=bucket_bytes, applier=applier, version=4, python=python
-        )
-        out[name] = {"unprofiled_wall_s": plain, **_summarize(prof, wall, use_cuda, args.top)}
+        py_wall = run(python=python)
+        out[name] = {"unprofiled_wall_s": plain["wall_s"], "thread_cpu_s": plain["thread_cpu_s"]}
+        out[name].update(_summarize(prof, wall, use_cuda, args.top), gil_switch_interval=gil)
         out[name]["python"] = {"wall_s": py_wall, **python}
         s = out[name]
         tl = s["timeline"]
@@ -217,7 +290,7 @@ def main(argv: list[str] | None = None) -> int:
             "== %s: %.4f s unprofiled, %.4f s profiled, GPU busy %.2f ms, %d launches; host before the first "
             "device op %.2f ms, after the last %.2f ms, device idle %.2f ms of %.2f",
             name,
-            plain,
+            s["unprofiled_wall_s"],
             wall,
             s["gpu_busy_ms"],
             s["device_launches"],
@@ -225,6 +298,19 @@ def main(argv: list[str] | None = None) -> int:
             tl["tail_ms"],
             tl["device_idle_ms"],
             tl["window_ms"],
+        )
+        cpu, gil = s["thread_cpu_s"], s["gil_switch_interval"]
+        log.info(
+            "   thread CPU: sender %.2f ms, receiver %.2f ms of %.2f ms wall; wall at GIL switch interval %g s: "
+            "%.2f ms, at %g s: %.2f ms (medians of %d)",
+            cpu["sender"] * 1e3,
+            cpu["receiver"] * 1e3,
+            s["unprofiled_wall_s"] * 1e3,
+            gil["default_s"],
+            statistics.median(gil["wall_s_default"]) * 1e3,
+            gil["short_s"],
+            statistics.median(gil["wall_s_short"]) * 1e3,
+            len(gil["wall_s_short"]),
         )
         for r in s["top_device"]:
             log.info("   dev %8.3f ms x%-5d %s", r["ms"], r["count"], r["name"])

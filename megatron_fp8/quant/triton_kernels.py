@@ -118,9 +118,9 @@ if triton is not None:
         # RECIP == 2: the same arithmetic with the remainder negated, e' = q0*scale - x and q = q0 + e'*(-r) (the
         # negations are operand modifiers of the fma): e'*(-r) is e*r exactly, so every quotient is the same bits,
         # and +-0.0 keeps its sign without the select (x = -0: e' = +0, +0*(-r) + -0 = -0), two instructions per
-        # element fewer. The negation is on r, never zero: Triton lowers unary minus to `0 - v`, which turns -(+0)
-        # into +0, so -e' would lose -0.0's sign on CUDA (the H200 run of 2026-11-27 showed it; the interpreter
-        # negates exactly and did not).
+        # element fewer. The negation is on r, never zero: Triton before triton-lang/triton#10270 (3.6, on the lent
+        # Hopper machines) compiles unary minus to `0 - v`, which turns -(+0) into +0, so -e' lost -0.0's sign on
+        # CUDA (the H200 run of 2026-11-27 showed it); 3.9, pinned here, emits fneg, in its interpreter too.
         if RECIP != 0:
             if (scale >= _RECIP_MIN) & (scale < float("inf")):
                 r = tl.math.div_rn(1.0, scale)

@@ -39,6 +39,11 @@ def test_gpu_run_smoke_writes_every_result(tmp_path):
     profile = json.loads((tmp_path / "refit_profile_cuda.json").read_text())
     assert set(profile) >= {"bf16", "fp8"} and profile["fp8"]["wall_s"] > 0 and profile["fp8"]["top_host"]
     assert set(profile["fp8"]["timeline"]) == {"window_ms", "head_ms", "tail_ms", "device_idle_ms"}
+    for stream in ("bf16", "fp8"):
+        cpu, gil = profile[stream]["thread_cpu_s"], profile[stream]["gil_switch_interval"]
+        assert 0 < cpu["sender"] and 0 < cpu["receiver"], cpu
+        assert gil["short_s"] < gil["default_s"] and len(gil["wall_s_short"]) == len(gil["wall_s_default"]) == 5
+        assert sorted(gil["wall_s_default"])[2] == profile[stream]["unprofiled_wall_s"]
     host = json.loads((tmp_path / "refit_host_cuda.json").read_text())
     assert {(r["applier"], r["stream"]) for r in host["runs"]} == {
         (a, s) for a in ("noop", "host") for s in ("bf16", "fp8")
