@@ -120,7 +120,8 @@ if triton is not None:
         # and +-0.0 keeps its sign without the select (x = -0: e' = +0, +0*(-r) + -0 = -0), two instructions per
         # element fewer. The negation is on r, never zero: Triton before triton-lang/triton#10270 (3.6, on the lent
         # Hopper machines) compiles unary minus to `0 - v`, which turns -(+0) into +0, so -e' lost -0.0's sign on
-        # CUDA (the H200 run of 2026-11-27 showed it); 3.9, pinned here, emits fneg, in its interpreter too.
+        # CUDA (the H200 run of 2026-11-27 showed it); 3.9, pinned here, emits fneg, in its interpreter too
+        # (tests/quant/test_recip_division.py runs the kernel's byte test with minus emulated as 0 - v as well).
         if RECIP != 0:
             if (scale >= _RECIP_MIN) & (scale < float("inf")):
                 r = tl.math.div_rn(1.0, scale)

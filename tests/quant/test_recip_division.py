@@ -196,6 +196,26 @@ def test_the_guard_is_needed_below_it() -> None:
     assert diffs > 0
 
 
+_MINUS_AS_SUB = textwrap.dedent(
+    """
+    # Triton before triton-lang/triton#10270 (3.6, on the lent Hopper machines) compiled a float's unary minus as
+    # `0 - v`, so -(+0.0) gave +0.0; the pinned 3.9 negates exactly, in its interpreter too. Emulate the old one.
+    from triton.language import semantic
+
+    _minus = semantic.TritonSemantic.minus
+    subs = []
+
+    def _minus_as_sub(self, input):
+        scalar = input.type.scalar
+        if not scalar.is_floating():
+            return _minus(self, input)
+        subs.append(1)
+        return self.sub(self.make_tensor(self.builder.get_null_value(scalar.to_ir(self.builder)), scalar), input, True)
+
+    semantic.TritonSemantic.minus = _minus_as_sub
+    """
+)
+
 _KERNEL_SCRIPT = textwrap.dedent(
     """
     import torch
@@ -235,17 +255,23 @@ _KERNEL_SCRIPT = textwrap.dedent(
             assert torch.equal(qa, qb), (fmt, clamped, int((qa != qb).sum()))
             assert torch.equal(sa.view(torch.int32), sb.view(torch.int32)), fmt
         assert (qa == 0x80).sum() > 128 * 128, "the negative zeros keep their sign"
-    print("same bytes")
+    print("same bytes", "minus as 0 - v:", len(globals().get("subs", [])))
     """
 )
 
 
-def test_the_kernel_gives_the_same_bytes_with_either_division() -> None:
+@pytest.mark.parametrize("minus", ["fneg", "zero_minus"])
+def test_the_kernel_gives_the_same_bytes_with_either_division(minus: str) -> None:
+    """Also with unary minus compiled as ``0 - v`` (older Triton on the GPU machines), where relying on ``-(+0.0)``
+    being -0.0 loses a negative zero's sign (the select-free division did, before it negated ``r`` instead)."""
     env = {**os.environ, "TRITON_INTERPRET": "1"}
+    script = (_MINUS_AS_SUB if minus == "zero_minus" else "") + _KERNEL_SCRIPT
     proc = subprocess.run(
-        [sys.executable, "-c", _KERNEL_SCRIPT], env=env, capture_output=True, text=True, timeout=600, check=False
+        [sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=600, check=False
     )
     assert proc.returncode == 0 and "same bytes" in proc.stdout, proc.stdout[-2000:] + proc.stderr[-4000:]
+    subs = int(proc.stdout.split("minus as 0 - v:")[1].split()[0])
+    assert (subs > 0) == (minus == "zero_minus"), subs  # the emulation reached the kernels' negations
 
 
 @pytest.mark.gpu
