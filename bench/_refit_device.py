@@ -74,6 +74,24 @@ def copy_gbps(device: torch.device, nbytes: int = 1 << 30, repeats: int = 5) -> 
     return 2 * nbytes / statistics.median(times) / 1e9
 
 
+def d2h_gbps(device: torch.device, nbytes: int = 256 << 20, repeats: int = 5) -> float | None:
+    """The device -> host link's bandwidth: bytes per second into pinned host memory, GB/s (median); ``None`` off a
+    GPU. The link the receiver's host staging (``host`` applier) crosses with every bucket."""
+    if device.type != "cuda":
+        return None
+    src = torch.empty(nbytes, dtype=torch.uint8, device=device)
+    dst = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
+    dst.copy_(src)
+    times = []
+    for _ in range(repeats):
+        sync(device)
+        start = time.perf_counter()
+        dst.copy_(src, non_blocking=True)
+        sync(device)
+        times.append(time.perf_counter() - start)
+    return nbytes / statistics.median(times) / 1e9
+
+
 def target_spec(factory: StreamFactory) -> TargetSpec:
     """``[(name, shape, dtype name)]`` of one pass of the stream (what a :class:`DictApplier` must hold)."""
     return [(n, tuple(t.shape), str(t.dtype).removeprefix("torch.")) for n, t in factory()]

@@ -16,7 +16,7 @@ def print_table(summary: dict, *, max_ratio: float) -> None:
     p = summary["fp8_params"]
     table = Table(title=f"refit: FP8 vs BF16 ({summary['what_ran']})")
     cols = ("transport", "applier", "stream", "FP8-param bytes", "rest bytes", "buckets", "seconds", "GB/s")
-    for col in (*cols, "recv tail s", "% of copy", "ops/bucket (send, recv)", "syncs/bucket"):
+    for col in (*cols, "recv tail s", "% of copy", "% of floor", "ops/bucket (send, recv)", "syncs/bucket"):
         table.add_column(col, justify="left" if col in ("transport", "applier", "stream") else "right")
     for r in summary["runs"]:
         fp8_param_bytes = p["bf16_bytes"] if r["stream"] == "bf16" else p["fp8_plus_scale_bytes"]
@@ -33,6 +33,7 @@ def print_table(summary: dict, *, max_ratio: float) -> None:
             f"{r['gbps']:.2f}",
             f"{r['receiver_tail_s']:.4f}" if r.get("receiver_tail_s") is not None else "-",
             f"{r['pct_of_copy']:.1f}%" if r.get("pct_of_copy") is not None else "-",
+            f"{r['pct_of_floor']:.1f}%" if r.get("pct_of_floor") is not None else "-",
             f"{snd.get('compute_ops_per_bucket', 0):.1f}, {rcv.get('compute_ops_per_bucket', 0):.1f}" if ops else "-",
             f"{snd.get('host_reads_per_bucket', 0):.1f}, {rcv.get('host_reads_per_bucket', 0):.1f}" if ops else "-",
         )
@@ -43,5 +44,9 @@ def print_table(summary: dict, *, max_ratio: float) -> None:
         f"FP8-param payload ratio (FP8 + scales) / BF16 = {p['payload_ratio']:.6f} "
         f"(limit {max_ratio}); quantization alone {p['quantize_seconds']:.3f}s"
     )
+    floors = summary.get("floor_ratio_fp8_over_bf16", {})
     for name, ratio in summary["time_ratio_fp8_over_bf16"].items():
-        console.print(f"time ratio FP8 / BF16 over {name}: {ratio:.3f}")
+        at_floor = f" (at the traffic floor: {floors[name]:.3f})" if name in floors else ""
+        console.print(f"time ratio FP8 / BF16 over {name}: {ratio:.3f}{at_floor}")
+    if summary.get("d2h_gbps"):
+        console.print(f"device -> host (pinned) bandwidth: {summary['d2h_gbps']:.1f} GB/s (host staging's link)")

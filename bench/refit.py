@@ -21,7 +21,9 @@ warm-up refit runs first. The JSON also holds the device's copy bandwidth (bytes
 read + written per second by a 1 GiB ``copy_``, as in bench/quant.py), each run's
 payload GB/s as a share of it, and the compute ops and host reads per bucket on each side
 (counted by :class:`megatron_fp8.refit.opcount.OpCounter`: launches and syncs on
-a GPU). Without vLLM or Megatron the tiny-model part is skipped and says so.
+a GPU), and for the in-memory transports each run's traffic floor (bench/_refit_rbytes.py: the bytes its passes
+must move at the copy bandwidth; ``host`` staging's device -> host bytes at the measured ``d2h_gbps``) with
+FP8/BF16 of the floors. Without vLLM or Megatron the tiny-model part is skipped and says so.
 
 ``--link gloo|nccl`` is the bandwidth-bound mode (bench/_refit_link.py): every layer of the set at widths / 8
 (``--smoke``: 4 layers) refit as BF16 and as FP8 between two processes over gloo (CPU) or NCCL (two GPUs), after the
@@ -54,15 +56,15 @@ import statistics
 import sys
 import threading
 import time
-from collections.abc import Callable, Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import asdict, dataclass, field, replace
 
+import _refit_bytes as rbytes
 import _refit_device as dev
 import _refit_link as link_bench
 import torch
 from _refit_table import print_table
 
-from megatron_fp8.quant import quantize_blockwise
 from megatron_fp8.refit import CallableApplier, InProcTransport, RefitReceiver, RefitSender, default_bucket_bytes
 from megatron_fp8.refit.synthetic import (
     SPECS,
@@ -316,35 +318,6 @@ def bench_stream_factories(
     return out
 
 
-def _tally(stream: Stream, fp8_names: set[str], counts: dict[str, int]) -> Iterator[tuple[str, torch.Tensor]]:
-    for name, t in stream:
-        base = name.removesuffix("_scale_inv")
-        key = "fp8_params" if base in fp8_names else "rest"
-        counts[key] = counts.get(key, 0) + t.numel() * t.element_size()
-        yield name, t
-
-
-def fp8_param_payload(spec_fp8_shapes: dict[str, tuple[int, int]], weights: dict[str, torch.Tensor]) -> dict:
-    """Bytes of the FP8 parameters sent as BF16 vs as FP8 + float32 block scales (quantizes each once)."""
-    bf16 = fp8 = scales = 0
-    start = time.perf_counter()
-    for name in spec_fp8_shapes:
-        q, s = quantize_blockwise(weights[name], name=name)
-        bf16 += weights[name].numel() * weights[name].element_size()
-        fp8 += q.numel() * q.element_size()
-        scales += s.numel() * s.element_size()
-    seconds = time.perf_counter() - start
-    return {
-        "count": len(spec_fp8_shapes),
-        "bf16_bytes": bf16,
-        "fp8_bytes": fp8,
-        "scale_bytes": scales,
-        "fp8_plus_scale_bytes": fp8 + scales,
-        "payload_ratio": (fp8 + scales) / bf16,
-        "quantize_seconds": seconds,
-    }
-
-
 def bench_tiny_model(*, transports: list[str], bucket_bytes: int, repeats: int, timeout: float, threads: int) -> dict:
     """FP8 vs BF16 refit of the embedded tiny Qwen3: the real export and vLLM's manifest.
 
@@ -364,8 +337,8 @@ def bench_tiny_model(*, transports: list[str], bucket_bytes: int, repeats: int, 
     names = set(manifest.fp8_params)
     tallies: dict[str, dict[str, int]] = {"bf16": {}, "fp8": {}}
     factories: dict[str, StreamFactory] = {
-        "bf16": lambda: _tally(iter(weights.items()), names, tallies["bf16"]),
-        "fp8": lambda: _tally(quantized_stream(weights.items(), manifest), names, tallies["fp8"]),
+        "bf16": lambda: rbytes.tally(iter(weights.items()), names, tallies["bf16"]),
+        "fp8": lambda: rbytes.tally(quantized_stream(weights.items(), manifest), names, tallies["fp8"]),
     }
     runs = bench_stream_factories(
         factories, transports=transports, bucket_bytes=bucket_bytes, repeats=repeats, timeout=timeout, threads=threads
@@ -383,16 +356,6 @@ def bench_tiny_model(*, transports: list[str], bucket_bytes: int, repeats: int, 
         "runs": [asdict(r) for r in runs],
         "time_ratio_fp8_over_bf16": {t: by[(t, "fp8")].seconds / by[(t, "bf16")].seconds for t in transports},
     }
-
-
-def _stream_passes(runs: list[RunResult], stream: str, use_cuda: bool, appliers: list[str]) -> int:
-    """How many times the stream was consumed by the timed runs (repeats, warm-ups, ``dict`` target specs)."""
-    n = 0
-    for r in runs:
-        if r.stream != stream:
-            continue
-        n += len(r.seconds_all) + (1 if use_cuda else 0) + (1 if r.applier == "dict" else 0)
-    return n
 
 
 def _link_main(args: argparse.Namespace) -> int:
@@ -485,14 +448,14 @@ def main(argv: list[str] | None = None) -> int:
     weights = synthetic_weights(spec, seed=0, include_rest=not args.no_rest, device=device)
     fp8_shapes = linear_shapes(spec)
     fp8_names = set(fp8_shapes)
-    fp8_params = fp8_param_payload(fp8_shapes, weights)
+    fp8_params = rbytes.fp8_param_payload(fp8_shapes, weights)
     rest = bf16_rest_shapes(spec) if not args.no_rest else {}
     rest_bytes = sum(weights[n].numel() * weights[n].element_size() for n in rest)
 
     tallies: dict[str, dict[str, int]] = {"bf16": {}, "fp8": {}}
     factories: dict[str, StreamFactory] = {
-        "bf16": lambda: _tally(bf16_stream(weights), fp8_names, tallies["bf16"]),
-        "fp8": lambda: _tally(fp8_stream(weights, fp8_names, in_bucket=True), fp8_names, tallies["fp8"]),
+        "bf16": lambda: rbytes.tally(bf16_stream(weights), fp8_names, tallies["bf16"]),
+        "fp8": lambda: rbytes.tally(fp8_stream(weights, fp8_names, in_bucket=True), fp8_names, tallies["fp8"]),
     }
     transports = [t for t in transport_names.split(",") if t]
     copy_rate = dev.copy_gbps(device, nbytes=(1 << 30) if use_cuda else (256 << 20))
@@ -520,6 +483,15 @@ def main(argv: list[str] | None = None) -> int:
         device=device,
     )
     runs = [replace(r, pct_of_copy=100 * r.gbps / copy_rate, ops=ops.get(r.stream)) for r in runs]
+    d2h_rate = dev.d2h_gbps(device) if use_cuda and "host" in appliers else None  # the host staging's link
+    source_bytes = fp8_params["bf16_bytes"] + rest_bytes  # what the sender reads, whichever stream it sends
+    run_dicts = [
+        asdict(r)
+        | rbytes.floor_fields(
+            asdict(r), source_bytes=source_bytes, copy_gbps=copy_rate, link_gbps=d2h_rate, on_gpu=use_cuda
+        )  # fmt: skip
+        for r in runs
+    ]
     by = {(r.transport, r.applier, r.stream): r for r in runs}
     time_ratio = {
         f"{t}/{a}" if len(appliers) > 1 else t: by[(t, a, "fp8")].seconds / by[(t, a, "bf16")].seconds
@@ -550,10 +522,13 @@ def main(argv: list[str] | None = None) -> int:
         "rest_bf16_bytes": rest_bytes,
         "quantize_seconds": fp8_params["quantize_seconds"],
         "streamed_fp8_param_bytes": {
-            k: v.get("fp8_params", 0) // max(_stream_passes(runs, k, use_cuda, appliers), 1) for k, v in tallies.items()
+            k: v.get("fp8_params", 0) // max(rbytes.stream_passes(runs, k, use_cuda, appliers), 1)
+            for k, v in tallies.items()
         },
-        "runs": [asdict(r) for r in runs],
+        "runs": run_dicts,
         "time_ratio_fp8_over_bf16": time_ratio,
+        "floor_ratio_fp8_over_bf16": rbytes.floor_ratios(run_dicts, keyed_by_applier=len(appliers) > 1),
+        "d2h_gbps": d2h_rate,
     }
     missing = [m for m in ("vllm", "megatron.core") if importlib.util.find_spec(m.split(".")[0]) is None]
     if not args.no_tiny and missing:

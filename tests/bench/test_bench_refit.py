@@ -59,6 +59,20 @@ def test_bench_refit_smoke(tmp_path):
     by = {(r["transport"], r["stream"]): r for r in summary["runs"]}
     for t in ("inproc", "gloo"):
         assert by[(t, "bf16")]["total_bytes"] - by[(t, "fp8")]["total_bytes"] == bf16 - fp8
+    # the traffic floor (bench/_refit_bytes.py) of the in-memory transport: the sender reads the BF16 set whatever it
+    # sends; the payload is written once and read once per side for the checksums
+    source = by[("inproc", "bf16")]["total_bytes"]
+    assert source == bf16 + summary["rest_bf16_bytes"]
+    for s in ("bf16", "fp8"):
+        r = by[("inproc", s)]
+        assert r["floor"]["device_bytes"] == source + 3 * r["total_bytes"] and r["floor"]["link_bytes"] == 0
+        assert r["floor_s"] == r["floor"]["device_bytes"] / summary["copy_gbps"] / 1e9
+        assert r["pct_of_floor"] == 100 * r["floor_s"] / r["seconds"]
+        assert "floor_s" not in by[("gloo", s)]  # over a link its bandwidth bounds the refit (the --link mode)
+    assert summary["floor_ratio_fp8_over_bf16"] == {
+        "inproc": by[("inproc", "fp8")]["floor_s"] / by[("inproc", "bf16")]["floor_s"]
+    }
+    assert summary["d2h_gbps"] is None  # measured on a GPU, for the host staging's link
 
 
 def _run_link(tmp_path, link: str) -> tuple[subprocess.CompletedProcess, dict]:

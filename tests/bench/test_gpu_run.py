@@ -49,6 +49,9 @@ def test_gpu_run_smoke_writes_every_result(tmp_path):
         "inproc/noop",
         "inproc/host",
     }
+    assert set(host["floor_ratio_fp8_over_bf16"]) == set(host["time_ratio_fp8_over_bf16"])
+    for r in host["runs"]:  # host staging on a CPU: the host copy is read and written in the same memory
+        assert r["floor"]["passes"].get("host copy write", 0) == (r["total_bytes"] if r["applier"] == "host" else 0)
     link = json.loads((tmp_path / "refit_link_gloo.json").read_text())
     assert link["link"]["gbps"] > 0 and {r["stream"] for r in link["runs"]} == {"bf16", "fp8"}
     nccl = json.loads((tmp_path / "refit_link_nccl.json").read_text())
