@@ -139,6 +139,7 @@ def count_ops(factory: StreamFactory, *, bucket_bytes: int, applier, device: tor
         out[side] = {
             "compute_ops_per_bucket": counts.num_compute / buckets,
             "host_reads_per_bucket": counts.num_host_reads / buckets,
+            "dispatches_per_tensor": counts.dispatches / max(report.num_tensors, 1),
             **counts.to_dict(),
         }
     return out

@@ -199,19 +199,20 @@ def copy_by_dtype(targets: Sequence[torch.Tensor], sources: Sequence[torch.Tenso
     for target, source in zip(targets, sources, strict=True):
         if target.numel() == 0:
             continue
-        if target.element_size() == 1 and target.dtype != torch.bool:
-            target, source = target.view(torch.uint8), source.view(torch.uint8)
-        dst, src = groups.setdefault((target.device, target.dtype), ([], []))
+        one_byte = target.element_size() == 1 and target.dtype != torch.bool
+        dst, src = groups.setdefault((target.device, torch.uint8 if one_byte else target.dtype), ([], []))
         dst.append(target)
         src.append(source)
     issued = 0
     with torch.no_grad():
-        for dst, src in groups.values():
-            if fused_fill.runs_on(dst + src):
+        for (_, dtype), (dst, src) in groups.items():
+            if fused_fill.runs_on(dst + src):  # by data pointer: no view per tensor
                 issued += fused_fill.copy_many(dst, src)
-            else:
-                torch._foreach_copy_(dst, src)
-                issued += 1
+                continue
+            if dtype == torch.uint8:
+                dst, src = [t.view(torch.uint8) for t in dst], [t.view(torch.uint8) for t in src]
+            torch._foreach_copy_(dst, src)
+            issued += 1
     return issued
 
 

@@ -162,8 +162,9 @@ class _Filling:
                 self._copies.append(Segment(offset, src.reshape(-1)))
                 self._copy_meta.append(len(self.metas))
             self._parts[len(self.metas)] = tensor
-        elif nbytes:
-            self._copies.append(Segment(offset, tensor.detach().contiguous(), probe=True))
+        elif nbytes:  # a contiguous tensor is kept as it is: no op per tensor (the fill detaches what it views)
+            src = tensor if tensor.is_contiguous() else tensor.detach().contiguous()
+            self._copies.append(Segment(offset, src, probe=True))
             self._copy_meta.append(len(self.metas))
         self.metas.append(TensorMeta.of(name, tuple(tensor.shape), dt, offset, nbytes))
         self.used = offset + nbytes
@@ -173,7 +174,7 @@ class _Filling:
         ``(job, scales)``."""
         buf = self.buffer
         dst = [buf[c.offset : c.offset + c.src.numel() * c.src.element_size()] for c in self._copies]
-        src = [c.src.reshape(-1).view(torch.uint8) for c in self._copies]
+        src = [c.src.detach().reshape(-1).view(torch.uint8) for c in self._copies]
         if self._gaps:
             zero = zero_scalar(buf.device, torch.uint8)
             dst += [buf[a:b] for a, b in self._gaps]

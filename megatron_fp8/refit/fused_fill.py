@@ -141,15 +141,17 @@ if triton is not None:
 
 
 def _launch(buffer: torch.Tensor, group: list[tuple[int, Segment]], size: int, flags: torch.Tensor) -> None:
+    """One fill launch over the segments of one element size: every segment addressed by its data pointer and its
+    offset in the bucket (no tensor op per segment: a view costs the host a dispatch, ~2-3 us on a GPU machine)."""
     word = _WORDS[size]
-    srcs = [seg.src.reshape(-1).view(word) for _, seg in group]
+    src_base = group[0][1].src.detach().reshape(-1).view(word)
     dst_base = buffer[: buffer.numel() // size * size].view(word)
+    at = buffer.data_ptr()
     items = []
-    for (index, seg), src in zip(group, srcs, strict=True):
+    for index, seg in group:
         mask, pattern = PATTERNS.get(seg.src.dtype, _NEVER) if seg.probe else _NEVER
-        at = seg.offset // size
-        items.append((index, src, dst_base[at : at + src.numel()], mask, pattern))
-    _launch_items(items, srcs[0], dst_base, size, flags, _COPY, what="fill_and_flag")
+        items.append((index, seg.src.data_ptr(), at + seg.offset, seg.src.numel(), mask, pattern))
+    _launch_items(items, src_base, dst_base, size, flags, _COPY, what="fill_and_flag")
 
 
 _COPY, _COMPARE, _PROBE = 0, 1, 2
@@ -157,7 +159,7 @@ _COPY, _COMPARE, _PROBE = 0, 1, 2
 
 
 def _launch_items(
-    items: list[tuple[int, torch.Tensor, torch.Tensor, int, int]],
+    items: list[tuple[int, int, int, int, int, int]],
     src_base: torch.Tensor,
     dst_base: torch.Tensor,
     size: int,
@@ -166,23 +168,25 @@ def _launch_items(
     *,
     what: str,
 ) -> None:
-    """One launch over ``items``: ``(flag index, 1-D word source, 1-D word destination, NaN/Inf mask, pattern)``,
-    every source and destination addressed as an element offset from its base (a probe passes its source twice)."""
+    """One launch over ``items``: ``(flag index, source address, destination address, words, NaN/Inf mask,
+    pattern)``, every source and destination addressed as an element offset from its base (``src_base`` and
+    ``dst_base``: 1-D tensors of ``size``-byte words; a probe passes its source twice)."""
     vec = 16 // size
     chunk = _CHUNK_BYTES // size
     rows: list[list[int]] = []
     starts: list[int] = []
     total = 0
-    for index, src, dst, mask, pattern in items:
-        deltas = (src.data_ptr() - src_base.data_ptr(), dst.data_ptr() - dst_base.data_ptr())
-        if any(d % size for d in deltas):
+    src0, dst0 = src_base.data_ptr(), dst_base.data_ptr()
+    for index, src, dst, n, mask, pattern in items:
+        deltas = (src - src0, dst - dst0)
+        if deltas[0] % size or deltas[1] % size:
             raise RefitError(
-                f"{what}: tensor {index} ({src.numel()} {size}-byte words) starts at an address that is not a multiple "
+                f"{what}: tensor {index} ({n} {size}-byte words) starts at an address that is not a multiple "
                 f"of its {size}-byte elements from the others'; pass a contiguous copy of it"
             )
-        rows.append([deltas[0] // size, deltas[1] // size, src.numel(), mask, pattern, index])
+        rows.append([deltas[0] // size, deltas[1] // size, n, mask, pattern, index])
         starts.append(total)
-        total += math.ceil(src.numel() / chunk)
+        total += math.ceil(n / chunk)
     if total == 0:
         return
     aligned = (
@@ -270,9 +274,12 @@ def _many(
         items = []
         for i, src, dst in group:
             mask, pattern = PATTERNS.get(src.dtype, _NEVER) if mode == _PROBE else _NEVER
-            words = src.reshape(-1).view(word)
-            items.append((i, words, words if dst is None else dst.reshape(-1).view(word), mask, pattern))
-        _launch_items(items, items[0][1], items[0][2], size, flags, mode, what=what)
+            ptr = src.data_ptr()
+            items.append((i, ptr, ptr if dst is None else dst.data_ptr(), src.numel(), mask, pattern))
+        _, first, first_dst = group[0]
+        src_base = first.detach().reshape(-1).view(word)
+        dst_base = src_base if first_dst is None else first_dst.detach().reshape(-1).view(word)
+        _launch_items(items, src_base, dst_base, size, flags, mode, what=what)
     return flags, len(groups)
 
 
@@ -352,7 +359,7 @@ def _on_device(buffer: torch.Tensor, segments: Sequence[Segment]) -> list[Segmen
         nbytes = seg.src.numel() * seg.src.element_size()
         place = buffer[seg.offset : seg.offset + nbytes]
         dst.append(place)
-        src.append(seg.src.reshape(-1).view(torch.uint8))
+        src.append(seg.src.detach().reshape(-1).view(torch.uint8))
         out[i] = Segment(seg.offset, place.view(seg.src.dtype), seg.probe)
     torch._foreach_copy_(dst, src)
     return out

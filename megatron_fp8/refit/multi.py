@@ -36,23 +36,40 @@ def snapshot(tensors: Sequence[torch.Tensor]) -> list[torch.Tensor]:
     for i, t in enumerate(tensors):
         by_device.setdefault(t.device, []).append(i)
     for device, idx in by_device.items():
-        total = sum(tensors[i].numel() * tensors[i].element_size() for i in idx)
-        buffer = torch.empty(total, dtype=torch.uint8, device=device)
-        dst, src, at = [], [], 0
+        # each copy starts at a multiple of 16 bytes, so one typed view of the buffer per dtype serves every copy
+        # of that dtype: one strided view per tensor (the fused path then needs no other op per tensor)
+        places, at = [], 0
         for i in idx:
+            places.append(at)
+            at += -(-tensors[i].numel() * tensors[i].element_size() // 16) * 16
+        buffer = torch.empty(at, dtype=torch.uint8, device=device)
+        typed: dict[torch.dtype, torch.Tensor] = {}
+        dst, src = [], []
+        for i, place in zip(idx, places, strict=True):
             t = tensors[i]
-            nbytes = t.numel() * t.element_size()
-            view = buffer[at : at + nbytes]
-            out[i] = view.view(t.dtype).view(t.shape) if nbytes else torch.empty_like(t)
-            if nbytes:
-                dst.append(view)
-                src.append(_bytes(t))
-            at += nbytes
+            if not t.numel():
+                out[i] = torch.empty_like(t)
+                continue
+            base = typed.get(t.dtype)
+            if base is None:
+                base = typed[t.dtype] = buffer.view(t.dtype)
+            out[i] = base.as_strided(t.shape, _contiguous_strides(t.shape), place // t.element_size())
+            dst.append(out[i])
+            src.append(t)  # read by pointer (fused) or through _bytes, which detaches
         if dst and fused_fill.runs_on(src):
-            fused_fill.copy_many(dst, src)
-        elif dst:
-            torch._foreach_copy_(dst, src)
+            fused_fill.copy_many(dst, src)  # words as they are, addressed by data pointer
+        elif dst:  # bytes as they are (a same-dtype copy could touch a NaN's payload)
+            torch._foreach_copy_([_bytes(d) for d in dst], [_bytes(t) for t in src])
     return out  # type: ignore[return-value]
+
+
+def _contiguous_strides(shape: torch.Size) -> tuple[int, ...]:
+    """The strides of a contiguous tensor of ``shape``, in elements."""
+    strides, step = [], 1
+    for size in reversed(shape):
+        strides.append(step)
+        step *= max(size, 1)
+    return tuple(reversed(strides))
 
 
 def copy_into(targets: Sequence[torch.Tensor], sources: Sequence[torch.Tensor]) -> None:

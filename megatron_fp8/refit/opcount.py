@@ -6,7 +6,9 @@ a kernel launch and every host read (``.item()``, ``.tolist()``, ``bool(t)``, ``
 checked on a CPU-only machine (``tests/refit/test_launch_count.py``) and reported by ``bench/refit.py``.
 
 Counted as compute: every aten op except views and metadata ops (``OpOverload.is_view``, ``detach``,
-``lift_fresh``) and allocations (``empty*``), which launch no kernel. Counted as host reads:
+``lift_fresh``) and allocations (``empty*``), which launch no kernel. Counted as dispatches: every aten op, views
+included: each costs the host a trip through the dispatcher (~2-3 us on a GPU machine, an H200 profile of
+2026-11-27), so a refit that makes a view per tensor pays for it in host time even though it launches nothing. Counted as host reads:
 ``aten._local_scalar_dense`` (``item``, ``bool``, ``int``, ``float``), ``aten.equal``, and the Python-level
 ``Tensor.tolist`` / ``Tensor.numpy`` / ``Tensor.__array__``, which read a whole tensor back without dispatching
 ``_local_scalar_dense``.
@@ -38,15 +40,22 @@ class OpCounts:
     Attributes:
         compute: compute ops (kernel launches on a GPU), by aten op name.
         host_reads: host reads (device syncs on a GPU), by op or method name.
+        dispatched: every aten op dispatched (compute, views, metadata and allocations), by name.
     """
 
     compute: collections.Counter = field(default_factory=collections.Counter)
     host_reads: collections.Counter = field(default_factory=collections.Counter)
+    dispatched: collections.Counter = field(default_factory=collections.Counter)
 
     @property
     def num_compute(self) -> int:
         """Total compute ops."""
         return sum(self.compute.values())
+
+    @property
+    def dispatches(self) -> int:
+        """Total aten ops dispatched."""
+        return sum(self.dispatched.values())
 
     @property
     def num_host_reads(self) -> int:
@@ -58,6 +67,7 @@ class OpCounts:
         return {
             "compute_ops": self.num_compute,
             "host_reads": self.num_host_reads,
+            "dispatches": self.dispatches,
             "by_op": dict(self.compute.most_common()),
             "reads_by_op": dict(self.host_reads),
         }
@@ -70,6 +80,7 @@ class _Dispatch(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         name = func.overloadpacket.__name__
+        self.counts.dispatched[name] += 1
         if name in _HOST_READ_OPS:
             self.counts.host_reads[name] += 1
             if name == "equal":

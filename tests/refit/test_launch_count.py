@@ -63,6 +63,9 @@ def _count_one_refit(stream):
 def test_the_counter_counts_compute_and_host_reads():
     counts = _self_check()
     assert counts.compute == {"arange": 1, "mul": 1, "sum": 1}, counts.compute  # views are free
+    # ... but dispatched, as the host reads and the compute ops are
+    assert counts.dispatched == {"arange": 1, "mul": 1, "sum": 1, "_local_scalar_dense": 1, "view": 1, "detach": 1}
+    assert counts.dispatches == 6
     assert counts.host_reads == {"_local_scalar_dense": 1, "tolist": 1}, counts.host_reads
 
 

@@ -171,7 +171,7 @@ class FiniteProbe:
             groups.setdefault(t.dtype, []).append(i)
         flagged = [i for idx in groups.values() for i in idx if self.pairs[i][1].dtype in fused_fill.PATTERNS]
         if flagged and fused_fill.runs_on([self.pairs[i][1] for i in flagged]):
-            results.extend(fused_fill.probe_many([self.pairs[i][1].detach() for i in flagged]).float().unbind())
+            results.extend(fused_fill.probe_many([self.pairs[i][1] for i in flagged]).float().unbind())  # by pointer
             self._rules.append((flagged, 1.0))
             groups = {dt: idx for dt, idx in groups.items() if dt not in fused_fill.PATTERNS}
         for dtype, idx in groups.items():
