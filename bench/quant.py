@@ -306,6 +306,33 @@ def bench_layer_set_cuda(layer: tuple, layers: int, copy_gbs: float, *, warmup: 
             same = same and all(_same_bytes((it.q, it.scales), r) for it, r in zip(g, ref, strict=True))
             del ref
         out[f"grouped_{variant}_same_bytes"] = same
+    # from the lean setting (the refit's): the amax from bit patterns (two integer ops per element for four) and
+    # unmasked loads and stores (every tile of the 8B set is whole), each and both, at 8 and 16 warps
+    lean = {"clamp": False, "division": "reciprocal_noselect"}
+    extra = {"amax_bits": {"amax_bits": True}, "unmasked": {"unmasked": True},
+             "amax_bits+unmasked": {"amax_bits": True, "unmasked": True}}  # fmt: skip
+    out["grouped_ms_lean_variants"] = {
+        name: {
+            str(warps): _median_cuda(
+                lambda warps=warps, options=options: [
+                    launch_blockwise_grouped(g, 128, 128, "fp32", num_warps=warps, **lean, **options) for g in groups
+                ],
+                warmup=warmup,
+                reps=reps,
+            )
+            for warps in (8, 16)
+        }
+        for name, options in extra.items()
+    }
+    same = True
+    for g in groups:
+        launch_blockwise_grouped(g, 128, 128, "fp32", num_warps=8, **lean)
+        ref = [(it.q.view(torch.uint8).clone(), it.scales.clone()) for it in g]
+        for options in extra.values():
+            launch_blockwise_grouped(g, 128, 128, "fp32", num_warps=8, **lean, **options)
+            same = same and all(_same_bytes((it.q, it.scales), r) for it, r in zip(g, ref, strict=True))
+        del ref
+    out["grouped_lean_variants_same_bytes"] = same
     all_grouped()
     out["grouped_bytes_equal_per_weight"] = all(
         _same_bytes((it.q, it.scales), triton_kernels.launch_blockwise(it.x3, 128, 128, "fp32")[:2])
@@ -510,6 +537,11 @@ def print_table(result: dict) -> None:
             Console().print(
                 f"grouped {what}, by num_warps: {ls[f'grouped_ms_{variant}_by_num_warps']}, same bytes on every "
                 f"weight: {'yes' if ls[f'grouped_{variant}_same_bytes'] else 'NO'}"
+            )
+        if "grouped_ms_lean_variants" in ls:
+            Console().print(
+                f"grouped lean + amax from bits / unmasked whole tiles, by num_warps: {ls['grouped_ms_lean_variants']}, "
+                f"same bytes on every weight: {'yes' if ls['grouped_lean_variants_same_bytes'] else 'NO'}"
             )
     for r in result["shapes"]:
         if r.get("best_config"):

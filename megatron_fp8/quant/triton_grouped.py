@@ -27,7 +27,7 @@ from megatron_fp8.layout import ceil_div
 from megatron_fp8.quant.formats import FP8_DTYPE
 from megatron_fp8.quant.triton_kernels import _default_num_warps, _kernels, _next_pow2, tl, triton
 
-__all__ = ["GroupedItem", "launch_blockwise_grouped", "launch_into_bucket", "table_row", "work_table"]
+__all__ = ["GroupedItem", "launch_blockwise_grouped", "launch_into_bucket", "table_row", "whole_tiles", "work_table"]
 
 _ROW = 7  # words per weight in the quantizer's table: x, q, s offsets, N, K, NB, KB
 _MIN_W_P2 = 16  # the prefix sum is padded to at least this many words (fewer compiled variants)
@@ -103,6 +103,8 @@ if triton is not None:
         FLAGS: tl.constexpr,
         RECIP: tl.constexpr,
         CLAMP: tl.constexpr,
+        AMAX_BITS: tl.constexpr,
+        WHOLE: tl.constexpr,
     ):
         row, w, t = table_row(table_ptr, W_P2, ROW)  # t: the tile's index within its weight, [E, NB, KB] row-major
         x_off = tl.load(row)
@@ -128,7 +130,8 @@ if triton is not None:
         cols = kb * BK + c
         mask = row_ok[:, None] & ((c < BK) & (cols < k))[None, :]
         offs = (expert * n * k + rows * k)[:, None] + cols[None, :]
-        scale, amax = _quantize_tile(x_base + x_off + offs, q_base + q_off + offs, mask, UE8M0, FP8_OUT, RECIP, CLAMP)
+        scale, amax = _quantize_tile(x_base + x_off + offs, q_base + q_off + offs, mask, UE8M0, FP8_OUT, RECIP, CLAMP,
+                                     AMAX_BITS, not WHOLE)  # fmt: skip
         tl.store(s_base + s_off + t, scale)
         if FLAGS:  # one NaN/Inf flag per weight: amax is +inf exactly when the tile holds NaN/Inf
             bad = (amax == float("inf")).to(tl.int32)
@@ -154,6 +157,8 @@ def launch_blockwise_grouped(
     num_warps: int | None = None,
     division: str = "reciprocal",
     clamp: bool = True,
+    amax_bits: bool = False,
+    unmasked: bool = False,
 ) -> None:
     """Quantize every item blockwise in one launch (no validation of values, no sync).
 
@@ -173,6 +178,10 @@ def launch_blockwise_grouped(
         clamp: clamp the quotient to +-448 before the cast (the default). ``False`` gives the same codes for
             every finite tile (two instructions per element fewer; ``bench/quant.py`` times both); a tile holding
             NaN/Inf, which every caller refuses, then gets NaN codes instead of +-448.
+        amax_bits: take each tile's amax from the elements' bit patterns (an integer AND and max per element
+            instead of abs, a NaN test, a select and a float max): the same amax, so the same bytes.
+        unmasked: when every tile of the group is whole (``N % bn == K % bk == 0`` for every item, ``bn``, ``bk``
+            powers of two), load and store without masks; other groups keep them. The same bytes.
 
     Raises:
         QuantInputError: mixed source dtypes, a wrong output dtype/size, or a non-contiguous tensor.
@@ -215,7 +224,17 @@ def launch_blockwise_grouped(
         return
     _launch_table(kernel, starts, rows, total, (x_base, q_base, s_base), None, bn=bn, bk=bk,
                   scale_format=scale_format, fp8_out=fp8_out, num_warps=num_warps, division=division,
-                  clamp=clamp)  # fmt: skip
+                  clamp=clamp, amax_bits=amax_bits, unmasked=unmasked)  # fmt: skip
+
+
+def whole_tiles(shapes: Sequence[tuple[int, int]], bn: int, bk: int) -> bool:
+    """Whether every ``bn x bk`` tile of every ``(N, K)`` is whole: the unmasked kernel may run on such a group.
+
+    A tile is whole when ``N % bn == 0`` and ``K % bk == 0``, and the kernel's tile is the block itself when
+    ``bn`` and ``bk`` are powers of two (otherwise it is padded to the next one, and masked).
+    """
+    pow2 = bn == _next_pow2(bn) and bk == _next_pow2(bk)
+    return pow2 and all(n % bn == 0 and k % bk == 0 for n, k in shapes)
 
 
 def _launch_table(
@@ -233,10 +252,14 @@ def _launch_table(
     num_warps: int | None,
     division: str = "reciprocal",
     clamp: bool = True,
+    amax_bits: bool = False,
+    unmasked: bool = False,
 ) -> None:
     """Write the table (prefix sum, then per weight its x/q/s element offsets from ``bases``, N, K, NB, KB) and
-    launch over ``total`` tiles; the ``ALIGNED`` variant when every row allows it; ``flags``: one per weight."""
+    launch over ``total`` tiles; the ``ALIGNED`` variant when every row allows it; ``flags``: one per weight;
+    ``unmasked``: the ``WHOLE`` variant when every tile of every row is whole."""
     x_base, q_base, s_base = bases
+    whole = unmasked and whole_tiles([(r[3], r[4]) for r in rows], bn, bk)
     x_unit, q_unit = 16 // x_base.element_size(), 16 // q_base.element_size()
     aligned = (
         x_base.data_ptr() % 16 == 0
@@ -251,7 +274,7 @@ def _launch_table(
         table, x_base, q_base, s_base, flags if flags is not None else table,
         W_P2=w_p2, ROW=_ROW, BN=bn, BK=bk, BN_P2=bn_p2, BK_P2=bk_p2,
         UE8M0=scale_format == "ue8m0", FP8_OUT=fp8_out, ALIGNED=aligned, X_UNIT=x_unit, Q_UNIT=q_unit,
-        FLAGS=flags is not None, RECIP=_DIVISIONS[division], CLAMP=clamp,
+        FLAGS=flags is not None, RECIP=_DIVISIONS[division], CLAMP=clamp, AMAX_BITS=amax_bits, WHOLE=whole,
         num_warps=num_warps if num_warps is not None else _default_num_warps(bn_p2 * bk_p2),
     )  # fmt: skip
 
@@ -260,6 +283,11 @@ INTO_BUCKET_DIVISION = "reciprocal_noselect"
 """:func:`launch_into_bucket`'s division (the refit's quantizer): the fastest with the same codes on an H200."""
 INTO_BUCKET_NUM_WARPS = 8
 """:func:`launch_into_bucket`'s warps per 128 x 128 tile program (16 by default elsewhere)."""
+INTO_BUCKET_AMAX_BITS = False
+""":func:`launch_into_bucket`'s amax from bit patterns (``amax_bits``): off until a GPU run times it
+(``bench/quant.py``'s ``grouped_ms_lean_variants``)."""
+INTO_BUCKET_UNMASKED = False
+""":func:`launch_into_bucket`'s unmasked whole tiles (``unmasked``): off until a GPU run times it."""
 
 
 def launch_into_bucket(
@@ -317,7 +345,8 @@ def launch_into_bucket(
     # tests/quant/test_recip_division.py shows the same codes (interpreter, and CUDA under `gpu`).
     _launch_table(kernel, starts, rows, total, (x_base, q_base, s_base), flags, bn=bn, bk=bk,
                   scale_format=scale_format, fp8_out=fp8_out, num_warps=INTO_BUCKET_NUM_WARPS,
-                  division=INTO_BUCKET_DIVISION, clamp=not fp8_out)  # fmt: skip
+                  division=INTO_BUCKET_DIVISION, clamp=not fp8_out, amax_bits=INTO_BUCKET_AMAX_BITS,
+                  unmasked=INTO_BUCKET_UNMASKED)  # fmt: skip
     if not fp8_out:  # the interpreter: cast the float32 quotients with torch (round to nearest even)
         for x, q_off, _ in items:
             buffer[q_off : q_off + x.numel()].view(FP8_DTYPE).copy_(q_base[q_off : q_off + x.numel()].to(FP8_DTYPE))

@@ -138,25 +138,62 @@ if triton is not None:
         return y
 
     @triton.jit
+    def _tile_amax_bits(raw):
+        # amax of |raw| from the elements' bit patterns: with the sign bit cleared, a float's bits order as its
+        # magnitude does and every NaN pattern lies above +inf's, so one integer AND and one integer max per element
+        # replace abs, the NaN test, its select and the float max; the pattern is then widened exactly to float32
+        # (a source's values are exact in float32), and anything from +inf's pattern up becomes +inf.
+        if raw.dtype == tl.float32:
+            top = tl.max(tl.max(raw.to(tl.int32, bitcast=True) & 0x7FFFFFFF, axis=1), axis=0)
+            amax = tl.where(top >= 0x7F800000, float("inf"), top.to(tl.float32, bitcast=True))
+        else:  # bfloat16 or float16: 16-bit patterns, +inf at 0x7F80 or 0x7C00
+            top = tl.max(tl.max(raw.to(tl.int16, bitcast=True) & 0x7FFF, axis=1), axis=0).to(tl.int16)
+            finite = top.to(raw.dtype, bitcast=True).to(tl.float32)
+            if raw.dtype == tl.bfloat16:
+                amax = tl.where(top >= 0x7F80, float("inf"), finite)
+            else:
+                amax = tl.where(top >= 0x7C00, float("inf"), finite)
+        return amax
+
+    @triton.jit
     def _quantize_tile(
-        x_ptrs, q_ptrs, mask, UE8M0: tl.constexpr, FP8_OUT: tl.constexpr, RECIP: tl.constexpr, CLAMP: tl.constexpr
+        x_ptrs,
+        q_ptrs,
+        mask,
+        UE8M0: tl.constexpr,
+        FP8_OUT: tl.constexpr,
+        RECIP: tl.constexpr,
+        CLAMP: tl.constexpr,
+        AMAX_BITS: tl.constexpr,
+        MASKED: tl.constexpr,
     ):
         # One [BN, BK] tile: its amax (NaN -> +inf), scale, and codes stored at q_ptrs; returns (scale, amax).
         # CLAMP=False leaves out the clamp to +-448: in a finite tile the correctly rounded quotient never exceeds
         # 448 by more than the cast rounds away (tests/quant/test_recip_division.py), so the codes are the same;
         # a NaN/Inf tile (refused by every caller) then gets NaN codes where the GPU's min/max would give +-448.
-        x = tl.load(x_ptrs, mask=mask, other=0.0).to(tl.float32)
-        ax = tl.abs(x)
-        ax = tl.where(ax == ax, ax, float("inf"))  # NaN -> inf: GPU max drops NaN
-        amax = tl.max(tl.max(ax, axis=1), axis=0)
+        # AMAX_BITS: the amax from the bit patterns (_tile_amax_bits), the same value. MASKED=False: a tile known to
+        # be whole (every caller's check), loaded and stored without a mask.
+        if MASKED:
+            raw = tl.load(x_ptrs, mask=mask, other=0.0)
+        else:
+            raw = tl.load(x_ptrs)
+        x = raw.to(tl.float32)
+        if AMAX_BITS:
+            amax = _tile_amax_bits(raw)
+        else:
+            ax = tl.abs(x)
+            ax = tl.where(ax == ax, ax, float("inf"))  # NaN -> inf: GPU max drops NaN
+            amax = tl.max(tl.max(ax, axis=1), axis=0)
         scale = _scale_from_amax(amax, UE8M0)
         y = _divide_by_scale(x, scale, RECIP)
         if CLAMP:
             y = tl.minimum(tl.maximum(y, -448.0), 448.0)
         if FP8_OUT:
-            tl.store(q_ptrs, y.to(tl.float8e4nv), mask=mask)
-        else:
+            y = y.to(tl.float8e4nv)
+        if MASKED:
             tl.store(q_ptrs, y, mask=mask)
+        else:
+            tl.store(q_ptrs, y)
         return scale, amax
 
     @triton.jit
@@ -190,7 +227,7 @@ if triton is not None:
             cols = kb * BK + c
             mask = row_ok[:, None] & ((c < BK) & (cols < K))[None, :]
             offs = row_off[:, None] + cols[None, :]
-            scale, amax = _quantize_tile(x_ptr + offs, q_ptr + offs, mask, UE8M0, FP8_OUT, 1, True)
+            scale, amax = _quantize_tile(x_ptr + offs, q_ptr + offs, mask, UE8M0, FP8_OUT, 1, True, False, True)
             s_idx = (expert * NB + pid_n) * KB + kb
             tl.store(scale_ptr + s_idx, scale, mask=kb < KB)
             tl.store(amax_ptr + s_idx, amax, mask=kb < KB)

@@ -1,0 +1,159 @@
+"""The grouped quantizer's same-bytes variants: the amax from bit patterns (``amax_bits``) and unmasked whole tiles
+(``unmasked``), against the default kernel.
+
+Runs in Triton's CPU interpreter (``TRITON_INTERPRET=1``, in a subprocess: the variable must be set before Triton is
+imported), so the kernel code itself is checked, not a model of it: every source dtype the quantizer takes
+(bfloat16, float16, float32), both scale formats, whole-tile groups (where ``unmasked`` drops the masks) and groups
+with edge tiles and an expert stack (where it must keep them), with the values that decide an amax: NaN, +-Inf, -0.0,
+subnormals, the largest finite value, and magnitudes over 40 decades. The codes (as the float32 quotients the
+interpreter stores) and the scales must be equal bit for bit, and a tile holding NaN/Inf must get the +inf scale that
+flags it. The ``gpu`` test does the same on CUDA with the hardware cast.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+
+_SCRIPT = textwrap.dedent(
+    r"""
+    import itertools, json
+    import torch
+    from megatron_fp8.quant.triton_grouped import GroupedItem, launch_blockwise_grouped
+    from megatron_fp8.quant.triton_kernels import interpreter_active
+
+    assert interpreter_active()
+    g = torch.Generator().manual_seed(0)
+
+    def source(shape, dtype):
+        e, n, k = shape
+        x = torch.randn(e, n, k, generator=g) * torch.logspace(-20, 20, e * n).view(e, n, 1)
+        return x.to(dtype)
+
+    def poison(xs, dtype):
+        big = torch.finfo(dtype).max
+        tiny = torch.finfo(dtype).smallest_normal / 4  # a subnormal
+        xs[0][0, 5, 7] = float("nan")
+        xs[0][0, 130, 3] = float("inf")
+        xs[0][0, 0:128, 128:256] = -0.0                    # a tile of negative zeros
+        xs[1][-1, 3, -1] = float("-inf")
+        xs[1][0, 0:128, 0:128] = tiny                      # a subnormal tile
+        xs[1][0, 0, 0] = -big                              # the largest magnitude, negative
+        return xs
+
+    SENTINEL = 0x7FBADBAD  # a signalling NaN's bits: no quotient and no scale the kernel writes
+
+    def unwritten(n):
+        return torch.full((n,), SENTINEL, dtype=torch.int32).view(torch.float32)
+
+    groups = {  # name: shapes ([E, N, K]); "whole": every tile whole, so `unmasked` takes the unmasked kernel
+        "whole": [(1, 256, 256), (2, 128, 384)],
+        "edges": [(1, 256, 256), (2, 128, 384), (1, 200, 136), (3, 1, 130)],
+    }
+    out = {}
+    for dtype, fmt, (gname, shapes) in itertools.product(
+        (torch.bfloat16, torch.float16, torch.float32), ("fp32", "ue8m0"), groups.items()
+    ):
+        xs = poison([source(s, dtype) for s in shapes], dtype)
+        res = {}
+        for amax_bits, unmasked in itertools.product((False, True), (False, True)):
+            items = [
+                GroupedItem(x, unwritten(x.numel()), unwritten(x.shape[0] * -(-x.shape[1] // 128) * -(-x.shape[2] // 128)))
+                for x in xs
+            ]  # fmt: skip
+            launch_blockwise_grouped(items, 128, 128, fmt, fp8_out=False, amax_bits=amax_bits, unmasked=unmasked)
+            res[amax_bits, unmasked] = [(it.q.view(torch.int32), it.scales.view(torch.int32)) for it in items]
+        base = res[False, False]
+        key = f"{str(dtype).removeprefix('torch.')}/{fmt}/{gname}"
+        out[key] = {
+            "same": {
+                f"amax_bits={a},unmasked={u}": all(
+                    torch.equal(qa, qb) and torch.equal(sa, sb) for (qa, sa), (qb, sb) in zip(base, v, strict=True)
+                )
+                for (a, u), v in res.items()
+            },
+            "inf_scales": [int(torch.isinf(s.view(torch.float32)).sum()) for _, s in base],
+            "untouched": [int((q == SENTINEL).sum() + (sc == SENTINEL).sum()) for q, sc in base],
+        }
+    print("RESULT" + json.dumps(out))
+    """
+)
+
+
+@pytest.fixture(scope="module")
+def run() -> dict:
+    env = {**os.environ, "TRITON_INTERPRET": "1"}
+    proc = subprocess.run([sys.executable, "-c", _SCRIPT], env=env, capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 0, f"interpreter run failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
+    line = next(ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT"))
+    return json.loads(line[len("RESULT") :])
+
+
+def test_every_variant_gives_the_default_kernels_bytes(run):
+    assert len(run) == 3 * 2 * 2
+    for key, r in run.items():
+        assert all(r["same"].values()), (key, r["same"])
+        assert len(r["same"]) == 4
+
+
+def test_a_nan_or_inf_tile_gets_the_infinite_scale_that_flags_it(run):
+    """+Inf and NaN in the first weight's tiles (0, 0) and (1, 0), -Inf in the second weight's last tile (the same
+    under every variant, above); a float16 source also overflows to Inf from ~6.5e4 on, so it has more."""
+    for key, r in run.items():
+        if key.startswith("float16"):
+            assert r["inf_scales"][0] >= 2 and r["inf_scales"][1] >= 1, (key, r["inf_scales"])
+        else:
+            assert r["inf_scales"][:2] == [2, 1], (key, r["inf_scales"])
+
+
+def test_every_code_and_scale_is_written(run):
+    for key, r in run.items():
+        assert r["untouched"] == [0] * len(r["untouched"]), key
+
+
+def test_the_unmasked_kernel_runs_only_on_whole_tiles():
+    from megatron_fp8.quant.triton_grouped import whole_tiles
+
+    assert whole_tiles([(4096, 4096), (14336, 4096), (1024, 4096)], 128, 128)  # the 8B linear set
+    assert not whole_tiles([(4096, 4096), (200, 136)], 128, 128)  # one edge tile is enough to keep the masks
+    assert not whole_tiles([(4096, 4096)], 96, 128)  # a block that is not a power of two is padded, so masked
+    assert whole_tiles([], 128, 128)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("fmt", ["fp32", "ue8m0"])
+def test_on_cuda_the_variants_give_the_lean_kernels_bytes(fmt: str) -> None:
+    """With the hardware cast (``cvt.rn.satfinite``), from the refit's lean setting (no clamp, select-free
+    division): the amax from bit patterns and the unmasked kernel give its codes and scales."""
+    from megatron_fp8.quant.triton_grouped import GroupedItem, launch_blockwise_grouped
+
+    g = torch.Generator().manual_seed(2)
+    groups = {"whole": [(1, 4096, 4096), (2, 256, 1024)], "edges": [(1, 4096, 4096), (2, 384, 1000), (1, 200, 136)]}
+    lean = {"clamp": False, "division": "reciprocal_noselect", "num_warps": 8}
+    for shapes in groups.values():
+        xs = []
+        for e, n, k in shapes:
+            x = torch.randn(e, n, k, generator=g) * torch.logspace(-30, 30, e * n).view(e, n, 1)
+            x[0, 0, 0] = -0.0
+            xs.append(x.to(torch.bfloat16).cuda())
+        out = {}
+        for amax_bits, unmasked in ((False, False), (True, False), (False, True), (True, True)):
+            items = [
+                GroupedItem(x, torch.empty(x.shape, dtype=torch.float8_e4m3fn, device="cuda"), torch.empty(
+                    x.shape[0] * -(-x.shape[1] // 128) * -(-x.shape[2] // 128), device="cuda"))
+                for x in xs
+            ]  # fmt: skip
+            launch_blockwise_grouped(items, 128, 128, fmt, amax_bits=amax_bits, unmasked=unmasked, **lean)
+            out[amax_bits, unmasked] = [
+                (it.q.view(torch.uint8).cpu(), it.scales.view(torch.int32).cpu()) for it in items
+            ]
+        for variant, got in out.items():
+            for (qa, sa), (qb, sb) in zip(out[False, False], got, strict=True):
+                assert torch.equal(qa, qb), (variant, int((qa != qb).sum()))
+                assert torch.equal(sa, sb), variant
