@@ -4,6 +4,7 @@
 
 Per stream it prints wall seconds, the GPU's busy time (sum of kernel and memcpy times), the number of launches,
 the timeline (host work before the first device op and after the last, device idle time in the refit's window),
+the device's longest idle gaps with the host ops that ran in them (``device_gaps``),
 the kernels and host-side ops that cost most, and (one more refit under cProfile) the Python functions that take
 the sender's and the receiver's thread time; the JSON holds the same. The unprofiled wall is the median of
 ``--repeats`` refits, which also give each side's thread CPU time (``thread_cpu_s``: a side whose CPU time is far
@@ -208,15 +209,66 @@ def timeline(host: list[tuple[float, float]], device: list[tuple[float, float]])
     }
 
 
-def _timeline_of(prof) -> dict:
+def device_gaps(
+    host: list[tuple[float, float, str, int]], device: list[tuple[float, float]], *, top: int = 8, min_us: float = 20.0
+) -> dict:
+    """The device's idle gaps inside the refit's window (microsecond intervals) and what the host ran in the longest.
+
+    Args:
+        host: ``(start, end, op name, thread id)`` of every host op (nested ops included).
+        device: ``(start, end)`` of every kernel and copy.
+        top: how many of the longest gaps to describe.
+        min_us: gaps shorter than this are only counted as idle time by :func:`timeline`, not listed.
+
+    Returns:
+        ``count`` and ``total_ms`` of the gaps of at least ``min_us`` between two device intervals, ``over_1ms``,
+        and ``longest``: per gap ``at_ms`` (from the window's start), ``ms``, and ``host``: the host ops overlapping
+        it, by overlap (``name``, ``thread``: ``t0``, ``t1``... in order of first appearance, ``ms``), at most 5.
+        Head and tail (before the first and after the last device activity) are :func:`timeline`'s.
+    """
+    if not host or not device:
+        return {"count": 0, "total_ms": 0.0, "over_1ms": 0, "longest": []}
+    w0 = min(a for a, *_ in host)
+    merged: list[list[float]] = []
+    for a, b in sorted(device):
+        if merged and a <= merged[-1][1]:
+            merged[-1][1] = max(merged[-1][1], b)
+        else:
+            merged.append([a, b])
+    gaps = [(b0, a1) for (_, b0), (a1, _) in itertools.pairwise(merged) if a1 - b0 >= min_us]
+    threads: dict[int, str] = {}
+    for *_, tid in sorted(host):
+        threads.setdefault(tid, f"t{len(threads)}")
+    longest = []
+    for g0, g1 in sorted(gaps, key=lambda g: g[0] - g[1])[:top]:
+        overlap: dict[tuple[str, str], float] = {}
+        for a, b, name, tid in host:
+            o = min(b, g1) - max(a, g0)
+            if o > 0:
+                overlap[name, threads[tid]] = overlap.get((name, threads[tid]), 0.0) + o
+        ops = sorted(overlap.items(), key=lambda kv: -kv[1])[:5]
+        longest.append({
+            "at_ms": (g0 - w0) / 1e3,
+            "ms": (g1 - g0) / 1e3,
+            "host": [{"name": n[:60], "thread": t, "ms": o / 1e3} for (n, t), o in ops],
+        })  # fmt: skip
+    return {
+        "count": len(gaps),
+        "total_ms": sum(b - a for a, b in gaps) / 1e3,
+        "over_1ms": sum(1 for a, b in gaps if b - a >= 1000.0),
+        "longest": longest,
+    }
+
+
+def _timeline_of(prof) -> tuple[dict, dict]:
     host, device = [], []
     for e in prof.events():
         span = (e.time_range.start, e.time_range.end)
         if e.device_type == torch.autograd.DeviceType.CUDA:
             device.append(span)
         elif e.device_type == torch.autograd.DeviceType.CPU and not e.name.startswith("Activity Buffer"):
-            host.append(span)
-    return timeline(host, device)
+            host.append((*span, e.name, e.thread))
+    return timeline([(a, b) for a, b, *_ in host], device), device_gaps(host, device)
 
 
 def _summarize(prof, wall: float, use_cuda: bool, top: int) -> dict:
@@ -233,9 +285,11 @@ def _summarize(prof, wall: float, use_cuda: bool, top: int) -> dict:
             host_rows.append({"name": e.key[:90], "count": e.count, "self_cpu_ms": e.self_cpu_time_total / 1e3})
     device_rows.sort(key=lambda r: -r["ms"])
     host_rows.sort(key=lambda r: -r["self_cpu_ms"])
+    line, gaps = _timeline_of(prof)
     return {
         "wall_s": wall,
-        "timeline": _timeline_of(prof),
+        "timeline": line,
+        "device_gaps": gaps,
         "gpu_busy_ms": busy_us / 1e3,
         "device_launches": launches,
         "top_device": device_rows[:top],
@@ -312,6 +366,12 @@ def main(argv: list[str] | None = None) -> int:
             statistics.median(gil["wall_s_short"]) * 1e3,
             len(gil["wall_s_short"]),
         )
+        gaps = s["device_gaps"]
+        log.info("   device gaps >= 20 us: %d, %.2f ms in all, %d over 1 ms", gaps["count"], gaps["total_ms"],
+                 gaps["over_1ms"])  # fmt: skip
+        for g in gaps["longest"][:4]:
+            log.info("     at %.2f ms, %.3f ms: %s", g["at_ms"], g["ms"],
+                     ", ".join(f"{h['name']} ({h['thread']}, {h['ms']:.3f})" for h in g["host"]))  # fmt: skip
         for r in s["top_device"]:
             log.info("   dev %8.3f ms x%-5d %s", r["ms"], r["count"], r["name"])
         for r in s["top_host"]:

@@ -36,6 +36,7 @@ def test_gpu_run_smoke_writes_every_result(tmp_path):
     profile = json.loads((tmp_path / "refit_profile_cuda.json").read_text())
     assert set(profile) >= {"bf16", "fp8"} and profile["fp8"]["wall_s"] > 0 and profile["fp8"]["top_host"]
     assert set(profile["fp8"]["timeline"]) == {"window_ms", "head_ms", "tail_ms", "device_idle_ms"}
+    assert set(profile["fp8"]["device_gaps"]) == {"count", "total_ms", "over_1ms", "longest"}
     for stream in ("bf16", "fp8"):
         cpu, gil = profile[stream]["thread_cpu_s"], profile[stream]["gil_switch_interval"]
         assert 0 < cpu["sender"] and 0 < cpu["receiver"], cpu
