@@ -19,6 +19,16 @@ def ceil_div(a: int, b: int) -> int:
     return -(-a // b)
 
 
+def contiguous_strides(shape: Sequence[int]) -> tuple[int, ...]:
+    """The strides of a contiguous (row-major) tensor of ``shape``, in elements, as torch gives them (a size-0
+    dimension counts as 1)."""
+    strides, step = [], 1
+    for size in reversed(shape):
+        strides.append(step)
+        step *= max(size, 1)
+    return tuple(reversed(strides))
+
+
 def even_split(n: int, parts: int) -> list[tuple[int, int]]:
     """``parts`` contiguous ``[start, stop)`` ranges covering ``0..n`` in order, sizes differing by at most one
     (the larger first); ``parts > 0``."""

@@ -42,3 +42,12 @@ def test_the_refusal_says_how_many_replicas_an_engine_would_span():
         world_size=2, engine_ranks=2, tp=1, pp=1
     )
     assert "do not split into engines of 4" in engine_group_problem(world_size=6, engine_ranks=4, tp=2, pp=1)
+
+
+@pytest.mark.parametrize("shape", [(), (7,), (3, 5), (2, 0, 4), (0,), (4, 1, 6, 2)])
+def test_contiguous_strides_are_torchs(shape):
+    import torch
+
+    from megatron_fp8.layout import contiguous_strides
+
+    assert contiguous_strides(shape) == torch.empty(shape).stride()

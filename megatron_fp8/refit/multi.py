@@ -14,6 +14,7 @@ from collections.abc import Sequence
 
 import torch
 
+from megatron_fp8.layout import ceil_div, contiguous_strides
 from megatron_fp8.refit import fused_fill
 
 CHUNK_BYTES = 256 << 20
@@ -41,7 +42,7 @@ def snapshot(tensors: Sequence[torch.Tensor]) -> list[torch.Tensor]:
         places, at = [], 0
         for i in idx:
             places.append(at)
-            at += -(-tensors[i].numel() * tensors[i].element_size() // 16) * 16
+            at += ceil_div(tensors[i].numel() * tensors[i].element_size(), 16) * 16
         buffer = torch.empty(at, dtype=torch.uint8, device=device)
         typed: dict[torch.dtype, torch.Tensor] = {}
         dst, src = [], []
@@ -53,7 +54,7 @@ def snapshot(tensors: Sequence[torch.Tensor]) -> list[torch.Tensor]:
             base = typed.get(t.dtype)
             if base is None:
                 base = typed[t.dtype] = buffer.view(t.dtype)
-            out[i] = base.as_strided(t.shape, _contiguous_strides(t.shape), place // t.element_size())
+            out[i] = base.as_strided(t.shape, contiguous_strides(t.shape), place // t.element_size())
             dst.append(out[i])
             src.append(t)  # read by pointer (fused) or through _bytes, which detaches
         if dst and fused_fill.runs_on(src):
@@ -61,15 +62,6 @@ def snapshot(tensors: Sequence[torch.Tensor]) -> list[torch.Tensor]:
         elif dst:  # bytes as they are (a same-dtype copy could touch a NaN's payload)
             torch._foreach_copy_([_bytes(d) for d in dst], [_bytes(t) for t in src])
     return out  # type: ignore[return-value]
-
-
-def _contiguous_strides(shape: torch.Size) -> tuple[int, ...]:
-    """The strides of a contiguous tensor of ``shape``, in elements."""
-    strides, step = [], 1
-    for size in reversed(shape):
-        strides.append(step)
-        step *= max(size, 1)
-    return tuple(reversed(strides))
 
 
 def copy_into(targets: Sequence[torch.Tensor], sources: Sequence[torch.Tensor]) -> None:

@@ -34,6 +34,7 @@ from json.encoder import encode_basestring_ascii as _json_str
 import torch
 
 from megatron_fp8.errors import RefitError
+from megatron_fp8.layout import contiguous_strides
 from megatron_fp8.quant.formats import WIRE_DTYPES
 from megatron_fp8.vocab import REFIT_OUTCOMES
 
@@ -139,11 +140,7 @@ class TensorMeta:
     @cached_property
     def strides(self) -> tuple[int, ...]:
         """The contiguous strides of :attr:`shape`, in elements."""
-        strides, step = [], 1
-        for d in reversed(self.shape):
-            strides.append(step)
-            step *= d
-        return tuple(reversed(strides))
+        return contiguous_strides(self.shape)
 
     @classmethod
     def of(cls, name: str, shape: tuple[int, ...], dtype: str, offset: int, nbytes: int) -> TensorMeta:
