@@ -265,8 +265,9 @@ def test_parameters_that_require_grad_or_are_not_contiguous_give_the_torch_paths
 
 def test_the_sender_makes_no_view_per_tensor(run):
     """On a GPU every dispatched op costs the host ~2-3 us, views included: the fused fill addresses each tensor by
-    its data pointer (it made 5 ops per tensor: a detach, a reshape, two views, a slice). A weight quantized in the
-    bucket costs, under the interpreter only, the torch cast of its codes (two slices, a view, a cast, a copy)."""
+    its data pointer (it made 5 ops per tensor: two detaches, a reshape and a dtype view, a slice). A weight
+    quantized in the bucket costs, under the interpreter only, the torch cast of its codes (two slices, a detach, a
+    view, a cast, a copy)."""
     per = run["dispatched_per_tensor"]
     assert per["bf16"] == {}, per["bf16"]
     interpreter_cast = {"slice": 2.0, "detach": 1.0, "view": 1.0, "_to_copy": 1.0, "copy_": 1.0}
