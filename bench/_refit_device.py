@@ -62,25 +62,11 @@ def copy_gbps(device: torch.device, nbytes: int = 1 << 30, repeats: int = 5) -> 
     figure is its share of what the memory system can move.
     """
     src = torch.empty(nbytes, dtype=torch.uint8, device=device)
-    dst = torch.empty_like(src)
-    dst.copy_(src)
-    times = []
-    for _ in range(repeats):
-        sync(device)
-        start = time.perf_counter()
-        dst.copy_(src)
-        sync(device)
-        times.append(time.perf_counter() - start)
-    return 2 * nbytes / statistics.median(times) / 1e9
+    return 2 * nbytes / _median_copy_s(torch.empty_like(src), src, device, repeats) / 1e9
 
 
-def d2h_gbps(device: torch.device, nbytes: int = 256 << 20, repeats: int = 5) -> float | None:
-    """The device -> host link's bandwidth: bytes per second into pinned host memory, GB/s (median); ``None`` off a
-    GPU. The link the receiver's host staging (``host`` applier) crosses with every bucket."""
-    if device.type != "cuda":
-        return None
-    src = torch.empty(nbytes, dtype=torch.uint8, device=device)
-    dst = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
+def _median_copy_s(dst: torch.Tensor, src: torch.Tensor, device: torch.device, repeats: int) -> float:
+    """Median seconds of ``dst.copy_(src)`` (non-blocking, waited for), after one untimed copy."""
     dst.copy_(src)
     times = []
     for _ in range(repeats):
@@ -89,7 +75,16 @@ def d2h_gbps(device: torch.device, nbytes: int = 256 << 20, repeats: int = 5) ->
         dst.copy_(src, non_blocking=True)
         sync(device)
         times.append(time.perf_counter() - start)
-    return nbytes / statistics.median(times) / 1e9
+    return statistics.median(times)
+
+
+def d2h_gbps(device: torch.device, nbytes: int = 256 << 20, repeats: int = 5) -> float | None:
+    """The device -> host link's bandwidth: bytes per second into pinned host memory, GB/s (median); ``None`` off a
+    GPU. The link the receiver's host staging (``host`` applier) crosses with every bucket."""
+    if device.type != "cuda":
+        return None
+    src = torch.empty(nbytes, dtype=torch.uint8, device=device)
+    return nbytes / _median_copy_s(torch.empty(nbytes, dtype=torch.uint8, pin_memory=True), src, device, repeats) / 1e9
 
 
 def target_spec(factory: StreamFactory) -> TargetSpec:

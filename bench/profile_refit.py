@@ -9,8 +9,9 @@ the kernels and host-side ops that cost most, and (one more refit under cProfile
 the sender's and the receiver's thread time; the JSON holds the same. The unprofiled wall is the median of
 ``--repeats`` refits, which also give each side's thread CPU time (``thread_cpu_s``: a side whose CPU time is far
 below the wall is waiting, on the GPU, the other thread or the GIL) and, alternated with as many refits at a short
-GIL switch interval, ``gil_switch_interval`` (whether the handoff between the two threads waits on the GIL). On CPU (``--device cpu --smoke``) it
-runs the same code on the 1-layer /8 shapes so that the script is checked without a GPU.
+GIL switch interval, ``gil_switch_interval`` (whether the handoff between the two threads waits on the GIL). On
+CPU (``--device cpu --smoke``) it runs the same code on the 1-layer /8 shapes so that the script is checked without a
+GPU.
 """
 
 from __future__ import annotations
@@ -175,6 +176,17 @@ def _unprofiled(run, repeats: int) -> tuple[dict, dict]:
     return plain, gil
 
 
+def _union(intervals) -> list[list[float]]:
+    """The union of ``(start, end)`` intervals as sorted, disjoint ``[start, end]`` spans."""
+    merged: list[list[float]] = []
+    for a, b in sorted(intervals):
+        if merged and a <= merged[-1][1]:
+            merged[-1][1] = max(merged[-1][1], b)
+        else:
+            merged.append([a, b])
+    return merged
+
+
 def timeline(host: list[tuple[float, float]], device: list[tuple[float, float]]) -> dict:
     """Where the device waited on the host in one profiled refit, from event intervals (microseconds).
 
@@ -191,14 +203,7 @@ def timeline(host: list[tuple[float, float]], device: list[tuple[float, float]])
     if not host or not device:
         return {"window_ms": 0.0, "head_ms": 0.0, "tail_ms": 0.0, "device_idle_ms": 0.0}
     w0, w1 = min(a for a, _ in host), max(b for _, b in host)
-    busy, cur_a, cur_b = 0.0, None, None
-    for a, b in sorted((max(a, w0), min(b, w1)) for a, b in device if b > w0 and a < w1):
-        if cur_b is None or a > cur_b:
-            busy += 0.0 if cur_b is None else cur_b - cur_a
-            cur_a, cur_b = a, b
-        else:
-            cur_b = max(cur_b, b)
-    busy += 0.0 if cur_b is None else cur_b - cur_a
+    busy = sum(b - a for a, b in _union((max(a, w0), min(b, w1)) for a, b in device if b > w0 and a < w1))
     first = min(a for a, _ in device)
     last = max(b for _, b in device)
     return {
@@ -229,13 +234,7 @@ def device_gaps(
     if not host or not device:
         return {"count": 0, "total_ms": 0.0, "over_1ms": 0, "longest": []}
     w0 = min(a for a, *_ in host)
-    merged: list[list[float]] = []
-    for a, b in sorted(device):
-        if merged and a <= merged[-1][1]:
-            merged[-1][1] = max(merged[-1][1], b)
-        else:
-            merged.append([a, b])
-    gaps = [(b0, a1) for (_, b0), (a1, _) in itertools.pairwise(merged) if a1 - b0 >= min_us]
+    gaps = [(b0, a1) for (_, b0), (a1, _) in itertools.pairwise(_union(device)) if a1 - b0 >= min_us]
     threads: dict[int, str] = {}
     for *_, tid in sorted(host):
         threads.setdefault(tid, f"t{len(threads)}")

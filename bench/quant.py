@@ -209,6 +209,18 @@ def bench_shape_cuda(shape: tuple[int, int], copy_gbs: float, *, warmup: int, re
     return row
 
 
+_LEAN = {"clamp": False, "division": "reciprocal_noselect"}
+LEAN_VARIANTS: dict[str, dict] = {
+    "no_clamp": {"clamp": False},
+    "lean": _LEAN,
+    "lean_amax_bits": {**_LEAN, "amax_bits": True},
+    "lean_unmasked": {**_LEAN, "unmasked": True},
+    "lean_amax_bits_unmasked": {**_LEAN, "amax_bits": True, "unmasked": True},
+}
+"""The grouped kernel's same-bytes options ``bench_layer_set_cuda`` times at 4, 8 and 16 warps (JSON keys
+``grouped_ms_<name>_by_num_warps`` and ``grouped_<name>_same_bytes``); ``lean`` is the refit's setting."""
+
+
 def bench_layer_set_cuda(layer: tuple, layers: int, copy_gbs: float, *, warmup: int, reps: int) -> dict:
     from megatron_fp8.quant import triton_kernels
 
@@ -283,63 +295,36 @@ def bench_layer_set_cuda(layer: tuple, layers: int, copy_gbs: float, *, warmup: 
             same = same and all(_same_bytes((it.q, it.scales), r) for it, r in zip(g, ref, strict=True))
         del ref
     out["grouped_divisions_same_bytes"] = same
+
     # without the clamp to +-448 (two instructions per element fewer, the same codes for finite tiles), at each
     # num_warps: the kernel is ALU-bound (ncu, docs/gpu.md), so this is the next thing to measure
-    # and "lean": no clamp and the select-free division (four instructions per element fewer)
-    variants = {"no_clamp": {"clamp": False}, "lean": {"clamp": False, "division": "reciprocal_noselect"}}
-    for variant, options in variants.items():
-        out[f"grouped_ms_{variant}_by_num_warps"] = {
-            str(warps): _median_cuda(
-                lambda warps=warps, options=options: [
-                    launch_blockwise_grouped(g, 128, 128, "fp32", num_warps=warps, **options) for g in groups
-                ],
-                warmup=warmup,
-                reps=reps,
-            )
-            for warps in (4, 8, 16)
-        }
-        same = True
-        for g in groups:
-            launch_blockwise_grouped(g, 128, 128, "fp32")
-            ref = [(it.q.view(torch.uint8).clone(), it.scales.clone()) for it in g]
-            launch_blockwise_grouped(g, 128, 128, "fp32", **options)
-            same = same and all(_same_bytes((it.q, it.scales), r) for it, r in zip(g, ref, strict=True))
-            del ref
-        out[f"grouped_{variant}_same_bytes"] = same
-    # from the lean setting (the refit's): the amax from bit patterns (two integer ops per element for four) and
-    # unmasked loads and stores (every tile of the 8B set is whole), each and both, at 8 and 16 warps
-    lean = {"clamp": False, "division": "reciprocal_noselect"}
-    extra = {"amax_bits": {"amax_bits": True}, "unmasked": {"unmasked": True},
-             "amax_bits+unmasked": {"amax_bits": True, "unmasked": True}}  # fmt: skip
-
+    # and "lean": no clamp and the select-free division (four instructions per element fewer; the refit's setting);
+    # from it, the amax from bit patterns (two integer ops per element for four) and unmasked loads and stores
+    # (every tile of the 8B set is whole), each and both
     def timed(warps: int, options: dict) -> float | str:
         try:  # a variant that does not compile on this Triton is reported, and the rest of the run kept
             return _median_cuda(
-                lambda: [
-                    launch_blockwise_grouped(g, 128, 128, "fp32", num_warps=warps, **lean, **options) for g in groups
-                ],  # fmt: skip
+                lambda: [launch_blockwise_grouped(g, 128, 128, "fp32", num_warps=warps, **options) for g in groups],
                 warmup=warmup,
                 reps=reps,
             )
         except Exception as exc:
             return f"failed: {type(exc).__name__}: {exc}"[:300]
 
-    out["grouped_ms_lean_variants"] = {
-        name: {str(warps): timed(warps, options) for warps in (8, 16)} for name, options in extra.items()
-    }
-    same = True
-    for g in groups:
-        launch_blockwise_grouped(g, 128, 128, "fp32", num_warps=8, **lean)
-        ref = [(it.q.view(torch.uint8).clone(), it.scales.clone()) for it in g]
-        for options in extra.values():
+    for variant, options in LEAN_VARIANTS.items():
+        out[f"grouped_ms_{variant}_by_num_warps"] = {str(warps): timed(warps, options) for warps in (4, 8, 16)}
+        same = True
+        for g in groups:
+            launch_blockwise_grouped(g, 128, 128, "fp32")
+            ref = [(it.q.view(torch.uint8).clone(), it.scales.clone()) for it in g]
             try:
-                launch_blockwise_grouped(g, 128, 128, "fp32", num_warps=8, **lean, **options)
-            except Exception:  # its timing says why
+                launch_blockwise_grouped(g, 128, 128, "fp32", **options)
+            except Exception:  # its timings say why
                 same = False
-                continue
+                break
             same = same and all(_same_bytes((it.q, it.scales), r) for it, r in zip(g, ref, strict=True))
-        del ref
-    out["grouped_lean_variants_same_bytes"] = same
+            del ref
+        out[f"grouped_{variant}_same_bytes"] = same
     all_grouped()
     out["grouped_bytes_equal_per_weight"] = all(
         _same_bytes((it.q, it.scales), triton_kernels.launch_blockwise(it.x3, 128, 128, "fp32")[:2])
@@ -540,15 +525,10 @@ def print_table(result: dict) -> None:
             f"({by['rn'] / by['reciprocal']:.2f}x), same bytes on every weight: "
             f"{'yes' if ls['grouped_divisions_same_bytes'] else 'NO'}; by num_warps: {ls['grouped_ms_by_num_warps']}"
         )
-        for variant, what in (("no_clamp", "without the clamp"), ("lean", "without the clamp and the select")):
+        for variant, options in LEAN_VARIANTS.items():
             Console().print(
-                f"grouped {what}, by num_warps: {ls[f'grouped_ms_{variant}_by_num_warps']}, same bytes on every "
-                f"weight: {'yes' if ls[f'grouped_{variant}_same_bytes'] else 'NO'}"
-            )
-        if "grouped_ms_lean_variants" in ls:
-            Console().print(
-                f"grouped lean + amax from bits / unmasked whole tiles, by num_warps: {ls['grouped_ms_lean_variants']}, "
-                f"same bytes on every weight: {'yes' if ls['grouped_lean_variants_same_bytes'] else 'NO'}"
+                f"grouped {variant} ({options}), by num_warps: {ls[f'grouped_ms_{variant}_by_num_warps']}, same bytes "
+                f"on every weight: {'yes' if ls[f'grouped_{variant}_same_bytes'] else 'NO'}"
             )
     for r in result["shapes"]:
         if r.get("best_config"):

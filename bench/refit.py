@@ -21,7 +21,7 @@ warm-up refit runs first. The JSON also holds the device's copy bandwidth (bytes
 read + written per second by a 1 GiB ``copy_``, as in bench/quant.py), each run's
 payload GB/s as a share of it, and the compute ops and host reads per bucket on each side
 (counted by :class:`megatron_fp8.refit.opcount.OpCounter`: launches and syncs on
-a GPU), and for the in-memory transports each run's traffic floor (bench/_refit_rbytes.py: the bytes its passes
+a GPU), and for the in-memory transports each run's traffic floor (bench/_refit_bytes.py: the bytes its passes
 must move at the copy bandwidth; ``host`` staging's device -> host bytes at the measured ``d2h_gbps``) with
 FP8/BF16 of the floors. Without vLLM or Megatron the tiny-model part is skipped and says so.
 

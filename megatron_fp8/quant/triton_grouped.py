@@ -285,7 +285,7 @@ INTO_BUCKET_NUM_WARPS = 8
 """:func:`launch_into_bucket`'s warps per 128 x 128 tile program (16 by default elsewhere)."""
 INTO_BUCKET_AMAX_BITS = False
 """:func:`launch_into_bucket`'s amax from bit patterns (``amax_bits``): off until a GPU run times it
-(``bench/quant.py``'s ``grouped_ms_lean_variants``)."""
+(``bench/quant.py``'s ``LEAN_VARIANTS``)."""
 INTO_BUCKET_UNMASKED = False
 """:func:`launch_into_bucket`'s unmasked whole tiles (``unmasked``): off until a GPU run times it."""
 

@@ -253,8 +253,8 @@ def _many(
     device = first.device if first is not None else None
     where = first.get_device() if first is not None else -1  # an int per tensor: no torch.device built per check
     flags = torch.zeros(len(srcs), dtype=torch.int32, device=device if device is not None else "cpu")
-    groups: dict[tuple[int, bool], list[tuple[int, torch.Tensor, torch.Tensor | None]]] = {}
-    items_of: dict[tuple[int, bool], list[tuple[int, int, int, int, int, int]]] = {}
+    groups: dict[tuple[int, bool], list[tuple[int, int, int, int, int, int]]] = {}  # the launches' items
+    bases: dict[tuple[int, bool], tuple[torch.Tensor, torch.Tensor | None]] = {}  # each launch's first pair
     for i, src in enumerate(srcs):  # the host's loop over a version's tensors: a handful of attribute reads each
         dst = dsts[i] if dsts is not None else None
         size = src.element_size()
@@ -276,13 +276,11 @@ def _many(
             )
         key = (size, (n * size) % 16 == 0 and ptr % 16 == 0 and to % 16 == 0)
         mask, pattern = PATTERNS.get(src.dtype, _NEVER) if mode == _PROBE else _NEVER
-        groups.setdefault(key, []).append((i, src, dst))
-        items_of.setdefault(key, []).append((i, ptr, to, n, mask, pattern))
-    for key, group in groups.items():
-        size = key[0]
+        groups.setdefault(key, []).append((i, ptr, to, n, mask, pattern))
+        bases.setdefault(key, (src, dst))
+    for (size, whole), items in groups.items():
         word = _WORDS[size]
-        items = items_of[key]
-        _, first, first_dst = group[0]
+        first, first_dst = bases[size, whole]
         src_base = first.detach().reshape(-1).view(word)
         dst_base = src_base if first_dst is None else first_dst.detach().reshape(-1).view(word)
         _launch_items(items, src_base, dst_base, size, flags, mode, what=what)

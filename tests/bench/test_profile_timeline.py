@@ -3,22 +3,12 @@ computed from event intervals (the figures docs/gpu.md read off a trace by hand)
 
 from __future__ import annotations
 
-import importlib
-import sys
-from pathlib import Path
-
 import pytest
-
-BENCH = Path(__file__).resolve().parents[2] / "bench"
 
 
 @pytest.fixture(scope="module")
-def module():
-    sys.path.insert(0, str(BENCH))
-    try:
-        return importlib.import_module("profile_refit")
-    finally:
-        sys.path.remove(str(BENCH))
+def module(bench_module):
+    return bench_module("profile_refit")
 
 
 @pytest.fixture(scope="module")

@@ -2,25 +2,16 @@
 
 from __future__ import annotations
 
-import importlib
 import math
-import sys
-from pathlib import Path
 
 import pytest
 
 from megatron_fp8.refit.synthetic import bf16_rest_shapes, get_spec, linear_shapes
 
-BENCH = Path(__file__).resolve().parents[2] / "bench"
-
 
 @pytest.fixture(scope="module")
-def rb():
-    sys.path.insert(0, str(BENCH))
-    try:
-        return importlib.import_module("_refit_bytes")
-    finally:
-        sys.path.remove(str(BENCH))
+def rb(bench_module):
+    return bench_module("_refit_bytes")
 
 
 def _llama_8b_bytes() -> tuple[int, int]:

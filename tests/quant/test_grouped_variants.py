@@ -7,7 +7,7 @@ imported), so the kernel code itself is checked, not a model of it: every source
 with edge tiles and an expert stack (where it must keep them), with the values that decide an amax: NaN, +-Inf, -0.0,
 subnormals, the largest finite value, and magnitudes over 40 decades. The codes (as the float32 quotients the
 interpreter stores) and the scales must be equal bit for bit, and a tile holding NaN/Inf must get the +inf scale that
-flags it. The ``gpu`` test does the same on CUDA with the hardware cast.
+flags it. On CUDA, with the hardware cast, ``tests/quant/test_recip_division.py``'s ``gpu`` test compares them too.
 """
 
 from __future__ import annotations
@@ -19,7 +19,6 @@ import sys
 import textwrap
 
 import pytest
-import torch
 
 _SCRIPT = textwrap.dedent(
     r"""
@@ -124,36 +123,3 @@ def test_the_unmasked_kernel_runs_only_on_whole_tiles():
     assert not whole_tiles([(4096, 4096), (200, 136)], 128, 128)  # one edge tile is enough to keep the masks
     assert not whole_tiles([(4096, 4096)], 96, 128)  # a block that is not a power of two is padded, so masked
     assert whole_tiles([], 128, 128)
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("fmt", ["fp32", "ue8m0"])
-def test_on_cuda_the_variants_give_the_lean_kernels_bytes(fmt: str) -> None:
-    """With the hardware cast (``cvt.rn.satfinite``), from the refit's lean setting (no clamp, select-free
-    division): the amax from bit patterns and the unmasked kernel give its codes and scales."""
-    from megatron_fp8.quant.triton_grouped import GroupedItem, launch_blockwise_grouped
-
-    g = torch.Generator().manual_seed(2)
-    groups = {"whole": [(1, 4096, 4096), (2, 256, 1024)], "edges": [(1, 4096, 4096), (2, 384, 1000), (1, 200, 136)]}
-    lean = {"clamp": False, "division": "reciprocal_noselect", "num_warps": 8}
-    for shapes in groups.values():
-        xs = []
-        for e, n, k in shapes:
-            x = torch.randn(e, n, k, generator=g) * torch.logspace(-30, 30, e * n).view(e, n, 1)
-            x[0, 0, 0] = -0.0
-            xs.append(x.to(torch.bfloat16).cuda())
-        out = {}
-        for amax_bits, unmasked in ((False, False), (True, False), (False, True), (True, True)):
-            items = [
-                GroupedItem(x, torch.empty(x.shape, dtype=torch.float8_e4m3fn, device="cuda"), torch.empty(
-                    x.shape[0] * -(-x.shape[1] // 128) * -(-x.shape[2] // 128), device="cuda"))
-                for x in xs
-            ]  # fmt: skip
-            launch_blockwise_grouped(items, 128, 128, fmt, amax_bits=amax_bits, unmasked=unmasked, **lean)
-            out[amax_bits, unmasked] = [
-                (it.q.view(torch.uint8).cpu(), it.scales.view(torch.int32).cpu()) for it in items
-            ]
-        for variant, got in out.items():
-            for (qa, sa), (qb, sb) in zip(out[False, False], got, strict=True):
-                assert torch.equal(qa, qb), (variant, int((qa != qb).sum()))
-                assert torch.equal(sa, sb), variant

@@ -280,34 +280,44 @@ def test_the_kernel_gives_the_same_bytes_with_either_division(minus: str) -> Non
 @pytest.mark.parametrize("fmt", ["fp32", "ue8m0"])
 def test_on_cuda_the_kernel_variants_give_the_same_bytes(fmt: str) -> None:
     """The CUDA cast saturates (``cvt.rn.satfinite``): without the clamp, and with the select-free division, every
-    finite tile's codes are the same as the default kernel's."""
+    finite tile's codes are the same as the default kernel's; so are those of the lean setting with the amax from
+    bit patterns and unmasked whole tiles (``tests/quant/test_grouped_variants.py`` checks those in the
+    interpreter), on a group with edge tiles and on one of whole tiles only (where ``unmasked`` drops the masks)."""
     from megatron_fp8.quant.triton_grouped import GroupedItem, launch_blockwise_grouped
 
     g = torch.Generator().manual_seed(1)
-    shapes = [(1, 4096, 4096), (2, 384, 1000), (1, 200, 136)]  # full tiles, edge tiles along N and K
-    xs = []
-    for e, n, k in shapes:
-        x = torch.randn(e, n, k, generator=g) * torch.logspace(-30, 30, e * n).view(e, n, 1)
-        x[0, 0, 0] = -0.0
-        xs.append(x.to(torch.bfloat16).cuda())
-    out = {}
+    groups = {
+        "edges": [(1, 4096, 4096), (2, 384, 1000), (1, 200, 136)],  # full tiles, edge tiles along N and K
+        "whole": [(1, 4096, 4096), (2, 256, 1024)],
+    }
+    lean = {"clamp": False, "division": "reciprocal_noselect"}
     variants = {
         "default": {},
         "no clamp": {"clamp": False},
-        "lean": {"clamp": False, "division": "reciprocal_noselect"},
+        "lean": lean,
+        "lean, amax from bits": {**lean, "amax_bits": True},
+        "lean, unmasked": {**lean, "unmasked": True},
+        "lean, both, 8 warps": {**lean, "amax_bits": True, "unmasked": True, "num_warps": 8},
     }
-    for variant, options in variants.items():
-        items = [
-            GroupedItem(x, torch.empty(x.shape, dtype=torch.float8_e4m3fn, device="cuda"), torch.empty(
-                x.shape[0] * -(-x.shape[1] // 128) * -(-x.shape[2] // 128), device="cuda"))
-            for x in xs
-        ]  # fmt: skip
-        launch_blockwise_grouped(items, 128, 128, fmt, **options)
-        out[variant] = [(it.q.view(torch.uint8).cpu(), it.scales.cpu()) for it in items]
-    for variant in ("no clamp", "lean"):
-        for (qa, sa), (qb, sb) in zip(out["default"], out[variant], strict=True):
-            assert torch.equal(qa, qb), (variant, int((qa != qb).sum()))
-            assert torch.equal(sa.view(torch.int32), sb.view(torch.int32)), variant
+    for shapes in groups.values():
+        xs = []
+        for e, n, k in shapes:
+            x = torch.randn(e, n, k, generator=g) * torch.logspace(-30, 30, e * n).view(e, n, 1)
+            x[0, 0, 0] = -0.0
+            xs.append(x.to(torch.bfloat16).cuda())
+        out = {}
+        for variant, options in variants.items():
+            items = [
+                GroupedItem(x, torch.empty(x.shape, dtype=torch.float8_e4m3fn, device="cuda"), torch.empty(
+                    x.shape[0] * -(-x.shape[1] // 128) * -(-x.shape[2] // 128), device="cuda"))
+                for x in xs
+            ]  # fmt: skip
+            launch_blockwise_grouped(items, 128, 128, fmt, **options)
+            out[variant] = [(it.q.view(torch.uint8).cpu(), it.scales.cpu()) for it in items]
+        for variant in variants:
+            for (qa, sa), (qb, sb) in zip(out["default"], out[variant], strict=True):
+                assert torch.equal(qa, qb), (variant, int((qa != qb).sum()))
+                assert torch.equal(sa.view(torch.int32), sb.view(torch.int32)), variant
 
 
 def test_an_unknown_division_is_refused() -> None:
