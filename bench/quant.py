@@ -216,6 +216,8 @@ LEAN_VARIANTS: dict[str, dict] = {
     "lean_amax_bits": {**_LEAN, "amax_bits": True},
     "lean_unmasked": {**_LEAN, "unmasked": True},
     "lean_amax_bits_unmasked": {**_LEAN, "amax_bits": True, "unmasked": True},
+    "lean_recip_only": {**_LEAN, "division": "reciprocal_only"},
+    "lean_recip_only_amax_bits_unmasked": {**_LEAN, "division": "reciprocal_only", "amax_bits": True, "unmasked": True},
 }
 """The grouped kernel's same-bytes options ``bench_layer_set_cuda`` times at 4, 8 and 16 warps (JSON keys
 ``grouped_ms_<name>_by_num_warps`` and ``grouped_<name>_same_bytes``); ``lean`` is the refit's setting."""

@@ -32,7 +32,7 @@ __all__ = ["GroupedItem", "launch_blockwise_grouped", "launch_into_bucket", "tab
 _ROW = 7  # words per weight in the quantizer's table: x, q, s offsets, N, K, NB, KB
 _MIN_W_P2 = 16  # the prefix sum is padded to at least this many words (fewer compiled variants)
 _PAD_START = 1 << 62  # a padded prefix-sum word: no program's tile index reaches it
-_DIVISIONS = {"rn": 0, "reciprocal": 1, "reciprocal_noselect": 2}
+_DIVISIONS = {"rn": 0, "reciprocal": 1, "reciprocal_noselect": 2, "reciprocal_only": 3}
 """``division`` -> the kernels' ``RECIP`` constexpr (``triton_kernels._divide_by_scale``)."""
 
 
@@ -173,8 +173,10 @@ def launch_blockwise_grouped(
         division: how ``x / scale`` is computed, with the same codes either way: ``"reciprocal"`` (the tile's
             correctly rounded reciprocal and one fma correction, see ``RECIP_MIN_SCALE``), ``"reciprocal_noselect"``
             (the same with the remainder negated: the same quotient bits without the select that keeps -0.0, two
-            instructions per element fewer) or ``"rn"`` (an IEEE division per element, the reference the benchmark
-            compares against).
+            instructions per element fewer), ``"reciprocal_only"`` (that arithmetic for every tile: a tile under
+            ``RECIP_MIN_SCALE`` is lifted by 2**64 first, an infinite scale gives ``x * 0``; no per-element division
+            is compiled in, about half of the kernel's code) or ``"rn"`` (an IEEE division per element, the
+            reference the benchmark compares against).
         clamp: clamp the quotient to +-448 before the cast (the default). ``False`` gives the same codes for
             every finite tile (two instructions per element fewer; ``bench/quant.py`` times both); a tile holding
             NaN/Inf, which every caller refuses, then gets NaN codes instead of +-448.

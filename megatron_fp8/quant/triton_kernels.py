@@ -95,6 +95,7 @@ they divide); a tile's scale is below it only when its amax is below ``448 * 2**
 
 if triton is not None:
     _RECIP_MIN = tl.constexpr(RECIP_MIN_SCALE)
+    _LIFT = tl.constexpr(2.0**64)
 
     @triton.jit
     def _scale_from_amax(amax, UE8M0: tl.constexpr):
@@ -122,7 +123,24 @@ if triton is not None:
         # Hopper machines) compiles unary minus to `0 - v`, which turns -(+0) into +0, so -e' lost -0.0's sign on
         # CUDA (the H200 run of 2026-11-27 showed it); 3.9, pinned here, emits fneg, in its interpreter too
         # (tests/quant/test_recip_division.py runs the kernel's byte test with minus emulated as 0 - v as well).
-        if RECIP != 0:
+        # RECIP == 3: the RECIP == 2 arithmetic for every tile, so that no per-element division is compiled in (a
+        # division inlines a check and a slow-path call per element: half of the kernel's code, never run on a real
+        # weight). A scale under RECIP_MIN_SCALE (a tile's amax under 448 * 2**-90) and x are both lifted by 2**64
+        # first: products by a power of two are exact here (x * 2**64 < 2**-17, every subnormal becomes normal), the
+        # quotient is the same real number, now with a scale the reciprocal path is exact for. An infinite scale
+        # (a NaN/Inf tile, refused by every caller) gives x * 0 over 1, which is x / inf: +-0, or NaN for Inf/NaN.
+        if RECIP == 3:
+            s = scale
+            if scale < _RECIP_MIN:
+                x = x * _LIFT
+                s = scale * _LIFT
+            elif scale == float("inf"):
+                x = x * 0.0
+                s = 1.0
+            r = tl.math.div_rn(1.0, s)
+            q0 = x * r
+            y = tl.math.fma(tl.math.fma(q0, s, -x), -r, q0)
+        elif RECIP != 0:
             if (scale >= _RECIP_MIN) & (scale < float("inf")):
                 r = tl.math.div_rn(1.0, scale)
                 q0 = x * r

@@ -137,6 +137,16 @@ def _recip_divide_noselect(x: np.ndarray, scale: np.float32) -> np.ndarray:
     return fma_fp32(e_neg, np.full_like(x, -r), q0)
 
 
+def _recip_divide_lifted(x: np.ndarray, scale: np.float32) -> np.ndarray:
+    """The kernels' ``division="reciprocal_only"``: a tile whose scale is under the guard, lifted by 2**64 (x and the
+    scale: exact), then the negated-remainder form; an infinite scale gives ``x * 0`` over 1."""
+    if scale == np.inf:
+        x, scale = x * np.float32(0.0), np.float32(1.0)
+    elif scale < np.float32(RECIP_MIN_SCALE):
+        x, scale = x * np.float32(2.0**64), np.float32(scale * np.float32(2.0**64))
+    return _recip_divide_noselect(x, scale)
+
+
 def _amax_set() -> np.ndarray:
     ax = np.unique(np.abs(_every_bf16()))
     ax = ax[ax > 0]
@@ -198,6 +208,38 @@ def test_the_guard_is_needed_below_it() -> None:
     assert diffs > 0
 
 
+@pytest.mark.parametrize("ue8m0", [False, True], ids=["fp32-scale", "ue8m0-scale"])
+def test_lifted_below_the_guard_every_bf16_value_gets_the_divisions_bits(ue8m0: bool) -> None:
+    """``division="reciprocal_only"`` under the guard: x and the scale lifted by 2**64 give the division's float32
+    quotient, bit for bit, for every bfloat16 x against every 2nd bfloat16 amax below the guard (every amax with
+    ``MFP8_EXHAUSTIVE=1``); above it the arithmetic is the negated-remainder form checked above."""
+    x_all = _every_bf16()
+    ax = np.abs(x_all)
+    below = np.unique(ax[(ax > 0) & (ax < np.float32(RECIP_MIN_SCALE) * FP8_MAX)])
+    step = 1 if os.environ.get("MFP8_EXHAUSTIVE") == "1" else 2
+    pairs = diffs = 0
+    for amax in below[::step]:
+        x = x_all[ax <= amax]
+        scale = _scale(amax, ue8m0)
+        assert scale < np.float32(RECIP_MIN_SCALE) or ue8m0, amax  # every one of them takes the lifted branch
+        ref = x / scale
+        diffs += int((_recip_divide_lifted(x, scale).view(np.uint32) != ref.view(np.uint32)).sum())
+        pairs += x.size
+    assert below.size > 3000 and pairs > 1_000_000, (below.size, pairs)
+    assert diffs == 0, f"{diffs} of {pairs} lifted quotients differ from the division's"
+
+
+def test_an_infinite_scale_gives_x_over_inf() -> None:
+    """A NaN/Inf tile's scale is +inf: ``x * 0`` over 1 gives what ``x / inf`` gives, for every bfloat16 value and
+    +-Inf and NaN: +-0.0 with x's sign, NaN for Inf and NaN."""
+    x = np.concatenate([_every_bf16(), np.array([np.inf, -np.inf, np.nan], dtype=np.float32)])
+    with np.errstate(invalid="ignore"):
+        got, ref = _recip_divide_lifted(x, np.float32(np.inf)), x / np.float32(np.inf)
+    assert np.array_equal(np.isnan(got), np.isnan(ref)) and np.isnan(got).sum() == 3
+    finite = ~np.isnan(ref)
+    assert np.array_equal(got[finite].view(np.uint32), ref[finite].view(np.uint32))
+
+
 _MINUS_AS_SUB = textwrap.dedent(
     """
     # Triton before triton-lang/triton#10270 (3.6, on the lent Hopper machines) compiled a float's unary minus as
@@ -232,12 +274,15 @@ _KERNEL_SCRIPT = textwrap.dedent(
     w[0, 128:, :128] = torch.randint(-32, 32, (128, 128), generator=g).to(torch.bfloat16) * 2.0**-133  # subnormal
     w[1, 5, 7] = float("nan")                                     # a NaN tile: infinite scale, divides
     w[1, 200:, 200:] *= 2.0**-20
+    w[1, 128:, :128] = 0.0                                        # a tile whose reciprocal path needs the lift:
+    w[1, 128, 0] = 3.274080905458301e-32                          # without it this amax's tiny elements get
+    w[1, 129, 1], w[1, 130, 2] = 4.995850990994722e-37, -4.995850990994722e-37  # other codes than the division's
     w[2, 130, 131] = -0.0
     out = {}
     for fmt in ("fp32", "ue8m0"):
         for division, clamp in (
             ("reciprocal", True), ("rn", True), ("reciprocal", False), ("reciprocal_noselect", True),
-            ("reciprocal_noselect", False),
+            ("reciprocal_noselect", False), ("reciprocal_only", True), ("reciprocal_only", False),
         ):
             q = torch.empty(w.numel(), dtype=torch.float32)
             s = torch.empty(3 * 2 * 2, dtype=torch.float32)
@@ -291,6 +336,7 @@ def test_on_cuda_the_kernel_variants_give_the_same_bytes(fmt: str) -> None:
         "whole": [(1, 4096, 4096), (2, 256, 1024)],
     }
     lean = {"clamp": False, "division": "reciprocal_noselect"}
+    only = {**lean, "division": "reciprocal_only"}
     variants = {
         "default": {},
         "no clamp": {"clamp": False},
@@ -298,6 +344,8 @@ def test_on_cuda_the_kernel_variants_give_the_same_bytes(fmt: str) -> None:
         "lean, amax from bits": {**lean, "amax_bits": True},
         "lean, unmasked": {**lean, "unmasked": True},
         "lean, both, 8 warps": {**lean, "amax_bits": True, "unmasked": True, "num_warps": 8},
+        "reciprocal only": only,
+        "reciprocal only, both, 8 warps": {**only, "amax_bits": True, "unmasked": True, "num_warps": 8},
     }
     for shapes in groups.values():
         xs = []
