@@ -9,7 +9,8 @@
 # refit_profile_cuda.json/.log (where one refit's GPU and host time goes), refit_host_cuda.json/.log (the refit with
 # the receiver's host staging, as GRPO's into vLLM), refit_link_{gloo,nccl}.json/.log (the
 # bandwidth-bound refit over a 2-process link, with the link's own bandwidth; NCCL needs two GPUs) and
-# summary.json (each step's exit code and seconds). Every step runs even when an earlier one fails; the exit
+# sass_sm90.json/.log (the kernels' static SASS from this machine's Triton) and summary.json (each step's exit
+# code and seconds). Every step runs even when an earlier one fails; the exit
 # code is the first failure's. Wheels found in .whl/ (docs/gpu.md lists them) are installed to /tmp/site first.
 # GPU_RUN_SMOKE=1 runs the same steps with seconds-long sizes, on a CPU too (what the CI test of this script does).
 # GPU_RUN_STEP_TIMEOUT=S stops a step after S seconds (exit 124 in summary.json) so that the later steps still run
@@ -77,6 +78,7 @@ if [ "$smoke" = 1 ]; then
         --out "$results/refit_host_cuda.json"
     step refit_link_gloo "$python" bench/refit.py --link gloo --smoke --out "$results/refit_link_gloo.json"
     step refit_link_nccl "$python" bench/refit.py --link nccl --smoke --out "$results/refit_link_nccl.json"
+    step sass_sm90 "$python" bench/sass.py --smoke --out "$results/sass_sm90.json"
 else
     step gpu_tests "$python" -m pytest -q -p no:cacheprovider -m gpu -rs --junitxml "$results/gpu_tests.xml" "${gpu_tests[@]}"
     step quant_cuda "$python" bench/quant.py --device cuda --out "$results/quant_cuda.json"
@@ -91,6 +93,8 @@ else
         --out "$results/refit_link_gloo.json"
     step refit_link_nccl "$python" bench/refit.py --link nccl --shrink 1 --bucket-mb 1024 \
         --out "$results/refit_link_nccl.json"
+    # static SASS of the same kernels by this machine's Triton (no GPU used): registers, occupancy, instructions
+    step sass_sm90 "$python" bench/sass.py --out "$results/sass_sm90.json"
 fi
 (IFS=,; echo "{${steps[*]}, \"smoke\": $([ "$smoke" = 1 ] && echo true || echo false)}") >"$results/summary.json"
 cat "$results/summary.json"

@@ -25,6 +25,7 @@ def test_gpu_run_smoke_writes_every_result(tmp_path):
         "refit_host_cuda": 0,
         "refit_link_gloo": 0,
         "refit_link_nccl": 0,
+        "sass_sm90": 0,
     }
     refit = json.loads((tmp_path / "refit_cuda.json").read_text())
     assert refit["copy_gbps"] > 0 and set(refit["ops_per_bucket"]) == {"bf16", "fp8"}
@@ -33,6 +34,8 @@ def test_gpu_run_smoke_writes_every_result(tmp_path):
         assert (r["receiver_tail_s"] is not None) == (r["transport"] == "inproc")
         assert r["receiver_tail_s"] is None or 0 <= r["receiver_tail_s"] < max(r["seconds_all"])
     assert (tmp_path / "quant_cuda.json").exists() and (tmp_path / "gpu_tests.xml").exists()
+    sass = json.loads((tmp_path / "sass_sm90.json").read_text())
+    assert sass["arch"] == "sm_90" and all(r["registers"] > 0 for r in sass["kernels"])
     profile = json.loads((tmp_path / "refit_profile_cuda.json").read_text())
     assert set(profile) >= {"bf16", "fp8"} and profile["fp8"]["wall_s"] > 0 and profile["fp8"]["top_host"]
     assert set(profile["fp8"]["timeline"]) == {"window_ms", "head_ms", "tail_ms", "device_idle_ms"}
@@ -72,14 +75,15 @@ def test_gpu_run_step_timeout_stops_a_step_and_runs_the_next(tmp_path):
         # per-step overrides: every step but quant_cuda stopped after 1 s (the whole smoke run is the test above's);
         # quant_cuda, after a stopped step and before five more, runs under the 300 s default
         GPU_RUN_STEP_TIMEOUT=(
-            "300 gpu_tests:1 refit_cuda:1 refit_profile_cuda:1 refit_host_cuda:1 refit_link_gloo:1 refit_link_nccl:1"
+            "300 gpu_tests:1 refit_cuda:1 refit_profile_cuda:1 refit_host_cuda:1 refit_link_gloo:1 refit_link_nccl:1 "
+            "sass_sm90:1"
         ),
     )
     proc = subprocess.run(["bash", "bench/gpu_run.sh"], cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
     summary = json.loads((tmp_path / "summary.json").read_text())
     assert summary["gpu_tests"]["rc"] == 124 and proc.returncode == 124, proc.stdout[-2000:]
     assert summary["quant_cuda"]["rc"] == 0
-    stopped = ("refit_cuda", "refit_profile_cuda", "refit_host_cuda", "refit_link_gloo", "refit_link_nccl")
+    stopped = ("refit_cuda", "refit_profile_cuda", "refit_host_cuda", "refit_link_gloo", "refit_link_nccl", "sass_sm90")
     assert {summary[k]["rc"] for k in stopped} == {124}
 
 
