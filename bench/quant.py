@@ -210,14 +210,19 @@ def bench_shape_cuda(shape: tuple[int, int], copy_gbs: float, *, warmup: int, re
 
 
 _LEAN = {"clamp": False, "division": "reciprocal_noselect"}
+_ONLY = {**_LEAN, "division": "reciprocal_only"}
+_BITS_UNMASKED = {"amax_bits": True, "unmasked": True}
 LEAN_VARIANTS: dict[str, dict] = {
     "no_clamp": {"clamp": False},
     "lean": _LEAN,
     "lean_amax_bits": {**_LEAN, "amax_bits": True},
     "lean_unmasked": {**_LEAN, "unmasked": True},
     "lean_amax_bits_unmasked": {**_LEAN, "amax_bits": True, "unmasked": True},
-    "lean_recip_only": {**_LEAN, "division": "reciprocal_only"},
-    "lean_recip_only_amax_bits_unmasked": {**_LEAN, "division": "reciprocal_only", "amax_bits": True, "unmasked": True},
+    "lean_recip_only": _ONLY,
+    "lean_recip_only_amax_bits_unmasked": {**_ONLY, **_BITS_UNMASKED},
+    "lean_recip_only_chunks4": {**_ONLY, "chunks": 4},
+    "lean_recip_only_amax_bits_unmasked_chunks4": {**_ONLY, **_BITS_UNMASKED, "chunks": 4},
+    "lean_recip_only_amax_bits_unmasked_chunks8": {**_ONLY, **_BITS_UNMASKED, "chunks": 8},
 }
 """The grouped kernel's same-bytes options ``bench_layer_set_cuda`` times at 4, 8 and 16 warps (JSON keys
 ``grouped_ms_<name>_by_num_warps`` and ``grouped_<name>_same_bytes``); ``lean`` is the refit's setting."""

@@ -10,9 +10,9 @@ bundled ``cuobjdump`` and writes, per kernel and setting:
 * the SM's theoretical occupancy from them (H100/H200: 65,536 registers, 64 warps, 32 programs per SM; registers
   allocated per warp in units of 256);
 * ``instructions`` (static: every instruction of the kernel, also those of a branch a launch never takes, e.g. the
-  quantizer's per-element division for tiles with a scale under 2**-90; it is the same code in every variant of one
-  division, so differences between variants are differences of their hot path), by opcode and by class, and per
-  element of the program's tile per thread.
+  quantizer's per-element division for tiles with a scale under 2**-90, and a loop's body once however often it
+  runs, as in the quantizer's ``chunks`` variants), by opcode and by class, and per element of the program's tile
+  per thread. Compare instruction counts between variants of one division and one ``chunks`` only.
 
 The quantizer variants are ``bench/quant.py``'s ``LEAN_VARIANTS`` (the options it times on a GPU), at 4, 8 and 16
 warps, as the refit launches them into a bucket (bfloat16 in, e4m3 codes and float32 scales out, one NaN/Inf flag
@@ -285,6 +285,7 @@ def quantizer_cases(*, warps: tuple[int, ...] = WARPS, variants: dict | None = N
             "FP8_OUT": True, "ALIGNED": True, "X_UNIT": 8, "Q_UNIT": 16, "FLAGS": True,
             "RECIP": tg._DIVISIONS[options.get("division", "reciprocal")], "CLAMP": options.get("clamp", True),
             "AMAX_BITS": options.get("amax_bits", False), "WHOLE": options.get("unmasked", False),
+            "CHUNKS": options.get("chunks", 1),
         }  # fmt: skip
         for nw in warps:
             cases.append(Case(f"quantizer {name}", tg._grouped_kernel, args, constexprs, nw, 128 * 128,
@@ -363,6 +364,7 @@ def main(argv: list[str] | None = None) -> int:
         "ptxas": ptxas[-1] if ptxas else "",
         "torch": torch.__version__,
         "refit_setting": {
+            "chunks": tg.INTO_BUCKET_CHUNKS,
             "division": tg.INTO_BUCKET_DIVISION,
             "num_warps": tg.INTO_BUCKET_NUM_WARPS,
             "amax_bits": tg.INTO_BUCKET_AMAX_BITS,

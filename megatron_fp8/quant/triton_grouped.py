@@ -32,6 +32,8 @@ __all__ = ["GroupedItem", "launch_blockwise_grouped", "launch_into_bucket", "tab
 _ROW = 7  # words per weight in the quantizer's table: x, q, s offsets, N, K, NB, KB
 _MIN_W_P2 = 16  # the prefix sum is padded to at least this many words (fewer compiled variants)
 _PAD_START = 1 << 62  # a padded prefix-sum word: no program's tile index reaches it
+_CHUNKS = (1, 2, 4, 8)
+"""Row bands a grouped program may read its tile in (``chunks``)."""
 _DIVISIONS = {"rn": 0, "reciprocal": 1, "reciprocal_noselect": 2, "reciprocal_only": 3}
 """``division`` -> the kernels' ``RECIP`` constexpr (``triton_kernels._divide_by_scale``)."""
 
@@ -72,7 +74,7 @@ class GroupedItem:
 
 
 if triton is not None:
-    from megatron_fp8.quant.triton_kernels import _quantize_tile
+    from megatron_fp8.quant.triton_kernels import _load_tile, _quantize_tile, _scale_from_amax, _store_codes, _tile_amax
 
     @triton.jit
     def table_row(table_ptr, W_P2: tl.constexpr, ROW: tl.constexpr):
@@ -105,6 +107,7 @@ if triton is not None:
         CLAMP: tl.constexpr,
         AMAX_BITS: tl.constexpr,
         WHOLE: tl.constexpr,
+        CHUNKS: tl.constexpr,
     ):
         row, w, t = table_row(table_ptr, W_P2, ROW)  # t: the tile's index within its weight, [E, NB, KB] row-major
         x_off = tl.load(row)
@@ -123,15 +126,32 @@ if triton is not None:
         rem = t - expert * tiles
         pid_n = rem // kb_count
         kb = rem - pid_n * kb_count
-        r = tl.arange(0, BN_P2)
         c = tl.arange(0, BK_P2)
-        rows = pid_n * BN + r
-        row_ok = (r < BN) & (rows < n)
         cols = kb * BK + c
-        mask = row_ok[:, None] & ((c < BK) & (cols < k))[None, :]
-        offs = (expert * n * k + rows * k)[:, None] + cols[None, :]
-        scale, amax = _quantize_tile(x_base + x_off + offs, q_base + q_off + offs, mask, UE8M0, FP8_OUT, RECIP, CLAMP,
-                                     AMAX_BITS, not WHOLE)  # fmt: skip
+        col_ok = (c < BK) & (cols < k)
+        if CHUNKS == 1:  # the whole tile in registers from its load to its store
+            r = tl.arange(0, BN_P2)
+            rows = pid_n * BN + r
+            mask = ((r < BN) & (rows < n))[:, None] & col_ok[None, :]
+            offs = (expert * n * k + rows * k)[:, None] + cols[None, :]
+            scale, amax = _quantize_tile(x_base + x_off + offs, q_base + q_off + offs, mask, UE8M0, FP8_OUT, RECIP,
+                                         CLAMP, AMAX_BITS, not WHOLE)  # fmt: skip
+        else:  # CHUNKS row bands: the amax band by band, then each band read again (from cache) and quantized
+            amax = 0.0
+            for i in range(CHUNKS):
+                r = i * (BN_P2 // CHUNKS) + tl.arange(0, BN_P2 // CHUNKS)
+                rows = pid_n * BN + r
+                mask = ((r < BN) & (rows < n))[:, None] & col_ok[None, :]
+                offs = (expert * n * k + rows * k)[:, None] + cols[None, :]
+                amax = tl.maximum(amax, _tile_amax(_load_tile(x_base + x_off + offs, mask, not WHOLE), AMAX_BITS))
+            scale = _scale_from_amax(amax, UE8M0)
+            for i in range(CHUNKS):
+                r = i * (BN_P2 // CHUNKS) + tl.arange(0, BN_P2 // CHUNKS)
+                rows = pid_n * BN + r
+                mask = ((r < BN) & (rows < n))[:, None] & col_ok[None, :]
+                offs = (expert * n * k + rows * k)[:, None] + cols[None, :]
+                raw = _load_tile(x_base + x_off + offs, mask, not WHOLE)
+                _store_codes(q_base + q_off + offs, raw, scale, mask, FP8_OUT, RECIP, CLAMP, not WHOLE)
         tl.store(s_base + s_off + t, scale)
         if FLAGS:  # one NaN/Inf flag per weight: amax is +inf exactly when the tile holds NaN/Inf
             bad = (amax == float("inf")).to(tl.int32)
@@ -159,6 +179,7 @@ def launch_blockwise_grouped(
     clamp: bool = True,
     amax_bits: bool = False,
     unmasked: bool = False,
+    chunks: int = 1,
 ) -> None:
     """Quantize every item blockwise in one launch (no validation of values, no sync).
 
@@ -184,6 +205,10 @@ def launch_blockwise_grouped(
             instead of abs, a NaN test, a select and a float max): the same amax, so the same bytes.
         unmasked: when every tile of the group is whole (``N % bn == K % bk == 0`` for every item, ``bn``, ``bk``
             powers of two), load and store without masks; other groups keep them. The same bytes.
+        chunks: ``1``: each program holds its whole tile in registers from load to store; ``2``, ``4`` or ``8``: it
+            reads the tile in that many row bands twice (the amax band by band, then each band again, from cache, to
+            quantize it), holding a band at a time: fewer registers per thread, more programs per SM. The same amax,
+            so the same bytes.
 
     Raises:
         QuantInputError: mixed source dtypes, a wrong output dtype/size, or a non-contiguous tensor.
@@ -226,7 +251,7 @@ def launch_blockwise_grouped(
         return
     _launch_table(kernel, starts, rows, total, (x_base, q_base, s_base), None, bn=bn, bk=bk,
                   scale_format=scale_format, fp8_out=fp8_out, num_warps=num_warps, division=division,
-                  clamp=clamp, amax_bits=amax_bits, unmasked=unmasked)  # fmt: skip
+                  clamp=clamp, amax_bits=amax_bits, unmasked=unmasked, chunks=chunks)  # fmt: skip
 
 
 def whole_tiles(shapes: Sequence[tuple[int, int]], bn: int, bk: int) -> bool:
@@ -256,11 +281,17 @@ def _launch_table(
     clamp: bool = True,
     amax_bits: bool = False,
     unmasked: bool = False,
+    chunks: int = 1,
 ) -> None:
     """Write the table (prefix sum, then per weight its x/q/s element offsets from ``bases``, N, K, NB, KB) and
     launch over ``total`` tiles; the ``ALIGNED`` variant when every row allows it; ``flags``: one per weight;
     ``unmasked``: the ``WHOLE`` variant when every tile of every row is whole."""
     x_base, q_base, s_base = bases
+    bn_p2, bk_p2 = _next_pow2(bn), _next_pow2(bk)
+    if chunks not in _CHUNKS or bn_p2 % chunks:
+        raise QuantInputError(
+            f"chunks must be one of {_CHUNKS} and divide the block's padded rows {bn_p2}, got {chunks!r}"
+        )
     whole = unmasked and whole_tiles([(r[3], r[4]) for r in rows], bn, bk)
     x_unit, q_unit = 16 // x_base.element_size(), 16 // q_base.element_size()
     aligned = (
@@ -271,12 +302,12 @@ def _launch_table(
     if aligned:
         rows = [[r[0] // x_unit, r[1] // q_unit, r[2], r[3], r[4] // 16, r[5], r[6]] for r in rows]
     table, w_p2 = work_table(starts, rows, x_base.device)
-    bn_p2, bk_p2 = _next_pow2(bn), _next_pow2(bk)
     kernel[(total,)](
         table, x_base, q_base, s_base, flags if flags is not None else table,
         W_P2=w_p2, ROW=_ROW, BN=bn, BK=bk, BN_P2=bn_p2, BK_P2=bk_p2,
         UE8M0=scale_format == "ue8m0", FP8_OUT=fp8_out, ALIGNED=aligned, X_UNIT=x_unit, Q_UNIT=q_unit,
         FLAGS=flags is not None, RECIP=_DIVISIONS[division], CLAMP=clamp, AMAX_BITS=amax_bits, WHOLE=whole,
+        CHUNKS=chunks,
         num_warps=num_warps if num_warps is not None else _default_num_warps(bn_p2 * bk_p2),
     )  # fmt: skip
 
@@ -290,6 +321,8 @@ INTO_BUCKET_AMAX_BITS = False
 (``bench/quant.py``'s ``LEAN_VARIANTS``)."""
 INTO_BUCKET_UNMASKED = False
 """:func:`launch_into_bucket`'s unmasked whole tiles (``unmasked``): off until a GPU run times it."""
+INTO_BUCKET_CHUNKS = 1
+""":func:`launch_into_bucket`'s row bands per tile (``chunks``): 1 until a GPU run times the others."""
 
 
 def launch_into_bucket(
@@ -348,7 +381,7 @@ def launch_into_bucket(
     _launch_table(kernel, starts, rows, total, (x_base, q_base, s_base), flags, bn=bn, bk=bk,
                   scale_format=scale_format, fp8_out=fp8_out, num_warps=INTO_BUCKET_NUM_WARPS,
                   division=INTO_BUCKET_DIVISION, clamp=not fp8_out, amax_bits=INTO_BUCKET_AMAX_BITS,
-                  unmasked=INTO_BUCKET_UNMASKED)  # fmt: skip
+                  unmasked=INTO_BUCKET_UNMASKED, chunks=INTO_BUCKET_CHUNKS)  # fmt: skip
     if not fp8_out:  # the interpreter: cast the float32 quotients with torch (round to nearest even)
         for x, q_off, _ in items:
             buffer[q_off : q_off + x.numel()].view(FP8_DTYPE).copy_(q_base[q_off : q_off + x.numel()].to(FP8_DTYPE))

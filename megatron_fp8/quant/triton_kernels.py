@@ -174,6 +174,44 @@ if triton is not None:
         return amax
 
     @triton.jit
+    def _tile_amax(raw, AMAX_BITS: tl.constexpr):
+        # The amax of |raw| over a tile (or a part of one), NaN -> +inf (the GPU's max drops NaN); AMAX_BITS: from the
+        # bit patterns (_tile_amax_bits), the same value.
+        if AMAX_BITS:
+            amax = _tile_amax_bits(raw)
+        else:
+            ax = tl.abs(raw.to(tl.float32))
+            ax = tl.where(ax == ax, ax, float("inf"))
+            amax = tl.max(tl.max(ax, axis=1), axis=0)
+        return amax
+
+    @triton.jit
+    def _store_codes(q_ptrs, raw, scale, mask, FP8_OUT: tl.constexpr, RECIP: tl.constexpr, CLAMP: tl.constexpr,
+                     MASKED: tl.constexpr):  # fmt: skip
+        # raw / scale as e4m3 codes (FP8_OUT) or float32 quotients, stored at q_ptrs.
+        # CLAMP=False leaves out the clamp to +-448: in a finite tile the correctly rounded quotient never exceeds
+        # 448 by more than the cast rounds away (tests/quant/test_recip_division.py), so the codes are the same;
+        # a NaN/Inf tile (refused by every caller) then gets NaN codes where the GPU's min/max would give +-448.
+        y = _divide_by_scale(raw.to(tl.float32), scale, RECIP)
+        if CLAMP:
+            y = tl.minimum(tl.maximum(y, -448.0), 448.0)
+        if FP8_OUT:
+            y = y.to(tl.float8e4nv)
+        if MASKED:
+            tl.store(q_ptrs, y, mask=mask)
+        else:
+            tl.store(q_ptrs, y)
+
+    @triton.jit
+    def _load_tile(x_ptrs, mask, MASKED: tl.constexpr):
+        # MASKED=False: a tile known to be whole (every caller's check), loaded without a mask.
+        if MASKED:
+            raw = tl.load(x_ptrs, mask=mask, other=0.0)
+        else:
+            raw = tl.load(x_ptrs)
+        return raw
+
+    @triton.jit
     def _quantize_tile(
         x_ptrs,
         q_ptrs,
@@ -185,33 +223,12 @@ if triton is not None:
         AMAX_BITS: tl.constexpr,
         MASKED: tl.constexpr,
     ):
-        # One [BN, BK] tile: its amax (NaN -> +inf), scale, and codes stored at q_ptrs; returns (scale, amax).
-        # CLAMP=False leaves out the clamp to +-448: in a finite tile the correctly rounded quotient never exceeds
-        # 448 by more than the cast rounds away (tests/quant/test_recip_division.py), so the codes are the same;
-        # a NaN/Inf tile (refused by every caller) then gets NaN codes where the GPU's min/max would give +-448.
-        # AMAX_BITS: the amax from the bit patterns (_tile_amax_bits), the same value. MASKED=False: a tile known to
-        # be whole (every caller's check), loaded and stored without a mask.
-        if MASKED:
-            raw = tl.load(x_ptrs, mask=mask, other=0.0)
-        else:
-            raw = tl.load(x_ptrs)
-        x = raw.to(tl.float32)
-        if AMAX_BITS:
-            amax = _tile_amax_bits(raw)
-        else:
-            ax = tl.abs(x)
-            ax = tl.where(ax == ax, ax, float("inf"))  # NaN -> inf: GPU max drops NaN
-            amax = tl.max(tl.max(ax, axis=1), axis=0)
+        # One [BN, BK] tile, held in registers from its load to its store: its amax (NaN -> +inf), scale, and codes
+        # stored at q_ptrs; returns (scale, amax).
+        raw = _load_tile(x_ptrs, mask, MASKED)
+        amax = _tile_amax(raw, AMAX_BITS)
         scale = _scale_from_amax(amax, UE8M0)
-        y = _divide_by_scale(x, scale, RECIP)
-        if CLAMP:
-            y = tl.minimum(tl.maximum(y, -448.0), 448.0)
-        if FP8_OUT:
-            y = y.to(tl.float8e4nv)
-        if MASKED:
-            tl.store(q_ptrs, y, mask=mask)
-        else:
-            tl.store(q_ptrs, y)
+        _store_codes(q_ptrs, raw, scale, mask, FP8_OUT, RECIP, CLAMP, MASKED)
         return scale, amax
 
     @triton.jit

@@ -1,10 +1,10 @@
-"""The grouped quantizer's same-bytes variants: the amax from bit patterns (``amax_bits``) and unmasked whole tiles
-(``unmasked``), against the default kernel.
+"""The grouped quantizer's same-bytes variants: the amax from bit patterns (``amax_bits``), unmasked whole tiles
+(``unmasked``) and the tile read in row bands (``chunks``), against the default kernel.
 
 Runs in Triton's CPU interpreter (``TRITON_INTERPRET=1``, in a subprocess: the variable must be set before Triton is
 imported), so the kernel code itself is checked, not a model of it: every source dtype the quantizer takes
 (bfloat16, float16, float32), both scale formats, whole-tile groups (where ``unmasked`` drops the masks) and groups
-with edge tiles and an expert stack (where it must keep them), with the values that decide an amax: NaN, +-Inf, -0.0,
+with edge tiles and an expert stack (where it must keep them, and a band can lie wholly outside a short weight), with the values that decide an amax: NaN, +-Inf, -0.0,
 subnormals, the largest finite value, and magnitudes over 40 decades. The codes (as the float32 quotients the
 interpreter stores) and the scales must be equal bit for bit, and a tile holding NaN/Inf must get the +inf scale that
 flags it. On CUDA, with the hardware cast, ``tests/quant/test_recip_division.py``'s ``gpu`` test compares them too.
@@ -51,6 +51,10 @@ _SCRIPT = textwrap.dedent(
     def unwritten(n):
         return torch.full((n,), SENTINEL, dtype=torch.int32).view(torch.float32)
 
+    # (amax_bits, unmasked, chunks): every pair of the first two, and the tile read in 4 and in 8 row bands
+    VARIANTS = [(a, u, 1) for a, u in itertools.product((False, True), (False, True))] + [
+        (False, False, 4), (True, True, 8)
+    ]  # fmt: skip
     groups = {  # name: shapes ([E, N, K]); "whole": every tile whole, so `unmasked` takes the unmasked kernel
         "whole": [(1, 256, 256), (2, 128, 384)],
         "edges": [(1, 256, 256), (2, 128, 384), (1, 200, 136), (3, 1, 130)],
@@ -61,21 +65,22 @@ _SCRIPT = textwrap.dedent(
     ):
         xs = poison([source(s, dtype) for s in shapes], dtype)
         res = {}
-        for amax_bits, unmasked in itertools.product((False, True), (False, True)):
+        for amax_bits, unmasked, chunks in VARIANTS:
             items = [
                 GroupedItem(x, unwritten(x.numel()), unwritten(x.shape[0] * -(-x.shape[1] // 128) * -(-x.shape[2] // 128)))
                 for x in xs
             ]  # fmt: skip
-            launch_blockwise_grouped(items, 128, 128, fmt, fp8_out=False, amax_bits=amax_bits, unmasked=unmasked)
-            res[amax_bits, unmasked] = [(it.q.view(torch.int32), it.scales.view(torch.int32)) for it in items]
-        base = res[False, False]
+            launch_blockwise_grouped(items, 128, 128, fmt, fp8_out=False, amax_bits=amax_bits, unmasked=unmasked,
+                                     chunks=chunks)  # fmt: skip
+            res[amax_bits, unmasked, chunks] = [(it.q.view(torch.int32), it.scales.view(torch.int32)) for it in items]
+        base = res[False, False, 1]
         key = f"{str(dtype).removeprefix('torch.')}/{fmt}/{gname}"
         out[key] = {
             "same": {
-                f"amax_bits={a},unmasked={u}": all(
+                f"amax_bits={a},unmasked={u},chunks={c}": all(
                     torch.equal(qa, qb) and torch.equal(sa, sb) for (qa, sa), (qb, sb) in zip(base, v, strict=True)
                 )
-                for (a, u), v in res.items()
+                for (a, u, c), v in res.items()
             },
             "inf_scales": [int(torch.isinf(s.view(torch.float32)).sum()) for _, s in base],
             "untouched": [int((q == SENTINEL).sum() + (sc == SENTINEL).sum()) for q, sc in base],
@@ -98,7 +103,7 @@ def test_every_variant_gives_the_default_kernels_bytes(run):
     assert len(run) == 3 * 2 * 2
     for key, r in run.items():
         assert all(r["same"].values()), (key, r["same"])
-        assert len(r["same"]) == 4
+        assert len(r["same"]) == 6
 
 
 def test_a_nan_or_inf_tile_gets_the_infinite_scale_that_flags_it(run):

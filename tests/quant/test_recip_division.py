@@ -346,6 +346,8 @@ def test_on_cuda_the_kernel_variants_give_the_same_bytes(fmt: str) -> None:
         "lean, both, 8 warps": {**lean, "amax_bits": True, "unmasked": True, "num_warps": 8},
         "reciprocal only": only,
         "reciprocal only, both, 8 warps": {**only, "amax_bits": True, "unmasked": True, "num_warps": 8},
+        "reciprocal only, 4 row bands": {**only, "chunks": 4, "num_warps": 8},
+        "reciprocal only, both, 8 row bands": {**only, "amax_bits": True, "unmasked": True, "chunks": 8},
     }
     for shapes in groups.values():
         xs = []
@@ -368,9 +370,17 @@ def test_on_cuda_the_kernel_variants_give_the_same_bytes(fmt: str) -> None:
                 assert torch.equal(sa.view(torch.int32), sb.view(torch.int32)), variant
 
 
-def test_an_unknown_division_is_refused() -> None:
+def test_an_unknown_division_or_band_count_is_refused() -> None:
     from megatron_fp8.errors import QuantInputError
-    from megatron_fp8.quant.triton_grouped import launch_blockwise_grouped
+    from megatron_fp8.quant.triton_grouped import GroupedItem, launch_blockwise_grouped
 
     with pytest.raises(QuantInputError, match="division must be one of"):
         launch_blockwise_grouped([], 128, 128, "fp32", division="fast")
+    x = torch.zeros(1, 128, 128, dtype=torch.bfloat16)
+    item = GroupedItem(x, torch.empty(x.numel()), torch.empty(1))
+    for chunks in (3, 16, 0):
+        with pytest.raises(QuantInputError, match="chunks must be one of"):
+            launch_blockwise_grouped([item], 128, 128, "fp32", fp8_out=False, chunks=chunks)
+    with pytest.raises(QuantInputError, match="divide the block's padded rows 8"):
+        launch_blockwise_grouped([GroupedItem(x, torch.empty(x.numel()), torch.empty(16 * 1))], 8, 128, "fp32",
+                                 fp8_out=False, chunks=16)  # fmt: skip
