@@ -6,7 +6,8 @@ the refit's hot kernels for ``sm_90`` with this machine's Triton and its bundled
 specializes them (the JIT's own binder: 16-byte aligned pointers, constexprs), reads the cubin back with the
 bundled ``cuobjdump`` and writes, per kernel and setting:
 
-* ``registers``, ``stack_bytes`` and ``spill_instructions`` (``LDL``/``STL``), ``shared_bytes``;
+* ``registers``, ``stack_bytes`` and ``spill_instructions`` (``LDL``/``STL``), ``shared_bytes`` (static and the
+  dynamic shared memory Triton launches the kernel with);
 * the SM's theoretical occupancy from them (H100/H200: 65,536 registers, 64 warps, 32 programs per SM; registers
   allocated per warp in units of 256);
 * ``instructions`` (static: every instruction of the kernel, also those of a branch a launch never takes, e.g. the
@@ -234,7 +235,9 @@ def compile_case(case: Case, *, arch: int = ARCH):
 def measure(case: Case, *, arch: int = ARCH) -> dict:
     """Compile one case and read its SASS: :func:`sass_stats` plus occupancy and the per-element figure."""
     start = time.perf_counter()
-    stats = sass_stats(compile_case(case, arch=arch).asm["cubin"])
+    compiled = compile_case(case, arch=arch)
+    stats = sass_stats(compiled.asm["cubin"])
+    stats["shared_bytes"] += int(getattr(compiled.metadata, "shared", 0) or 0)  # Triton's dynamic shared memory
     threads = case.num_warps * 32
     return {
         "name": case.name,
