@@ -85,6 +85,14 @@ if triton is not None:
         return table_ptr + W_P2 + w * ROW, w, p - tl.load(table_ptr + w)
 
     @triton.jit
+    def _band(i, pid_n, expert, n, k, cols, col_ok, BN: tl.constexpr, ROWS: tl.constexpr):
+        # band i (ROWS rows) of the tile in block row pid_n of stack entry `expert`: its element offsets and mask
+        r = i * ROWS + tl.arange(0, ROWS)
+        rows = pid_n * BN + r
+        mask = ((r < BN) & (rows < n))[:, None] & col_ok[None, :]
+        return (expert * n * k + rows * k)[:, None] + cols[None, :], mask
+
+    @triton.jit
     def _grouped_blockwise_kernel(
         table_ptr,
         x_base,
@@ -130,26 +138,17 @@ if triton is not None:
         cols = kb * BK + c
         col_ok = (c < BK) & (cols < k)
         if CHUNKS == 1:  # the whole tile in registers from its load to its store
-            r = tl.arange(0, BN_P2)
-            rows = pid_n * BN + r
-            mask = ((r < BN) & (rows < n))[:, None] & col_ok[None, :]
-            offs = (expert * n * k + rows * k)[:, None] + cols[None, :]
+            offs, mask = _band(0, pid_n, expert, n, k, cols, col_ok, BN, BN_P2)
             scale, amax = _quantize_tile(x_base + x_off + offs, q_base + q_off + offs, mask, UE8M0, FP8_OUT, RECIP,
                                          CLAMP, AMAX_BITS, not WHOLE)  # fmt: skip
         else:  # CHUNKS row bands: the amax band by band, then each band read again (from cache) and quantized
             amax = 0.0
             for i in range(CHUNKS):
-                r = i * (BN_P2 // CHUNKS) + tl.arange(0, BN_P2 // CHUNKS)
-                rows = pid_n * BN + r
-                mask = ((r < BN) & (rows < n))[:, None] & col_ok[None, :]
-                offs = (expert * n * k + rows * k)[:, None] + cols[None, :]
+                offs, mask = _band(i, pid_n, expert, n, k, cols, col_ok, BN, BN_P2 // CHUNKS)
                 amax = tl.maximum(amax, _tile_amax(_load_tile(x_base + x_off + offs, mask, not WHOLE), AMAX_BITS))
             scale = _scale_from_amax(amax, UE8M0)
             for i in range(CHUNKS):
-                r = i * (BN_P2 // CHUNKS) + tl.arange(0, BN_P2 // CHUNKS)
-                rows = pid_n * BN + r
-                mask = ((r < BN) & (rows < n))[:, None] & col_ok[None, :]
-                offs = (expert * n * k + rows * k)[:, None] + cols[None, :]
+                offs, mask = _band(i, pid_n, expert, n, k, cols, col_ok, BN, BN_P2 // CHUNKS)
                 raw = _load_tile(x_base + x_off + offs, mask, not WHOLE)
                 _store_codes(q_base + q_off + offs, raw, scale, mask, FP8_OUT, RECIP, CLAMP, not WHOLE)
         tl.store(s_base + s_off + t, scale)
