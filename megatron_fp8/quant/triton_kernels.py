@@ -91,7 +91,8 @@ def available() -> bool:
 
 RECIP_MIN_SCALE: float = 2.0**-90
 """The smallest block scale the kernels divide by through its reciprocal (below it, and for a non-finite scale,
-they divide); a tile's scale is below it only when its amax is below ``448 * 2**-90`` (about 3.6e-25)."""
+they divide; with ``division="reciprocal_only"`` they lift such a tile by 2**64 instead); a tile's scale is below it
+only when its amax is below ``448 * 2**-90`` (about 3.6e-25)."""
 
 if triton is not None:
     _RECIP_MIN = tl.constexpr(RECIP_MIN_SCALE)

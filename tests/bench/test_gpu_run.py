@@ -73,7 +73,7 @@ def test_gpu_run_step_timeout_stops_a_step_and_runs_the_next(tmp_path):
         PYTHON=sys.executable,
         OMP_NUM_THREADS="1",
         # per-step overrides: every step but quant_cuda stopped after 1 s (the whole smoke run is the test above's);
-        # quant_cuda, after a stopped step and before five more, runs under the 300 s default
+        # quant_cuda, after a stopped step and before six more, runs under the 300 s default
         GPU_RUN_STEP_TIMEOUT=(
             "300 gpu_tests:1 refit_cuda:1 refit_profile_cuda:1 refit_host_cuda:1 refit_link_gloo:1 refit_link_nccl:1 "
             "sass_sm90:1"
