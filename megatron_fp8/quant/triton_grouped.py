@@ -195,7 +195,7 @@ def launch_blockwise_grouped(
             (the same with the remainder negated: the same quotient bits without the select that keeps -0.0, two
             instructions per element fewer), ``"reciprocal_only"`` (that arithmetic for every tile: a tile under
             ``RECIP_MIN_SCALE`` is lifted by 2**64 first, an infinite scale gives ``x * 0``; no per-element division
-            is compiled in, about half of the kernel's code) or ``"rn"`` (an IEEE division per element, the
+            is compiled in, 40% of the kernel's code) or ``"rn"`` (an IEEE division per element, the
             reference the benchmark compares against).
         clamp: clamp the quotient to +-448 before the cast (the default). ``False`` gives the same codes for
             every finite tile (two instructions per element fewer; ``bench/quant.py`` times both); a tile holding

@@ -125,7 +125,7 @@ if triton is not None:
         # CUDA (the H200 run of 2026-11-27 showed it); 3.9, pinned here, emits fneg, in its interpreter too
         # (tests/quant/test_recip_division.py runs the kernel's byte test with minus emulated as 0 - v as well).
         # RECIP == 3: the RECIP == 2 arithmetic for every tile, so that no per-element division is compiled in (a
-        # division inlines a check and a slow-path call per element: half of the kernel's code, never run on a real
+        # division inlines a check and a slow-path call per element: 40% of the kernel's code, never run on a real
         # weight). A scale under RECIP_MIN_SCALE (a tile's amax under 448 * 2**-90) and x are both lifted by 2**64
         # first: products by a power of two are exact here (x * 2**64 < 2**-17, every subnormal becomes normal), the
         # quotient is the same real number, now with a scale the reciprocal path is exact for. An infinite scale
