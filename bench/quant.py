@@ -228,6 +228,55 @@ LEAN_VARIANTS: dict[str, dict] = {
 ``grouped_ms_<name>_by_num_warps`` and ``grouped_<name>_same_bytes``); ``lean`` is the refit's setting."""
 
 
+def _normalized(options: dict) -> dict:
+    """A grouped launch's options with every default filled in (what the kernel is compiled with)."""
+    defaults = {"division": "reciprocal", "clamp": True, "amax_bits": False, "unmasked": False, "chunks": 1}
+    return {**defaults, **{k: v for k, v in options.items() if k in defaults}}
+
+
+def best_grouped_setting(layer_set: dict) -> dict | None:
+    """The fastest same-bytes setting among the timed ``LEAN_VARIANTS`` next to the refit's own quantizer setting.
+
+    Args:
+        layer_set: ``bench_layer_set_cuda``'s result (``grouped_ms_<variant>_by_num_warps``,
+            ``grouped_<variant>_same_bytes``, ``grouped_ms``, ``grouped_pct_of_copy``).
+
+    Returns:
+        ``{"variant", "options", "num_warps", "ms", "pct_of_copy", "refit": {"variant", "num_warps", "ms"},
+        "speedup_over_refit"}``, or ``None`` when no variant was timed with the same bytes. ``refit`` is the variant
+        whose options are the refit's (``INTO_BUCKET_*`` of ``megatron_fp8/quant/triton_grouped.py``, the clamp off as
+        on CUDA), at its warps; ``None`` there when no variant matches.
+    """
+    from megatron_fp8.quant import triton_grouped as tg
+
+    ms_per_pct = layer_set["grouped_ms"] * layer_set["grouped_pct_of_copy"]  # pct_of_copy is inverse to ms
+    timed = [
+        (ms, name, int(warps))
+        for name in LEAN_VARIANTS
+        if layer_set.get(f"grouped_{name}_same_bytes") is True
+        for warps, ms in layer_set.get(f"grouped_ms_{name}_by_num_warps", {}).items()
+        if isinstance(ms, (int, float))
+    ]
+    if not timed:
+        return None
+    ms, name, warps = min(timed)
+    refit_options = _normalized({"division": tg.INTO_BUCKET_DIVISION, "clamp": False,
+                                 "amax_bits": tg.INTO_BUCKET_AMAX_BITS, "unmasked": tg.INTO_BUCKET_UNMASKED,
+                                 "chunks": tg.INTO_BUCKET_CHUNKS})  # fmt: skip
+    refit_name = next((n for n, o in LEAN_VARIANTS.items() if _normalized(o) == refit_options), None)
+    refit_ms = layer_set.get(f"grouped_ms_{refit_name}_by_num_warps", {}).get(str(tg.INTO_BUCKET_NUM_WARPS))
+    refit = {"variant": refit_name, "num_warps": tg.INTO_BUCKET_NUM_WARPS, "ms": refit_ms} if refit_name else None
+    return {
+        "variant": name,
+        "options": LEAN_VARIANTS[name],
+        "num_warps": warps,
+        "ms": ms,
+        "pct_of_copy": ms_per_pct / ms,
+        "refit": refit,
+        "speedup_over_refit": refit_ms / ms if isinstance(refit_ms, (int, float)) else None,
+    }
+
+
 def bench_layer_set_cuda(layer: tuple, layers: int, copy_gbs: float, *, warmup: int, reps: int) -> dict:
     from megatron_fp8.quant import triton_kernels
 
@@ -332,6 +381,7 @@ def bench_layer_set_cuda(layer: tuple, layers: int, copy_gbs: float, *, warmup: 
             same = same and all(_same_bytes((it.q, it.scales), r) for it, r in zip(g, ref, strict=True))
             del ref
         out[f"grouped_{variant}_same_bytes"] = same
+    out["grouped_best"] = best_grouped_setting(out)
     all_grouped()
     out["grouped_bytes_equal_per_weight"] = all(
         _same_bytes((it.q, it.scales), triton_kernels.launch_blockwise(it.x3, 128, 128, "fp32")[:2])
@@ -537,6 +587,15 @@ def print_table(result: dict) -> None:
                 f"grouped {variant} ({options}), by num_warps: {ls[f'grouped_ms_{variant}_by_num_warps']}, same bytes "
                 f"on every weight: {'yes' if ls[f'grouped_{variant}_same_bytes'] else 'NO'}"
             )
+    best = ls.get("grouped_best") if ls else None
+    if best:
+        refit = best["refit"] or {}
+        Console().print(
+            f"fastest same-bytes grouped setting: {best['variant']} at {best['num_warps']} warps, {best['ms']:.3f} ms "
+            f"({best['pct_of_copy']:.1f}% of copy); the refit's ({refit.get('variant')}, {refit.get('num_warps')} "
+            f"warps): {_fmt(refit.get('ms'), '.3f')} ms; to use it, set INTO_BUCKET_* in "
+            "megatron_fp8/quant/triton_grouped.py to its options"
+        )
     for r in result["shapes"]:
         if r.get("best_config"):
             Console().print(f"best config for {r['shape']}: {r['best_config']}")

@@ -81,3 +81,26 @@ def test_bad_layers_argument_is_rejected(tmp_path):
     )  # fmt: skip
     assert proc.returncode == 2 and "--layers must be >= 1" in proc.stderr
     assert not (tmp_path / "x.json").exists()
+
+
+def test_the_fastest_same_bytes_setting_is_named_next_to_the_refits(bench_module):
+    """What a GPU run's ``layer_set.grouped_best`` says: the fastest timed variant whose bytes were the default
+    kernel's (a faster one with other bytes, or one that failed to compile, is passed over), and the refit's own
+    setting (``INTO_BUCKET_*``) at its warps, found by its options."""
+    quant = bench_module("quant")
+    ls = {"grouped_ms": 7.0, "grouped_pct_of_copy": 70.0}
+    for name in quant.LEAN_VARIANTS:
+        ls[f"grouped_ms_{name}_by_num_warps"] = {"4": 9.0, "8": 6.5, "16": 7.0}
+        ls[f"grouped_{name}_same_bytes"] = True
+    ls["grouped_ms_lean_by_num_warps"]["8"] = 6.44
+    ls["grouped_ms_lean_recip_only_chunks4_by_num_warps"]["8"] = 4.9
+    ls["grouped_ms_lean_recip_only_amax_bits_unmasked_chunks8_by_num_warps"] = {"4": "failed: X", "8": 4.0, "16": 5.0}
+    ls["grouped_lean_recip_only_amax_bits_unmasked_chunks8_same_bytes"] = False  # faster, but other bytes
+    best = quant.best_grouped_setting(ls)
+    assert (best["variant"], best["num_warps"], best["ms"]) == ("lean_recip_only_chunks4", 8, 4.9)
+    assert best["pct_of_copy"] == pytest.approx(100.0)  # 7.0 ms was 70%
+    assert best["refit"] == {"variant": "lean", "num_warps": 8, "ms": 6.44}
+    assert best["speedup_over_refit"] == pytest.approx(6.44 / 4.9)
+    for name in quant.LEAN_VARIANTS:
+        ls[f"grouped_{name}_same_bytes"] = False
+    assert quant.best_grouped_setting(ls) is None
