@@ -26,6 +26,7 @@ Usage::
 from __future__ import annotations
 
 import argparse
+import inspect
 import json
 import math
 import platform
@@ -228,9 +229,13 @@ LEAN_VARIANTS: dict[str, dict] = {
 ``grouped_ms_<name>_by_num_warps`` and ``grouped_<name>_same_bytes``); ``lean`` is the refit's setting."""
 
 
-def _normalized(options: dict) -> dict:
-    """A grouped launch's options with every default filled in (what the kernel is compiled with)."""
-    defaults = {"division": "reciprocal", "clamp": True, "amax_bits": False, "unmasked": False, "chunks": 1}
+def normalized(options: dict) -> dict:
+    """A grouped launch's same-bytes options (those ``LEAN_VARIANTS`` set) with ``launch_blockwise_grouped``'s own
+    defaults filled in: what the kernel is compiled with."""
+    from megatron_fp8.quant.triton_grouped import launch_blockwise_grouped
+
+    params = inspect.signature(launch_blockwise_grouped).parameters
+    defaults = {k: params[k].default for k in ("division", "clamp", "amax_bits", "unmasked", "chunks")}
     return {**defaults, **{k: v for k, v in options.items() if k in defaults}}
 
 
@@ -260,10 +265,10 @@ def best_grouped_setting(layer_set: dict) -> dict | None:
     if not timed:
         return None
     ms, name, warps = min(timed)
-    refit_options = _normalized({"division": tg.INTO_BUCKET_DIVISION, "clamp": False,
+    refit_options = normalized({"division": tg.INTO_BUCKET_DIVISION, "clamp": False,
                                  "amax_bits": tg.INTO_BUCKET_AMAX_BITS, "unmasked": tg.INTO_BUCKET_UNMASKED,
                                  "chunks": tg.INTO_BUCKET_CHUNKS})  # fmt: skip
-    refit_name = next((n for n, o in LEAN_VARIANTS.items() if _normalized(o) == refit_options), None)
+    refit_name = next((n for n, o in LEAN_VARIANTS.items() if normalized(o) == refit_options), None)
     refit_ms = layer_set.get(f"grouped_ms_{refit_name}_by_num_warps", {}).get(str(tg.INTO_BUCKET_NUM_WARPS))
     refit = {"variant": refit_name, "num_warps": tg.INTO_BUCKET_NUM_WARPS, "ms": refit_ms} if refit_name else None
     return {

@@ -255,6 +255,16 @@ def _aligned(n: int, dtype: torch.dtype) -> torch.Tensor:
     return torch.zeros(n, dtype=dtype)  # CPU allocations are 64-byte aligned: what a bucket's views are
 
 
+def _quant_bench():
+    """``bench/quant.py`` as a module (its ``LEAN_VARIANTS`` and ``normalized``), imported from this folder."""
+    sys.path.insert(0, str(Path(__file__).parent))
+    try:
+        import quant
+    finally:
+        sys.path.remove(str(Path(__file__).parent))
+    return quant
+
+
 def quantizer_cases(*, warps: tuple[int, ...] = WARPS, variants: dict | None = None, w_p2: int = 32) -> list[Case]:
     """The refit's grouped quantizer (``launch_into_bucket``) under each variant's options, per warp count.
 
@@ -264,13 +274,9 @@ def quantizer_cases(*, warps: tuple[int, ...] = WARPS, variants: dict | None = N
     """
     from megatron_fp8.quant import triton_grouped as tg
 
+    quant = _quant_bench()
     if variants is None:
-        sys.path.insert(0, str(Path(__file__).parent))
-        try:
-            from quant import LEAN_VARIANTS
-        finally:
-            sys.path.remove(str(Path(__file__).parent))
-        variants = {k: v for k, v in LEAN_VARIANTS.items() if "division" in v}
+        variants = {k: v for k, v in quant.LEAN_VARIANTS.items() if "division" in v}
 
     def args() -> tuple:
         return (
@@ -283,12 +289,12 @@ def quantizer_cases(*, warps: tuple[int, ...] = WARPS, variants: dict | None = N
 
     cases = []
     for name, options in variants.items():
+        o = quant.normalized(options)
         constexprs = {
             "W_P2": w_p2, "ROW": tg._ROW, "BN": 128, "BK": 128, "BN_P2": 128, "BK_P2": 128, "UE8M0": False,
             "FP8_OUT": True, "ALIGNED": True, "X_UNIT": 8, "Q_UNIT": 16, "FLAGS": True,
-            "RECIP": tg._DIVISIONS[options.get("division", "reciprocal")], "CLAMP": options.get("clamp", True),
-            "AMAX_BITS": options.get("amax_bits", False), "WHOLE": options.get("unmasked", False),
-            "CHUNKS": options.get("chunks", 1),
+            "RECIP": tg._DIVISIONS[o["division"]], "CLAMP": o["clamp"], "AMAX_BITS": o["amax_bits"],
+            "WHOLE": o["unmasked"], "CHUNKS": o["chunks"],
         }  # fmt: skip
         for nw in warps:
             cases.append(Case(f"quantizer {name}", tg._grouped_kernel, args, constexprs, nw, 128 * 128,
@@ -347,8 +353,8 @@ def main(argv: list[str] | None = None) -> int:
     from megatron_fp8.quant import triton_grouped as tg
 
     if args.smoke:
-        cases = quantizer_cases(warps=(tg.INTO_BUCKET_NUM_WARPS,), variants={"lean": {"clamp": False,
-                                "division": tg.INTO_BUCKET_DIVISION}})  # fmt: skip
+        lean = {"lean": _quant_bench().LEAN_VARIANTS["lean"]}
+        cases = quantizer_cases(warps=(tg.INTO_BUCKET_NUM_WARPS,), variants=lean)
     else:
         cases = quantizer_cases()
     cases += [fill_case(), checksum_case()]

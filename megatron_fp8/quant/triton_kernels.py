@@ -110,6 +110,13 @@ if triton is not None:
         return tl.where(amax == 0.0, 1.0, ratio)
 
     @triton.jit
+    def _divide_noselect(x, scale):
+        # x / scale through the scale's correctly rounded reciprocal and the negated remainder (RECIP == 2, below)
+        r = tl.math.div_rn(1.0, scale)
+        q0 = x * r
+        return tl.math.fma(tl.math.fma(q0, scale, -x), -r, q0)
+
+    @triton.jit
     def _divide_by_scale(x, scale, RECIP: tl.constexpr):
         # x / scale correctly rounded (IEEE division), for one tile's scalar scale. RECIP: through the scale's
         # correctly rounded reciprocal and one remainder correction (Markstein: q0 = x*r, e = x - q0*scale exact
@@ -138,16 +145,14 @@ if triton is not None:
             elif scale == float("inf"):
                 x = x * 0.0
                 s = 1.0
-            r = tl.math.div_rn(1.0, s)
-            q0 = x * r
-            y = tl.math.fma(tl.math.fma(q0, s, -x), -r, q0)
+            y = _divide_noselect(x, s)
         elif RECIP != 0:
             if (scale >= _RECIP_MIN) & (scale < float("inf")):
-                r = tl.math.div_rn(1.0, scale)
-                q0 = x * r
                 if RECIP == 2:
-                    y = tl.math.fma(tl.math.fma(q0, scale, -x), -r, q0)
+                    y = _divide_noselect(x, scale)
                 else:
+                    r = tl.math.div_rn(1.0, scale)
+                    q0 = x * r
                     e = tl.math.fma(-q0, scale, x)
                     y = tl.where(e == 0.0, q0, tl.math.fma(e, r, q0))  # e == 0: q0 is exact (and keeps -0.0)
             else:
