@@ -45,6 +45,10 @@ _SHOWN = 5
 """How many names an error message lists before ``...``."""
 
 
+_POSITIVE_CHECKED = frozenset({torch.float32, torch.float16, torch.bfloat16, torch.float64})
+"""Scale dtypes whose values :meth:`DictApplier.stage_many` checks are > 0 (a UE8M0 scale cannot be zero or negative)."""
+
+
 @runtime_checkable
 class RefitApplier(Protocol):
     """Two-phase application of one refit version to an engine's weights.
@@ -350,14 +354,16 @@ class DictApplier:
             seen.add(name)
             self._check(name, tuple(tensor.shape), tensor.dtype)
         probe = FiniteProbe(pairs)
-        scales = [(n, t) for n, t in pairs if is_scale_name(n) and t.numel()]
+        # UE8M0 scales hold no zero and no negative: only their NaN code can be bad, and the probe flags it
+        scales = [(n, t) for n, t in pairs if is_scale_name(n) and t.numel() and t.dtype in _POSITIVE_CHECKED]
         parts = [probe.values] if probe.values is not None else []
+        low = None
         if scales:
-            device = parts[0].device if parts else scales[0][1].device
-            parts.append(torch.cat([t.detach().reshape(-1).float().to(device) for _, t in scales]).amin().reshape(1))
+            low = multi.smallest([t for _, t in scales], parts[0].device if parts else scales[0][1].device)
+            parts.append(low)
         host = torch.cat(parts).tolist() if parts else []  # the one host read
-        probe.check(host[: len(host) - (1 if scales else 0)], version=self._pending)
-        if scales and not (math.isfinite(host[-1]) and host[-1] > 0):
+        probe.check(host[: len(host) - (1 if low is not None else 0)], version=self._pending)
+        if low is not None and not (math.isfinite(host[-1]) and host[-1] > 0):
             for name, tensor in scales:  # name the first bad scale
                 check_scale_values(name, tensor, version=self._pending)
         self._staged.update(pairs)

@@ -64,6 +64,34 @@ def snapshot(tensors: Sequence[torch.Tensor]) -> list[torch.Tensor]:
     return out  # type: ignore[return-value]
 
 
+def smallest(tensors: Sequence[torch.Tensor], device: torch.device) -> torch.Tensor | None:
+    """The smallest value of many floating-point tensors, with no op per tensor.
+
+    Per (device, dtype) group one ``torch._foreach_neg`` and one ``torch._foreach_max`` (the largest negation), a
+    stack and a reduction; ``-0.0`` and ``0.0`` both give a value that is not ``> 0``, a NaN anywhere gives NaN.
+    Empty tensors are skipped.
+
+    Args:
+        tensors: floating-point tensors of any shapes, dtypes and devices (e.g. a version's block scales).
+        device: where the result goes (the caller reads it with its other values in one host read).
+
+    Returns:
+        A 1-element float32 tensor on ``device``, or ``None`` when every tensor is empty.
+    """
+    groups: dict[tuple[torch.device, torch.dtype], list[torch.Tensor]] = {}
+    for t in tensors:
+        if t.numel():
+            groups.setdefault((t.device, t.dtype), []).append(t)
+    if not groups:
+        return None
+    with torch.no_grad():
+        lows = [
+            torch.stack(torch._foreach_max(torch._foreach_neg(group))).amax().float().to(device)
+            for group in groups.values()
+        ]
+        return torch.stack(lows).amax().neg().reshape(1)
+
+
 def copy_into(targets: Sequence[torch.Tensor], sources: Sequence[torch.Tensor]) -> None:
     """``targets[i].copy_(sources[i])`` for every ``i`` in one multi-tensor op (same shapes and dtypes)."""
     if targets:

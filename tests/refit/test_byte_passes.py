@@ -221,3 +221,35 @@ def test_a_pair_the_passes_cannot_take_is_refused_by_index():
         copy_many([torch.zeros(63, dtype=torch.bfloat16)], [ok])
     with pytest.raises(RefitError, match=r"probe_many: tensor 0 \(torch.bfloat16 \(8, 8\)\) must be contiguous"):
         probe_many([a.t()])
+
+
+def test_smallest_of_many_tensors_takes_no_op_per_tensor():
+    """:func:`multi.smallest` (the DictApplier's scale check): the minimum over mixed dtypes and shapes, -0.0 and
+    0.0 not > 0, a NaN anywhere is NaN, empty tensors skipped; its op count does not grow with the tensor count."""
+    from megatron_fp8.refit import multi
+    from megatron_fp8.refit.opcount import OpCounter
+
+    g = torch.Generator().manual_seed(3)
+    ts = [
+        torch.rand(4, 3, generator=g) + 0.5,
+        torch.tensor(0.75),
+        torch.empty(0),
+        torch.rand(7, generator=g).half() + 1,
+    ]
+    ts[0][2, 1] = 0.25
+    low = multi.smallest(ts, torch.device("cpu"))
+    assert low.dtype == torch.float32 and low.shape == (1,) and low.item() == 0.25
+    for bad in (0.0, -0.0, -2.0):
+        t = torch.ones(5)
+        t[3] = bad
+        assert not multi.smallest([*ts, t], torch.device("cpu")).item() > 0
+    assert torch.isnan(multi.smallest([*ts, torch.tensor([1.0, float("nan")])], torch.device("cpu"))).item()
+    assert multi.smallest([torch.empty(0)], torch.device("cpu")) is None
+
+    def ops(n):
+        tensors = [torch.rand(3, 2, generator=g) + 1 for _ in range(n)]
+        with OpCounter() as c:
+            multi.smallest(tensors, torch.device("cpu"))
+        return sum(c.counts.dispatched.values())
+
+    assert ops(10) == ops(40)

@@ -115,15 +115,30 @@ def test_wrong_shape_tensor_late_in_the_stream_is_refused_with_nothing_written(s
     _next_clean_version_commits(applier, refit, 3)
 
 
-@pytest.mark.parametrize("value", [0.0, -1.0, float("nan"), float("inf")])
-def test_bad_scale_values_are_refused_naming_the_scale(served, value):
+def _apply_at_once(applier: DictApplier, version: int, items: list[tuple[str, torch.Tensor]]) -> None:
+    """As :func:`_apply`, with the whole version staged in one ``stage_many`` (what the receiver calls)."""
+    metas = [TensorMeta(n, tuple(t.shape), dtype_name(t.dtype), 0, t.numel() * t.element_size()) for n, t in items]
+    try:
+        applier.begin(version, metas)
+        applier.stage_many(items)
+        applier.commit(version)
+    except Exception as exc:
+        applier.abort(version, str(exc))
+        raise
+
+
+@pytest.mark.parametrize("stage", [_apply, _apply_at_once], ids=["one-by-one", "whole-version"])
+@pytest.mark.parametrize("value", [0.0, -0.0, -1.0, float("nan"), float("inf")])
+def test_bad_scale_values_are_refused_naming_the_scale(served, value, stage):
+    """Whole-version staging checks every scale in a few multi-tensor ops; a bad one is still named, after
+    every other scale of the version was good (here a late layer's)."""
     applier, refit, good = served
     items = dict(_version(2))
     bad = items[SCALE].clone()
     bad[0, 1] = value
     items[SCALE] = bad
     with pytest.raises((WeightStreamError, ValueError), match=SCALE):
-        _apply(applier, 2, list(items.items()))
+        stage(applier, 2, list(items.items()))
     _holds(applier, good)
     _next_clean_version_commits(applier, refit, 3)
 

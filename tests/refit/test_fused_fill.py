@@ -189,8 +189,16 @@ _SCRIPT = textwrap.dedent(
     import threading
     from megatron_fp8.refit import DictApplier, InProcTransport, RefitReceiver, RefitSender
 
-    def received(n):
+    from megatron_fp8.quant import quantize_blockwise
+
+    def received(n, kind="bf16"):
         items = [(f"t{i}", (torch.randn(128, 512, generator=g) * 0.02).to(torch.bfloat16)) for i in range(n)]
+        if kind == "fp8":  # an FP8 weight and its block scales, as the engine holds them
+            items = [
+                (name + suffix, part)
+                for name, t in items
+                for suffix, part in zip(("", "_scale_inv"), quantize_blockwise(t, name=name), strict=True)
+            ]
         applier = DictApplier({name: torch.zeros_like(t) for name, t in items})
         transport = InProcTransport(timeout=60)
         receiver = RefitReceiver(transport, apply=applier, timeout=60)
@@ -207,10 +215,9 @@ _SCRIPT = textwrap.dedent(
         assert all(torch.equal(applier.tensors[name], t) for name, t in items)
         return c.counts.dispatched
 
-    small, big = received(20), received(40)
-    out["receiver_dispatched_per_tensor"] = {
-        k: (big[k] - small[k]) / 20 for k in set(small) | set(big) if big[k] != small[k]
-    }
+    for kind, key in (("bf16", "receiver_dispatched_per_tensor"), ("fp8", "receiver_dispatched_per_fp8_weight")):
+        small, big = received(20, kind), received(40, kind)
+        out[key] = {k: (big[k] - small[k]) / 20 for k in set(small) | set(big) if big[k] != small[k]}
     print("RESULT" + json.dumps(out))
     """
 )
@@ -278,3 +285,10 @@ def test_the_receiver_with_a_dict_applier_makes_two_views_per_tensor(run):
     """The tensor's view of its bucket, handed to the applier, and its backup's view of one buffer; the copies,
     the read-back and the NaN/Inf probe address tensors by data pointer (they made 8 more ops per tensor)."""
     assert run["receiver_dispatched_per_tensor"] == {"as_strided": 2.0}, run["receiver_dispatched_per_tensor"]
+
+
+def test_the_receiver_with_a_dict_applier_checks_an_fp8_weights_scales_without_an_op_of_their_own(run):
+    """An FP8 weight is two tensors (codes, block scales): two views each, as above; the scales' > 0 check is two
+    multi-tensor ops for the whole version (it made a detach and a view per scale tensor)."""
+    per = run["receiver_dispatched_per_fp8_weight"]
+    assert per == {"as_strided": 4.0}, per
