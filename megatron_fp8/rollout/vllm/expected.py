@@ -29,6 +29,7 @@ import torch
 
 from megatron_fp8.errors import WeightStreamError
 from megatron_fp8.layout import block_scale_shape
+from megatron_fp8.refit.integrity.finite import has_nonfinite
 from megatron_fp8.rollout.vllm import layers
 from megatron_fp8.vocab import FP8_DTYPE_NAME, KV_SCALE_KINDS, SCALE_SUFFIX, is_kv_scale_name
 
@@ -253,20 +254,16 @@ def validate_metas(
         )
 
 
+_SIGNED_SCALE_DTYPES = frozenset({torch.float32, torch.float16, torch.bfloat16, torch.float64})
+"""Scale dtypes that can hold zero or a negative value (a UE8M0 scale cannot)."""
+
+
 def _bad_scale_values(t: torch.Tensor) -> str | None:
-    if not bool(torch.isfinite(t).all()):
+    if has_nonfinite(t):
         return "NaN or Inf"
-    if bool((t <= 0).any()):
+    if t.numel() and t.dtype in _SIGNED_SCALE_DTYPES and float(t.amin()) <= 0:
         return f"{int((t <= 0).sum())} zero or negative value(s)"
     return None
-
-
-def _nonfinite_weight(t: torch.Tensor) -> bool:
-    if t.dtype == torch.float8_e4m3fn:  # e4m3fn has no Inf; NaN is S.1111.111
-        return bool(((t.view(torch.uint8) & 0x7F) == 0x7F).any())
-    if t.is_floating_point():
-        return not bool(torch.isfinite(t).all())
-    return False
 
 
 def validate_version(
@@ -288,7 +285,7 @@ def validate_version(
                     "positive (check the amax -> scale rule and the KV calibration)",
                     name=name,
                 )
-        elif _nonfinite_weight(tensor):
+        elif has_nonfinite(tensor):  # one or two passes at memory speed: a host-staged version is checked on a CPU
             raise WeightStreamError(
                 f"refit refused before any write: {name!r} holds NaN or Inf; check the training step that produced it",
                 name=name,
