@@ -8,7 +8,8 @@ version to its target first: checkpoint-layout Parameters by this TP rank's rows
 module whose layout (:mod:`~megatron_fp8.rollout.vllm.layouts`) is not the checkpoint's through one of
 the module-level planners (:func:`plan_linear`, :func:`plan_experts`, :func:`plan_kv`). The planners
 assemble this TP rank's fused checkpoint-format tensors from every shard of the module
-(``cat(q, k, v)``, ``cat(gate, up)``, row-parallel columns, experts stacked), map them onto the engine's
+(``q, k, v`` and ``gate, up`` as :class:`~megatron_fp8.rollout.vllm.row_parts.RowParts`, each shard written into
+its own rows without a host concatenation; row-parallel columns; experts stacked), map them onto the engine's
 layout (transpose, vLLM's own UE8M0 re-quantization) and check every shape and dtype against the held
 Parameter; they write nothing. The first byte is written only after every module of the version was
 planned (:func:`~megatron_fp8.rollout.vllm.layouts.write_inplace`).
@@ -27,6 +28,7 @@ from megatron_fp8.layout import ceil_div
 from megatron_fp8.refit.applier import copy_by_dtype
 from megatron_fp8.rollout.vllm import layers, layouts
 from megatron_fp8.rollout.vllm.layouts import RefitTargetError, UnknownLayoutError
+from megatron_fp8.rollout.vllm.row_parts import stacked
 from megatron_fp8.vocab import KV_SCALE_KINDS, SCALE_SUFFIX, is_kv_scale_name
 
 if TYPE_CHECKING:  # vLLM's types, for annotations only (vLLM is optional at import time)
@@ -77,6 +79,9 @@ def plan_linear(
 ) -> dict[str, torch.Tensor]:
     """The engine tensors of one FP8 linear module in a processed layout (``rowmajor``/``transposed``/``ue8m0``).
 
+    A fused weight comes back as a :class:`~megatron_fp8.rollout.vllm.row_parts.RowParts` of its shards (not
+    concatenated; ``ue8m0`` re-quantizes it whole), its scales as one tensor.
+
     Args:
         module: the vLLM linear module.
         layout: its :class:`~megatron_fp8.rollout.vllm.layouts.LinearLayout`.
@@ -103,8 +108,8 @@ def plan_linear(
             )
         weights.append(local_part(module, key, kind, w, block=1))
         scales.append(local_part(module, key, kind, s, block=bn))
-    weight = torch.cat(weights, dim=0) if len(weights) > 1 else weights[0]
-    scale = torch.cat(scales, dim=0) if len(scales) > 1 else scales[0]
+    weight = stacked(weights)  # the fused weight, not concatenated: each shard is copied into its own rows
+    scale = torch.cat(scales, dim=0) if len(scales) > 1 else scales[0]  # 1/16384 of the weight's elements
     out = layouts.engine_linear_tensors(layout, weight, scale)
     layouts.check_fit(module, prefix, out)
     return out

@@ -49,6 +49,7 @@ import torch
 
 from megatron_fp8.layout import ceil_div, is_blockable
 from megatron_fp8.rollout.vllm.kv_backends import old_scales, refresh_derived_kv_scales
+from megatron_fp8.rollout.vllm.row_parts import RowParts, materialized
 from megatron_fp8.vocab import KV_SCALE_KINDS
 
 logger = logging.getLogger(__name__)
@@ -359,13 +360,14 @@ def _requant_ue8m0(
 
 
 def engine_linear_tensors(
-    layout: LinearLayout, weight: torch.Tensor, scale: torch.Tensor | None
-) -> dict[str, torch.Tensor]:
+    layout: LinearLayout, weight: torch.Tensor | RowParts, scale: torch.Tensor | None
+) -> dict[str, torch.Tensor | RowParts]:
     """What a linear module holds for a checkpoint-format ``(weight, weight_scale_inv)`` of this rank.
 
     Args:
         layout: from :func:`linear_layout`.
-        weight: this rank's fused weight, ``[N, K]`` (e4m3 for FP8 layouts).
+        weight: this rank's fused weight, ``[N, K]`` (e4m3 for FP8 layouts), or its shards as
+            :class:`~megatron_fp8.rollout.vllm.row_parts.RowParts` (kept as they are unless re-quantized).
         scale: this rank's fused ``weight_scale_inv``, float32 ``[ceil(N/bn), ceil(K/bk)]`` (``None``: BF16).
 
     Returns:
@@ -374,7 +376,7 @@ def engine_linear_tensors(
     if layout.kind == "bf16" or scale is None:
         return {"weight": weight}
     if layout.kind == "ue8m0":
-        weight, scale = _requant_ue8m0(weight, scale, layout.block)
+        weight, scale = _requant_ue8m0(materialized(weight), scale, layout.block)
     elif layout.kind == "transposed":
         scale = scale.t().contiguous()
     assert layout.scale_name is not None
@@ -398,7 +400,7 @@ def engine_moe_tensors(layout: MoELayout, tensors: Mapping[str, torch.Tensor]) -
     return out
 
 
-def check_fit(module: torch.nn.Module, prefix: str, tensors: Mapping[str, torch.Tensor]) -> None:
+def check_fit(module: torch.nn.Module, prefix: str, tensors: Mapping[str, torch.Tensor | RowParts]) -> None:
     """Refuse (before any write) a tensor whose shape or dtype differs from the Parameter it would be copied into.
 
     Raises:
@@ -415,11 +417,15 @@ def check_fit(module: torch.nn.Module, prefix: str, tensors: Mapping[str, torch.
             )
 
 
-def write_inplace(module: torch.nn.Module, tensors: Mapping[str, torch.Tensor]) -> None:
-    """Copy each tensor into the module's existing Parameter storage (no rebinding; strides kept)."""
+def write_inplace(module: torch.nn.Module, tensors: Mapping[str, torch.Tensor | RowParts]) -> None:
+    """Copy each tensor into the module's existing Parameter storage (no rebinding; strides kept; a
+    :class:`~megatron_fp8.rollout.vllm.row_parts.RowParts` shard by shard into its rows)."""
     with torch.no_grad():
         for name, t in tensors.items():
-            getattr(module, name).data.copy_(t)
+            if isinstance(t, RowParts):
+                t.copy_into(getattr(module, name).data)
+            else:
+                getattr(module, name).data.copy_(t)
 
 
 def write_kv_scales(module: torch.nn.Module, scales: Mapping[str, torch.Tensor]) -> None:

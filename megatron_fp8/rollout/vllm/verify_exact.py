@@ -40,6 +40,7 @@ from megatron_fp8.layout import ceil_div
 from megatron_fp8.refit.verify import VerifyReport
 from megatron_fp8.rollout.vllm import inplace, layers, layouts
 from megatron_fp8.rollout.vllm.expected import ExpectedTensor, _linear_shard_rows
+from megatron_fp8.rollout.vllm.row_parts import RowParts, materialized, same_rows, stacked
 from megatron_fp8.vocab import KV_SCALE_KINDS, SCALE_SUFFIX
 
 PROBE_ROWS = 1024
@@ -71,7 +72,11 @@ def _first_diff(a: torch.Tensor, b: torch.Tensor) -> str:
     return f"{int(ne.numel())} element(s) differ, first at flat index {i}: engine {a.reshape(-1)[i]!r}, sent {b.reshape(-1)[i]!r}"
 
 
-def _same_bytes(engine: torch.Tensor, sent: torch.Tensor) -> bool:
+def _same_bytes(engine: torch.Tensor, sent: torch.Tensor | RowParts) -> bool:
+    """Whether ``engine`` holds ``sent``'s bytes (``sent`` moved to its device; fused shards compared part by part,
+    each against its rows, so a host-staged version is never concatenated on the host)."""
+    if isinstance(sent, RowParts):
+        return same_rows(engine, sent, _same_bytes)
     sent = sent.to(device=engine.device, dtype=engine.dtype)
     if engine.numel() == 0:
         return sent.numel() == 0
@@ -158,7 +163,8 @@ def _verify_processed_linear(
     for pname, t in want.items():
         held = getattr(module, pname).data
         if not _same_bytes(held, t):
-            raise _fail(version, f"{module.prefix}.{pname} ({layout.kind})", _first_diff(held.float(), t.float()))
+            what = _first_diff(held.float(), materialized(t).float())
+            raise _fail(version, f"{module.prefix}.{pname} ({layout.kind})", what)
     return 0
 
 
@@ -174,7 +180,7 @@ def _verify_linear(
     """Compare one linear module; returns 1 when it was probed through its GEMM."""
     weight = getattr(module, "weight", None)
     keys = [_shard_key(module, i, len(names)) for i in range(len(names))]
-    want = torch.cat([_local(module, k, sent[n], block=1) for k, n in zip(keys, names, strict=True)], dim=0)
+    want = stacked([_local(module, k, sent[n], block=1) for k, n in zip(keys, names, strict=True)])
     label = module.prefix + ".weight"
     shards = "" if names == [label] else f" (= {', '.join(names)})"
     probed = 0
@@ -188,7 +194,7 @@ def _verify_linear(
             return _verify_processed_linear(module, layout, keys, names, sent, version=version)
         if tuple(weight.shape) == tuple(want.shape):
             ok = _same_bytes(weight.data, want)
-        elif tuple(weight.shape) == tuple(want.t().shape):
+        elif tuple(weight.shape) == tuple(reversed(want.shape)):
             ok = _same_bytes(weight.data.t(), want)
         else:
             unverified.append(label)
@@ -211,10 +217,11 @@ def _verify_linear(
     if read_weights and weight is not None and tuple(weight.shape) == tuple(want.shape):
         if not _same_bytes(weight.data, want):
             w = weight.data
-            raise _fail(version, label + shards, _first_diff(w, want.to(w.dtype)))
+            raise _fail(version, label + shards, _first_diff(w, materialized(want).to(w.dtype)))
     elif weight is not None and hasattr(module, "quant_method") and want.dim() == 2:
         held = _probe(module, want.shape[1], want.dtype, weight.device).t().to("cpu")
         probed = 1
+        want = materialized(want)  # a CPU engine's weights read through its GEMM: compared as one tensor
         if tuple(held.shape) != tuple(want.shape) or not torch.equal(held.float(), want.float()):
             what = "shape differs" if held.shape != want.shape else _first_diff(held.float(), want.float())
             raise _fail(version, label + shards + " (read through the layer's GEMM)", what)

@@ -285,3 +285,40 @@ def test_unknown_layout_refused_before_any_write(monkeypatch):
     assert f"{P}.self_attn.qkv_proj" in msg and "weight_scale float32[4, 2]" in msg and "vLLM 0.11" in msg
     after = _held(engine)
     assert all(_bytes_equal(after[n], before[n]) for n in before if n != f"{P}.self_attn.qkv_proj.weight_scale")
+
+
+class _Copies(torch.utils._python_dispatch.TorchDispatchMode):
+    """Records the element count of every tensor an op writes (views excluded: they write nothing)."""
+
+    def __init__(self):
+        super().__init__()
+        self.written: list[tuple[str, int]] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        if not func.is_view:
+            flat = out if isinstance(out, (tuple, list)) else (out,)
+            n = max((t.numel() for t in flat if isinstance(t, torch.Tensor)), default=0)
+            self.written.append((func._schema.name.removeprefix("aten::"), n))
+        return out
+
+
+@pytest.mark.parametrize("path", ["cutlass", "deepgemm", "triton"])
+def test_a_fused_weight_is_loaded_and_verified_shard_by_shard_without_a_host_copy(monkeypatch, path):
+    """q/k/v and gate/up go into their rows of qkv_proj / gate_up_proj straight from the sent tensors (a version
+    staged in pinned host memory crosses to the GPU from there): no op writes a new tensor of a fused weight's size
+    (a ``torch.cat`` of the shards did, in pageable host memory, twice per refit: load and verify). The bytes are
+    0.11's own (the test above); the E8M0 path re-quantizes the fused weight whole, as vLLM does."""
+    _force(monkeypatch, path)
+    ckpt = _checkpoint(7)
+    engine = _build()
+    _load_with_vllm(engine, _checkpoint(8))
+    linears = {k: v for k, v in ckpt.items() if ".experts." not in k}  # the routed experts are stacked (MoE)
+    smallest_fused = min(engine.qkv.weight.numel(), engine.gate_up.weight.numel())
+    with _Copies() as rec:
+        adapter.inplace_load_weights(engine, linears.items())
+        res = verify_exact(engine, linears, {}, version=1)
+    assert res.unverified == ()
+    big = [(op, n) for op, n in rec.written if n >= smallest_fused and op not in ("copy_", "eq", "equal")]
+    assert big == [], big
+    assert any(op == "copy_" and n == engine.gate_up.weight.numel() // 2 for op, n in rec.written)  # gate, up alone
