@@ -22,8 +22,9 @@ TargetSpec = list[tuple[str, tuple[int, ...], str]]
 APPLIERS = ("noop", "dict", "host")
 """``noop``: buckets fully validated (checksums, announced set), nothing copied; ``dict``: :class:`DictApplier` into
 targets on the device (values checked, backup for rollback, one multi-tensor copy, read back and compared); ``host``:
-the receiver's host staging as vLLM's applier gets it (every bucket copied into pinned host memory as it arrives,
-the version kept there until the commit), without an engine to load it into (in-process only)."""
+the receiver's host staging as vLLM's applier gets it (every bucket's values probed for NaN/Inf where it arrived and
+the bucket copied into pinned host memory, the version kept there until the commit), without an engine to load it
+into (in-process only)."""
 
 
 class HostStagingApplier:
@@ -32,9 +33,13 @@ class HostStagingApplier:
     """
 
     keeps_host_copies = True
+    accepts_checked_values = True  # as vLLM's: the receiver probes NaN/Inf on the device (part of what this pays)
 
     def __init__(self) -> None:
         self.staged: list[tuple[str, torch.Tensor]] = []
+
+    def values_checked(self, version: int) -> None:
+        """The receiver found no NaN/Inf in the version (vLLM's workers then skip their host pass)."""
 
     def begin(self, version: int, metas) -> None:
         self.staged = []

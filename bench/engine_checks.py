@@ -1,10 +1,13 @@
 """The engine's value check of a host-staged refit version, on the CPU where it runs (part of ``make bench``).
 
-In a GRPO run the colocated vLLM engine gets each version staged in host memory (README, "A GRPO run's refit on
-GPUs"), and its worker checks the whole version before the first write
-(:func:`megatron_fp8.rollout.vllm.expected.validate_version`: NaN/Inf in every weight, scales finite and > 0). That
-check runs on the host's CPU, in the trainer rank's process (often one OpenMP thread: ``torchrun`` sets
-``OMP_NUM_THREADS=1``), over every byte of the version: 9.1 GB for the Llama-3.1-8B FP8 set, 16.1 GB for BF16.
+A colocated vLLM engine gets each version staged in host memory (README, "A GRPO run's refit on GPUs"), and its
+worker checks the whole version before the first write
+(:func:`megatron_fp8.rollout.vllm.expected.validate_version`: NaN/Inf in every weight, scales finite and > 0). Run
+on the host's CPU, in the trainer rank's process (often one OpenMP thread: ``torchrun`` sets
+``OMP_NUM_THREADS=1``), over every byte of the version: 9.1 GB for the Llama-3.1-8B FP8 set, 16.1 GB for BF16. A GRPO
+refit no longer pays it for the weights (the receiver checks NaN/Inf on the GPU as the buckets arrive and tells the
+workers, :func:`megatron_fp8.refit.applier.accepts_checked_values`); a worker called directly, or fed by another
+caller, still does, and this is its cost.
 
 Measured side by side in one run, per arm (``fp8``: FP8 linear weights + float32 block scales + BF16 rest, as
 the engine holds them; ``bf16``: every tensor BF16) and per thread count:

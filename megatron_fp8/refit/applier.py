@@ -57,6 +57,13 @@ class RefitApplier(Protocol):
     until its commit; the receiver then stages the version in host memory for it and calls
     ``stage(name, tensor, owned=True)`` with views of host copies made for that version alone (never reused), which
     the applier keeps as they are (:func:`keeps_host_copies`).
+
+    Optional: an applier whose attribute ``accepts_checked_values`` is true (:func:`accepts_checked_values`) lets
+    the receiver check the version's values for NaN/Inf where the buckets arrive (on their device, in the pass that
+    reads them anyway, before any host copy), and is told ``values_checked(version)`` between ``begin`` and
+    ``commit`` when every tensor of the version passed; it may then skip its own pass over the values (the vLLM
+    applier's workers would read every byte of a host-staged version on the CPU). A version holding NaN/Inf is
+    refused by the receiver, naming the tensor, before ``begin``.
     """
 
     def begin(self, version: int, metas: Sequence[TensorMeta]) -> None:
@@ -75,6 +82,14 @@ class RefitApplier(Protocol):
 def keeps_host_copies(applier: object) -> bool:
     """Whether ``applier`` keeps its staged tensors in host memory (then the receiver stages on the host for it)."""
     return bool(getattr(applier, "keeps_host_copies", False))
+
+
+def accepts_checked_values(applier: object) -> bool:
+    """Whether ``applier`` takes the receiver's NaN/Inf check of a version (``values_checked(version)``) in place
+    of its own (:class:`RefitApplier`)."""
+    return bool(getattr(applier, "accepts_checked_values", False)) and callable(
+        getattr(applier, "values_checked", None)
+    )
 
 
 # ----------------------------------------------------------------------------- shared checks

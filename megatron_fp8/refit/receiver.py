@@ -31,7 +31,11 @@ each bucket is copied to the host as it arrives (on CUDA into pinned memory,
 behind the host's back, right after its checksum pass is queued) and the device
 bucket is dropped, so a GPU holds only the buckets in flight, not the version;
 the applier is handed views of those copies, made for this version alone, with
-``owned=True`` and keeps them without a copy of its own.
+``owned=True`` and keeps them without a copy of its own. For an applier that accepts checked values
+(:func:`~megatron_fp8.refit.applier.accepts_checked_values`) each bucket's tensors are probed for NaN/Inf
+where the bucket arrived (before its host copy; the verdicts read back with the checksum partials), a
+NaN/Inf refuses the version naming the tensor, and a clean version is announced with
+``values_checked(version)`` before its commit.
 """
 
 from __future__ import annotations
@@ -42,17 +46,19 @@ import threading
 import time
 from collections.abc import Callable
 
+import numpy as np
 import torch
 
 from megatron_fp8.errors import (
     EngineNotServingError,
+    NonFiniteError,
     RefitAbortedError,
     RefitError,
     RefitRolledBackError,
     TransportClosedError,
     TransportTimeoutError,
 )
-from megatron_fp8.refit.applier import CallableApplier, RefitApplier, keeps_host_copies
+from megatron_fp8.refit.applier import CallableApplier, RefitApplier, accepts_checked_values, keeps_host_copies
 from megatron_fp8.refit.buckets import checksum_error, header_digest_of, unpack_bucket
 from megatron_fp8.refit.integrity.checksum import (
     HostCopy,
@@ -61,6 +67,7 @@ from megatron_fp8.refit.integrity.checksum import (
     finish_checksum,
     read_host_int64,
 )
+from megatron_fp8.refit.integrity.finite import FiniteProbe
 from megatron_fp8.refit.transport.base import Transport
 from megatron_fp8.refit.wire import Bucket, RefitOutcome, RefitVersion, TensorMeta, VersionDigest, VersionTrailer
 
@@ -148,11 +155,12 @@ class _Version:
     the copy is kept (staged views are of it); else the bucket itself is kept.
     """
 
-    def __init__(self, bucket: Bucket, *, verify_checksum: bool, host_copies: bool = False):
+    def __init__(self, bucket: Bucket, *, verify_checksum: bool, host_copies: bool = False, check_values: bool = False):
         self.version = bucket.version
         self.stream_id = bucket.stream_id
         self.verify_checksum = verify_checksum
         self.host_copies = host_copies
+        self.check_values = check_values and verify_checksum  # the values' read shares the checksum's host read
         self.start = time.perf_counter()
         self.last_arrival = self.start
         self.expected_index = 0
@@ -165,8 +173,9 @@ class _Version:
         self.trailer: VersionTrailer | None = None
         self.error: BaseException | None = None
         self.ended = False  # a trusted last bucket arrived
-        # not settled yet: (bucket as kept, its (p, q) checksum partials, their started host read on CUDA)
-        self.pending: list[tuple[Bucket, tuple[torch.Tensor, torch.Tensor], HostRead | None]] = []
+        # not settled yet: (bucket as kept, what its host read reads (checksum partials p, q and the probe's
+        # values), the partials' length, the NaN/Inf probe of its tensors, the read started on CUDA)
+        self.pending: list[tuple[Bucket, tuple[torch.Tensor, ...], int, FiniteProbe | None, HostRead | None]] = []
 
     @property
     def key(self) -> tuple[int, int]:
@@ -202,15 +211,23 @@ class _Version:
         if not self.verify_checksum:
             self._accept(self._kept(bucket, wait=True))
             return
+        probe = None
         try:
             p, q = checksum_partials(bucket.payload)
+            if self.check_values:
+                # the values where they arrived, before the host copy (a few multi-tensor ops, no op per tensor),
+                # through views of records checked to lie inside the payload (the checksum is compared at settle)
+                probe = FiniteProbe(unpack_bucket(bucket, expected_version=self.version, verify_checksum=False))
         except RefitError as exc:
             self.settle()
             self.fail(RefitError(f"{bucket.describe()}: {exc}"))
             return
+        parts = [p, q]
+        if probe is not None and probe.values is not None:
+            parts.append(probe.values.view(torch.int32))  # float32 bits, read back with the partials
         bucket = self._kept(bucket, wait=False)  # a host copy is queued before the partials' read below
-        read = HostRead(torch.cat((p, q))) if p.is_cuda else None
-        self.pending.append((bucket, (p, q), read))
+        read = HostRead(torch.cat(parts)) if p.is_cuda else None
+        self.pending.append((bucket, tuple(parts), p.numel(), probe, read))
         if bucket.is_last:
             self.settle()
         elif read is not None:
@@ -226,28 +243,34 @@ class _Version:
         n = len(self.pending)
         if ready_only:
             n = 0
-            while n < len(self.pending) and (read := self.pending[n][2]) is not None and read.ready():
+            while n < len(self.pending) and (read := self.pending[n][4]) is not None and read.ready():
                 n += 1
         if n == 0:
             return
         # out of self.pending while they settle: a failure recorded meanwhile (fail() settles first) must not
         # settle a later bucket ahead of the rest of this batch
         pending, kept, self.pending = self.pending[:n], self.pending[n:], []
-        unread = [t for _, partials, read in pending if read is None for t in partials]
+        unread = [t for _, parts, _, _, read in pending if read is None for t in parts]
         host_unread = read_host_int64(torch.cat(unread)) if unread else None  # one read for all synchronous ones
         at = 0
-        for bucket, (p, _), read in pending:
-            nb = p.numel()
+        for bucket, parts, nb, probe, read in pending:
             if read is None:
-                host, at = host_unread[at : at + 2 * nb], at + 2 * nb
+                n = sum(t.numel() for t in parts)
+                host, at = host_unread[at : at + n], at + n
             else:
                 host = read.result()
-            got = finish_checksum(host[:nb], host[nb:], nbytes=bucket.nbytes)
+            got = finish_checksum(host[:nb], host[nb : 2 * nb], nbytes=bucket.nbytes)
             got ^= header_digest_of(bucket)
-            if got == bucket.checksum:  # a host copy has landed: it was queued before the partials' read
-                self._accept(bucket)
-            else:
+            if got != bucket.checksum:
                 self.fail(checksum_error(bucket, got))
+                continue
+            if probe is not None:
+                try:  # the bytes are the sender's (checksum above): a NaN/Inf is the sender's, named here
+                    probe.check(host[2 * nb :].astype(np.int32).view(np.float32), version=self.version)
+                except NonFiniteError as exc:
+                    self.fail(exc)
+                    continue
+            self._accept(bucket)  # a host copy has landed: it was queued before the partials' read
         self.pending = kept + self.pending
 
     def _kept(self, bucket: Bucket, *, wait: bool) -> Bucket:
@@ -418,7 +441,10 @@ class RefitReceiver:
                 continue
             if cur is None:
                 cur = _Version(
-                    bucket, verify_checksum=self.verify_checksum, host_copies=keeps_host_copies(self.applier)
+                    bucket,
+                    verify_checksum=self.verify_checksum,
+                    host_copies=keeps_host_copies(self.applier),
+                    check_values=accepts_checked_values(self.applier),
                 )
                 if bucket.version <= self.versions.last:
                     cur.fail(
@@ -459,6 +485,8 @@ class RefitReceiver:
                 else:
                     for name, tensor in cur.staged:
                         self.applier.stage(name, tensor)
+                if cur.check_values:  # every bucket's values passed the probe (a NaN/Inf refused the version)
+                    self.applier.values_checked(cur.version)  # type: ignore[attr-defined]
                 self.applier.commit(cur.version)
             except RefitRolledBackError as exc:
                 error, status = exc, "rolled_back"

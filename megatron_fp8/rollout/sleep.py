@@ -38,7 +38,7 @@ from typing import Protocol, TypeVar
 import torch
 
 from megatron_fp8.errors import ConfigError, EngineNotServingError, RefitError
-from megatron_fp8.refit.applier import RefitApplier, keeps_host_copies
+from megatron_fp8.refit.applier import RefitApplier, accepts_checked_values, keeps_host_copies
 from megatron_fp8.refit.verify import VerifyReport
 from megatron_fp8.refit.wire import TensorMeta
 from megatron_fp8.rollout.reference.engine import ReferenceFP8Engine
@@ -357,6 +357,15 @@ class SleepingApplier:
     def keeps_host_copies(self) -> bool:
         """The inner applier's (:func:`megatron_fp8.refit.applier.keeps_host_copies`)."""
         return keeps_host_copies(self.inner)
+
+    @property
+    def accepts_checked_values(self) -> bool:
+        """The inner applier's (:func:`megatron_fp8.refit.applier.accepts_checked_values`)."""
+        return accepts_checked_values(self.inner)
+
+    def values_checked(self, version: int) -> None:
+        """The inner ``values_checked`` (only called when the inner applier accepts checked values)."""
+        self.inner.values_checked(version)
 
     def stage(self, name: str, tensor: torch.Tensor, *, owned: bool = False) -> None:
         """The inner ``stage`` (``owned`` passed on: only to an inner applier that keeps host copies); a KV scale is

@@ -161,11 +161,26 @@ def test_gpu_host_copy_is_pinned_asynchronous_and_survives_the_source_being_reus
     assert torch.equal(copy.tensor(), want)
 
 
+class CheckedHostKeeper(HostKeeper):
+    """As the vLLM applier: host copies, and the receiver's NaN/Inf check of each bucket on the GPU."""
+
+    accepts_checked_values = True
+
+    def __init__(self):
+        super().__init__()
+        self.checked: list[int] = []
+
+    def values_checked(self, version):
+        self.checked.append(version)
+
+
 @pytest.mark.gpu
-def test_gpu_host_staging_keeps_only_the_buckets_in_flight_on_the_device():
+@pytest.mark.parametrize("keeper_cls", [HostKeeper, CheckedHostKeeper], ids=["host-copies", "and-checked-values"])
+def test_gpu_host_staging_keeps_only_the_buckets_in_flight_on_the_device(keeper_cls):
+    """With the values probed on the GPU too (their probe holds a bucket's views until its verdicts are read)."""
     items = _items("cuda", layers=8)
     version_bytes = sum(t.numel() * t.element_size() for _, t in items)
-    keeper = HostKeeper()
+    keeper = keeper_cls()
     torch.cuda.synchronize()
     base = torch.cuda.memory_allocated()
     torch.cuda.reset_peak_memory_stats()
@@ -178,3 +193,4 @@ def test_gpu_host_staging_keeps_only_the_buckets_in_flight_on_the_device():
     assert all(torch.equal(t.view(torch.uint8), sent[n].cpu().view(torch.uint8)) for n, t, _ in keeper.staged)
     assert torch.cuda.memory_allocated() - base < 2 * BUCKET  # nothing of the version is left on the device
     assert peak < version_bytes / 2, (peak, version_bytes)  # the version never sat on the device whole
+    assert getattr(keeper, "checked", [1]) == [1]

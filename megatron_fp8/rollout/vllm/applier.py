@@ -101,6 +101,7 @@ class VllmApplier:
         self.partial = partial
         self._items: list[tuple[str, torch.Tensor]] = []
         self._pending: int | None = None
+        self._values_checked: int | None = None  # the version whose NaN/Inf check the receiver did
         self.last_verify: VerifyReport | None = None
         self.last_timings: dict[str, float] = {}
         self.last_unverified: tuple[str, ...] = ()
@@ -171,7 +172,7 @@ class VllmApplier:
 
     def begin(self, version: int, metas: Sequence[TensorMeta]) -> None:
         """Refuse the version unless its metadata matches the engine's refit set (nothing is staged)."""
-        self._items, self._pending = [], None
+        self._items, self._pending, self._values_checked = [], None, None
         if version <= self._serving_version:
             raise RefitError(
                 f"refit version {version} is not newer than the engine's version {self._serving_version}; "
@@ -182,6 +183,17 @@ class VllmApplier:
 
     keeps_host_copies = True
     """The staged version is kept in host memory (:func:`megatron_fp8.refit.applier.keeps_host_copies`)."""
+
+    accepts_checked_values = True
+    """The receiver checks the version's values for NaN/Inf on the buckets' device
+    (:func:`megatron_fp8.refit.applier.accepts_checked_values`), so the workers do not read every byte of the
+    host-staged version on the CPU for it; they still check names, shapes, dtypes and every scale."""
+
+    def values_checked(self, version: int) -> None:
+        """The receiver found no NaN/Inf in any tensor of ``version`` (called between ``begin`` and ``commit``)."""
+        if self._pending != version:
+            raise RefitError(f"values_checked({version}) does not match the version begun ({self._pending})")
+        self._values_checked = version
 
     def stage(self, name: str, tensor: torch.Tensor, *, owned: bool = False) -> None:
         """Keep one tensor in host memory until the commit.
@@ -205,11 +217,12 @@ class VllmApplier:
         if self._pending != version:
             raise RefitError(f"commit({version}) does not match the version begun ({self._pending})")
         items, self._items, self._pending = self._items, [], None
+        checked, self._values_checked = self._values_checked == version, None
         probe = self._idle_engine(version)
         error: Exception | None = None
         try:
             results = self.llm.collective_rpc(
-                "mfp8_apply", args=(version, items), kwargs={"verify": self.verify_enabled}
+                "mfp8_apply", args=(version, items), kwargs={"verify": self.verify_enabled, "values_checked": checked}
             )
         except Exception as exc:
             error = exc
@@ -323,4 +336,4 @@ class VllmApplier:
     def abort(self, version: int, reason: str) -> None:
         """Drop what was staged (the workers were not touched by this applier's begin/stage)."""
         logger.warning("refit v%d aborted: %s", version, reason)
-        self._items, self._pending = [], None
+        self._items, self._pending, self._values_checked = [], None, None

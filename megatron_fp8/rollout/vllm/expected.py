@@ -267,9 +267,20 @@ def _bad_scale_values(t: torch.Tensor) -> str | None:
 
 
 def validate_version(
-    items: Sequence[tuple[str, torch.Tensor]], expected: Mapping[str, ExpectedTensor], *, partial: bool
+    items: Sequence[tuple[str, torch.Tensor]],
+    expected: Mapping[str, ExpectedTensor],
+    *,
+    partial: bool,
+    values: bool = True,
 ) -> None:
     """Check a whole version (names, shapes, dtypes, completeness, values) before anything is written.
+
+    Args:
+        items: ``(name, tensor)`` of the version.
+        expected: the engine's refit set.
+        partial: a partial version is allowed.
+        values: read every weight for NaN/Inf (``False``: the caller checked them where they arrived); scales are
+            checked (finite, > 0) either way.
 
     Raises:
         WeightStreamError: naming the offending tensor(s), the expected and the received layout.
@@ -285,7 +296,9 @@ def validate_version(
                     "positive (check the amax -> scale rule and the KV calibration)",
                     name=name,
                 )
-        elif has_nonfinite(tensor):  # one or two passes at memory speed: a host-staged version is checked on a CPU
+        elif values and has_nonfinite(
+            tensor
+        ):  # one or two passes at memory speed: a host-staged version is checked on a CPU
             raise WeightStreamError(
                 f"refit refused before any write: {name!r} holds NaN or Inf; check the training step that produced it",
                 name=name,

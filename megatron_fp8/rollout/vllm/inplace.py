@@ -8,7 +8,7 @@ version to its target first: checkpoint-layout Parameters by this TP rank's rows
 module whose layout (:mod:`~megatron_fp8.rollout.vllm.layouts`) is not the checkpoint's through one of
 the module-level planners (:func:`plan_linear`, :func:`plan_experts`, :func:`plan_kv`). The planners
 assemble this TP rank's fused checkpoint-format tensors from every shard of the module
-(``q, k, v`` and ``gate, up`` as :class:`~megatron_fp8.rollout.vllm.row_parts.RowParts`, each shard written into
+(``q, k, v`` and ``gate, up`` as :class:`~megatron_fp8.rollout.vllm.layouts.RowParts`, each shard written into
 its own rows without a host concatenation; row-parallel columns; experts stacked), map them onto the engine's
 layout (transpose, vLLM's own UE8M0 re-quantization) and check every shape and dtype against the held
 Parameter; they write nothing. The first byte is written only after every module of the version was
@@ -27,8 +27,7 @@ import torch
 from megatron_fp8.layout import ceil_div
 from megatron_fp8.refit.applier import copy_by_dtype
 from megatron_fp8.rollout.vllm import layers, layouts
-from megatron_fp8.rollout.vllm.layouts import RefitTargetError, UnknownLayoutError
-from megatron_fp8.rollout.vllm.row_parts import stacked
+from megatron_fp8.rollout.vllm.layouts import RefitTargetError, UnknownLayoutError, stacked
 from megatron_fp8.vocab import KV_SCALE_KINDS, SCALE_SUFFIX, is_kv_scale_name
 
 if TYPE_CHECKING:  # vLLM's types, for annotations only (vLLM is optional at import time)
@@ -79,7 +78,7 @@ def plan_linear(
 ) -> dict[str, torch.Tensor]:
     """The engine tensors of one FP8 linear module in a processed layout (``rowmajor``/``transposed``/``ue8m0``).
 
-    A fused weight comes back as a :class:`~megatron_fp8.rollout.vllm.row_parts.RowParts` of its shards (not
+    A fused weight comes back as a :class:`~megatron_fp8.rollout.vllm.layouts.RowParts` of its shards (not
     concatenated; ``ue8m0`` re-quantizes it whole), its scales as one tensor.
 
     Args:

