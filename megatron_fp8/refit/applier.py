@@ -35,7 +35,7 @@ import torch
 
 from megatron_fp8.errors import EngineNotServingError, RefitError, RefitRolledBackError, WeightStreamError
 from megatron_fp8.refit import fused_fill, multi
-from megatron_fp8.refit.integrity.finite import FiniteProbe
+from megatron_fp8.refit.integrity.finite import FLOAT_DTYPES, FiniteProbe
 from megatron_fp8.refit.wire import TensorMeta, torch_dtype
 from megatron_fp8.vocab import SCALE_SUFFIX, is_kv_scale_name
 
@@ -43,10 +43,6 @@ logger = logging.getLogger(__name__)
 
 _SHOWN = 5
 """How many names an error message lists before ``...``."""
-
-
-_POSITIVE_CHECKED = frozenset({torch.float32, torch.float16, torch.bfloat16, torch.float64})
-"""Scale dtypes whose values :meth:`DictApplier.stage_many` checks are > 0 (a UE8M0 scale cannot be zero or negative)."""
 
 
 @runtime_checkable
@@ -370,7 +366,7 @@ class DictApplier:
             self._check(name, tuple(tensor.shape), tensor.dtype)
         probe = FiniteProbe(pairs)
         # UE8M0 scales hold no zero and no negative: only their NaN code can be bad, and the probe flags it
-        scales = [(n, t) for n, t in pairs if is_scale_name(n) and t.numel() and t.dtype in _POSITIVE_CHECKED]
+        scales = [(n, t) for n, t in pairs if is_scale_name(n) and t.numel() and t.dtype in FLOAT_DTYPES]
         parts = [probe.values] if probe.values is not None else []
         low = None
         if scales:

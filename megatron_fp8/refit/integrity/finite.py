@@ -29,7 +29,8 @@ _HasBad = Callable[[torch.Tensor], bool]
 _BadMask = Callable[[torch.Tensor], torch.Tensor]
 """Bool mask of the offending elements (only built for the error message)."""
 
-_FLOAT_DTYPES = frozenset({torch.bfloat16, torch.float16, torch.float32, torch.float64})
+FLOAT_DTYPES = frozenset({torch.bfloat16, torch.float16, torch.float32, torch.float64})
+"""The IEEE float dtypes a refit carries: NaN/Inf are values (min/max find them), zero and negatives exist."""
 # FP8 dtype -> ((view dtype, "max", bad when the max is >= this), ...): one max per entry, over the bytes as they are.
 # e4m3fn NaN is 0x7f / 0xff: the int8 max is 127 only for 0x7f, the uint8 max is 255 only for 0xff.
 # e5m2 Inf/NaN is 0x7c..0x7f / 0xfc..0xff. UE8M0 NaN is 0xff.
@@ -204,7 +205,7 @@ class FiniteProbe:
             groups = {dt: idx for dt, idx in groups.items() if dt not in fused_fill.PATTERNS}
         for dtype, idx in groups.items():
             tensors = [self.pairs[i][1].detach() for i in idx]
-            if dtype in _FLOAT_DTYPES:
+            if dtype in FLOAT_DTYPES:
                 results.extend(torch._foreach_norm(tensors, ord=float("inf")))
                 self._rules.append((idx, None))
             elif dtype in _FP8_MAX_RULES:

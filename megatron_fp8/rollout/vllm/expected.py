@@ -29,7 +29,7 @@ import torch
 
 from megatron_fp8.errors import WeightStreamError
 from megatron_fp8.layout import block_scale_shape
-from megatron_fp8.refit.integrity.finite import has_nonfinite
+from megatron_fp8.refit.integrity.finite import FLOAT_DTYPES, has_nonfinite
 from megatron_fp8.rollout.vllm import layers
 from megatron_fp8.vocab import FP8_DTYPE_NAME, KV_SCALE_KINDS, SCALE_SUFFIX, is_kv_scale_name
 
@@ -254,14 +254,11 @@ def validate_metas(
         )
 
 
-_SIGNED_SCALE_DTYPES = frozenset({torch.float32, torch.float16, torch.bfloat16, torch.float64})
-"""Scale dtypes that can hold zero or a negative value (a UE8M0 scale cannot)."""
-
-
 def _bad_scale_values(t: torch.Tensor) -> str | None:
+    # a UE8M0 scale (not in FLOAT_DTYPES) holds no zero and no negative: only its NaN code can be bad
     if has_nonfinite(t):
         return "NaN or Inf"
-    if t.numel() and t.dtype in _SIGNED_SCALE_DTYPES and float(t.amin()) <= 0:
+    if t.numel() and t.dtype in FLOAT_DTYPES and float(t.amin()) <= 0:
         return f"{int((t <= 0).sum())} zero or negative value(s)"
     return None
 
@@ -296,9 +293,7 @@ def validate_version(
                     "positive (check the amax -> scale rule and the KV calibration)",
                     name=name,
                 )
-        elif values and has_nonfinite(
-            tensor
-        ):  # one or two passes at memory speed: a host-staged version is checked on a CPU
+        elif values and has_nonfinite(tensor):  # one read per tensor at memory speed (host-staged: on a CPU)
             raise WeightStreamError(
                 f"refit refused before any write: {name!r} holds NaN or Inf; check the training step that produced it",
                 name=name,
