@@ -49,10 +49,12 @@ _SHOWN = 5
 class RefitApplier(Protocol):
     """Two-phase application of one refit version to an engine's weights.
 
-    Optional: an applier whose attribute ``keeps_host_copies`` is true keeps every staged tensor in host memory
-    until its commit; the receiver then stages the version in host memory for it and calls
-    ``stage(name, tensor, owned=True)`` with views of host copies made for that version alone (never reused), which
-    the applier keeps as they are (:func:`keeps_host_copies`).
+    Optional: an applier whose attribute ``staging_device`` is a device keeps every staged tensor on that device
+    until its commit (the vLLM applier: the device its in-process workers load from, the engine's GPU when it is
+    colocated with the trainer); ``keeps_host_copies`` true means the host. The receiver then stages the version on
+    that device for it and calls ``stage(name, tensor, owned=True)`` with views of memory that holds this version
+    alone (a received bucket already on that device is kept as it is: every transport hands out a fresh buffer per
+    bucket; else a copy of it made there), which the applier keeps as they are (:func:`staging_device`).
 
     Optional: an applier whose attribute ``accepts_checked_values`` is true (:func:`accepts_checked_values`) lets
     the receiver check the version's values for NaN/Inf where the buckets arrive (on their device, in the pass that
@@ -75,9 +77,33 @@ class RefitApplier(Protocol):
         """Drop anything staged for ``version``; the engine keeps its last committed version."""
 
 
+def staging_device(applier: object) -> torch.device | None:
+    """Where ``applier`` keeps a staged version until its commit, when it says so (then the receiver stages the
+    version there for it and hands it views it owns); ``None``: it copies what it keeps (views of the receiver's
+    buckets).
+
+    Read from the applier's ``staging_device`` attribute (a device or its name), else ``keeps_host_copies`` (true:
+    the host).
+
+    Raises:
+        RefitError: ``staging_device`` is not a device name.
+    """
+    device = getattr(applier, "staging_device", None)
+    if device is not None:
+        try:
+            return torch.device(device)
+        except (RuntimeError, TypeError) as exc:
+            raise RefitError(
+                f"{type(applier).__name__}.staging_device is {device!r}, not a device; give a torch.device or a name "
+                "such as 'cpu' or 'cuda:0' (None: the applier copies what it keeps)"
+            ) from exc
+    return torch.device("cpu") if bool(getattr(applier, "keeps_host_copies", False)) else None
+
+
 def keeps_host_copies(applier: object) -> bool:
-    """Whether ``applier`` keeps its staged tensors in host memory (then the receiver stages on the host for it)."""
-    return bool(getattr(applier, "keeps_host_copies", False))
+    """Whether ``applier`` keeps its staged tensors in host memory (:func:`staging_device` is the host)."""
+    device = staging_device(applier)
+    return device is not None and device.type == "cpu"
 
 
 def accepts_checked_values(applier: object) -> bool:

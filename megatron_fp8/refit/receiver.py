@@ -24,14 +24,17 @@ waits for the first (within its own first-bucket deadline) or is refused.
 
 Memory: the staging area holds one full version of received payload (the
 price of atomicity); appliers receive zero-copy views of it. The announced set
-costs ~100 bytes per tensor of the version. An applier that keeps the version in
-host memory until its commit (``keeps_host_copies``, e.g. the vLLM applier, whose
-workers load from host tensors) gets the staging area in host memory instead:
-each bucket is copied to the host as it arrives (on CUDA into pinned memory,
-behind the host's back, right after its checksum pass is queued) and the device
-bucket is dropped, so a GPU holds only the buckets in flight, not the version;
-the applier is handed views of those copies, made for this version alone, with
-``owned=True`` and keeps them without a copy of its own. For an applier that accepts checked values
+costs ~100 bytes per tensor of the version. An applier that keeps the version on
+one device until its commit (:func:`~megatron_fp8.refit.applier.staging_device`: the
+vLLM applier, whose in-process workers load from that device) gets the staging area
+there: a bucket that arrives on that device is kept as it is (a transport with
+``fresh_payloads`` hands out a buffer per bucket that nothing else writes: no copy;
+colocated on a GPU, the version stays on the GPU), any other is copied there as it
+arrives (to the host: on CUDA into pinned memory, behind the host's back, right after
+its checksum pass is queued, and the device bucket is dropped, so a GPU holds only the
+buckets in flight); the applier is handed views of memory that holds this version alone,
+with ``owned=True``, and keeps them without a copy of its own.
+:attr:`ReceiveReport.host_staged_bytes` / ``device_staged_bytes`` say where it was staged. For an applier that accepts checked values
 (:func:`~megatron_fp8.refit.applier.accepts_checked_values`) each bucket's tensors are probed for NaN/Inf
 where the bucket arrived (before its host copy; the verdicts read back with the checksum partials), a
 NaN/Inf refuses the version naming the tensor, and a clean version is announced with
@@ -58,7 +61,7 @@ from megatron_fp8.errors import (
     TransportClosedError,
     TransportTimeoutError,
 )
-from megatron_fp8.refit.applier import CallableApplier, RefitApplier, accepts_checked_values, keeps_host_copies
+from megatron_fp8.refit.applier import CallableApplier, RefitApplier, accepts_checked_values, staging_device
 from megatron_fp8.refit.buckets import checksum_error, header_digest_of, unpack_bucket
 from megatron_fp8.refit.integrity.checksum import (
     HostCopy,
@@ -91,6 +94,10 @@ class ReceiveReport:
             nothing overlaps: settling what is still pending, the announced-set check, the applier).
         discarded_buckets: stale buckets of earlier abandoned versions dropped first.
         outcome_delivered: the sender took the ``committed`` outcome (``False``: it is gone or stopped waiting).
+        host_staged_bytes: payload bytes of the version the applier was handed in host memory it owns (its staging
+            device is the host).
+        device_staged_bytes: the same on an accelerator (its staging device is a GPU: the version stayed there).
+        staging_copies: buckets copied to the staging device (0: every bucket was kept where it arrived).
     """
 
     version: int
@@ -101,6 +108,19 @@ class ReceiveReport:
     tail_seconds: float = 0.0
     discarded_buckets: int = 0
     outcome_delivered: bool = True
+    host_staged_bytes: int = 0
+    device_staged_bytes: int = 0
+    staging_copies: int = 0
+
+
+def _same_device(a: torch.device, b: torch.device) -> bool:
+    """Whether ``a`` and ``b`` are one device (``cuda`` without an index: the current CUDA device)."""
+    if a.type != b.type:
+        return False
+    if a.type != "cuda" or a.index == b.index:
+        return True
+    current = torch.cuda.current_device()
+    return (current if a.index is None else a.index) == (current if b.index is None else b.index)
 
 
 def _names(names: list[str]) -> str:
@@ -151,15 +171,27 @@ def trailer_mismatch(
 class _Version:
     """The version being received: what arrived, staged, and the first failure.
 
-    With ``host_copies`` every bucket's payload is copied to the host when it arrives (:class:`HostCopy`) and only
-    the copy is kept (staged views are of it); else the bucket itself is kept.
+    With a ``staging`` device every bucket's payload is kept on it when it arrives: the bucket itself where it is
+    already there and ``fresh`` (its buffer is this version's alone), else a copy made there (to the host:
+    :class:`HostCopy`), of which only the copy is kept; staged views are then ``owned``. Without one the bucket itself
+    is kept.
     """
 
-    def __init__(self, bucket: Bucket, *, verify_checksum: bool, host_copies: bool = False, check_values: bool = False):
+    def __init__(
+        self,
+        bucket: Bucket,
+        *,
+        verify_checksum: bool,
+        staging: torch.device | None = None,
+        fresh: bool = False,
+        check_values: bool = False,
+    ):
         self.version = bucket.version
         self.stream_id = bucket.stream_id
         self.verify_checksum = verify_checksum
-        self.host_copies = host_copies
+        self.staging = staging
+        self.fresh = fresh
+        self.copies = 0  # buckets copied to the staging device
         self.check_values = check_values and verify_checksum  # the values' read shares the checksum's host read
         self.start = time.perf_counter()
         self.last_arrival = self.start
@@ -273,14 +305,27 @@ class _Version:
             self._accept(bucket)  # a host copy has landed: it was queued before the partials' read
         self.pending = kept + self.pending
 
+    @property
+    def owned(self) -> bool:
+        """Whether the staged views are of memory that holds this version alone (a staging device was asked for)."""
+        return self.staging is not None
+
     def _kept(self, bucket: Bucket, *, wait: bool) -> Bucket:
-        """``bucket`` as this version keeps it: itself, or with ``host_copies`` carrying a host copy of its payload
-        (the device payload no longer referenced here). ``wait=False`` leaves a CUDA copy in flight: it lands before
-        any host read queued after it on the stream (the bucket's partials)."""
-        if not self.host_copies:
+        """``bucket`` as this version keeps it: itself, or, with a ``staging`` device it is not on (or a payload that
+        is not ``fresh``), carrying a copy of its payload made there (the arriving payload no longer referenced here).
+        ``wait=False`` leaves a CUDA copy in flight: it lands before any host read queued after it on the stream (the
+        bucket's partials)."""
+        payload = bucket.payload
+        if self.staging is None or (self.fresh and _same_device(payload.device, self.staging)):
             return bucket
-        copy = HostCopy(bucket.payload)
-        return dataclasses.replace(bucket, payload=copy.tensor() if wait else copy.destination)
+        self.copies += 1
+        if self.staging.type == "cpu":
+            copy = HostCopy(payload)
+            return dataclasses.replace(bucket, payload=copy.tensor() if wait else copy.destination)
+        # to the staging accelerator (or a copy on it of a reused buffer): queued on the stream, so it lands before
+        # any later read of it there; a read on another device waits for it (a host read of the partials syncs)
+        copied = torch.empty_like(payload, device=self.staging).copy_(payload, non_blocking=not wait)
+        return dataclasses.replace(bucket, payload=copied)
 
     def _accept(self, bucket: Bucket) -> None:
         """A bucket whose checksum holds: record its tensors, trust its ``is_last``, stage it."""
@@ -306,6 +351,12 @@ class _Version:
                 self.staged.extend(pairs)
                 self.metas.extend(bucket.metas)
                 self.payload_bytes += bucket.tensor_bytes
+
+    def staged_bytes(self) -> tuple[int, int]:
+        """``(host, device)`` payload bytes staged in memory the applier owns (0, 0 without a staging device)."""
+        if self.staging is None:
+            return 0, 0
+        return (self.payload_bytes, 0) if self.staging.type == "cpu" else (0, self.payload_bytes)
 
     def wire_error(self) -> BaseException | None:
         """The first failure, with the announced-set comparison added when the trailer arrived; else ``None``."""
@@ -443,7 +494,8 @@ class RefitReceiver:
                 cur = _Version(
                     bucket,
                     verify_checksum=self.verify_checksum,
-                    host_copies=keeps_host_copies(self.applier),
+                    staging=staging_device(self.applier),
+                    fresh=bool(getattr(self.transport, "fresh_payloads", False)),
                     check_values=accepts_checked_values(self.applier),
                 )
                 if bucket.version <= self.versions.last:
@@ -477,7 +529,7 @@ class RefitReceiver:
             try:
                 self.applier.begin(cur.version, cur.metas)
                 stage_many = getattr(self.applier, "stage_many", None)  # optional: the whole version at once
-                if cur.host_copies:  # views of host copies made for this version alone: kept without a copy
+                if cur.owned:  # views of memory holding this version alone, on the applier's device: no copy
                     for name, tensor in cur.staged:
                         self.applier.stage(name, tensor, owned=True)
                 elif stage_many is not None:
@@ -512,6 +564,9 @@ class RefitReceiver:
             tail_seconds=end - cur.last_arrival,
             discarded_buckets=discarded,
             outcome_delivered=delivered,
+            host_staged_bytes=cur.staged_bytes()[0],
+            device_staged_bytes=cur.staged_bytes()[1],
+            staging_copies=cur.copies,
         )
         logger.debug("refit v%d applied: %d tensors from %d buckets", cur.version, report.num_tensors, cur.num_buckets)
         return report

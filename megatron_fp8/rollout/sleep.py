@@ -38,7 +38,7 @@ from typing import Protocol, TypeVar
 import torch
 
 from megatron_fp8.errors import ConfigError, EngineNotServingError, RefitError
-from megatron_fp8.refit.applier import RefitApplier, accepts_checked_values, keeps_host_copies
+from megatron_fp8.refit.applier import RefitApplier, accepts_checked_values, staging_device
 from megatron_fp8.refit.verify import VerifyReport
 from megatron_fp8.refit.wire import TensorMeta
 from megatron_fp8.rollout.reference.engine import ReferenceFP8Engine
@@ -354,9 +354,9 @@ class SleepingApplier:
         self.inner.begin(version, metas)
 
     @property
-    def keeps_host_copies(self) -> bool:
-        """The inner applier's (:func:`megatron_fp8.refit.applier.keeps_host_copies`)."""
-        return keeps_host_copies(self.inner)
+    def staging_device(self) -> torch.device | None:
+        """The inner applier's (:func:`megatron_fp8.refit.applier.staging_device`)."""
+        return staging_device(self.inner)
 
     @property
     def accepts_checked_values(self) -> bool:
@@ -368,7 +368,7 @@ class SleepingApplier:
         self.inner.values_checked(version)
 
     def stage(self, name: str, tensor: torch.Tensor, *, owned: bool = False) -> None:
-        """The inner ``stage`` (``owned`` passed on: only to an inner applier that keeps host copies); a KV scale is
+        """The inner ``stage`` (``owned`` passed on: only to an inner applier with a staging device); a KV scale is
         also kept (host float32) for the rewrite after each wake-up."""
         if owned:
             self.inner.stage(name, tensor, owned=True)

@@ -1,10 +1,12 @@
-"""The receiver's host staging: an applier that keeps host copies (the vLLM applier) gets the version in host
-memory, one copy per bucket made as the bucket arrives, and a GPU keeps only the buckets in flight.
+"""The receiver's staging for an applier with a staging device (the vLLM applier): the version is handed over in
+memory it owns, on that device; a bucket that arrives there on a transport with fresh payloads is kept as it is (no
+copy: colocated on a GPU the version stays on the GPU), any other is copied there, one copy per bucket as it arrives.
 
-CPU tests check the contract on every machine (owned host copies, one per bucket, none a view of a bucket the
-sender sent, the bytes sent, one copy op per bucket on the receiver's thread); ``gpu`` tests check the CUDA path
-(pinned, asynchronous copies; the device payload dropped, so the refit's device memory stays near its buckets in
-flight instead of growing with the version).
+CPU tests check the contract on every machine (owned views, the bytes sent, no copy op for buckets already on the
+staging device, one copy op per bucket, and none a view of the sent bucket, when the transport may reuse its buffers;
+the protocol and the report's staged bytes); ``gpu`` tests check the CUDA paths (host staging: pinned, asynchronous
+copies, the device payload dropped, so the refit's device memory stays near its buckets in flight; device staging:
+the buckets kept on the GPU, no host byte, no device-to-host copy).
 """
 
 from __future__ import annotations
@@ -14,8 +16,9 @@ import threading
 import pytest
 import torch
 
+from megatron_fp8.errors import RefitError
 from megatron_fp8.refit import InProcTransport, RefitReceiver, RefitSender
-from megatron_fp8.refit.applier import keeps_host_copies
+from megatron_fp8.refit.applier import keeps_host_copies, staging_device
 from megatron_fp8.refit.integrity.checksum import HostCopy
 from megatron_fp8.refit.opcount import OpCounter
 from megatron_fp8.refit.pipeline import ColocatedRefit
@@ -55,6 +58,16 @@ class PlainKeeper(HostKeeper):
         self.staged.append((name, tensor, False))
 
 
+class DeviceKeeper(HostKeeper):
+    """An applier that keeps the version on a device, as the vLLM applier of an in-process engine worker does."""
+
+    keeps_host_copies = False
+
+    def __init__(self, device):
+        super().__init__()
+        self.staging_device = device
+
+
 class RecordingTransport(InProcTransport):
     """The in-process transport, remembering the payload storage of every bucket sent."""
 
@@ -75,17 +88,25 @@ def _items(device="cpu", *, layers=2):
     return [(n, t.to(device)) for n, t in fp8_stream(synthetic_weights(spec, seed=3), linear_shapes(spec))]
 
 
-def _receive(applier, items, device, *, maxsize=64):
+class ReusingTransport(RecordingTransport):
+    """The same, saying that its payload buffers may be reused (as a transport with a ring of buffers would)."""
+
+    fresh_payloads = False
+
+
+def _receive(applier, items, device, *, maxsize=64, transport_cls=RecordingTransport, reports=None):
     """Send ``items`` as version 1 from a thread; receive it here under an op counter; (transport, counts)."""
-    transport = RecordingTransport(maxsize=maxsize, timeout=10.0)
+    transport = transport_cls(maxsize=maxsize, timeout=10.0)
     sender = RefitSender(transport, bucket_bytes=BUCKET, device=device)
     receiver = RefitReceiver(transport, apply=applier, timeout=10.0)
     box: dict = {}
     th = threading.Thread(target=lambda: box.setdefault("report", sender.send(items, version=1)))
     th.start()
     with OpCounter() as counter:
-        receiver.receive()
+        report = receiver.receive()
     th.join()
+    if reports is not None:
+        reports.append(report)
     assert "report" in box
     return transport, counter.counts
 
@@ -101,12 +122,51 @@ def test_host_copy_off_cuda_is_an_owned_copy():
 
 def test_the_protocol_flag_is_read_from_the_applier():
     assert keeps_host_copies(HostKeeper()) and not keeps_host_copies(PlainKeeper()) and not keeps_host_copies(object())
+    assert staging_device(HostKeeper()) == torch.device("cpu")
+    assert staging_device(PlainKeeper()) is None and staging_device(object()) is None
+    assert staging_device(DeviceKeeper("cuda:1")) == torch.device("cuda:1")  # a name or a device
+    assert not keeps_host_copies(DeviceKeeper("cuda:1")) and keeps_host_copies(DeviceKeeper(torch.device("cpu")))
+    with pytest.raises(RefitError, match=r"DeviceKeeper.staging_device is 'gpu please', not a device"):
+        staging_device(DeviceKeeper("gpu please"))
+
+
+def test_every_shipped_transport_hands_out_fresh_payloads():
+    """The receiver keeps their buckets as the staged version: each must be a buffer no one writes afterwards."""
+    from megatron_fp8.refit.transport import cuda_ipc, inproc, torch_dist
+    from megatron_fp8.refit.transport.base import Transport
+    from megatron_fp8.refit.transport.registry import FACTORIES
+
+    classes = (inproc.InProcTransport, torch_dist.TorchDistTransport, cuda_ipc.CudaIpcTransport)
+    assert all(cls.fresh_payloads for cls in classes) and not Transport.fresh_payloads
+    assert set(FACTORIES) == {"inproc", "gloo", "nccl", "cuda_ipc"}  # gloo/nccl: TorchDistTransport
+
+
+def test_buckets_already_on_the_staging_device_are_the_staged_version_without_a_copy():
+    """The in-process transport hands the sender's own (fresh) buckets: kept as they are, owned, no copy op, and
+    the report says the version was staged on the host (this machine's device) with no staging copy."""
+    items = _items()
+    keeper, reports = HostKeeper(), []
+    transport, counts = _receive(keeper, items, "cpu", reports=reports)
+    assert transport.buckets >= 4, "the test needs several buckets"
+    sent = dict(items)
+    assert [n for n, _, _ in keeper.staged] == [n for n, _ in items]
+    for name, tensor, owned in keeper.staged:
+        assert owned and tensor.device.type == "cpu", name
+        assert torch.equal(tensor.view(torch.uint8), sent[name].view(torch.uint8)), name
+    assert {t.untyped_storage().data_ptr() for _, t, _ in keeper.staged} <= set(transport.sent_ptrs)  # the buckets
+    plain = PlainKeeper()
+    _, plain_counts = _receive(plain, items, "cpu")
+    assert counts.compute == plain_counts.compute  # not one op more than an applier handed views
+    (report,) = reports
+    assert report.staging_copies == 0 and report.device_staged_bytes == 0
+    assert report.host_staged_bytes == report.payload_bytes == sum(t.numel() * t.element_size() for _, t in items)
 
 
 def test_an_applier_keeping_host_copies_gets_owned_copies_one_per_bucket_with_the_bytes_sent():
+    """A transport that may reuse its buffers: one copy per bucket, none a view of a bucket it sent."""
     items = _items()
-    keeper = HostKeeper()
-    transport, counts = _receive(keeper, items, "cpu")
+    keeper, reports = HostKeeper(), []
+    transport, counts = _receive(keeper, items, "cpu", transport_cls=ReusingTransport, reports=reports)
     assert transport.buckets >= 4, "the test needs several buckets"
     sent = dict(items)
     assert [n for n, _, _ in keeper.staged] == [n for n, _ in items]
@@ -119,11 +179,12 @@ def test_an_applier_keeping_host_copies_gets_owned_copies_one_per_bucket_with_th
     assert not storages & set(transport.sent_ptrs)  # never a view of a bucket the sender may reuse
 
     plain = PlainKeeper()
-    plain_transport, plain_counts = _receive(plain, items, "cpu")
+    plain_transport, plain_counts = _receive(plain, items, "cpu", transport_cls=ReusingTransport)
     assert {t.untyped_storage().data_ptr() for _, t, _ in plain.staged} <= set(plain_transport.sent_ptrs)  # views
     extra = counts.compute - plain_counts.compute
     assert sum(extra.values()) == transport.buckets, extra  # exactly one copy op per bucket, nothing per tensor
     assert counts.num_host_reads == plain_counts.num_host_reads
+    assert reports[0].staging_copies == transport.buckets
 
 
 def test_a_corrupted_bucket_stages_nothing_with_host_copies():
@@ -194,3 +255,41 @@ def test_gpu_host_staging_keeps_only_the_buckets_in_flight_on_the_device(keeper_
     assert torch.cuda.memory_allocated() - base < 2 * BUCKET  # nothing of the version is left on the device
     assert peak < version_bytes / 2, (peak, version_bytes)  # the version never sat on the device whole
     assert getattr(keeper, "checked", [1]) == [1]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("checked", [False, True], ids=["device", "and-checked-values"])
+def test_gpu_device_staging_keeps_the_buckets_on_the_gpu_with_no_host_byte(checked):
+    """The colocated refit kept on the device: the applier's staging device is the buckets' GPU, so the buckets are
+    the staged version (no copy op, no device-to-host copy), the report counts device bytes only."""
+    items = _items("cuda", layers=4)
+    keeper = DeviceKeeper(torch.device("cuda", torch.cuda.current_device()))
+    if checked:
+        keeper.accepts_checked_values = True
+        keeper.checked = []
+        keeper.values_checked = keeper.checked.append
+    reports: list = []
+    transport, counts = _receive(keeper, items, "cuda", reports=reports)
+    plain_transport, plain_counts = _receive(PlainKeeper(), items, "cuda")
+    assert all(owned and t.is_cuda for _, t, owned in keeper.staged)
+    sent = dict(items)
+    assert all(torch.equal(t.view(torch.uint8), sent[n].view(torch.uint8)) for n, t, _ in keeper.staged)
+    assert {t.untyped_storage().data_ptr() for _, t, _ in keeper.staged} <= set(transport.sent_ptrs)
+    (report,) = reports
+    assert report.host_staged_bytes == 0 and report.staging_copies == 0
+    assert report.device_staged_bytes == report.payload_bytes
+    if not checked:
+        assert counts.compute == plain_counts.compute  # nothing beyond what a no-copy applier costs
+    assert getattr(keeper, "checked", [1]) == [1]
+
+
+@pytest.mark.gpu
+def test_gpu_device_staging_copies_buckets_that_arrive_elsewhere_onto_the_device():
+    """Host buckets (a CPU trainer's stream) for an applier staging on the GPU: one copy per bucket onto it."""
+    items = _items("cpu")
+    keeper, reports = DeviceKeeper("cuda"), []
+    transport, _ = _receive(keeper, items, "cpu", reports=reports)
+    assert all(owned and t.is_cuda for _, t, owned in keeper.staged)
+    sent = dict(items)
+    assert all(torch.equal(t.cpu().view(torch.uint8), sent[n].view(torch.uint8)) for n, t, _ in keeper.staged)
+    assert reports[0].staging_copies == transport.buckets and reports[0].device_staged_bytes > 0

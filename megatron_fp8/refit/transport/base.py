@@ -44,6 +44,9 @@ class Transport(abc.ABC):
     """
 
     name: str = "transport"
+    fresh_payloads: bool = False
+    """Every bucket :meth:`recv` returns carries a payload buffer of its own that nothing else writes afterwards (the
+    receiver may then keep it as the staging area of its version, without a copy). ``False``: it may be reused."""
 
     def __init__(self, *, timeout: float = DEFAULT_TIMEOUT_S):
         if timeout <= 0:

@@ -64,6 +64,7 @@ class CudaIpcTransport(Transport):
     """
 
     name = "cuda_ipc"
+    fresh_payloads = True  # a fresh copy of the sender's buffer per received bucket
     ROLES = ("sender", "receiver")
 
     def __init__(

@@ -45,6 +45,9 @@ class InProcTransport(Transport):
     """
 
     name = "inproc"
+    fresh_payloads = (
+        True  # the sender's own bucket, a fresh buffer per bucket (:func:`~megatron_fp8.refit.buckets.pack_buckets`)
+    )
 
     def __init__(self, *, maxsize: int = 4, timeout: float = DEFAULT_TIMEOUT_S):
         super().__init__(timeout=timeout)

@@ -108,6 +108,7 @@ class TorchDistTransport(Transport):
     """
 
     name = "torch_dist"
+    fresh_payloads = True  # a fresh ``torch.empty`` per received bucket
 
     def __init__(
         self,

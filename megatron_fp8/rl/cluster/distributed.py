@@ -296,7 +296,12 @@ def share_from_writer(value: T | None, dp: DataParallel) -> T:
 _SUM_FIELDS = ("refit_bytes",)
 """Per-rank payloads add up; every other float is averaged, other values are taken from rank 0."""
 _RANK0_FIELDS = ("arm", "step", "engine", "sample")
-_PER_RANK_FIELDS = ("rollout_prompts_per_rank", "rollout_tokens_per_s_per_rank")
+_PER_RANK_FIELDS = (
+    "rollout_prompts_per_rank",
+    "rollout_tokens_per_s_per_rank",
+    "refit_host_staged_bytes_per_rank",
+    "refit_device_staged_bytes_per_rank",
+)
 """Tuples of one entry per rank: concatenated in rank order."""
 
 

@@ -230,7 +230,13 @@ def run_arm(
                 reference=ReferenceWeights.capture(model) if config.loss_fn.kl_enabled else None,
             )
             logger.info(
-                "arm %s: refit: %s", spec.name, refit_route(model, stream_on_device=state.refit.stream_on_device)
+                "arm %s: refit: %s",
+                spec.name,
+                refit_route(
+                    model,
+                    stream_on_device=state.refit.stream_on_device,
+                    staging=getattr(state.refit, "staging", "host"),
+                ),
             )
             kv_hooks = (
                 attach_kv_amax_hooks(model.model[0], state.kv_recorder, kind="megatron")

@@ -32,7 +32,7 @@ from megatron_fp8.config.memory_plan import COLOCATED_QUEUED_BUCKETS, sleep_leve
 from megatron_fp8.config.schema import RunConfig
 from megatron_fp8.megatron import MegatronModel, StepOptimizer
 from megatron_fp8.megatron.offload import TrainerOffload
-from megatron_fp8.refit.applier import keeps_host_copies
+from megatron_fp8.refit.applier import staging_device
 from megatron_fp8.refit.pipeline import ColocatedRefit
 from megatron_fp8.rl.state.results import RefitDone, least_checked_prefix_cache
 from megatron_fp8.rollout.engines import RolloutEngine
@@ -134,10 +134,18 @@ class ColocatedTarget:
 
     @property
     def stream_on_device(self) -> bool:
-        """An applier that keeps host copies (vLLM's) gets the version staged on the host by the receiver, one
-        bucket at a time, so the stream may stay on the trainer's GPU (its weights quantized there, the FP8 bytes
-        copied to the host); the reference engine's applier takes host tensors."""
-        return keeps_host_copies(self._engine.applier)
+        """An applier with a staging device (vLLM's) gets the version staged there by the receiver, so the stream may
+        stay on the trainer's GPU (its weights quantized there; on the engine's own GPU its buckets are the staged
+        version, else each is copied to the engine's device, the host included); the reference engine's applier
+        takes host tensors."""
+        return staging_device(self._engine.applier) is not None
+
+    @property
+    def staging(self) -> str:
+        """Where the engine's applier keeps a version until its commit: ``"host"``, ``"device"`` or ``"copy"`` (the
+        applier copies what it keeps)."""
+        device = staging_device(self._engine.applier)
+        return "copy" if device is None else "host" if device.type == "cpu" else "device"
 
     def refit(self, stream: Iterable[tuple[str, torch.Tensor]]) -> RefitDone:
         """One verified refit of the engine (see :class:`~megatron_fp8.refit.pipeline.ColocatedRefit`)."""
@@ -150,6 +158,8 @@ class ColocatedTarget:
             int(result.version),
             err,
             prefix_cache=least_checked_prefix_cache([self._engine.applier.last_prefix_cache]),
+            host_staged_bytes=result.receive.host_staged_bytes,
+            device_staged_bytes=result.receive.device_staged_bytes,
         )
 
     def close(self) -> None:
@@ -164,10 +174,15 @@ def exports_to_host(model: MegatronModel, *, stream_on_device: bool) -> bool:
     return not (next(model.model[0].parameters()).is_cuda and stream_on_device)
 
 
-def refit_route(model: MegatronModel, *, stream_on_device: bool) -> str:
-    """An arm's refit path in words, for the run's log."""
+def refit_route(model: MegatronModel, *, stream_on_device: bool, staging: str = "host") -> str:
+    """An arm's refit path in words, for the run's log (``staging``: :attr:`ColocatedTarget.staging`)."""
     if exports_to_host(model, stream_on_device=stream_on_device):
         return "each weight is exported to the host and packed (FP8: quantized) there"
+    if staging == "device":
+        return (
+            "the stream stays on the trainer's GPU (FP8 weights quantized straight into their buckets there); the "
+            "buckets are the staged version (no host copy), checked, loaded and verified on the GPU"
+        )
     return (
         "the stream stays on the trainer's GPU (FP8 weights quantized straight into their buckets there) and the "
         "receiver stages the version in pinned host memory for the engine, one bucket at a time"

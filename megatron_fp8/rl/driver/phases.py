@@ -543,6 +543,8 @@ def run_step(state: ArmState, ctx: GRPOContext, *, step: int) -> StepMetrics:
         rollout_seconds=out.seconds,
         rollout_prompts_per_rank=(out.generated_samples,),
         rollout_tokens_per_s_per_rank=(out.generated_tokens / out.seconds if out.seconds > 0 else 0.0,),
+        refit_host_staged_bytes_per_rank=(refit.host_staged_bytes,),
+        refit_device_staged_bytes_per_rank=(refit.device_staged_bytes,),
         train_seconds=train.seconds,
         step_seconds=time.perf_counter() - t_step,
         sample=f"{out.problems[best].prompt}{scores.texts[best]!r} (answer {out.problems[best].answer})",

@@ -88,6 +88,8 @@ _GROUP_KEYS: dict[str, tuple[str, ...]] = {
         *(f"refit_{c}_bytes" for c in (*PAYLOAD_CLASSES, "total")),
         "refit_payload_ratio",
         "refit_bytes",  # the nested StepMetrics field, when a record holds it unflattened
+        "refit_host_staged_bytes_per_rank",
+        "refit_device_staged_bytes_per_rank",
     ),
     "mismatch": _MISMATCH_KEYS,
     "timing": ("rollout_seconds", "train_seconds", "refit_seconds", "step_seconds", "rollout_tokens_per_s_per_rank"),

@@ -52,6 +52,9 @@ class RefitDone:
         max_rel_error: worst relative weight error of the post-refit verification (``nan``: not verified).
         prefix_cache: how the engines retired their prefix caches (a key of
             :data:`megatron_fp8.vocab.PREFIX_CACHE_RESETS`; with several engines, the least checked one).
+        host_staged_bytes: bytes of the version this rank's engine kept in host memory until its commit (the
+            receiver's host staging; 0 when it stayed on the engine's GPU or the engine is remote).
+        device_staged_bytes: the same on the engine's GPU (the refit kept on the device).
     """
 
     payload_bytes: dict[str, int]
@@ -59,6 +62,8 @@ class RefitDone:
     version: int
     max_rel_error: float
     prefix_cache: str = "no_cache"
+    host_staged_bytes: int = 0
+    device_staged_bytes: int = 0
 
 
 def least_checked_prefix_cache(states: Sequence[str | None]) -> str:
@@ -122,6 +127,9 @@ class StepMetrics:
             generated this step: each replica's samples are split over its ranks' engines (empty in older records).
         rollout_tokens_per_s_per_rank: per trainer rank, the response tokens its engine generated over its
             generation time (tokens/s).
+        refit_host_staged_bytes_per_rank: per trainer rank, the bytes of the version its colocated engine kept in
+            host memory until the commit (empty in older records).
+        refit_device_staged_bytes_per_rank: per trainer rank, the same kept on the engine's GPU.
     """
 
     arm: str
@@ -157,6 +165,8 @@ class StepMetrics:
     kl_penalty: float = 0.0
     rollout_prompts_per_rank: tuple[int, ...] = ()
     rollout_tokens_per_s_per_rank: tuple[float, ...] = ()
+    refit_host_staged_bytes_per_rank: tuple[int, ...] = ()
+    refit_device_staged_bytes_per_rank: tuple[int, ...] = ()
 
     @property
     def gen_kl(self) -> float:

@@ -399,6 +399,20 @@ def sample(
     return samples
 
 
+def in_process_worker_device(llm: LLM) -> torch.device | None:
+    """The device the engine's worker loads weights on, when that worker runs in this process; else ``None``.
+
+    In process: vLLM's engine core without multiprocessing (``VLLM_ENABLE_V1_MULTIPROCESSING=0``, as
+    :func:`build_llm` sets) on a one-process executor (``UniProcExecutor``, or ``external_launcher``: this rank's
+    shard); ``collective_rpc`` then hands the worker the caller's tensors as they are, so a refit staged on the
+    worker's device reaches it without a copy. Elsewhere (worker processes) the arguments are serialized.
+    """
+    executor = getattr(getattr(llm, "llm_engine", None), "model_executor", None)
+    if getattr(executor, "driver_worker", None) is None:
+        return None
+    return torch.device(llm.collective_rpc("mfp8_device")[0])
+
+
 def has_layerwise_reload(model_runner: GPUModelRunner) -> bool:
     """vLLM with layerwise reload (2026.01+, >= 0.15): ``reload_weights(weights_iterator=..., is_checkpoint_format=...)``.
 

@@ -7,9 +7,12 @@ protocol for an engine carrying
 * ``begin`` checks the version's metadata (names, shapes, dtypes, completeness) against
   the refit set the engine reported (``mfp8_expected``) and refuses before anything is
   staged; ``partial=True`` is the explicit opt-in to partial versions;
-* ``stage`` keeps each tensor in host memory until the commit (``keeps_host_copies``: the receiver stages the
-  version on the host for it, so a refit stream on a GPU holds only its buckets in flight there, and the workers
-  load from host tensors as vLLM's loaders expect); a tensor it is not told it owns is copied to the host;
+* ``stage`` keeps each tensor until the commit on :attr:`VllmApplier.staging_device`: the device of the engine's
+  worker when that worker runs in this process (colocated on a GPU: the version stays on the GPU, staged in the
+  memory the sleeping KV cache gave back, and the worker loads and verifies it there, with no host crossing); the
+  host when the workers run in other processes (``collective_rpc`` serializes its arguments). The receiver stages the
+  version there for it (:func:`megatron_fp8.refit.applier.staging_device`); a tensor it is not told it owns is
+  copied there;
 * ``commit`` hands the whole version to every worker (``collective_rpc("mfp8_apply")``),
   which validates it again (values included) before its first write, loads it, verifies
   it exactly, and on a failure after the first write rolls back (native reload) or stops
@@ -51,7 +54,7 @@ import torch
 from megatron_fp8.errors import EngineNotServingError, RefitError, RefitRolledBackError
 from megatron_fp8.refit.buckets import TensorMeta
 from megatron_fp8.refit.verify import VerifyReport
-from megatron_fp8.rollout.vllm import prefix_cache
+from megatron_fp8.rollout.vllm import adapter, prefix_cache
 from megatron_fp8.rollout.vllm.expected import ExpectedTensor, validate_metas
 
 if TYPE_CHECKING:  # vLLM's engine, for annotations only (vLLM is optional at import time)
@@ -77,7 +80,8 @@ class VllmApplier:
     Attributes:
         last_verify: the last committed version's verification report (``max_rel_error`` 0: exact).
         last_timings: seconds of the last commit per phase: ``validate``, ``load``, ``verify``
-            (the worst worker), and ``rollback_bytes``: host bytes kept to restore it.
+            (the worst worker), ``rollback_bytes``: host bytes kept to restore it, and ``rollback_copy_bytes``: of
+            those, the bytes copied to the host from a version staged on the engine's device.
         last_prefix_cache: how the last commit retired the prefix cache (a key of
             :data:`megatron_fp8.vocab.PREFIX_CACHE_RESETS`; ``None`` before the first commit).
         kv_cache_asleep: set by the colocated sleep schedule (:mod:`megatron_fp8.rollout.sleep`) while the engine's
@@ -110,6 +114,7 @@ class VllmApplier:
         self._stale_cache: str | None = None  # why blocks of an older version may still be cached
         self._caches = prefix_cache.cached_block_size(llm) is not None  # fixed for the engine's life
         self._probe = prefix_cache.probe_prompt(llm)
+        self._staging = adapter.in_process_worker_device(llm) or torch.device("cpu")
         llm.collective_rpc(
             "mfp8_configure",
             kwargs={
@@ -181,8 +186,11 @@ class VllmApplier:
         validate_metas(((m.name, tuple(m.shape), m.dtype) for m in metas), self.expected, partial=self.partial)
         self._pending = version
 
-    keeps_host_copies = True
-    """The staged version is kept in host memory (:func:`megatron_fp8.refit.applier.keeps_host_copies`)."""
+    @property
+    def staging_device(self) -> torch.device:
+        """Where a version is kept until its commit (:func:`megatron_fp8.refit.applier.staging_device`): the engine
+        worker's device when the worker runs in this process, else the host."""
+        return self._staging
 
     accepts_checked_values = True
     """The receiver checks the version's values for NaN/Inf on the buckets' device
@@ -196,21 +204,25 @@ class VllmApplier:
         self._values_checked = version
 
     def stage(self, name: str, tensor: torch.Tensor, *, owned: bool = False) -> None:
-        """Keep one tensor in host memory until the commit.
+        """Keep one tensor on :attr:`staging_device` until the commit.
 
         Args:
             name: its HF name.
             tensor: the values (any device).
-            owned: ``tensor`` is a view of a host copy made for this version alone (the receiver's host staging):
-                kept as it is. Otherwise it is copied to the host (bucket buffers may be reused).
+            owned: ``tensor`` is a view of memory holding this version alone, on :attr:`staging_device` (the
+                receiver's staging): kept as it is. Otherwise it is copied there (bucket buffers may be reused).
+
+        Raises:
+            RefitError: before ``begin``, or an owned tensor on another device.
         """
         if self._pending is None:
             raise RefitError(f"stage({name!r}) called before a successful begin()")
-        if owned and tensor.device.type != "cpu":
+        if owned and tensor.device.type != self._staging.type:
             raise RefitError(
-                f"stage({name!r}, owned=True) was handed a {tensor.device} tensor; owned tensors are host copies"
+                f"stage({name!r}, owned=True) was handed a {tensor.device} tensor; this engine stages on "
+                f"{self._staging} (the receiver stages there for it)"
             )
-        self._items.append((name, tensor if owned else tensor.detach().to("cpu", copy=True)))
+        self._items.append((name, tensor if owned else tensor.detach().to(self._staging, copy=True)))
 
     def commit(self, version: int) -> None:
         """Apply the staged version on every worker; see the module docstring for what a failure leaves."""
@@ -242,7 +254,7 @@ class VllmApplier:
         self.last_unverified = tuple(sorted({n for r in results for n in r.get("unverified", [])}))
         self.last_timings = {
             key: max(float(r.get(key, 0.0)) for r in results)
-            for key in ("validate_s", "load_s", "verify_s", "rollback_bytes")
+            for key in ("validate_s", "load_s", "verify_s", "rollback_bytes", "rollback_copy_bytes")
         }
         self._refresh_status()
 

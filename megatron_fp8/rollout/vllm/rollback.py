@@ -69,3 +69,46 @@ def checkpoint_weights(model_runner: GPUModelRunner) -> list[tuple[str, torch.Te
     loader = get_model_loader(config.load_config)
     model = model_runner.get_model()
     return [(n, t.to("cpu", copy=True)) for n, t in loader.get_all_weights(config.model_config, model)]
+
+
+class HostRollbackCopy:
+    """The host copy of a version loaded from device tensors, kept as the worker's rollback source.
+
+    A version staged on the engine's GPU (the colocated refit kept on the device) must not stay there once it is
+    loaded: it would hold a second copy of the weights while the KV cache generates. Its rollback source (the
+    worker's ``last_good``) goes to the host instead: every device tensor is copied into pinned memory on a side
+    stream, started after the load is queued, so it overlaps the exact verification; :meth:`result` waits for it.
+    A stream of host tensors is kept as it is (no copy).
+
+    Args:
+        stream: ``(name, tensor)`` pairs of one version, as loaded.
+    """
+
+    def __init__(self, stream: list[tuple[str, torch.Tensor]]):
+        self._side: torch.cuda.Stream | None = None
+        self.copied_bytes = 0
+        self._items: list[tuple[str, torch.Tensor]] = []
+        for name, tensor in stream:
+            if tensor.device.type != "cpu":
+                tensor = self._to_host(tensor)
+            self._items.append((name, tensor))
+
+    def _to_host(self, tensor: torch.Tensor) -> torch.Tensor:
+        self.copied_bytes += tensor.numel() * tensor.element_size()
+        if tensor.device.type != "cuda":
+            return tensor.detach().to("cpu", copy=True)
+        if self._side is None:
+            self._side = torch.cuda.Stream(tensor.device)
+            self._side.wait_stream(torch.cuda.current_stream(tensor.device))  # after the load that reads it too
+        host = torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=True)
+        with torch.cuda.stream(self._side):
+            host.copy_(tensor, non_blocking=True)
+        tensor.record_stream(self._side)  # its memory is not reused before the copy has read it
+        return host
+
+    def result(self) -> list[tuple[str, torch.Tensor]]:
+        """The host stream, once every copy has landed."""
+        if self._side is not None:
+            self._side.synchronize()
+            self._side = None
+        return self._items

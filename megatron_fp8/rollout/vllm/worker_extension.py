@@ -133,6 +133,10 @@ class FP8RefitWorkerExtension:
         """This worker's linear layers per CPU GEMM path (see :func:`adapter.cpu_gemm_paths`; empty on a GPU)."""
         return adapter.cpu_gemm_paths(self.model_runner.model)
 
+    def mfp8_device(self) -> str:
+        """The device this worker's weights live on (where a refit it loads from may be staged)."""
+        return str(next(self.model_runner.model.parameters()).device)
+
     def mfp8_param_names(self) -> list[str]:
         """vLLM parameter names of the built model (for diagnostics)."""
         return [n for n, _ in self.model_runner.model.named_parameters()]
@@ -229,7 +233,12 @@ class FP8RefitWorkerExtension:
     def _mfp8_hook(self, key: str) -> object:
         return getattr(self, "_mfp8_test_hooks", {}).pop(key, None)
 
-    def _mfp8_load_and_verify(self, stream: Stream, version: int, *, verify: bool, hooks: bool) -> dict:
+    def _mfp8_load_and_verify(
+        self, stream: Stream, version: int, *, verify: bool, hooks: bool, keep: list | None = None
+    ) -> dict:
+        """Load ``stream`` as ``version`` and verify it; with ``keep`` (a list), its rollback source
+        (:class:`~megatron_fp8.rollout.vllm.rollback.HostRollbackCopy`, started after the load so that it overlaps
+        the verification) is appended to it."""
         feed: Iterator[tuple[str, torch.Tensor]] = iter(stream)
         wrap = self._mfp8_hook("stream") if hooks else None
         if callable(wrap):
@@ -240,6 +249,8 @@ class FP8RefitWorkerExtension:
         after = self._mfp8_hook("after_load") if hooks else None
         if callable(after):
             after(self)
+        if keep is not None:
+            keep.append(rollback.HostRollbackCopy(stream))
         if not verify:
             return {"load_s": load_s, "verify": None, "unverified": [], "probed": 0, "verify_s": 0.0}
         expected = self._mfp8_expected()
@@ -295,8 +306,10 @@ class FP8RefitWorkerExtension:
         validate_s = time.perf_counter() - start
         native = adapter.has_layerwise_reload(self.model_runner)
         self._mfp8_update(serving=False)  # from the first write until verified, this engine must not serve
+        kept: list[rollback.HostRollbackCopy] = []
         try:
-            out = self._mfp8_load_and_verify(stream, version, verify=verify, hooks=True)
+            out = self._mfp8_load_and_verify(stream, version, verify=verify, hooks=True, keep=kept)
+            stream = kept[0].result()  # the rollback source, in host memory (a device-staged version leaves the GPU)
         except Exception as exc:
             raise self._mfp8_recover(version, exc, native=native) from exc
         if state.partial:
@@ -306,7 +319,13 @@ class FP8RefitWorkerExtension:
         self._mfp8_update(
             version=version, serving=True, last_good=stream, previous_good=(state.version, state.last_good)
         )
-        out.update(version=version, serving=True, validate_s=validate_s, rollback_bytes=_nbytes(stream))
+        out.update(
+            version=version,
+            serving=True,
+            validate_s=validate_s,
+            rollback_bytes=_nbytes(stream),
+            rollback_copy_bytes=kept[0].copied_bytes,
+        )
         return out
 
     def _mfp8_restore(self, version: int, stream: Stream | None) -> None:
