@@ -138,8 +138,9 @@ def refit_traffic(*, source_bytes: int, payload_bytes: int, applier: str, on_gpu
     Args:
         source_bytes: bytes of the weights the sender reads (the BF16 set, whatever is sent).
         payload_bytes: tensor bytes in the buckets (BF16: ``source_bytes``; FP8: codes + scales + the BF16 rest).
-        applier: ``"noop"``, ``"dict"`` or ``"host"`` (``bench/_refit_device.py``'s :data:`APPLIERS`).
-        on_gpu: whether the refit runs on a GPU (``host`` staging then crosses the device -> host link).
+        applier: ``"noop"``, ``"dict"``, ``"host"`` or ``"device"`` (``bench/_refit_device.py``'s :data:`APPLIERS`).
+        on_gpu: whether the refit runs on a GPU (``host`` staging and ``device``'s rollback copy then cross the
+            device -> host link).
 
     Returns:
         The :class:`Traffic`.
@@ -162,8 +163,15 @@ def refit_traffic(*, source_bytes: int, payload_bytes: int, applier: str, on_gpu
             link = payload_bytes
         else:
             passes.append(("host copy write", payload_bytes))
+    elif applier == "device":  # the load, the exact compare of both, the rollback source's host copy
+        passes += [("apply read", payload_bytes), ("apply write", payload_bytes)]
+        passes += [("verify read", 2 * payload_bytes), ("host copy read", payload_bytes)]
+        if on_gpu:
+            link = payload_bytes
+        else:
+            passes.append(("host copy write", payload_bytes))
     elif applier != "noop":
-        raise ValueError(f"unknown applier {applier!r}; valid: noop, dict, host")
+        raise ValueError(f"unknown applier {applier!r}; valid: noop, dict, host, device")
     return Traffic(tuple(passes), link)
 
 

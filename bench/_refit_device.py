@@ -19,12 +19,15 @@ from megatron_fp8.refit.opcount import OpCounter
 Stream = Iterable[tuple[str, torch.Tensor]]
 StreamFactory = Callable[[], Stream]
 TargetSpec = list[tuple[str, tuple[int, ...], str]]
-APPLIERS = ("noop", "dict", "host")
+APPLIERS = ("noop", "dict", "host", "device")
 """``noop``: buckets fully validated (checksums, announced set), nothing copied; ``dict``: :class:`DictApplier` into
 targets on the device (values checked, backup for rollback, one multi-tensor copy, read back and compared); ``host``:
 the receiver's host staging as vLLM's applier gets it (every bucket's values probed for NaN/Inf where it arrived and
 the bucket copied into pinned host memory, the version kept there until the commit), without an engine to load it
-into (in-process only)."""
+into (in-process only); ``device``: GRPO's colocated refit kept on the device, as vLLM's applier of an in-process
+worker gets it (the buckets kept as the staged version on their GPU, values probed there; at the commit the version
+loaded into targets on the device by one multi-tensor copy, its host copy (the worker's rollback source) started on a
+side stream, the targets compared with the staged bytes on the device, the host copy waited for)."""
 
 
 class HostStagingApplier:
@@ -48,6 +51,51 @@ class HostStagingApplier:
         self.staged.append((name, tensor if owned else tensor.to("cpu", copy=True)))
 
     def commit(self, version: int) -> None:
+        self.staged = []
+
+    def abort(self, version: int, reason: str) -> None:
+        self.staged = []
+
+
+class DeviceStagingApplier:
+    """GRPO's colocated refit kept on the device, without vLLM: the receiver stages the version on the buckets' GPU
+    for it (its ``staging_device``); the commit does what the vLLM worker does with it (load, rollback copy to the
+    host overlapping the exact verification), into plain device targets (in-process only).
+
+    Args:
+        targets: name -> the tensor a load writes (the engine's weights), on ``device``.
+        device: the staging device.
+    """
+
+    accepts_checked_values = True
+
+    def __init__(self, targets: dict[str, torch.Tensor], device: torch.device) -> None:
+        self.targets = targets
+        self.staging_device = device
+        self.staged: list[tuple[str, torch.Tensor]] = []
+        self.rollback_bytes = 0
+
+    def values_checked(self, version: int) -> None:
+        """The receiver found no NaN/Inf in the version."""
+
+    def begin(self, version: int, metas) -> None:
+        self.staged = []
+
+    def stage(self, name: str, tensor: torch.Tensor, *, owned: bool = False) -> None:
+        self.staged.append((name, tensor if owned else tensor.to(self.staging_device, copy=True)))
+
+    def commit(self, version: int) -> None:
+        from megatron_fp8.refit import fused_fill
+        from megatron_fp8.rollout.vllm.rollback import HostRollbackCopy
+
+        held = [self.targets[n] for n, _ in self.staged]
+        sent = [t for _, t in self.staged]
+        fused_fill.copy_many(held, sent)
+        rollback = HostRollbackCopy(self.staged)
+        bad = fused_fill.compare_many(held, sent)
+        if bool(bad.any()):
+            raise RuntimeError(f"refit v{version}: a target differs from what was staged after the load")
+        self.rollback_bytes = sum(t.numel() * t.element_size() for _, t in rollback.result())
         self.staged = []
 
     def abort(self, version: int, reason: str) -> None:
@@ -103,6 +151,10 @@ def make_applier(kind: str, spec: TargetSpec | None, device: torch.device):
         return CallableApplier(lambda version, pairs: None)
     if kind == "host":
         return HostStagingApplier()
+    if kind == "device":
+        assert spec is not None
+        targets = {n: torch.zeros(shape, dtype=getattr(torch, dt), device=device) for n, shape, dt in spec}
+        return DeviceStagingApplier(targets, device)
     if kind == "dict":
         assert spec is not None
         targets = {n: torch.zeros(shape, dtype=getattr(torch, dt), device=device) for n, shape, dt in spec}

@@ -74,7 +74,7 @@ if [ "$smoke" = 1 ]; then
     step quant_cuda "$python" bench/quant.py --smoke --out "$results/quant_cuda.json"
     step refit_cuda "$python" bench/refit.py --smoke --no-tiny --out "$results/refit_cuda.json"
     step refit_profile_cuda "$python" bench/profile_refit.py --device cpu --smoke --out "$results/refit_profile_cuda.json"
-    step refit_host_cuda "$python" bench/refit.py --smoke --no-tiny --transports inproc --appliers noop,host \
+    step refit_host_cuda "$python" bench/refit.py --smoke --no-tiny --transports inproc --appliers noop,host,device \
         --out "$results/refit_host_cuda.json"
     step refit_link_gloo "$python" bench/refit.py --link gloo --smoke --out "$results/refit_link_gloo.json"
     step refit_link_nccl "$python" bench/refit.py --link nccl --smoke --out "$results/refit_link_nccl.json"
@@ -84,9 +84,11 @@ else
     step quant_cuda "$python" bench/quant.py --device cuda --out "$results/quant_cuda.json"
     step refit_cuda "$python" bench/refit.py --device cuda --repeats 3 --out "$results/refit_cuda.json"
     step refit_profile_cuda "$python" bench/profile_refit.py --out "$results/refit_profile_cuda.json"
-    # the receiver's host staging (GRPO's refit into vLLM): the version crosses to pinned host memory bucket by bucket
+    # GRPO's refit into vLLM: kept on the device (device: the buckets are the staged version, loaded, compared there,
+    # the rollback source copied to the host meanwhile) next to the receiver's host staging (host: the version crosses
+    # to pinned host memory bucket by bucket)
     step refit_host_cuda "$python" bench/refit.py --device cuda --repeats 3 --no-tiny --transports inproc \
-        --appliers noop,host --out "$results/refit_host_cuda.json"
+        --appliers noop,host,device --out "$results/refit_host_cuda.json"
     # bandwidth-bound: the 32-layer set / 8 over gloo (CPU, 1 thread), and the full-width 8B set over NCCL between
     # two GPUs (its JSON says "skipped" on a one-GPU machine)
     step refit_link_gloo env OMP_NUM_THREADS=1 "$python" bench/refit.py --link gloo --threads 1 \

@@ -290,8 +290,8 @@ def bench_stream_factories(
         repeats: refits per (stream, transport); the median is reported.
         timeout: per-wait transport deadline, seconds.
         threads: torch intra-op threads of the gloo receiver process.
-        appliers: receiver-side appliers (:data:`_refit_device.APPLIERS`); gloo runs ``noop`` only, ``host`` runs
-            in process only.
+        appliers: receiver-side appliers (:data:`_refit_device.APPLIERS`); gloo runs ``noop`` only, ``host`` and
+            ``device`` run in process only.
         device: where buckets (and ``dict`` targets) live; default CPU.
 
     Returns:
@@ -307,7 +307,7 @@ def bench_stream_factories(
                 if applier != "noop":
                     continue
                 kwargs = {"threads": threads}
-            elif applier == "host" and name != "inproc":
+            elif applier in ("host", "device") and name != "inproc":
                 continue
             else:
                 kwargs = {"applier_kind": applier, "device": device}
@@ -483,7 +483,9 @@ def main(argv: list[str] | None = None) -> int:
         device=device,
     )
     runs = [replace(r, pct_of_copy=100 * r.gbps / copy_rate, ops=ops.get(r.stream)) for r in runs]
-    d2h_rate = dev.d2h_gbps(device) if use_cuda and "host" in appliers else None  # the host staging's link
+    d2h_rate = (
+        dev.d2h_gbps(device) if use_cuda and {"host", "device"} & set(appliers) else None
+    )  # the host staging's link
     source_bytes = fp8_params["bf16_bytes"] + rest_bytes  # what the sender reads, whichever stream it sends
     run_dicts = [
         asdict(r)

@@ -13,13 +13,15 @@ sharded over DP with the distributed optimizer, :mod:`megatron_fp8.config.memory
   ``optimizer_cpu_offload``);
 * **training**: ``W + G + O`` (``O`` not with ``optimizer_cpu_offload``) + what the sleeping engine keeps
   (:data:`SLEEPING_ENGINE_BYTES`, assumed: its CUDA context and graphs; at sleep level 0 its whole budget);
-* **refit**: ``W`` + the woken engine weights (its FP8 / BF16 weights / rollout TP) + the refit buckets in flight
-  (:data:`REFIT_BUCKETS_IN_FLIGHT` x ``refit.bucket_size_mb``: the stream stays on the GPU and the receiver stages the
-  version in host memory) + what the sleeping engine keeps, + ``G + O`` unless offloaded (they go before the refit).
+* **refit**: ``W`` + the woken engine weights (its FP8 / BF16 weights / rollout TP) + the refit's staged version
+  (the stream stays on the GPU and its buckets are the version the engine loads and verifies there, kept until the
+  commit: the whole version, at least :data:`REFIT_BUCKETS_IN_FLIGHT` x ``refit.bucket_size_mb``; at sleep level
+  1 or 2 in the memory the sleeping KV cache gave back) + what the sleeping engine keeps, + ``G + O`` unless offloaded
+  (they go before the refit).
 
 Activations are not included (they depend on the micro-batch and sequence length). Host memory: the offloaded ``O``
-(pinned), at sleep level 1 the engine's weights, and, colocated, the refit's staged version (the engine's weights,
-pinned, until the commit). A separate rollout rank (``colocated.enabled: false``) holds the
+(pinned), at sleep level 1 the engine's weights, and, colocated, the engine's rollback source (the last committed
+version, pinned, copied from the GPU while the new one is verified). A separate rollout rank (``colocated.enabled: false``) holds the
 engine budget alone; a trainer rank then has training and refit phases only.
 
 ``config``, ``doctor --config`` and ``grpo`` print the plan; ``config`` and ``grpo`` refuse a plan whose peak exceeds
@@ -150,7 +152,7 @@ class MemoryPlan:
         sleep_level: the engine's sleep level (0: awake throughout, or not colocated).
         offload: whether the trainer offloads its optimizer state and gradients during generation.
         host_bytes: host memory per rank the plan adds (offloaded optimizer state; level-1 engine weights; the
-            colocated refit's staged version).
+            colocated engine's rollback source).
     """
 
     phases: tuple[PhasePeak, ...]
@@ -215,7 +217,10 @@ def plan_memory(
     budget = int(vllm.gpu_memory_utilization * gpu_bytes)
     engine_weights = engine_weight_bytes(cfg, dims) // vllm.tensor_parallel_size
     bucket = cfg.refit.bucket_size_mb << 20
-    in_flight = REFIT_BUCKETS_IN_FLIGHT * bucket
+    # every rank receives the whole version (the export gathers full tensors): staged on the engine's GPU until the
+    # commit, then its host copy is the rollback source
+    staged = engine_weight_bytes(cfg, dims)
+    in_flight = max(REFIT_BUCKETS_IN_FLIGHT * bucket, staged)
     level, offload = sleep_level(cfg), trainer_offloads(cfg)
     trainer = (("trainer weights", weights), ("gradients", grads), ("optimizer state", optim_gpu))
     if not cfg.policy.generation.colocated.enabled:
@@ -234,12 +239,11 @@ def plan_memory(
         PhasePeak("training", (*trainer, *asleep)),
         PhasePeak(
             "refit",
-            (*kept, ("woken engine weights", engine_weights), ("refit buckets in flight", in_flight), *asleep)
+            (*kept, ("woken engine weights", engine_weights), ("refit's staged version", in_flight), *asleep)
             if level
-            else (*trainer, ("engine awake", budget), ("refit buckets in flight", in_flight)),
+            else (*trainer, ("engine awake", budget), ("refit's staged version", in_flight)),
         ),
     )
-    staged = engine_weight_bytes(cfg, dims)  # the version the receiver stages on the host until the commit
     host = (optim if offload else optim_host) + (engine_weights if level == 1 else 0) + staged
     assert tuple(p.phase for p in phases) == tuple(MEMORY_PHASES)
     return MemoryPlan(

@@ -47,15 +47,17 @@ def test_gpu_run_smoke_writes_every_result(tmp_path):
         assert sorted(gil["wall_s_default"])[2] == profile[stream]["unprofiled_wall_s"]
     host = json.loads((tmp_path / "refit_host_cuda.json").read_text())
     assert {(r["applier"], r["stream"]) for r in host["runs"]} == {
-        (a, s) for a in ("noop", "host") for s in ("bf16", "fp8")
+        (a, s) for a in ("noop", "host", "device") for s in ("bf16", "fp8")
     }
     assert {r["transport"] for r in host["runs"]} == {"inproc"} and set(host["time_ratio_fp8_over_bf16"]) == {
         "inproc/noop",
         "inproc/host",
+        "inproc/device",
     }
     assert set(host["floor_ratio_fp8_over_bf16"]) == set(host["time_ratio_fp8_over_bf16"])
     for r in host["runs"]:  # host staging on a CPU: the host copy is read and written in the same memory
-        assert r["floor"]["passes"].get("host copy write", 0) == (r["total_bytes"] if r["applier"] == "host" else 0)
+        staged = r["applier"] in ("host", "device")  # device: the rollback source's host copy
+        assert r["floor"]["passes"].get("host copy write", 0) == (r["total_bytes"] if staged else 0)
     link = json.loads((tmp_path / "refit_link_gloo.json").read_text())
     assert link["link"]["gbps"] > 0 and {r["stream"] for r in link["runs"]} == {"bf16", "fp8"}
     nccl = json.loads((tmp_path / "refit_link_nccl.json").read_text())

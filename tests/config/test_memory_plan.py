@@ -55,22 +55,21 @@ def test_shipped_8b_plan_sleeps_the_engine_while_training():
     assert set(p["refit"]) == {
         "trainer weights",
         "woken engine weights",
-        "refit buckets in flight",
+        "refit's staged version",
         "sleeping engine (assumed)",
     }
-    # the refit stream stays on the GPU: the buckets in flight there, the version staged in host memory
-    assert p["refit"]["refit buckets in flight"] == REFIT_BUCKETS_IN_FLIGHT * (cfg.refit.bucket_size_mb << 20)
-    assert plan.fits and plan.peak.phase == "generation" and round(plan.peak.total / GB, 1) == 48.0
     staged = engine_weight_bytes(cfg, LLAMA)
     assert 8.5 * GB < staged < 9.5 * GB  # the FP8 version of 8B (1 B per linear weight, BF16 embeddings and norms)
-    # pinned host copies of the offloaded state, and the refit's version staged until its commit
+    # the refit stream stays on the GPU and its buckets are the version staged there until the commit (the whole
+    # version: every rank receives all of it), more than the buckets in flight
+    assert p["refit"]["refit's staged version"] == staged > REFIT_BUCKETS_IN_FLIGHT * (cfg.refit.bucket_size_mb << 20)
+    assert plan.fits and plan.peak.phase == "generation" and round(plan.peak.total / GB, 1) == 48.0
+    # pinned host copies of the offloaded state, and the engine's rollback source (the last committed version)
     assert plan.host_bytes == p["training"]["optimizer state"] + staged
     # the engine awake throughout (sleep level 0): the trainer's whole state next to the engine's budget
     awake = plan_memory(_replaced(cfg, "policy.generation.colocated", sleep_level=0), LLAMA, gpu=H100, processes=8)
     assert not awake.offload and all("engine awake" in ph or "engine" in ph for ph in _phases(awake).values())
-    assert awake.peak.total == 40 * GB + sum(v for k, v in p["training"].items() if "engine" not in k) + (
-        REFIT_BUCKETS_IN_FLIGHT * (cfg.refit.bucket_size_mb << 20)
-    )
+    assert awake.peak.total == 40 * GB + sum(v for k, v in p["training"].items() if "engine" not in k) + staged
     # level 1 keeps the engine's weights in host memory
     level1 = plan_memory(_replaced(cfg, "policy.generation.colocated", sleep_level=1), LLAMA, gpu=H100, processes=8)
     assert level1.host_bytes == plan.host_bytes + _phases(level1)["refit"]["woken engine weights"]
