@@ -16,7 +16,9 @@ The passes a refit cannot skip when sender and receiver share one memory (``inpr
   bucket checksum (:mod:`megatron_fp8.refit.integrity.checksum`);
 * the applier's: ``dict`` (an engine's parameters) reads the payload and writes it into the parameters;
   ``host`` (the receiver's host staging for vLLM's applier) reads the payload on the device and sends it over the
-  device -> host link (on a CPU, where the "link" is the same memory, it reads and writes it).
+  device -> host link (on a CPU nothing: the buckets already are in host memory and are kept as the staged version);
+  ``device`` (GRPO's colocated refit kept on the device) writes the payload into the parameters, reads both back to
+  compare them, and sends the rollback source over the device -> host link (on a CPU: no copy, as for ``host``).
 
 The floor is ``max(device bytes / copy bandwidth, link bytes / link bandwidth)`` with the copy bandwidth measured
 as ``bench/quant.py`` does (bytes read + written per second by a 1 GiB ``copy_``). What a real applier does
@@ -158,18 +160,14 @@ def refit_traffic(*, source_bytes: int, payload_bytes: int, applier: str, on_gpu
     if applier == "dict":
         passes += [("apply read", payload_bytes), ("apply write", payload_bytes)]
     elif applier == "host":
-        passes.append(("host copy read", payload_bytes))
-        if on_gpu:
+        if on_gpu:  # on a CPU the buckets are the staged version (the receiver keeps them: no copy)
+            passes.append(("host copy read", payload_bytes))
             link = payload_bytes
-        else:
-            passes.append(("host copy write", payload_bytes))
     elif applier == "device":  # the load, the exact compare of both, the rollback source's host copy
-        passes += [("apply read", payload_bytes), ("apply write", payload_bytes)]
-        passes += [("verify read", 2 * payload_bytes), ("host copy read", payload_bytes)]
-        if on_gpu:
+        passes += [("apply read", payload_bytes), ("apply write", payload_bytes), ("verify read", 2 * payload_bytes)]
+        if on_gpu:  # on a CPU the staged version is in host memory already: kept as the rollback source
+            passes.append(("host copy read", payload_bytes))
             link = payload_bytes
-        else:
-            passes.append(("host copy write", payload_bytes))
     elif applier != "noop":
         raise ValueError(f"unknown applier {applier!r}; valid: noop, dict, host, device")
     return Traffic(tuple(passes), link)

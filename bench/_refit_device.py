@@ -13,13 +13,24 @@ from collections.abc import Callable, Iterable
 
 import torch
 
-from megatron_fp8.refit import CallableApplier, DictApplier, InProcTransport, RefitReceiver, RefitSender
+from megatron_fp8.refit import (
+    CallableApplier,
+    DictApplier,
+    InProcTransport,
+    RefitReceiver,
+    RefitSender,
+    fused_fill,
+    multi,
+)
 from megatron_fp8.refit.opcount import OpCounter
+from megatron_fp8.rollout.vllm.rollback import HostRollbackCopy
 
 Stream = Iterable[tuple[str, torch.Tensor]]
 StreamFactory = Callable[[], Stream]
 TargetSpec = list[tuple[str, tuple[int, ...], str]]
 APPLIERS = ("noop", "dict", "host", "device")
+TARGETED = ("dict", "device")
+"""The appliers that write into targets of the stream's shapes (:func:`target_spec`)."""
 """``noop``: buckets fully validated (checksums, announced set), nothing copied; ``dict``: :class:`DictApplier` into
 targets on the device (values checked, backup for rollback, one multi-tensor copy, read back and compared); ``host``:
 the receiver's host staging as vLLM's applier gets it (every bucket's values probed for NaN/Inf where it arrived and
@@ -85,15 +96,13 @@ class DeviceStagingApplier:
         self.staged.append((name, tensor if owned else tensor.to(self.staging_device, copy=True)))
 
     def commit(self, version: int) -> None:
-        from megatron_fp8.refit import fused_fill
-        from megatron_fp8.rollout.vllm.rollback import HostRollbackCopy
-
         held = [self.targets[n] for n, _ in self.staged]
         sent = [t for _, t in self.staged]
-        fused_fill.copy_many(held, sent)
+        fused = fused_fill.runs_on(held + sent)  # the grouped Triton passes on CUDA, torch's multi-tensor ops else
+        fused_fill.copy_many(held, sent) if fused else multi.copy_into(held, sent)
         rollback = HostRollbackCopy(self.staged)
-        bad = fused_fill.compare_many(held, sent)
-        if bool(bad.any()):
+        bad = bool(fused_fill.compare_many(held, sent).any()) if fused else multi.first_mismatch(held, sent) is not None
+        if bad:
             raise RuntimeError(f"refit v{version}: a target differs from what was staged after the load")
         self.rollback_bytes = sum(t.numel() * t.element_size() for _, t in rollback.result())
         self.staged = []

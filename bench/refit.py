@@ -159,7 +159,7 @@ def _bench_inproc(
     device = device or torch.device("cpu")
     results = []
     for name, factory in factories.items():
-        spec = dev.target_spec(factory) if applier_kind == "dict" else None
+        spec = dev.target_spec(factory) if applier_kind in dev.TARGETED else None
         transport = InProcTransport(maxsize=2, timeout=timeout)  # 2 buckets in flight: double buffering
         receiver = RefitReceiver(transport, apply=dev.make_applier(applier_kind, spec, device))
         sender = RefitSender(transport, bucket_bytes=bucket_bytes, device=device)
@@ -464,7 +464,7 @@ def main(argv: list[str] | None = None) -> int:
             factory,
             bucket_bytes=bucket_bytes,
             applier=dev.make_applier(
-                appliers[-1], dev.target_spec(factory) if appliers[-1] == "dict" else None, device
+                appliers[-1], dev.target_spec(factory) if appliers[-1] in dev.TARGETED else None, device
             ),
             device=device,
         )
