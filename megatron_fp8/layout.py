@@ -9,7 +9,9 @@ when it starts and ends on block boundaries.
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
 
 
 def ceil_div(a: int, b: int) -> int:
@@ -116,3 +118,98 @@ def engine_of_rank(rank: int, replica_ranks: Sequence[int], engine_ranks: int) -
     """
     blocks = sorted({r // engine_ranks for r in replica_ranks})
     return blocks.index(rank // engine_ranks), len(blocks), rank % engine_ranks == 0
+
+
+@dataclass(frozen=True)
+class ShardSlice:
+    """One engine rank's part of one checkpoint-format tensor: ``narrow(dim, start, length)`` of its ``full`` size
+    along ``dim`` (rows of a column-parallel weight or of a vocabulary, columns of a row-parallel weight).
+
+    Raises:
+        ValueError: a slice outside ``[0, full)`` or empty.
+    """
+
+    dim: int
+    start: int
+    length: int
+    full: int
+
+    def __post_init__(self) -> None:
+        if self.dim < 0 or self.length <= 0 or self.start < 0 or self.start + self.length > self.full:
+            raise ValueError(f"shard slice {self} is not a part of dimension {self.dim} of size {self.full}")
+
+    def scaled(self, block: int) -> ShardSlice:
+        """The same part of a block-scale grid of ``block`` elements per entry (the FP8 weight's scales).
+
+        Raises:
+            ValueError: the part does not start on a block, or ends inside one that is not the last: its blocks
+                would not be the full tensor's (blockwise FP8 needs block-aligned TP partitions).
+        """
+        end = self.start + self.length
+        if self.start % block or (end % block and end != self.full):
+            raise ValueError(
+                f"rows/columns {self.start}:{end} of {self.full} along dimension {self.dim} are not whole "
+                f"{block}-element blocks: this TP split cannot be quantized shard by shard"
+            )
+        return ShardSlice(
+            self.dim, self.start // block, ceil_div(end, block) - self.start // block, ceil_div(self.full, block)
+        )
+
+
+@dataclass(frozen=True)
+class ShardPlan:
+    """What one rank of an engine sharded over trainer ranks takes of each tensor of a refit version: declared once
+    (by the engine's worker, from its live layers) and used by the trainer's export (it sends only these parts), the
+    receiver's staging and the worker's load and verification.
+
+    Attributes:
+        rank: the engine rank (its TP rank).
+        size: the engine's TP size.
+        slices: checkpoint name -> :class:`ShardSlice`; a name without one is taken whole (norms, KV scales, a
+            replicated layer).
+    """
+
+    rank: int
+    size: int
+    slices: Mapping[str, ShardSlice]
+
+    def __post_init__(self) -> None:
+        if not 0 <= self.rank < self.size:
+            raise ValueError(f"shard plan of engine rank {self.rank} of {self.size}")
+
+    def local_shape(self, name: str, shape: Sequence[int]) -> tuple[int, ...]:
+        """The shape of this rank's part of ``name``, whose full shape is ``shape``."""
+        part = self.slices.get(name)
+        if part is None:
+            return tuple(shape)
+        out = list(shape)
+        out[part.dim] = part.length
+        return tuple(out)
+
+    def local_fraction(self, shapes: Mapping[str, Sequence[int]]) -> float:
+        """Elements of this rank's parts over the full tensors' (``shapes``: name -> full shape)."""
+        full = sum(math.prod(s) for s in shapes.values())
+        local = sum(math.prod(self.local_shape(n, s)) for n, s in shapes.items())
+        return local / full if full else 1.0
+
+
+def narrow_stream(stream: Iterable[tuple[str, Any]], plan: ShardPlan) -> Iterator[tuple[str, Any]]:
+    """``stream`` with every tensor cut to this rank's part (a view along rows; a contiguous copy along columns, so
+    that the packer and the quantizer read only the part).
+
+    Raises:
+        ValueError: a tensor whose size along its slice's dimension is not the planned full size (a stream of
+            another model or TP layout than the engine's).
+    """
+    for name, tensor in stream:
+        part = plan.slices.get(name)
+        if part is None:
+            yield name, tensor
+            continue
+        if tensor.dim() <= part.dim or int(tensor.shape[part.dim]) != part.full:
+            raise ValueError(
+                f"{name}: shape {tuple(tensor.shape)} does not hold {part.full} along dimension {part.dim}, as engine "
+                f"rank {plan.rank} of {plan.size} planned its part; the stream and the engine describe different models"
+            )
+        local = tensor.narrow(part.dim, part.start, part.length)
+        yield name, (local if part.dim == 0 else local.contiguous())

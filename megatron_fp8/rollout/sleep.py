@@ -354,6 +354,11 @@ class SleepingApplier:
         self.inner.begin(version, metas)
 
     @property
+    def shard_plan(self) -> object:
+        """The inner applier's (the part of each tensor its shard takes; ``None``: full tensors)."""
+        return getattr(self.inner, "shard_plan", None)
+
+    @property
     def staging_device(self) -> torch.device | None:
         """The inner applier's (:func:`megatron_fp8.refit.applier.staging_device`)."""
         return staging_device(self.inner)

@@ -30,6 +30,7 @@ import torch
 
 from megatron_fp8.config.memory_plan import COLOCATED_QUEUED_BUCKETS, sleep_level, trainer_offloads
 from megatron_fp8.config.schema import RunConfig
+from megatron_fp8.layout import ShardPlan
 from megatron_fp8.megatron import MegatronModel, StepOptimizer
 from megatron_fp8.megatron.offload import TrainerOffload
 from megatron_fp8.refit.applier import staging_device
@@ -139,6 +140,13 @@ class ColocatedTarget:
         version, else each is copied to the engine's device, the host included); the reference engine's applier
         takes host tensors."""
         return staging_device(self._engine.applier) is not None
+
+    @property
+    def shard_plan(self) -> ShardPlan | None:
+        """This rank's part of each tensor when the engine's shard in this process takes only its part (an engine
+        sharded over trainer ranks: the applier's :attr:`~megatron_fp8.rollout.vllm.applier.VllmApplier.shard_plan`);
+        the refit stream is then cut to it. ``None``: full tensors."""
+        return getattr(self._engine.applier, "shard_plan", None)
 
     @property
     def staging(self) -> str:

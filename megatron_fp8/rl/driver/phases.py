@@ -28,6 +28,7 @@ from bridge_mappings.manifest import Manifest
 from bridge_mappings.quantized_export import ExportSettings, checked_stream, quantized_stream, refit_stream
 from megatron_fp8.config.schema import KVCacheConfig, RunConfig
 from megatron_fp8.errors import ConfigError, ManifestError
+from megatron_fp8.layout import ShardPlan, narrow_stream
 from megatron_fp8.megatron import MegatronModel, StepOptimizer, export_hf_weights, sequence_logprobs, train_step
 from megatron_fp8.megatron.reference import ReferenceWeights
 from megatron_fp8.megatron.schedule import from_last_stage
@@ -462,17 +463,27 @@ def _refit_tensors(state: ArmState) -> Iterable[tuple[str, torch.Tensor]]:
     The export stays on the trainer's GPU when the target takes a device stream (:attr:`RefitTarget.stream_on_device`):
     the weights are then quantized there (the Triton in-bucket path) and only the refit's bytes reach the host;
     otherwise every weight is copied to the host first and quantized there.
+
+    For an engine sharded over the trainer's ranks whose shard takes only its part of each tensor (the target's
+    ``shard_plan``), every exported tensor is cut to this rank's part before it is converted, quantized (on whole
+    blocks of the full tensor's grid: the same bytes) and packed: the buckets, their checksums and the engine's
+    staging hold 1/TP of the version.
     """
     fp32_trainer = next(state.model.model[0].parameters()).dtype == torch.float32
     cpu = exports_to_host(state.model, stream_on_device=state.refit.stream_on_device)
+    plan: ShardPlan | None = getattr(state.refit, "shard_plan", None)
+
+    def exported() -> Iterable[tuple[str, torch.Tensor]]:
+        full = export_hf_weights(state.model, cpu=cpu)
+        return narrow_stream(full, plan) if plan is not None else full
+
     if state.spec.rollout_precision != "fp8":
-        exported = export_hf_weights(state.model, cpu=cpu)
-        return rollout_dtype_stream(exported) if fp32_trainer else exported
+        return rollout_dtype_stream(exported()) if fp32_trainer else exported()
     if state.manifest is None:
         raise ManifestError(f"arm {state.spec.name} rolls out in FP8 but was given no FP8 manifest")
     stream: Iterable[tuple[str, torch.Tensor]]
-    if fp32_trainer:  # quantize the BF16 values, as a BF16 trainer on a GPU would send them
-        bf16 = rollout_dtype_stream(export_hf_weights(state.model, cpu=cpu))
+    if fp32_trainer or plan is not None:  # quantize the BF16 values (of this rank's parts), as a GPU trainer sends them
+        bf16 = rollout_dtype_stream(exported()) if fp32_trainer else exported()
         stream = checked_stream(
             quantized_stream(bf16, state.manifest, state.export_settings, in_bucket=True), state.manifest
         )

@@ -427,15 +427,21 @@ def has_layerwise_reload(model_runner: GPUModelRunner) -> bool:
     return "weights_iterator" in params and "is_checkpoint_format" in params
 
 
-def reload_weights(model_runner: GPUModelRunner, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+def reload_weights(
+    model_runner: GPUModelRunner, weights: Iterable[tuple[str, torch.Tensor]], *, local: bool = False
+) -> None:
     """Load checkpoint-format weights into a built model, in place.
 
     With layerwise reload (vLLM >= 0.15) vLLM re-runs ``process_weights_after_loading``
     per layer, so FP8 scales are renamed/transposed the way vLLM expects and every
     Parameter keeps its ``weight_loader``. Older vLLM:
     :func:`~megatron_fp8.rollout.vllm.inplace.inplace_load_weights` copies into the existing
-    (already processed) Parameters without rebinding them.
+    (already processed) Parameters without rebinding them. ``local`` (the tensors are this TP
+    rank's parts, which vLLM's loaders would slice again): the in-place load on every version.
     """
+    if local:
+        inplace_load_weights(model_runner.model, weights, local=True)
+        return
     if has_layerwise_reload(model_runner):
         model_runner.reload_weights(weights_iterator=iter(weights), is_checkpoint_format=True)
         return

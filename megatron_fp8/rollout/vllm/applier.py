@@ -52,6 +52,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from megatron_fp8.errors import EngineNotServingError, RefitError, RefitRolledBackError
+from megatron_fp8.layout import ShardPlan, ShardSlice
 from megatron_fp8.refit.buckets import TensorMeta
 from megatron_fp8.refit.verify import VerifyReport
 from megatron_fp8.rollout.vllm import adapter, prefix_cache
@@ -75,13 +76,17 @@ class VllmApplier:
             of a fused module they touch); default: every version must be complete.
         shard_group: the process group of an engine sharded over several processes (vLLM's
             ``external_launcher``: each process applies its own shard); a version is committed only when every
-            shard committed it, else every shard reverts. ``None``: one process holds every worker.
+            shard committed it, else every shard reverts. ``None``: one process holds every worker. With a group,
+            each process's versions carry only its shard's parts (:attr:`shard_plan`) when every shard can take
+            them (not with ``partial``).
 
     Attributes:
         last_verify: the last committed version's verification report (``max_rel_error`` 0: exact).
         last_timings: seconds of the last commit per phase: ``validate``, ``load``, ``verify``
             (the worst worker), ``rollback_bytes``: host bytes kept to restore it, and ``rollback_copy_bytes``: of
             those, the bytes copied to the host from a version staged on the engine's device.
+        shard_plan: what this process's shard takes of each tensor (:class:`~megatron_fp8.layout.ShardPlan`): the
+            trainer sends only these parts (``None``: full tensors; the worker slices its part).
         last_prefix_cache: how the last commit retired the prefix cache (a key of
             :data:`megatron_fp8.vocab.PREFIX_CACHE_RESETS`; ``None`` before the first commit).
         kv_cache_asleep: set by the colocated sleep schedule (:mod:`megatron_fp8.rollout.sleep`) while the engine's
@@ -123,6 +128,7 @@ class VllmApplier:
                 "partial": partial,
             },
         )
+        self.shard_plan = self._agree_on_shard_plan(fp8_names, block_size) if shard_group is not None else None
         specs = llm.collective_rpc("mfp8_expected")[0]
         self.expected: dict[str, ExpectedTensor] = {
             d["name"]: ExpectedTensor(
@@ -139,6 +145,35 @@ class VllmApplier:
             llm.collective_rpc("mfp8_check_kv_scales", kwargs={"per_step": True})
         self._serving, self._serving_version = True, 0
         self._refresh_status()
+
+    def _agree_on_shard_plan(self, fp8_names: Sequence[str] | None, block_size: tuple[int, int]) -> ShardPlan | None:
+        """Switch the workers to versions of their parts when every shard of the engine can take them (one
+        all-reduce over :attr:`shard_group`, so that all shards send alike); the plan, or ``None`` (full tensors)."""
+        found = None if self.partial else self.llm.collective_rpc("mfp8_shard_plan")[0]
+        if self._over_shards(int(found is None))[0]:
+            logger.info("refit: every shard of this engine is sent full tensors (a shard cannot take only its part)")
+            return None
+        self.llm.collective_rpc(
+            "mfp8_configure",
+            kwargs={
+                "fp8_names": list(fp8_names) if fp8_names is not None else None,
+                "block_size": tuple(block_size),
+                "partial": False,
+                "shard_local": True,
+            },
+        )
+        plan = ShardPlan(
+            rank=int(found["rank"]),
+            size=int(found["size"]),
+            slices={n: ShardSlice(*map(int, v)) for n, v in found["slices"].items()},
+        )
+        logger.info(
+            "refit: engine rank %d of %d takes its part of %d tensors (the trainer sends only those)",
+            plan.rank,
+            plan.size,
+            len(plan.slices),
+        )
+        return plan
 
     @property
     def serving(self) -> bool:

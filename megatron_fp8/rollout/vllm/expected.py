@@ -18,6 +18,10 @@ A version must be complete unless the caller opts into ``partial=True``; a parti
 still has to carry every shard of a fused module it touches (vLLM processes a fused
 ``qkv_proj`` / ``gate_up_proj`` as one layer, so a lone ``q_proj`` would leave ``k``/``v``
 rows undefined).
+
+:func:`engine_shard_plan` is what one TP rank of an engine takes of that set (a
+:class:`~megatron_fp8.layout.ShardPlan`): an engine sharded over trainer ranks is sent only
+these parts, and :func:`local_refit_set` is the set with their shapes.
 """
 
 from __future__ import annotations
@@ -28,9 +32,9 @@ from collections.abc import Iterable, Mapping, Sequence
 import torch
 
 from megatron_fp8.errors import WeightStreamError
-from megatron_fp8.layout import block_scale_shape
+from megatron_fp8.layout import ShardPlan, ShardSlice, block_scale_shape
 from megatron_fp8.refit.integrity.finite import FLOAT_DTYPES, has_nonfinite
-from megatron_fp8.rollout.vllm import layers
+from megatron_fp8.rollout.vllm import layers, layouts
 from megatron_fp8.vocab import FP8_DTYPE_NAME, KV_SCALE_KINDS, SCALE_SUFFIX, is_kv_scale_name
 
 MAX_LISTED = 8
@@ -148,6 +152,95 @@ def expected_refit_set(
                 name = f"{prefix}.{kind}_scale"
                 out[name] = ExpectedTensor(name, (), ("float32",), "kv_scale", prefix)
     return out
+
+
+def _linear_kind(module: torch.nn.Module) -> str:
+    """``column``, ``row`` or ``replicated``: how a vLLM linear module splits its weight over TP ranks."""
+    name = type(module).__name__
+    if name == "RowParallelLinear":
+        return "row"
+    return "replicated" if name in ("ReplicatedLinear", "GateLinear") else "column"
+
+
+def engine_shard_plan(
+    model: torch.nn.Module, expected: Mapping[str, ExpectedTensor], *, block_size: tuple[int, int]
+) -> ShardPlan:
+    """This TP rank's part of every tensor of the refit set ``expected`` (full checkpoint shapes), read from the live
+    layers: column-parallel linears by rows (``q``/``k``/``v`` by this rank's heads, KV heads shared by
+    ``num_kv_head_replicas`` ranks; gate/up by their own rows; biases with them), row-parallel ones by columns, the
+    vocabulary of embeddings and ``lm_head`` by rows; FP8 block scales on the matching part of their grid; norms, a
+    row-parallel bias and KV scales whole.
+
+    Raises:
+        ValueError: a layer whose part cannot be sent alone: routed experts split over TP or EP ranks, a linear whose
+            FP8 layout the in-place load does not write, a split that is not on whole FP8 blocks. The caller then
+            sends full tensors.
+    """
+    packed = {k: list(v) for k, v in dict(getattr(model, "packed_modules_mapping", {}) or {}).items()}
+    linear_cls, experts_cls, embedding_cls = (
+        layers.linear_base_cls(),
+        layers.routed_experts_cls(),
+        layers.vocab_embedding_cls(),
+    )
+    slices: dict[str, ShardSlice] = {}
+    rank, size = 0, 1
+
+    def put(name: str, part: ShardSlice) -> None:
+        if name not in expected:
+            return
+        slices[name] = part
+        scale = name + SCALE_SUFFIX
+        if scale in expected:
+            try:
+                slices[scale] = part.scaled(block_size[part.dim])
+            except ValueError as exc:
+                raise ValueError(f"{name}: {exc}") from None
+
+    for mod_name, module in model.named_modules():
+        tp_size = int(getattr(module, "tp_size", 1) or 1)
+        if isinstance(module, experts_cls):
+            if tp_size > 1 or int(getattr(module, "ep_size", 1) or 1) > 1:
+                raise ValueError(f"{layers.experts_prefix(module)}: routed experts split over TP/EP ranks")
+            continue
+        if tp_size == 1:
+            continue
+        rank, size = int(module.tp_rank), tp_size
+        if isinstance(module, embedding_cls):
+            idx = module.shard_indices
+            lo, hi = int(idx.org_vocab_start_index), int(idx.org_vocab_end_index)
+            put(f"{mod_name}.weight", ShardSlice(0, lo, hi - lo, int(module.org_vocab_size)))
+            continue
+        if not isinstance(module, linear_cls) or (kind := _linear_kind(module)) == "replicated":
+            continue
+        try:
+            layout = layouts.linear_layout(module, block=block_size)
+        except layouts.UnknownLayoutError as exc:
+            raise ValueError(str(exc)) from None
+        if layout.kind not in ("bf16", "checkpoint", "rowmajor", "transposed", "ue8m0"):
+            raise ValueError(f"{module.prefix}: FP8 layout {layout.kind!r}")
+        shards = _linear_shard_rows(module, packed)
+        head, _, last = module.prefix.rpartition(".")
+        keys: list[str | int | None] = [None]
+        if packed.get(last):
+            keys = list("qkv") if hasattr(module, "num_kv_head_replicas") else list(range(len(shards)))
+        for key, (hf, rows) in zip(keys, shards, strict=True):
+            if kind == "row":
+                cols = int(module.input_size_per_partition)
+                put(f"{hf}.weight", ShardSlice(1, rank * cols, cols, int(module.input_size)))
+                continue
+            try:
+                _, src, full = layouts.column_slices(module, key, rows, 1)
+            except layouts.RefitTargetError as exc:
+                raise ValueError(str(exc)) from None
+            part = ShardSlice(0, src.start, src.stop - src.start, full)
+            put(f"{hf}.weight", part)
+            put(f"{hf}.bias", part)
+    return ShardPlan(rank=rank, size=size, slices=slices)
+
+
+def local_refit_set(expected: Mapping[str, ExpectedTensor], plan: ShardPlan) -> dict[str, ExpectedTensor]:
+    """``expected`` with every shape cut to ``plan``'s part (what an engine rank sent its parts validates against)."""
+    return {n: dataclasses.replace(e, shape=plan.local_shape(n, e.shape)) for n, e in expected.items()}
 
 
 def _similar(name: str, known: Iterable[str]) -> list[str]:

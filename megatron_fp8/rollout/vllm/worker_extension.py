@@ -56,9 +56,16 @@ from typing import TYPE_CHECKING
 import torch
 
 from megatron_fp8.errors import EngineNotServingError, RefitError, RefitRolledBackError, WeightStreamError
+from megatron_fp8.layout import ShardPlan
 from megatron_fp8.quant import dequantize_blockwise, quantize_blockwise
 from megatron_fp8.rollout.vllm import adapter, layouts, rollback
-from megatron_fp8.rollout.vllm.expected import ExpectedTensor, expected_refit_set, validate_version
+from megatron_fp8.rollout.vllm.expected import (
+    ExpectedTensor,
+    engine_shard_plan,
+    expected_refit_set,
+    local_refit_set,
+    validate_version,
+)
 from megatron_fp8.rollout.vllm.kv_backends import refuse_stale_kv_scales
 from megatron_fp8.rollout.vllm.verify_exact import verify_exact
 from megatron_fp8.vocab import SCALE_SUFFIX
@@ -88,6 +95,8 @@ class WorkerRefitState:
             restored from disk); the rollback source.
         previous_good: ``(version, stream)`` of the version before the last commit, kept until
             the trainer releases it (to revert a commit another TP worker failed).
+        plan: this TP rank's part of every tensor (an engine sharded over trainer ranks: versions carry only
+            these parts, loaded in place and verified as they are); ``None``: versions carry full tensors.
     """
 
     version: int = 0
@@ -98,6 +107,7 @@ class WorkerRefitState:
     expected: Mapping[str, ExpectedTensor] | None = None
     last_good: Stream | None = None
     previous_good: tuple[int, Stream | None] | None = None
+    plan: ShardPlan | None = None
 
 
 def _nbytes(stream: Stream | None) -> int:
@@ -165,15 +175,53 @@ class FP8RefitWorkerExtension:
         return state.expected  # type: ignore[return-value]
 
     def mfp8_configure(
-        self, *, fp8_names: list[str] | None, block_size: tuple[int, int] = (128, 128), partial: bool = False
+        self,
+        *,
+        fp8_names: list[str] | None,
+        block_size: tuple[int, int] = (128, 128),
+        partial: bool = False,
+        shard_local: bool = False,
     ) -> None:
-        """Tell the worker which HF weights it holds in FP8 (the manifest), and whether partial refits are allowed."""
+        """Tell the worker which HF weights it holds in FP8 (the manifest), whether partial refits are allowed, and
+        whether versions carry only this TP rank's parts (``shard_local``: :meth:`mfp8_shard_plan`'s; the trainer
+        must then send exactly those).
+
+        Raises:
+            ValueError: ``shard_local`` with ``partial`` (a partial version merges with the checkpoint's full
+                tensors), or on an engine whose parts cannot be sent alone (:meth:`mfp8_shard_plan`).
+        """
+        if shard_local and partial:
+            raise ValueError("shard-local versions and partial versions cannot be combined; send full tensors")
         self._mfp8_update(
             fp8_names=frozenset(fp8_names) if fp8_names is not None else None,
             block_size=(int(block_size[0]), int(block_size[1])),
             partial=bool(partial),
             expected=None,
+            plan=None,
         )
+        if shard_local:
+            plan = engine_shard_plan(
+                self.model_runner.model, self._mfp8_expected(), block_size=self._mfp8_state().block_size
+            )
+            self._mfp8_update(plan=plan, expected=local_refit_set(self._mfp8_expected(), plan))
+
+    def mfp8_shard_plan(self) -> dict | None:
+        """This TP rank's part of every tensor of a version (:func:`~megatron_fp8.rollout.vllm.expected.engine_shard_plan`):
+        ``{"rank", "size", "slices": {name: [dim, start, length, full]}}``, or ``None`` when the parts cannot be sent
+        alone (the reason is logged); computed from the configured refit set, enabled by ``mfp8_configure``."""
+        state = self._mfp8_state()
+        try:  # the configured plan, or the one the full refit set allows
+            plan = state.plan or engine_shard_plan(
+                self.model_runner.model, self._mfp8_expected(), block_size=state.block_size
+            )
+        except ValueError as exc:
+            logger.info("this engine's shard cannot take only its part of a version (%s): full tensors are sent", exc)
+            return None
+        return {
+            "rank": plan.rank,
+            "size": plan.size,
+            "slices": {n: [p.dim, p.start, p.length, p.full] for n, p in plan.slices.items()},
+        }
 
     def mfp8_check_kv_scales(self, per_step: bool) -> None:
         """Refuse per-step KV scales where a backend's kernel cannot see them (FlashInfer in full decode graphs)."""
@@ -234,17 +282,17 @@ class FP8RefitWorkerExtension:
         return getattr(self, "_mfp8_test_hooks", {}).pop(key, None)
 
     def _mfp8_load_and_verify(
-        self, stream: Stream, version: int, *, verify: bool, hooks: bool, keep: list | None = None
+        self, stream: Stream, version: int, *, verify: bool, hooks: bool, keep: list | None = None, local: bool = False
     ) -> dict:
         """Load ``stream`` as ``version`` and verify it; with ``keep`` (a list), its rollback source
         (:class:`~megatron_fp8.rollout.vllm.rollback.HostRollbackCopy`, started after the load so that it overlaps
-        the verification) is appended to it."""
+        the verification) is appended to it; ``local``: the stream holds this rank's parts (loaded in place)."""
         feed: Iterator[tuple[str, torch.Tensor]] = iter(stream)
         wrap = self._mfp8_hook("stream") if hooks else None
         if callable(wrap):
             feed = wrap(feed)
         start = time.perf_counter()
-        adapter.reload_weights(self.model_runner, feed)
+        adapter.reload_weights(self.model_runner, feed, local=local)
         load_s = time.perf_counter() - start
         after = self._mfp8_hook("after_load") if hooks else None
         if callable(after):
@@ -255,7 +303,7 @@ class FP8RefitWorkerExtension:
             return {"load_s": load_s, "verify": None, "unverified": [], "probed": 0, "verify_s": 0.0}
         expected = self._mfp8_expected()
         sent = {n: t for n, t in stream if n in expected}
-        res = verify_exact(self.model_runner.model, sent, expected, version=version)
+        res = verify_exact(self.model_runner.model, sent, expected, version=version, local=local)
         if res.unverified:
             logger.warning(
                 "refit v%d: %d tensor(s) in layouts not verified: %s",
@@ -308,7 +356,9 @@ class FP8RefitWorkerExtension:
         self._mfp8_update(serving=False)  # from the first write until verified, this engine must not serve
         kept: list[rollback.HostRollbackCopy] = []
         try:
-            out = self._mfp8_load_and_verify(stream, version, verify=verify, hooks=True, keep=kept)
+            out = self._mfp8_load_and_verify(
+                stream, version, verify=verify, hooks=True, keep=kept, local=state.plan is not None
+            )
             stream = kept[0].result()  # the rollback source, in host memory (a device-staged version leaves the GPU)
         except Exception as exc:
             raise self._mfp8_recover(version, exc, native=native) from exc
@@ -331,8 +381,13 @@ class FP8RefitWorkerExtension:
     def _mfp8_restore(self, version: int, stream: Stream | None) -> None:
         """Reload ``stream`` (``None``: the checkpoint on disk) as ``version`` and verify it exactly."""
         rollback.reset_layerwise_state(self.model_runner.model)
-        source = stream if stream is not None else rollback.checkpoint_weights(self.model_runner)
-        self._mfp8_load_and_verify(source, version, verify=True, hooks=False)
+        if stream is None:  # version 0: the checkpoint's full tensors, through vLLM's own load
+            self._mfp8_load_and_verify(
+                rollback.checkpoint_weights(self.model_runner), version, verify=True, hooks=False
+            )
+            return
+        local = self._mfp8_state().plan is not None  # a version this worker loaded: its parts
+        self._mfp8_load_and_verify(stream, version, verify=True, hooks=False, local=local)
 
     def _mfp8_recover(self, version: int, exc: Exception, *, native: bool) -> RefitError:
         """Handle a failure after the first write: roll back (native reload) or stop serving.
