@@ -15,8 +15,9 @@ sharded over DP with the distributed optimizer, :mod:`megatron_fp8.config.memory
   (:data:`SLEEPING_ENGINE_BYTES`, assumed: its CUDA context and graphs; at sleep level 0 its whole budget);
 * **refit**: ``W`` + the woken engine weights (its FP8 / BF16 weights / rollout TP) + the refit's staged version
   (the stream stays on the GPU and its buckets are the version the engine loads and verifies there, kept until the
-  commit: the whole version, at least :data:`REFIT_BUCKETS_IN_FLIGHT` x ``refit.bucket_size_mb``; at sleep level
-  1 or 2 in the memory the sleeping KV cache gave back) + what the sleeping engine keeps, + ``G + O`` unless offloaded
+  commit: this rank's part of it, the engine's weights / rollout TP (:class:`~megatron_fp8.layout.ShardPlan`), at
+  least :data:`REFIT_BUCKETS_IN_FLIGHT` x ``refit.bucket_size_mb``; at sleep level 1 or 2 in the memory the sleeping
+  KV cache gave back) + what the sleeping engine keeps, + ``G + O`` unless offloaded
   (they go before the refit).
 
 Activations are not included (they depend on the micro-batch and sequence length). Host memory: the offloaded ``O``
@@ -217,9 +218,9 @@ def plan_memory(
     budget = int(vllm.gpu_memory_utilization * gpu_bytes)
     engine_weights = engine_weight_bytes(cfg, dims) // vllm.tensor_parallel_size
     bucket = cfg.refit.bucket_size_mb << 20
-    # every rank receives the whole version (the export gathers full tensors): staged on the engine's GPU until the
-    # commit, then its host copy is the rollback source
-    staged = engine_weight_bytes(cfg, dims)
+    # every rank receives its engine shard's part of the version (rollout TP > 1: the shard plan; TP 1: all of it),
+    # staged on the engine's GPU until the commit, then its host copy is the rollback source
+    staged = engine_weights
     in_flight = max(REFIT_BUCKETS_IN_FLIGHT * bucket, staged)
     level, offload = sleep_level(cfg), trainer_offloads(cfg)
     trainer = (("trainer weights", weights), ("gradients", grads), ("optimizer state", optim_gpu))

@@ -289,7 +289,7 @@ class VllmApplier:
         self.last_unverified = tuple(sorted({n for r in results for n in r.get("unverified", [])}))
         self.last_timings = {
             key: max(float(r.get(key, 0.0)) for r in results)
-            for key in ("validate_s", "load_s", "verify_s", "rollback_bytes", "rollback_copy_bytes")
+            for key in ("validate_s", "load_s", "verify_s", "rollback_bytes", "rollback_copy_bytes", "snapshot_bytes")
         }
         self._refresh_status()
 

@@ -3,8 +3,10 @@
 The worker (:mod:`~megatron_fp8.rollout.vllm.worker_extension`) restores a known-good version with these:
 after a version failed past its first write, or to revert a commit another worker failed. Written against
 vLLM 0.32's ``vllm.model_executor.model_loader.reload`` (layerwise reload); on releases without it
-:func:`reset_layerwise_state` has nothing to undo, and a failed in-place refit is not rolled back (the
-worker marks the engine not serving instead).
+:func:`reset_layerwise_state` has nothing to undo. An engine loaded in place (vLLM 0.11, or a shard taking its
+parts) is restored from an :class:`EngineSnapshot` of its own weights taken before the first write; an engine
+loaded through vLLM's layerwise reload from the last good version's stream, kept in host memory
+(:class:`HostRollbackCopy` when that version was staged on the GPU).
 """
 
 from __future__ import annotations
@@ -13,6 +15,9 @@ import logging
 from typing import TYPE_CHECKING
 
 import torch
+
+from megatron_fp8.refit import multi
+from megatron_fp8.rollout.vllm.kv_backends import old_scales, refresh_derived_kv_scales
 
 if TYPE_CHECKING:  # vLLM's types, for annotations only (vLLM is optional at import time)
     from vllm.v1.worker.gpu_model_runner import GPUModelRunner
@@ -112,3 +117,58 @@ class HostRollbackCopy:
             self._side.synchronize()
             self._side = None
         return self._items
+
+
+_KV_FLOATS = ("_q_scale_float", "_k_scale_float", "_v_scale_float", "calculate_kv_scales")
+"""The host values of an attention layer that a KV-scale write changes with its ``_q/_k/_v_scale`` tensors."""
+
+
+class EngineSnapshot:
+    """The engine's weights as they are before an in-place load writes into them, copied where they live.
+
+    The rollback source of an engine loaded in place (vLLM 0.11, an engine whose shards take their parts): no host
+    copy of any version is kept. Before the first write every parameter and every attention layer's KV-scale
+    tensors are copied on their device (one flat buffer and a multi-tensor copy per device; on a GPU, in the memory
+    the sleeping KV cache gave back, for the refit's duration), with the KV scales' host values; a failure after the
+    first write, or a revert another shard asks for, copies them back and checks every byte. Dropped once every
+    shard committed (the trainer's release).
+
+    Args:
+        model: the vLLM model (``worker.model_runner.model``).
+    """
+
+    def __init__(self, model: torch.nn.Module):
+        seen: set[int] = set()
+        self._held: list[torch.Tensor] = []
+        for _, param in model.named_parameters():
+            if id(param) not in seen and param.numel():
+                seen.add(id(param))
+                self._held.append(param.data)
+        self._kv: list[tuple[torch.nn.Module, dict[str, object]]] = []
+        for _, module in model.named_modules():
+            scales = [getattr(module, f"_{k}_scale", None) for k in "qkv"]
+            if not all(isinstance(t, torch.Tensor) for t in scales):
+                continue
+            self._kv.append((module, {a: getattr(module, a) for a in _KV_FLOATS if hasattr(module, a)}))
+            for t in scales:
+                if id(t) not in seen:
+                    seen.add(id(t))
+                    self._held.append(t.data)
+        self._copies = multi.snapshot(self._held)
+        self.nbytes = sum(t.numel() * t.element_size() for t in self._held)
+
+    def restore(self) -> None:
+        """Copy every snapshotted tensor and KV-scale value back, then compare every byte.
+
+        Raises:
+            RuntimeError: a restored tensor differs from its snapshot.
+        """
+        before = [(module, old_scales(module)) for module, _ in self._kv]
+        multi.copy_into(self._held, self._copies)
+        for (module, values), (_, old) in zip(self._kv, before, strict=True):
+            for attr, value in values.items():
+                setattr(module, attr, value)
+            refresh_derived_kv_scales(module, old)  # FlashInfer's host floats derived from the failed version's
+        bad = multi.first_mismatch(self._held, self._copies)
+        if bad is not None:
+            raise RuntimeError(f"tensor {bad} of the engine's snapshot did not come back byte for byte")

@@ -97,6 +97,9 @@ class WorkerRefitState:
             the trainer releases it (to revert a commit another TP worker failed).
         plan: this TP rank's part of every tensor (an engine sharded over trainer ranks: versions carry only
             these parts, loaded in place and verified as they are); ``None``: versions carry full tensors.
+        snapshot: ``(version, EngineSnapshot)``: the weights of ``version`` as the engine held them before the last
+            commit wrote in place, kept until the trainer releases it (to revert a commit another worker failed);
+            an engine loaded in place keeps no stream (``last_good`` is ``None``).
     """
 
     version: int = 0
@@ -108,6 +111,7 @@ class WorkerRefitState:
     last_good: Stream | None = None
     previous_good: tuple[int, Stream | None] | None = None
     plan: ShardPlan | None = None
+    snapshot: tuple[int, rollback.EngineSnapshot] | None = None
 
 
 def _nbytes(stream: Stream | None) -> int:
@@ -335,7 +339,7 @@ class FP8RefitWorkerExtension:
 
         Returns:
             ``{"version", "serving", "verify": VerifyReport as dict | None, "unverified", "probed",
-            "validate_s", "load_s", "verify_s", "rollback_bytes"}``.
+            "validate_s", "load_s", "verify_s", "rollback_bytes", "rollback_copy_bytes", "snapshot_bytes"}``.
 
         Raises:
             WeightStreamError: refused before any write (nothing changed).
@@ -353,15 +357,34 @@ class FP8RefitWorkerExtension:
         stream = self._mfp8_engine_items(items)
         validate_s = time.perf_counter() - start
         native = adapter.has_layerwise_reload(self.model_runner)
+        # loaded in place (no layerwise reload, or a shard taking its parts): the rollback source is a copy of the
+        # engine's own weights taken now, on their device; else the version's stream, kept in host memory
+        snap = None
+        if (not native or state.plan is not None) and not state.partial:
+            snap = rollback.EngineSnapshot(self.model_runner.model)
         self._mfp8_update(serving=False)  # from the first write until verified, this engine must not serve
         kept: list[rollback.HostRollbackCopy] = []
         try:
             out = self._mfp8_load_and_verify(
-                stream, version, verify=verify, hooks=True, keep=kept, local=state.plan is not None
+                stream, version, verify=verify, hooks=True, keep=None if snap else kept, local=state.plan is not None
             )
-            stream = kept[0].result()  # the rollback source, in host memory (a device-staged version leaves the GPU)
+            if kept:
+                stream = kept[0].result()  # the rollback source in host memory (a device-staged version leaves)
         except Exception as exc:
-            raise self._mfp8_recover(version, exc, native=native) from exc
+            raise self._mfp8_recover(version, exc, native=native, snapshot=snap) from exc
+        if snap is not None:
+            self._mfp8_update(
+                version=version, serving=True, last_good=None, previous_good=None, snapshot=(state.version, snap)
+            )
+            out.update(
+                version=version,
+                serving=True,
+                validate_s=validate_s,
+                rollback_bytes=0,
+                rollback_copy_bytes=0,
+                snapshot_bytes=snap.nbytes,
+            )
+            return out
         if state.partial:
             merged = dict(state.last_good or rollback.checkpoint_weights(self.model_runner))
             merged.update(stream)
@@ -375,6 +398,7 @@ class FP8RefitWorkerExtension:
             validate_s=validate_s,
             rollback_bytes=_nbytes(stream),
             rollback_copy_bytes=kept[0].copied_bytes,
+            snapshot_bytes=0,
         )
         return out
 
@@ -389,14 +413,34 @@ class FP8RefitWorkerExtension:
         local = self._mfp8_state().plan is not None  # a version this worker loaded: its parts
         self._mfp8_load_and_verify(stream, version, verify=True, hooks=False, local=local)
 
-    def _mfp8_recover(self, version: int, exc: Exception, *, native: bool) -> RefitError:
-        """Handle a failure after the first write: roll back (native reload) or stop serving.
+    def _mfp8_recover(
+        self, version: int, exc: Exception, *, native: bool, snapshot: rollback.EngineSnapshot | None = None
+    ) -> RefitError:
+        """Handle a failure after the first write: roll back (from ``snapshot``, or the last good stream through
+        the native reload) or stop serving.
 
         Returns:
             The error to raise: :class:`RefitRolledBackError` or :class:`EngineNotServingError`.
         """
         state = self._mfp8_state()
         reason = f"{type(exc).__name__}: {exc}"
+        if snapshot is not None:
+            try:
+                snapshot.restore()
+            except Exception as restore_exc:
+                logger.error("refit v%d: restoring v%d's snapshot failed: %s", version, state.version, restore_exc)
+                return EngineNotServingError(
+                    f"refit version {version} failed after its first write ({reason}), and restoring version "
+                    f"{state.version} from its snapshot failed too ({restore_exc}); this engine refuses to generate "
+                    "until a good version commits"
+                )
+            self._mfp8_update(serving=True)
+            logger.warning("refit v%d failed after its first write; restored v%d: %s", version, state.version, reason)
+            return RefitRolledBackError(
+                f"refit version {version} failed after its first write ({reason}); the engine was restored to version "
+                f"{state.version} from a copy of its weights taken before the first write (every byte compared) and "
+                "keeps serving it"
+            )
         if not native:
             logger.error("refit v%d failed after its first write (%s); in-place fallback: not serving", version, reason)
             return EngineNotServingError(
@@ -420,13 +464,23 @@ class FP8RefitWorkerExtension:
         )
 
     def mfp8_release(self, version: int) -> None:
-        """Drop the previous version's stream once every worker committed ``version``."""
+        """Drop the previous version's stream or snapshot once every worker committed ``version``."""
         if self._mfp8_state().version == version:
-            self._mfp8_update(previous_good=None)
+            self._mfp8_update(previous_good=None, snapshot=None)
 
     def mfp8_revert(self, version: int) -> dict[str, int | bool]:
         """Undo this worker's commit of ``version`` (another worker failed it); a no-op if it did not commit it."""
         state = self._mfp8_state()
+        if state.version == version and state.snapshot is not None:
+            prev_version, snap = state.snapshot
+            self._mfp8_update(serving=False)
+            try:
+                snap.restore()
+            except Exception as exc:
+                logger.error("reverting v%d to v%d's snapshot failed: %s (not serving)", version, prev_version, exc)
+                return self.mfp8_status()
+            self._mfp8_update(version=prev_version, serving=True, snapshot=None)
+            return self.mfp8_status()
         if state.version != version or state.previous_good is None:
             return self.mfp8_status()
         prev_version, prev_stream = state.previous_good

@@ -100,7 +100,9 @@ def test_refit_and_rollback_retire_the_prefix_cache_and_a_busy_engine_refuses(tm
         # a version that fails after its first write is rolled back to version 1, cache emptied again
         real_reload = adapter.reload_weights
         with monkeypatch.context() as patch:  # a loader that silently skips a layer: caught, rolled back
-            patch.setattr(adapter, "reload_weights", lambda runner, ws: real_reload(runner, _skip_down_proj(ws)))
+            patch.setattr(
+                adapter, "reload_weights", lambda runner, ws, **kw: real_reload(runner, _skip_down_proj(ws), **kw)
+            )
             with pytest.raises(RefitRolledBackError, match=r"layers\.1\.mlp\.down_proj"):
                 refit.refit(_weights(base, 2).items())
         assert applier.serving and applier.serving_version == 1

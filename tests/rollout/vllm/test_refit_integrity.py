@@ -15,7 +15,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from megatron_fp8.errors import EngineNotServingError, RefitError, RefitRolledBackError, WeightStreamError
+from megatron_fp8.errors import RefitError, RefitRolledBackError, WeightStreamError
 from megatron_fp8.models import tiny_model_path
 from megatron_fp8.quant import quantize_blockwise
 from megatron_fp8.refit.pipeline import ColocatedRefit
@@ -313,8 +313,11 @@ def test_exact_verification_catches_one_flipped_bit_and_a_one_percent_scale_erro
 
 
 @pytest.mark.parametrize("engine", ["readable"], indirect=True)
-def test_inplace_fallback_stops_serving_after_a_failed_write_until_a_good_version(engine, monkeypatch):
-    """vLLM 0.11's in-place path writes readable weights: run on the engine forced readable, on every CPU."""
+def test_inplace_fallback_restores_its_snapshot_after_a_failed_write(engine, monkeypatch):
+    """vLLM 0.11's in-place path writes readable weights: run on the engine forced readable, on every CPU. A failure
+    after the first write (a flipped bit the verification finds) restores the weights the engine held before it, from
+    the copy taken before the first write, every byte compared: it keeps serving version 1, computing what it did;
+    no host copy of any version is kept for it (``rollback_bytes`` 0, the snapshot's bytes reported)."""
     llm, base = engine
     from megatron_fp8.rollout.vllm import adapter
 
@@ -326,13 +329,22 @@ def test_inplace_fallback_stops_serving_after_a_failed_write_until_a_good_versio
     monkeypatch.setattr(adapter, "has_layerwise_reload", lambda model_runner: False)  # behave like vLLM 0.11
     refit(_weights(base, 18).items())
     assert applier.serving and applier.last_verify.checked == 47
+    assert applier.last_timings["rollback_bytes"] == 0 and applier.last_timings["snapshot_bytes"] > 0
+    held = llm.collective_rpc(
+        lambda self: {n: p.detach().clone() for n, p in self.model_runner.model.named_parameters()}
+    )
+    good = applier.serving_version  # the module's engine: earlier tests committed versions too
     llm.collective_rpc(_install("after_load", _plant_flip))
-    with pytest.raises(EngineNotServingError, match=rf"{FLIP}.weight.*refuses to generate until a good version"):
+    with pytest.raises(RefitRolledBackError, match=rf"{FLIP}.weight.*restored to version {good} from a copy of its"):
         refit(_weights(base, 19).items())
-    assert not applier.serving
-    assert llm.collective_rpc("mfp8_status")[0]["serving"] is False
-    refit(_weights(base, 20).items())  # a good version restores serving
-    assert applier.serving and llm.collective_rpc("mfp8_status")[0]["serving"] is True
+    assert applier.serving and applier.serving_version == good
+    assert llm.collective_rpc("mfp8_status")[0] == {"version": good, "serving": True}
+    after = llm.collective_rpc(lambda self: dict(self.model_runner.model.named_parameters()))[0]
+    assert all(
+        torch.equal(after[n].view(-1).view(torch.uint8), t.view(-1).view(torch.uint8)) for n, t in held[0].items()
+    )
+    refit(_weights(base, 20).items())  # the next version commits as usual
+    assert applier.serving and llm.collective_rpc("mfp8_status")[0] == {"version": good + 2, "serving": True}
 
 
 def test_the_worker_reads_no_weight_for_nan_when_the_receiver_checked_them(engine, monkeypatch):

@@ -94,8 +94,8 @@ def test_refits_match_engines_built_from_the_same_weights(tmp_path):
         # a loader that silently skips a layer (stale weights) is caught by verification
         real_reload = adapter.reload_weights
 
-        def lossy_reload(model_runner, weights):
-            real_reload(model_runner, (w for w in weights if "layers.1.mlp.down_proj" not in w[0]))
+        def lossy_reload(model_runner, weights, **kwargs):
+            real_reload(model_runner, (w for w in weights if "layers.1.mlp.down_proj" not in w[0]), **kwargs)
 
         adapter.reload_weights = lossy_reload
         try:
