@@ -17,8 +17,8 @@ The passes a refit cannot skip when sender and receiver share one memory (``inpr
 * the applier's: ``dict`` (an engine's parameters) reads the payload and writes it into the parameters;
   ``host`` (the receiver's host staging for vLLM's applier) reads the payload on the device and sends it over the
   device -> host link (on a CPU nothing: the buckets already are in host memory and are kept as the staged version);
-  ``device`` (GRPO's colocated refit kept on the device) writes the payload into the parameters, reads both back to
-  compare them, and sends the rollback source over the device -> host link (on a CPU: no copy, as for ``host``).
+  ``device`` (GRPO's colocated refit kept on the device, into an engine loaded in place) copies the parameters (its
+  rollback snapshot), writes the payload into them and reads both back to compare them: no link.
 
 The floor is ``max(device bytes / copy bandwidth, link bytes / link bandwidth)`` with the copy bandwidth measured
 as ``bench/quant.py`` does (bytes read + written per second by a 1 GiB ``copy_``). What a real applier does
@@ -163,11 +163,9 @@ def refit_traffic(*, source_bytes: int, payload_bytes: int, applier: str, on_gpu
         if on_gpu:  # on a CPU the buckets are the staged version (the receiver keeps them: no copy)
             passes.append(("host copy read", payload_bytes))
             link = payload_bytes
-    elif applier == "device":  # the load, the exact compare of both, the rollback source's host copy
+    elif applier == "device":  # the snapshot of the weights, the load, the exact compare of both
+        passes += [("snapshot read", payload_bytes), ("snapshot write", payload_bytes)]
         passes += [("apply read", payload_bytes), ("apply write", payload_bytes), ("verify read", 2 * payload_bytes)]
-        if on_gpu:  # on a CPU the staged version is in host memory already: kept as the rollback source
-            passes.append(("host copy read", payload_bytes))
-            link = payload_bytes
     elif applier != "noop":
         raise ValueError(f"unknown applier {applier!r}; valid: noop, dict, host, device")
     return Traffic(tuple(passes), link)

