@@ -17,12 +17,12 @@ sharded over DP with the distributed optimizer, :mod:`megatron_fp8.config.memory
   (the stream stays on the GPU and its buckets are the version the engine loads and verifies there, kept until the
   commit: this rank's part of it, the engine's weights / rollout TP (:class:`~megatron_fp8.layout.ShardPlan`), at
   least :data:`REFIT_BUCKETS_IN_FLIGHT` x ``refit.bucket_size_mb``; at sleep level 1 or 2 in the memory the sleeping
-  KV cache gave back) + what the sleeping engine keeps, + ``G + O`` unless offloaded
-  (they go before the refit).
+  KV cache gave back) + the engine's rollback snapshot (a copy of its weights, the image's vLLM 0.11 loading in place)
+  + what the sleeping engine keeps, + ``G + O`` unless offloaded (they go before the refit).
 
 Activations are not included (they depend on the micro-batch and sequence length). Host memory: the offloaded ``O``
-(pinned), at sleep level 1 the engine's weights, and, colocated, the engine's rollback source (the last committed
-version, pinned, copied from the GPU while the new one is verified). A separate rollout rank (``colocated.enabled: false``) holds the
+(pinned) and at sleep level 1 the engine's weights; no refit version (a vLLM >= 0.15 engine's layerwise reload would
+add its rollback source, the last committed version's part, pinned: not the image's). A separate rollout rank (``colocated.enabled: false``) holds the
 engine budget alone; a trainer rank then has training and refit phases only.
 
 ``config``, ``doctor --config`` and ``grpo`` print the plan; ``config`` and ``grpo`` refuse a plan whose peak exceeds
@@ -152,8 +152,7 @@ class MemoryPlan:
         gpu_bytes, gpu_name: the GPU (or the assumption).
         sleep_level: the engine's sleep level (0: awake throughout, or not colocated).
         offload: whether the trainer offloads its optimizer state and gradients during generation.
-        host_bytes: host memory per rank the plan adds (offloaded optimizer state; level-1 engine weights; the
-            colocated engine's rollback source).
+        host_bytes: host memory per rank the plan adds (offloaded optimizer state; level-1 engine weights).
     """
 
     phases: tuple[PhasePeak, ...]
@@ -219,8 +218,10 @@ def plan_memory(
     engine_weights = engine_weight_bytes(cfg, dims) // vllm.tensor_parallel_size
     bucket = cfg.refit.bucket_size_mb << 20
     # every rank receives its engine shard's part of the version (rollout TP > 1: the shard plan; TP 1: all of it),
-    # staged on the engine's GPU until the commit, then its host copy is the rollback source
+    # staged on the engine's GPU until the commit; the image's vLLM 0.11 loads it in place, its rollback source a
+    # copy of the engine's weights on the GPU for the refit's duration (rollout/vllm/rollback.py EngineSnapshot)
     staged = engine_weights
+    snapshot = ("rollback snapshot (engine weights)", engine_weights)
     in_flight = max(REFIT_BUCKETS_IN_FLIGHT * bucket, staged)
     level, offload = sleep_level(cfg), trainer_offloads(cfg)
     trainer = (("trainer weights", weights), ("gradients", grads), ("optimizer state", optim_gpu))
@@ -240,12 +241,12 @@ def plan_memory(
         PhasePeak("training", (*trainer, *asleep)),
         PhasePeak(
             "refit",
-            (*kept, ("woken engine weights", engine_weights), ("refit's staged version", in_flight), *asleep)
+            (*kept, ("woken engine weights", engine_weights), ("refit's staged version", in_flight), snapshot, *asleep)
             if level
-            else (*trainer, ("engine awake", budget), ("refit's staged version", in_flight)),
+            else (*trainer, ("engine awake", budget), ("refit's staged version", in_flight), snapshot),
         ),
     )
-    host = (optim if offload else optim_host) + (engine_weights if level == 1 else 0) + staged
+    host = (optim if offload else optim_host) + (engine_weights if level == 1 else 0)
     assert tuple(p.phase for p in phases) == tuple(MEMORY_PHASES)
     return MemoryPlan(
         phases=phases, gpu_bytes=gpu_bytes, gpu_name=gpu_name, sleep_level=level, offload=offload, host_bytes=host

@@ -56,6 +56,7 @@ def test_shipped_8b_plan_sleeps_the_engine_while_training():
         "trainer weights",
         "woken engine weights",
         "refit's staged version",
+        "rollback snapshot (engine weights)",
         "sleeping engine (assumed)",
     }
     staged = engine_weight_bytes(cfg, LLAMA)
@@ -63,13 +64,15 @@ def test_shipped_8b_plan_sleeps_the_engine_while_training():
     # the refit stream stays on the GPU and its buckets are the version staged there until the commit (the whole
     # version: every rank receives all of it), more than the buckets in flight
     assert p["refit"]["refit's staged version"] == staged > REFIT_BUCKETS_IN_FLIGHT * (cfg.refit.bucket_size_mb << 20)
+    # the image's vLLM 0.11 loads in place: its rollback source is a copy of the engine's weights on the GPU
+    assert p["refit"]["rollback snapshot (engine weights)"] == p["refit"]["woken engine weights"] == staged
     assert plan.fits and plan.peak.phase == "generation" and round(plan.peak.total / GB, 1) == 48.0
-    # pinned host copies of the offloaded state, and the engine's rollback source (the last committed version)
-    assert plan.host_bytes == p["training"]["optimizer state"] + staged
+    # pinned host copies of the offloaded state only: no version of the refit in host memory
+    assert plan.host_bytes == p["training"]["optimizer state"]
     # the engine awake throughout (sleep level 0): the trainer's whole state next to the engine's budget
     awake = plan_memory(_replaced(cfg, "policy.generation.colocated", sleep_level=0), LLAMA, gpu=H100, processes=8)
     assert not awake.offload and all("engine awake" in ph or "engine" in ph for ph in _phases(awake).values())
-    assert awake.peak.total == 40 * GB + sum(v for k, v in p["training"].items() if "engine" not in k) + staged
+    assert awake.peak.total == 40 * GB + sum(v for k, v in p["training"].items() if "engine" not in k) + 2 * staged
     # level 1 keeps the engine's weights in host memory
     level1 = plan_memory(_replaced(cfg, "policy.generation.colocated", sleep_level=1), LLAMA, gpu=H100, processes=8)
     assert level1.host_bytes == plan.host_bytes + _phases(level1)["refit"]["woken engine weights"]
