@@ -181,6 +181,18 @@ def _is_kv_scale(name: str) -> bool:
     return name.endswith(KV_SCALE_SUFFIXES)
 
 
+def release_cached_device_memory() -> None:
+    """Give the GPU memory torch's caching allocator holds free back to the driver (``torch.cuda.empty_cache``).
+
+    A refit kept on the device stages its version in the memory the sleeping KV cache gave back, and an engine loaded in
+    place copies its weights there for a rollback; once the commit dropped both, they sit in torch's cache, where
+    vLLM's ``wake_up(["kv_cache"])`` (its own allocator, mapping the KV cache back) cannot use them. No-op without an
+    initialized CUDA context.
+    """
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        torch.cuda.empty_cache()
+
+
 class ColocatedSleep:
     """The sleep / wake schedule of one colocated engine (module docstring); :attr:`applier` is what refits go to.
 
@@ -270,6 +282,7 @@ class ColocatedSleep:
             if not self.applier.inner.serving:
                 raise RefitError("the refit left the engine's applier not serving")
             step = "wake_up(['kv_cache'])"
+            release_cached_device_memory()  # the staged version and the rollback snapshot, freed by the commit
             self._wake("kv_cache")
             self._kv_asleep(False)
             self._set("kv_awake")

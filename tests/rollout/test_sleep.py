@@ -175,6 +175,18 @@ def test_order_and_level_2_losses_are_repaired(colocated):
     assert engine.generate(PROMPTS, **ARGS).token_ids == _awake_twin(weights, manifest, stream)
 
 
+def test_torchs_cached_gpu_memory_goes_back_before_the_kv_cache_wakes(colocated, monkeypatch):
+    """The staged version and the rollback snapshot, freed by the commit, are released from torch's cache to the
+    driver before ``wake_up(["kv_cache"])`` maps the KV cache back (vLLM's own allocator cannot use torch's cache)."""
+    engine, schedule, refit, events, weights, manifest = colocated
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "is_initialized", lambda: True)
+    monkeypatch.setattr(torch.cuda, "empty_cache", lambda: events.append("empty_cache"))
+    schedule.sleep()
+    schedule.refit(lambda: refit.refit(iter(_stream(weights, manifest, seed=2))))
+    assert events[events.index("commit") + 1 :][:2] == ["empty_cache", "wake_up:kv_cache"]
+
+
 def test_a_control_that_gives_nothing_back_leaves_the_prefix_cache_probe_on(colocated):
     engine, _, _, events, weights, manifest = colocated
     plain = _engine()
