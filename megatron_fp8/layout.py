@@ -87,9 +87,11 @@ def engine_group_problem(*, world_size: int, engine_ranks: int, tp: int, pp: int
     """Why ``world_size`` trainer ranks cannot host engines of ``engine_ranks`` consecutive ranks each, or ``None``.
 
     An engine sharded over trainer ranks (vLLM's ``external_launcher``) takes ``engine_ranks`` consecutive ranks
-    (vLLM's own TP groups); every rank of it submits the same requests, so the block must lie inside one model replica
-    (ranks of one data-parallel rank). In Megatron-Core's rank order (TP fastest, then DP, then PP) it does when
-    ``engine_ranks`` divides the trainer's TP, or when there is a single replica (DP = 1).
+    (vLLM's own TP groups); every rank of it submits the same requests. In Megatron-Core's rank order (TP fastest,
+    then DP, then PP) the block lies inside one model replica when ``engine_ranks`` divides the trainer's TP, or when
+    there is a single replica (DP = 1); it spans whole replicas (:func:`engine_replica_span`) when it is a multiple of
+    the trainer's TP, without pipeline parallelism, and the replicas split into such groups: the engine then rolls out
+    the prompts of all of them.
 
     Args:
         world_size: trainer processes.
@@ -102,12 +104,24 @@ def engine_group_problem(*, world_size: int, engine_ranks: int, tp: int, pp: int
     if world_size % engine_ranks:
         return f"{world_size} ranks do not split into engines of {engine_ranks} ranks"
     dp = world_size // (tp * pp) if world_size % (tp * pp) == 0 else 0
-    if tp % engine_ranks and dp != 1:
-        return (
-            f"an engine of {engine_ranks} consecutive ranks would span {engine_ranks // math.gcd(engine_ranks, tp)} "
-            f"data-parallel replicas (trainer TP {tp}, DP {dp}): its ranks must roll out the same prompts"
-        )
-    return None
+    if tp % engine_ranks == 0 or dp == 1 or engine_replica_span(engine_ranks=engine_ranks, tp=tp, pp=pp, dp=dp) > 1:
+        return None
+    span = engine_ranks // math.gcd(engine_ranks, tp)
+    why = "its ranks would hold parts of replicas"
+    if engine_ranks % tp == 0 and pp > 1:
+        why = "an engine spans whole replicas only without pipeline parallelism (PP 1)"
+    return f"an engine of {engine_ranks} consecutive ranks would span {span} data-parallel replicas (trainer TP {tp}, DP {dp}, PP {pp}): {why}"
+
+
+def engine_replica_span(*, engine_ranks: int, tp: int, pp: int, dp: int) -> int:
+    """How many whole data-parallel replicas one engine of ``engine_ranks`` consecutive ranks covers: 1 when it lies
+    inside one replica; ``engine_ranks / tp`` when it is a multiple of the trainer's TP, at PP 1, and the ``dp``
+    replicas split into groups of that many (its ranks are then the TP groups of consecutive replicas); 0 when
+    neither holds (:func:`engine_group_problem` refuses the layout)."""
+    if engine_ranks <= tp:
+        return 1 if tp % engine_ranks == 0 else 0
+    span = engine_ranks // tp
+    return span if engine_ranks % tp == 0 and pp == 1 and dp % span == 0 else 0
 
 
 def engine_of_rank(rank: int, replica_ranks: Sequence[int], engine_ranks: int) -> tuple[int, int, bool]:

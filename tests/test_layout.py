@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from megatron_fp8.layout import engine_group_problem, engine_of_rank, even_split
+from megatron_fp8.layout import engine_group_problem, engine_of_rank, engine_replica_span, even_split
 
 
 def _replicas(world: int, tp: int, pp: int) -> list[list[int]]:
@@ -21,11 +21,23 @@ def test_an_approved_engine_lies_in_one_replica_and_engines_tile_it(world, tp, p
     if world % (tp * pp):
         return
     problem = engine_group_problem(world_size=world, engine_ranks=engine_ranks, tp=tp, pp=pp)
-    spans = any(len({r // engine_ranks for r in g}) * engine_ranks != len(g) for g in _replicas(world, tp, pp))
-    assert (problem is None) == (world % engine_ranks == 0 and not spans), problem
+    replicas = _replicas(world, tp, pp)
+    spans = any(len({r // engine_ranks for r in g}) * engine_ranks != len(g) for g in replicas)
+    # an engine larger than a replica must hold whole replicas: every rank of each replica in one engine
+    whole = all(len({r // engine_ranks for r in g}) == 1 for g in replicas) and pp == 1 and engine_ranks % tp == 0
+    assert (problem is None) == (world % engine_ranks == 0 and (not spans or whole)), problem
     if problem is not None:
         return
-    for group in _replicas(world, tp, pp):
+    dp = world // (tp * pp)
+    span = engine_replica_span(engine_ranks=engine_ranks, tp=tp, pp=pp, dp=dp)
+    if spans:
+        assert span == engine_ranks // tp >= 2
+        for block in range(world // engine_ranks):  # each engine: exactly the ranks of `span` consecutive replicas
+            held = set(range(block * engine_ranks, (block + 1) * engine_ranks))
+            assert held == {r for g in replicas[block * span : (block + 1) * span] for r in g}
+        return
+    assert span == 1 or dp == 1
+    for group in replicas:
         seen = {}
         for rank in group:
             engine, engines, leader = engine_of_rank(rank, group, engine_ranks)
@@ -37,10 +49,14 @@ def test_an_approved_engine_lies_in_one_replica_and_engines_tile_it(world, tp, p
         assert sum(b - a for a, b in parts) == 64
 
 
-def test_the_refusal_says_how_many_replicas_an_engine_would_span():
-    assert "span 2 data-parallel replicas (trainer TP 1, DP 2)" in engine_group_problem(
-        world_size=2, engine_ranks=2, tp=1, pp=1
+def test_the_refusal_says_how_many_replicas_an_engine_would_span_and_why():
+    assert engine_group_problem(world_size=2, engine_ranks=2, tp=1, pp=1) is None  # holds both replicas
+    assert engine_replica_span(engine_ranks=2, tp=1, pp=1, dp=2) == 2
+    assert engine_replica_span(engine_ranks=8, tp=4, pp=1, dp=2) == 2  # NeMo-RL's 70B rollout TP 8 over TP 4, at PP 1
+    assert "span 2 data-parallel replicas (trainer TP 4, DP 2, PP 8): an engine spans whole replicas only without" in (
+        engine_group_problem(world_size=64, engine_ranks=8, tp=4, pp=8)
     )
+    assert "would hold parts of replicas" in engine_group_problem(world_size=6, engine_ranks=3, tp=2, pp=1)
     assert "do not split into engines of 4" in engine_group_problem(world_size=6, engine_ranks=4, tp=2, pp=1)
 
 

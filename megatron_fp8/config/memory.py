@@ -22,7 +22,7 @@ from dataclasses import dataclass
 from megatron_fp8.config.models import ModelDims, known_dims
 from megatron_fp8.config.schema import RunConfig
 from megatron_fp8.launch_env import launch_place
-from megatron_fp8.layout import engine_group_problem
+from megatron_fp8.layout import engine_group_problem, engine_replica_span
 
 TRAINER_BYTES_PER_PARAM = 2 + 4 + 8 + 4
 """BF16 weights + FP32 main weights + two FP32 Adam moments + FP32 gradients (bytes per parameter)."""
@@ -182,6 +182,13 @@ def describe_rollout(cfg: RunConfig, *, processes: int) -> str:
     replicas = processes // mp
     engines = max(processes // tp, 1)
     per_replica = samples // replicas if replicas else 0
+    span = engine_replica_span(engine_ranks=tp, tp=mcfg.tensor_model_parallel_size, pp=1, dp=replicas)
+    if tp > mp and span > 1 and mcfg.pipeline_model_parallel_size == 1:
+        return (
+            f"{processes} ranks: {engines} engine(s) of TP {tp}, each sharded over {tp} consecutive trainer ranks "
+            f"(vLLM external_launcher) holding {span} replicas; each engine's {span * per_replica} samples in one "
+            f"request, {per_replica} per replica"
+        )
     per_engine_group = max(engines // replicas, 1)
     low, high = per_replica // per_engine_group, -(-per_replica // per_engine_group)
     each = f"{low}" if low == high else f"{low}-{high}"

@@ -29,7 +29,7 @@ import torch.distributed as dist
 
 from megatron_fp8.errors import ConfigError
 from megatron_fp8.launch_env import launch_place
-from megatron_fp8.layout import engine_of_rank, even_split
+from megatron_fp8.layout import engine_of_rank, engine_replica_span, even_split
 from megatron_fp8.rl.cluster.devices import bind_device, gather_with_process_group
 from megatron_fp8.rl.cluster.roles import Placement
 from megatron_fp8.rl.state.results import StepMetrics
@@ -117,6 +117,12 @@ class DataParallel:
         """Index, among ``n`` items, of this replica's first item of :meth:`shard`."""
         return even_split(n, self.dp_size)[self.dp_rank][0]
 
+    def replicas_block(self, n: int, first: int, count: int) -> tuple[int, int]:
+        """``[start, stop)`` among ``n`` items of the :meth:`shard` s of replicas ``first .. first + count - 1`` (they
+        are contiguous: replicas take consecutive blocks)."""
+        blocks = even_split(n, self.dp_size)
+        return blocks[first][0], blocks[first + count - 1][1]
+
 
 @dataclass(frozen=True)
 class RolloutShare:
@@ -125,7 +131,10 @@ class RolloutShare:
     Every rank of a model replica (its TP ranks and pipeline stages) hosts a colocated engine or a shard of one: an
     engine of rollout TP ``e`` spans ``e`` consecutive ranks (vLLM's ``external_launcher``), all of which submit the
     same requests. A replica of ``TP x PP`` ranks thus has ``TP x PP / e`` engines; the replica's samples are cut into
-    that many contiguous, even parts in rank order, and part ``engine`` is this rank's engine's.
+    that many contiguous, even parts in rank order, and part ``engine`` is this rank's engine's. An engine larger than
+    a replica (``e`` a multiple of the trainer's TP, PP 1: :func:`megatron_fp8.layout.engine_replica_span`) rolls out
+    the samples of the ``span`` consecutive replicas whose ranks it holds, as one request; each rank then keeps its
+    own replica's (:attr:`first_replica`, :attr:`span`).
 
     Attributes:
         engine: this rank's engine's index among its replica's engines.
@@ -133,6 +142,9 @@ class RolloutShare:
         start: first sample of this rank's part, an index into the replica's samples.
         stop: one past its last sample.
         leader: this rank's result stands for its engine in the replica's gather (the engine's lowest rank).
+        first_replica: the first data-parallel replica this rank's engine rolls out for (its own when ``span`` is 1).
+        span: replicas this rank's engine rolls out for (1: its own only); ``start``/``stop`` then index its own
+            replica's samples, all of which the engine generates.
     """
 
     engine: int
@@ -140,11 +152,34 @@ class RolloutShare:
     start: int
     stop: int
     leader: bool = True
+    first_replica: int = 0
+    span: int = 1
 
     @property
     def count(self) -> int:
         """Samples this rank's engine generates."""
         return self.stop - self.start
+
+
+def engine_replicas(dp: DataParallel, engine_ranks: int) -> tuple[int, int]:
+    """``(first replica, replicas)`` this rank's engine rolls out for: its own replica alone, or the whole replicas an
+    engine larger than a replica holds (:func:`megatron_fp8.layout.engine_replica_span`).
+
+    Raises:
+        ConfigError: an engine larger than a replica that does not hold whole replicas (the preflight refuses it).
+    """
+    if engine_ranks <= dp.model_parallel_size:
+        return dp.dp_rank, 1
+    span = engine_replica_span(
+        engine_ranks=engine_ranks, tp=dp.tensor_parallel_size, pp=dp.pipeline_parallel_size, dp=dp.dp_size
+    )
+    if span < 2:
+        raise ConfigError(
+            f"rank {dp.rank}: an engine of {engine_ranks} ranks neither lies in one replica of {dp.model_parallel_size} "
+            "ranks nor holds whole replicas (PP 1, a multiple of the trainer's TP); set "
+            "policy.generation.vllm_cfg.tensor_parallel_size to a divisor of the trainer's TP or such a multiple"
+        )
+    return dp.dp_rank // span * span, span
 
 
 def rollout_share(n_samples: int, dp: DataParallel, *, engine_ranks: int = 1) -> RolloutShare:
@@ -158,6 +193,9 @@ def rollout_share(n_samples: int, dp: DataParallel, *, engine_ranks: int = 1) ->
     """
     if dp.model_parallel_size == 1 and engine_ranks == 1:
         return RolloutShare(engine=0, engines=1, start=0, stop=n_samples)
+    first, span = engine_replicas(dp, engine_ranks)
+    if span > 1:  # the engine holds whole replicas
+        return RolloutShare(engine=0, engines=1, start=0, stop=n_samples, leader=True, first_replica=first, span=span)
     from megatron.core import parallel_state  # lazy: Megatron-Core is optional
 
     group = parallel_state.get_model_parallel_group()
@@ -301,6 +339,7 @@ _PER_RANK_FIELDS = (
     "rollout_tokens_per_s_per_rank",
     "refit_host_staged_bytes_per_rank",
     "refit_device_staged_bytes_per_rank",
+    "reward_mean_per_rank",
 )
 """Tuples of one entry per rank: concatenated in rank order."""
 

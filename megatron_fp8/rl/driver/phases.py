@@ -205,7 +205,8 @@ def rollout_phase(state: ArmState, ctx: GRPOContext, *, step: int) -> RolloutOut
 
     The replica's samples (its problems x ``num_generations_per_prompt``) are split over the engines of its ranks
     (:func:`~megatron_fp8.rl.cluster.distributed.rollout_share`) and all-gathered, so every rank of the replica trains
-    on the whole batch while each engine generated only its part. Sample ``i`` of the step (problem-major, over all
+    on the whole batch while each engine generated only its part; an engine holding whole replicas generates all of
+    their samples in one request and each rank keeps its replica's. Sample ``i`` of the step (problem-major, over all
     replicas) is seeded with :func:`sample_seed`, so a sample does not depend on which rank generated it.
     """
     g = ctx.config.grpo
@@ -217,7 +218,13 @@ def rollout_phase(state: ArmState, ctx: GRPOContext, *, step: int) -> RolloutOut
     flat_problems = tuple(p for p in problems for _ in range(g.num_generations_per_prompt))
     share = rollout_share(len(flat_prompts), state.dp, engine_ranks=state.engine.engine_ranks)
     t0 = time.perf_counter()
-    mine = flat_prompts[share.start : share.stop]
+    mine, start, own = flat_prompts[share.start : share.stop], first + share.start, slice(None)
+    if share.span > 1:  # the engine holds whole replicas: one request of all their samples, this replica's kept
+        a, b = state.dp.replicas_block(len(step_problems), share.first_replica, share.span)
+        engine_ids = [ctx.tokenizer.encode(p.prompt, add_special_tokens=False) for p in step_problems[a:b]]
+        mine = tuple(ids for ids in engine_ids for _ in range(g.num_generations_per_prompt))
+        start = a * g.num_generations_per_prompt
+        own = slice(first - start, first - start + len(flat_prompts))
     part: list[tuple[tuple[int, ...], torch.Tensor, bool]] = []
     engine_name = state.engine.name
     if mine or getattr(state.engine, "collective_generate", False):  # a remote engine: every trainer rank calls
@@ -225,13 +232,15 @@ def rollout_phase(state: ArmState, ctx: GRPOContext, *, step: int) -> RolloutOut
             mine,
             max_new_tokens=ctx.config.policy.generation.max_new_tokens,
             temperature=ctx.config.policy.generation.temperature,
-            seed=sample_seed(g.seed, step, first + share.start),
+            seed=sample_seed(g.seed, step, start),
             eos_token_id=ctx.eos_id,
         )
         part = list(zip(got.token_ids, got.logprobs, got.finished, strict=True))
         engine_name = got.engine
     seconds = time.perf_counter() - t0
     generated = sum(len(t) for t, _, _ in part)
+    count = len(mine)
+    part = part[own]
     whole = gather_within_replica(part, share)  # the replica's ranks train on the same samples
     rollout = Rollout(
         token_ids=tuple(t for t, _, _ in whole),
@@ -239,7 +248,7 @@ def rollout_phase(state: ArmState, ctx: GRPOContext, *, step: int) -> RolloutOut
         finished=tuple(f for _, _, f in whole),
         engine=engine_name,
     )
-    return RolloutOutcome(flat_problems, flat_prompts, rollout, seconds, share.count, generated)
+    return RolloutOutcome(flat_problems, flat_prompts, rollout, seconds, count, generated)
 
 
 def sample_seed(seed: int, step: int, index: int) -> int:
@@ -556,6 +565,7 @@ def run_step(state: ArmState, ctx: GRPOContext, *, step: int) -> StepMetrics:
         rollout_tokens_per_s_per_rank=(out.generated_tokens / out.seconds if out.seconds > 0 else 0.0,),
         refit_host_staged_bytes_per_rank=(refit.host_staged_bytes,),
         refit_device_staged_bytes_per_rank=(refit.device_staged_bytes,),
+        reward_mean_per_rank=(float(rewards.float().mean()),),
         train_seconds=train.seconds,
         step_seconds=time.perf_counter() - t_step,
         sample=f"{out.problems[best].prompt}{scores.texts[best]!r} (answer {out.problems[best].answer})",

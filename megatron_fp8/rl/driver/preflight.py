@@ -312,7 +312,7 @@ def _rollout_placement_problems(config: RunConfig) -> list[str]:
 
     Every process owns one GPU (``slurm/grpo.sbatch`` binds one per task). Colocated, an engine of rollout TP ``e``
     is sharded over ``e`` consecutive trainer ranks of one node (vLLM's ``external_launcher``), which must lie inside
-    one model replica (:func:`megatron_fp8.layout.engine_group_problem`). A separate rollout rank builds its engine
+    one model replica or hold whole replicas (:func:`megatron_fp8.layout.engine_group_problem`). A separate rollout rank builds its engine
     in its own process, on its one GPU: rollout TP 1 there.
     """
     tp = config.policy.generation.vllm_cfg.tensor_parallel_size
@@ -351,7 +351,8 @@ def _rollout_placement_problems(config: RunConfig) -> list[str]:
     return [
         f"{_VLLM}.tensor_parallel_size={tp} with {place.world_size} colocated rank(s) (WORLD_SIZE): {problem}; {fix}, "
         f"or a rollout TP dividing policy.megatron_cfg.tensor_model_parallel_size "
-        f"({mcfg.tensor_model_parallel_size})"
+        f"({mcfg.tensor_model_parallel_size}), or a multiple of it at pipeline_model_parallel_size=1 (an engine then "
+        "holds whole replicas)"
     ]
 
 

@@ -21,7 +21,7 @@ import torch.distributed as dist
 
 from megatron_fp8.config.schema import RunConfig
 from megatron_fp8.rl.algorithm.batch import Tokenizer, decode_response
-from megatron_fp8.rl.cluster.distributed import DataParallel
+from megatron_fp8.rl.cluster.distributed import DataParallel, engine_replicas
 from megatron_fp8.rl.data.problems import ProblemSource
 from megatron_fp8.rl.data.rewards import RewardFn, safe_reward
 from megatron_fp8.rollout.engines import RolloutEngine
@@ -88,13 +88,20 @@ def validate(
     """
     t0 = time.perf_counter()
     g = config.grpo
-    mine = dp.shard(problems.validation_problems(limit=g.max_val_samples))
+    every = problems.validation_problems(limit=g.max_val_samples)
+    mine = dp.shard(every)
+    ask, own = mine, slice(None)
+    first, span = engine_replicas(dp, getattr(engine, "engine_ranks", 1))
+    if span > 1:  # an engine holding whole replicas answers all of theirs at once (its ranks ask alike)
+        a, b = dp.replicas_block(len(every), first, span)
+        ask, at = every[a:b], dp.shard_start(len(every)) - a
+        own = slice(at, at + len(mine))
     right = errors = 0
     reward_sum = 0.0
     sample = ""
     # a remote engine's generate is collective over the trainer ranks: call it even with nothing to ask
-    if mine or getattr(engine, "collective_generate", False):
-        prompt_ids = tuple(tokenizer.encode(p.prompt, add_special_tokens=False) for p in mine)
+    if ask or getattr(engine, "collective_generate", False):
+        prompt_ids = tuple(tokenizer.encode(p.prompt, add_special_tokens=False) for p in ask)
         rollout = engine.generate(
             prompt_ids,
             max_new_tokens=config.policy.generation.max_new_tokens,
@@ -102,7 +109,8 @@ def validate(
             seed=g.seed + VALIDATION_SEED,
             eos_token_id=eos_id,
         )
-        for problem, ids, finished in zip(mine, rollout.token_ids, rollout.finished, strict=True):
+        answers = zip(mine, rollout.token_ids[own], rollout.finished[own], strict=True)
+        for problem, ids, finished in answers:
             body = ids[:-1] if finished and ids and ids[-1] == eos_id else ids
             text = decode_response(tokenizer, body)
             scored = safe_reward(reward, problem, text, finished=finished)

@@ -81,6 +81,7 @@ _GROUP_KEYS: dict[str, tuple[str, ...]] = {
         "response_tokens_mean",
         "reward_errors",
         "rollout_prompts_per_rank",
+        "reward_mean_per_rank",
     ),
     "refit": (
         "refit_version",

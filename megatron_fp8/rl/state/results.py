@@ -130,6 +130,8 @@ class StepMetrics:
         refit_host_staged_bytes_per_rank: per trainer rank, the bytes of the version its colocated engine kept in
             host memory until the commit (empty in older records).
         refit_device_staged_bytes_per_rank: per trainer rank, the same kept on the engine's GPU.
+        reward_mean_per_rank: per trainer rank, the mean reward of the samples its replica trained on (the ranks of
+            one replica agree; replicas differ: each trains on its own samples).
     """
 
     arm: str
@@ -167,6 +169,7 @@ class StepMetrics:
     rollout_tokens_per_s_per_rank: tuple[float, ...] = ()
     refit_host_staged_bytes_per_rank: tuple[int, ...] = ()
     refit_device_staged_bytes_per_rank: tuple[int, ...] = ()
+    reward_mean_per_rank: tuple[float, ...] = ()
 
     @property
     def gen_kl(self) -> float:

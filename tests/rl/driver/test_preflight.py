@@ -165,7 +165,7 @@ _TP2 += ["grpo.arms=[bf16]", "policy.megatron_cfg.fp8_cfg.fp8_recipe=tensorwise"
     ("world", "trainer_tp", "colocated", "refusal"),
     [
         (1, 1, True, "in one process that sees 0 GPU(s)"),  # CPU: no one-process engine of 2 GPUs
-        (2, 1, True, "would span 2 data-parallel replicas (trainer TP 1, DP 2)"),
+        (2, 1, True, None),  # one engine holding both replicas (trainer TP 1 x DP 2): it rolls out for both
         (2, 2, False, "each separate rollout rank owns one GPU"),
         (2, 2, True, None),  # one engine sharded over the replica's 2 ranks (external_launcher)
         (4, 2, True, None),  # two engines, one per replica
@@ -174,9 +174,9 @@ _TP2 += ["grpo.arms=[bf16]", "policy.megatron_cfg.fp8_cfg.fp8_recipe=tensorwise"
 def test_a_rollout_engine_that_cannot_be_placed_is_refused_naming_the_fix(
     monkeypatch, world, trainer_tp, colocated, refusal
 ):
-    """Issue 36: an engine of rollout TP 2 is placed over 2 consecutive trainer ranks of one replica; where it
-    cannot be (one CPU process, ranks of two replicas, a separate one-GPU rollout rank) it is refused before anything
-    starts, naming the key and the value that works; never approved, then dead on the ranks."""
+    """Issue 36: an engine of rollout TP 2 is placed over 2 consecutive trainer ranks of one replica, or (issue 53)
+    over the ranks of whole replicas; where it cannot be (one CPU process, a separate one-GPU rollout rank) it is
+    refused before anything starts, naming the key and the value that works; never approved, then dead on the ranks."""
     if world > 1:
         monkeypatch.setenv("WORLD_SIZE", str(world))
         monkeypatch.setenv("RANK", "0")
@@ -198,6 +198,18 @@ def test_a_rollout_engine_that_cannot_be_placed_is_refused_naming_the_fix(
     assert "policy.generation.vllm_cfg.tensor_parallel_size=2" in msg and refusal in msg
     assert "set policy.generation.vllm_cfg.tensor_parallel_size=1" in msg
     preflight(load_config(None, [*overrides[1:]]), download=False, launch_checks=False)  # rollout TP 1: approved
+
+
+def test_an_engine_over_replicas_of_a_pipeline_is_refused_naming_the_fix(monkeypatch):
+    """An engine larger than a replica must hold whole replicas: at PP 2 its ranks would be one stage of two."""
+    monkeypatch.setenv("WORLD_SIZE", "4")
+    monkeypatch.setenv("RANK", "0")
+    monkeypatch.delenv("LOCAL_WORLD_SIZE", raising=False)
+    monkeypatch.delenv("SLURM_NTASKS_PER_NODE", raising=False)
+    cfg = load_config(None, [*_TP2, "policy.megatron_cfg.pipeline_model_parallel_size=2"])
+    with pytest.raises(ConfigError, match="only without pipeline parallelism") as info:
+        preflight(cfg, download=False, launch_checks=False)
+    assert "or a multiple of it at pipeline_model_parallel_size=1" in str(info.value)
 
 
 def test_engines_of_a_node_must_not_straddle_two_nodes(monkeypatch):
@@ -224,7 +236,17 @@ def test_config_shows_each_replicas_samples_over_its_ranks_engines():
         "replica's 256 samples over its 1 engine(s), 256 each"
     )
     tp4 = load_config(REPO / "configs" / "llama31_8b_fp8.yaml", ["policy.generation.vllm_cfg.tensor_parallel_size=4"])
-    assert "would span 2 data-parallel replicas" in describe_rollout(tp4, processes=8)
+    assert describe_rollout(tp4, processes=8) == (
+        "8 ranks: 2 engine(s) of TP 4, each sharded over 4 consecutive trainer ranks (vLLM external_launcher) holding "
+        "2 replicas; each engine's 512 samples in one request, 256 per replica"
+    )
+    tp8 = load_config(REPO / "configs" / "llama31_8b_fp8.yaml", ["policy.generation.vllm_cfg.tensor_parallel_size=8"])
+    assert describe_rollout(tp8, processes=8).startswith("8 ranks: 1 engine(s) of TP 8, each sharded over 8")
+    pp2 = load_config(
+        REPO / "configs" / "llama31_8b_fp8.yaml",
+        ["policy.generation.vllm_cfg.tensor_parallel_size=4", "policy.megatron_cfg.pipeline_model_parallel_size=2"],
+    )
+    assert "only without pipeline parallelism (PP 1) (refused)" in describe_rollout(pp2, processes=8)
 
 
 def test_config_refuses_the_deadline_format_grpo_refuses():

@@ -84,9 +84,24 @@ def test_two_grpo_steps_with_tp2_engines_sharded_over_the_trainer_ranks(tmp_path
     assert rows[1]["refit_version"] == 2
 
 
-def test_an_engine_spanning_two_replicas_is_refused_naming_the_fix(tmp_path):
-    proc = _launch(tmp_path / "out")  # trainer TP 1 on 2 ranks: 2 replicas, one engine of 2 ranks over both
-    assert proc.returncode != 0
-    assert "would span 2 data-parallel replicas" in proc.stderr
-    assert "tensor_parallel_size=1" in proc.stderr
-    assert not (tmp_path / "out" / "metrics.jsonl").exists()
+def test_an_engine_holding_two_replicas_rolls_out_both_once_and_each_trains_on_its_own(tmp_path):
+    """Trainer TP 1 x DP 2 on 2 ranks, rollout TP 2: one engine over both ranks holds both replicas (issue 53). It
+    generates the step's 64 samples once, as one request (each rank's engine: 64; two TP 1 engines would generate 32
+    each), each replica keeps and trains on its own 32 (its rewards are its own: the two replicas' reward means
+    differ on some step), validation asks the engine alike on both ranks, and each rank sends its engine shard only
+    its part of the version (no gather: each holds the full weights at trainer TP 1), verified exactly."""
+    proc = _launch(tmp_path / "out", "grpo.val_period=1", "grpo.max_val_samples=8")
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    assert proc.stderr.count("(external_launcher)") == 2
+    rows = [json.loads(line) for line in (tmp_path / "out" / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == [0, 1]
+    for r in rows:
+        assert r["rollout_prompts_per_rank"] == [64, 64]  # one engine, the step's samples once (both shards)
+        assert r["refit_max_rel_error"] == 0.0
+        staged = r["refit_host_staged_bytes_per_rank"]
+        assert all(0.45 * VERSION_BYTES < b <= 0.55 * VERSION_BYTES for b in staged), (staged, VERSION_BYTES)
+    per_replica = [r["reward_mean_per_rank"] for r in rows]  # rank r is replica r here
+    assert any(a != b for a, b in per_replica)  # each replica's own samples (the same ones would give equal means)
+    assert all(abs(r["reward_mean"] - sum(m) / 2) < 1e-6 for r, m in zip(rows, per_replica, strict=True))
+    validation = [json.loads(line) for line in (tmp_path / "out" / "validation.jsonl").read_text().splitlines()]
+    assert validation and all(v["accuracy"] == v["accuracy"] for v in validation)  # counted over both replicas

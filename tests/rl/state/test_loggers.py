@@ -70,6 +70,7 @@ def _metrics(step: int, *, arm: str = "fp8", reward: float = 0.5, refit_error: f
         rollout_tokens_per_s_per_rank=(1500.0, 1480.5),
         refit_host_staged_bytes_per_rank=(0, 0),
         refit_device_staged_bytes_per_rank=(3_000_003_048, 3_000_003_048),
+        reward_mean_per_rank=(0.5, 0.25),
         rollout_seconds=2.0,
         train_seconds=3.0,
         step_seconds=6.0,
