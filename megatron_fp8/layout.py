@@ -89,9 +89,9 @@ def engine_group_problem(*, world_size: int, engine_ranks: int, tp: int, pp: int
     An engine sharded over trainer ranks (vLLM's ``external_launcher``) takes ``engine_ranks`` consecutive ranks
     (vLLM's own TP groups); every rank of it submits the same requests. In Megatron-Core's rank order (TP fastest,
     then DP, then PP) the block lies inside one model replica when ``engine_ranks`` divides the trainer's TP, or when
-    there is a single replica (DP = 1); it spans whole replicas (:func:`engine_replica_span`) when it is a multiple of
-    the trainer's TP, without pipeline parallelism, and the replicas split into such groups: the engine then rolls out
-    the prompts of all of them.
+    there is a single replica (DP = 1); it holds the TP groups of consecutive replicas (:func:`engine_replica_span`)
+    when it is a multiple of the trainer's TP and the replicas split into such groups (at PP > 1: one pipeline stage
+    of each): the engine then rolls out for all of them.
 
     Args:
         world_size: trainer processes.
@@ -107,21 +107,21 @@ def engine_group_problem(*, world_size: int, engine_ranks: int, tp: int, pp: int
     if tp % engine_ranks == 0 or dp == 1 or engine_replica_span(engine_ranks=engine_ranks, tp=tp, pp=pp, dp=dp) > 1:
         return None
     span = engine_ranks // math.gcd(engine_ranks, tp)
-    why = "its ranks would hold parts of replicas"
-    if engine_ranks % tp == 0 and pp > 1:
-        why = "an engine spans whole replicas only without pipeline parallelism (PP 1)"
+    why = "its ranks would hold parts of replicas' TP groups"
+    if engine_ranks % tp == 0:
+        why = f"the {dp} replicas do not split into groups of {engine_ranks // tp}"
     return f"an engine of {engine_ranks} consecutive ranks would span {span} data-parallel replicas (trainer TP {tp}, DP {dp}, PP {pp}): {why}"
 
 
 def engine_replica_span(*, engine_ranks: int, tp: int, pp: int, dp: int) -> int:
-    """How many whole data-parallel replicas one engine of ``engine_ranks`` consecutive ranks covers: 1 when it lies
-    inside one replica; ``engine_ranks / tp`` when it is a multiple of the trainer's TP, at PP 1, and the ``dp``
-    replicas split into groups of that many (its ranks are then the TP groups of consecutive replicas); 0 when
-    neither holds (:func:`engine_group_problem` refuses the layout)."""
+    """How many data-parallel replicas one engine of ``engine_ranks`` consecutive ranks rolls out for: 1 when it lies
+    inside one replica; ``engine_ranks / tp`` when it is a multiple of the trainer's TP and the ``dp`` replicas split
+    into groups of that many (its ranks are then the TP groups of consecutive replicas: whole replicas at PP 1, one
+    pipeline stage of each at PP > 1); 0 when neither holds (:func:`engine_group_problem` refuses the layout)."""
     if engine_ranks <= tp:
         return 1 if tp % engine_ranks == 0 else 0
     span = engine_ranks // tp
-    return span if engine_ranks % tp == 0 and pp == 1 and dp % span == 0 else 0
+    return span if engine_ranks % tp == 0 and dp % span == 0 else 0
 
 
 def engine_of_rank(rank: int, replica_ranks: Sequence[int], engine_ranks: int) -> tuple[int, int, bool]:

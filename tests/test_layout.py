@@ -22,21 +22,21 @@ def test_an_approved_engine_lies_in_one_replica_and_engines_tile_it(world, tp, p
         return
     problem = engine_group_problem(world_size=world, engine_ranks=engine_ranks, tp=tp, pp=pp)
     replicas = _replicas(world, tp, pp)
+    dp = world // (tp * pp)
     spans = any(len({r // engine_ranks for r in g}) * engine_ranks != len(g) for g in replicas)
-    # an engine larger than a replica must hold whole replicas: every rank of each replica in one engine
-    whole = all(len({r // engine_ranks for r in g}) == 1 for g in replicas) and pp == 1 and engine_ranks % tp == 0
-    assert (problem is None) == (world % engine_ranks == 0 and (not spans or whole)), problem
+    # an engine larger than the trainer's TP over several replicas holds their TP groups (one stage of each)
+    holds = engine_ranks % tp == 0 and dp % (engine_ranks // tp) == 0
+    assert (problem is None) == (world % engine_ranks == 0 and (not spans or holds or dp == 1)), problem
     if problem is not None:
         return
-    dp = world // (tp * pp)
     span = engine_replica_span(engine_ranks=engine_ranks, tp=tp, pp=pp, dp=dp)
-    if spans:
+    if spans and dp > 1:
         assert span == engine_ranks // tp >= 2
-        for block in range(world // engine_ranks):  # each engine: exactly the ranks of `span` consecutive replicas
+        for block in range(world // engine_ranks):  # each engine: the TP groups of `span` consecutive replicas
             held = set(range(block * engine_ranks, (block + 1) * engine_ranks))
-            assert held == {r for g in replicas[block * span : (block + 1) * span] for r in g}
+            stage, first = divmod(block * span, dp)
+            assert held == {t + tp * (d + dp * stage) for d in range(first, first + span) for t in range(tp)}
         return
-    assert span == 1 or dp == 1
     for group in replicas:
         seen = {}
         for rank in group:
@@ -53,10 +53,12 @@ def test_the_refusal_says_how_many_replicas_an_engine_would_span_and_why():
     assert engine_group_problem(world_size=2, engine_ranks=2, tp=1, pp=1) is None  # holds both replicas
     assert engine_replica_span(engine_ranks=2, tp=1, pp=1, dp=2) == 2
     assert engine_replica_span(engine_ranks=8, tp=4, pp=1, dp=2) == 2  # NeMo-RL's 70B rollout TP 8 over TP 4, at PP 1
-    assert "span 2 data-parallel replicas (trainer TP 4, DP 2, PP 8): an engine spans whole replicas only without" in (
-        engine_group_problem(world_size=64, engine_ranks=8, tp=4, pp=8)
+    assert engine_group_problem(world_size=64, engine_ranks=8, tp=4, pp=8) is None  # NeMo-RL's 70B FP8 layout
+    assert engine_replica_span(engine_ranks=8, tp=4, pp=8, dp=2) == 2  # one stage of both replicas per engine
+    assert "would hold parts of replicas' TP groups" in engine_group_problem(world_size=6, engine_ranks=3, tp=2, pp=1)
+    assert "the 3 replicas do not split into groups of 2" in engine_group_problem(
+        world_size=6, engine_ranks=2, tp=1, pp=2
     )
-    assert "would hold parts of replicas" in engine_group_problem(world_size=6, engine_ranks=3, tp=2, pp=1)
     assert "do not split into engines of 4" in engine_group_problem(world_size=6, engine_ranks=4, tp=2, pp=1)
 
 

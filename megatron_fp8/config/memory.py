@@ -182,12 +182,22 @@ def describe_rollout(cfg: RunConfig, *, processes: int) -> str:
     replicas = processes // mp
     engines = max(processes // tp, 1)
     per_replica = samples // replicas if replicas else 0
-    span = engine_replica_span(engine_ranks=tp, tp=mcfg.tensor_model_parallel_size, pp=1, dp=replicas)
-    if tp > mp and span > 1 and mcfg.pipeline_model_parallel_size == 1:
+    pp, trainer_tp = mcfg.pipeline_model_parallel_size, mcfg.tensor_model_parallel_size
+    span = engine_replica_span(engine_ranks=tp, tp=trainer_tp, pp=pp, dp=replicas)
+    if tp > trainer_tp and replicas > 1 and span > 1:  # an engine holds the TP groups of `span` replicas
+        if pp == 1:
+            return (
+                f"{processes} ranks: {engines} engine(s) of TP {tp}, each sharded over {tp} consecutive trainer ranks "
+                f"(vLLM external_launcher) holding {span} replicas; each engine's {span * per_replica} samples in one "
+                f"request, {per_replica} per replica"
+            )
+        low, high = per_replica // pp, -(-per_replica // pp)
+        each = f"{low}" if low == high else f"{low}-{high}"
         return (
             f"{processes} ranks: {engines} engine(s) of TP {tp}, each sharded over {tp} consecutive trainer ranks "
-            f"(vLLM external_launcher) holding {span} replicas; each engine's {span * per_replica} samples in one "
-            f"request, {per_replica} per replica"
+            f"(vLLM external_launcher) holding one pipeline stage of {span} replicas; each replica's {per_replica} "
+            f"samples over its {pp} engine(s) (one per stage), {each} each, an engine generating that part of each of "
+            f"its {span} replicas"
         )
     per_engine_group = max(engines // replicas, 1)
     low, high = per_replica // per_engine_group, -(-per_replica // per_engine_group)

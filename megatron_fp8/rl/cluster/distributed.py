@@ -132,9 +132,9 @@ class RolloutShare:
     engine of rollout TP ``e`` spans ``e`` consecutive ranks (vLLM's ``external_launcher``), all of which submit the
     same requests. A replica of ``TP x PP`` ranks thus has ``TP x PP / e`` engines; the replica's samples are cut into
     that many contiguous, even parts in rank order, and part ``engine`` is this rank's engine's. An engine larger than
-    a replica (``e`` a multiple of the trainer's TP, PP 1: :func:`megatron_fp8.layout.engine_replica_span`) rolls out
-    the samples of the ``span`` consecutive replicas whose ranks it holds, as one request; each rank then keeps its
-    own replica's (:attr:`first_replica`, :attr:`span`).
+    the trainer's TP (a multiple of it: :func:`megatron_fp8.layout.engine_replica_span`) holds the TP groups of
+    ``span`` consecutive replicas (whole replicas at PP 1, one pipeline stage of each at PP > 1) and rolls out the
+    same part of each of them (:attr:`first_replica`, :attr:`span`); each rank keeps its own replica's.
 
     Attributes:
         engine: this rank's engine's index among its replica's engines.
@@ -143,8 +143,9 @@ class RolloutShare:
         stop: one past its last sample.
         leader: this rank's result stands for its engine in the replica's gather (the engine's lowest rank).
         first_replica: the first data-parallel replica this rank's engine rolls out for (its own when ``span`` is 1).
-        span: replicas this rank's engine rolls out for (1: its own only); ``start``/``stop`` then index its own
-            replica's samples, all of which the engine generates.
+        span: replicas this rank's engine rolls out for (1: its own only); ``start``/``stop`` then index the part
+            of each of those replicas' samples the engine generates (all of them at PP 1, part ``engine`` of
+            ``engines``, one per pipeline stage, at PP > 1).
     """
 
     engine: int
@@ -162,13 +163,14 @@ class RolloutShare:
 
 
 def engine_replicas(dp: DataParallel, engine_ranks: int) -> tuple[int, int]:
-    """``(first replica, replicas)`` this rank's engine rolls out for: its own replica alone, or the whole replicas an
-    engine larger than a replica holds (:func:`megatron_fp8.layout.engine_replica_span`).
+    """``(first replica, replicas)`` this rank's engine rolls out for: its own replica alone, or the consecutive
+    replicas whose TP groups an engine larger than the trainer's TP holds (:func:`megatron_fp8.layout.engine_replica_span`;
+    at PP > 1 one stage of each).
 
     Raises:
-        ConfigError: an engine larger than a replica that does not hold whole replicas (the preflight refuses it).
+        ConfigError: such an engine that does not hold whole TP groups of replicas (the preflight refuses it).
     """
-    if engine_ranks <= dp.model_parallel_size:
+    if engine_ranks <= dp.tensor_parallel_size or dp.dp_size == 1:
         return dp.dp_rank, 1
     span = engine_replica_span(
         engine_ranks=engine_ranks, tp=dp.tensor_parallel_size, pp=dp.pipeline_parallel_size, dp=dp.dp_size
@@ -194,8 +196,13 @@ def rollout_share(n_samples: int, dp: DataParallel, *, engine_ranks: int = 1) ->
     if dp.model_parallel_size == 1 and engine_ranks == 1:
         return RolloutShare(engine=0, engines=1, start=0, stop=n_samples)
     first, span = engine_replicas(dp, engine_ranks)
-    if span > 1:  # the engine holds whole replicas
-        return RolloutShare(engine=0, engines=1, start=0, stop=n_samples, leader=True, first_replica=first, span=span)
+    if span > 1:  # the engine holds the TP groups of `span` replicas (one pipeline stage of each): one engine per stage
+        engines = dp.pipeline_parallel_size
+        start, stop = even_split(n_samples, engines)[dp.pp_rank]
+        leader = dp.rank % dp.tensor_parallel_size == 0  # its replica's first rank in the engine
+        return RolloutShare(
+            engine=dp.pp_rank, engines=engines, start=start, stop=stop, leader=leader, first_replica=first, span=span
+        )
     from megatron.core import parallel_state  # lazy: Megatron-Core is optional
 
     group = parallel_state.get_model_parallel_group()
@@ -209,6 +216,30 @@ def rollout_share(n_samples: int, dp: DataParallel, *, engine_ranks: int = 1) ->
         )
     start, stop = even_split(n_samples, engines)[engine]
     return RolloutShare(engine=engine, engines=engines, start=start, stop=stop, leader=leader)
+
+
+def request_ranges(
+    dp: DataParallel, share: RolloutShare, *, n_problems: int, generations: int
+) -> tuple[list[tuple[int, int]], int]:
+    """The samples this rank's engine generates, as ``[start, stop)`` ranges of the step's samples (problem-major):
+    its part of its replica's (one range), or the same part of each replica it holds (one range per replica, in
+    replica order); and which range is this rank's replica's.
+
+    Args:
+        dp: this rank's place.
+        share: its :func:`rollout_share`.
+        n_problems: the step's problems (over all replicas).
+        generations: samples per problem.
+    """
+    if share.span == 1:
+        first = dp.shard_start(n_problems) * generations
+        return [(first + share.start, first + share.stop)], 0
+    ranges = []
+    for replica in range(share.first_replica, share.first_replica + share.span):
+        a, b = dp.replicas_block(n_problems, replica, 1)
+        lo, hi = even_split((b - a) * generations, share.engines)[share.engine]
+        ranges.append((a * generations + lo, a * generations + hi))
+    return ranges, dp.dp_rank - share.first_replica
 
 
 def gather_within_replica(part: Sequence[T], share: RolloutShare) -> list[T]:

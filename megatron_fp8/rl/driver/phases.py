@@ -42,6 +42,7 @@ from megatron_fp8.rl.cluster.distributed import (
     DataParallel,
     gather_within_replica,
     longest_over_replicas,
+    request_ranges,
     rollout_share,
 )
 from megatron_fp8.rl.data.problems import ProblemSource
@@ -218,29 +219,34 @@ def rollout_phase(state: ArmState, ctx: GRPOContext, *, step: int) -> RolloutOut
     flat_problems = tuple(p for p in problems for _ in range(g.num_generations_per_prompt))
     share = rollout_share(len(flat_prompts), state.dp, engine_ranks=state.engine.engine_ranks)
     t0 = time.perf_counter()
-    mine, start, own = flat_prompts[share.start : share.stop], first + share.start, slice(None)
-    if share.span > 1:  # the engine holds whole replicas: one request of all their samples, this replica's kept
-        a, b = state.dp.replicas_block(len(step_problems), share.first_replica, share.span)
-        engine_ids = [ctx.tokenizer.encode(p.prompt, add_special_tokens=False) for p in step_problems[a:b]]
-        mine = tuple(ids for ids in engine_ids for _ in range(g.num_generations_per_prompt))
-        start = a * g.num_generations_per_prompt
-        own = slice(first - start, first - start + len(flat_prompts))
-    part: list[tuple[tuple[int, ...], torch.Tensor, bool]] = []
+    ranges, own = request_ranges(
+        state.dp, share, n_problems=len(step_problems), generations=g.num_generations_per_prompt
+    )  # the samples (step indices) this rank's engine generates: its part, or the same part of each of its replicas
+    source, base = (flat_prompts, first) if share.span == 1 else (_step_prompts(ctx, step_problems), 0)
+    lengths = [hi - lo for lo, hi in ranges]
+    if all(ranges[i][1] == ranges[i + 1][0] for i in range(len(ranges) - 1)):  # consecutive: one request
+        ranges = [(ranges[0][0], ranges[-1][1])]
+    requests = [(source[lo - base : hi - base], lo) for lo, hi in ranges]  # (prompts, first sample's index)
+    results: list[list[tuple[tuple[int, ...], torch.Tensor, bool]]] = []
     engine_name = state.engine.name
-    if mine or getattr(state.engine, "collective_generate", False):  # a remote engine: every trainer rank calls
-        got = state.engine.generate(
-            mine,
-            max_new_tokens=ctx.config.policy.generation.max_new_tokens,
-            temperature=ctx.config.policy.generation.temperature,
-            seed=sample_seed(g.seed, step, start),
-            eos_token_id=ctx.eos_id,
-        )
-        part = list(zip(got.token_ids, got.logprobs, got.finished, strict=True))
-        engine_name = got.engine
+    for mine, start in requests:  # every rank of an engine makes the same requests, in the same order
+        if mine or getattr(state.engine, "collective_generate", False):  # a remote engine: every trainer rank calls
+            got = state.engine.generate(
+                mine,
+                max_new_tokens=ctx.config.policy.generation.max_new_tokens,
+                temperature=ctx.config.policy.generation.temperature,
+                seed=sample_seed(g.seed, step, start),
+                eos_token_id=ctx.eos_id,
+            )
+            results.append(list(zip(got.token_ids, got.logprobs, got.finished, strict=True)))
+            engine_name = got.engine
+        else:
+            results.append([])
     seconds = time.perf_counter() - t0
-    generated = sum(len(t) for t, _, _ in part)
-    count = len(mine)
-    part = part[own]
+    generated = sum(len(t) for result in results for t, _, _ in result)
+    count = sum(len(mine) for mine, _ in requests)
+    at = sum(lengths[:own]) if len(results) < len(lengths) else 0
+    part = (results[0] if len(results) < len(lengths) else results[own])[at : at + lengths[own]]
     whole = gather_within_replica(part, share)  # the replica's ranks train on the same samples
     rollout = Rollout(
         token_ids=tuple(t for t, _, _ in whole),
@@ -249,6 +255,13 @@ def rollout_phase(state: ArmState, ctx: GRPOContext, *, step: int) -> RolloutOut
         engine=engine_name,
     )
     return RolloutOutcome(flat_problems, flat_prompts, rollout, seconds, count, generated)
+
+
+def _step_prompts(ctx: GRPOContext, step_problems: Sequence[Problem]) -> tuple[list[int], ...]:
+    """Every sample's prompt of the step, problem-major (what an engine holding several replicas draws from)."""
+    g = ctx.config.grpo
+    prompts = [ctx.tokenizer.encode(p.prompt, add_special_tokens=False) for p in step_problems]
+    return tuple(ids for ids in prompts for _ in range(g.num_generations_per_prompt))
 
 
 def sample_seed(seed: int, step: int, index: int) -> int:

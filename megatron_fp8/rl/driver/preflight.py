@@ -351,8 +351,8 @@ def _rollout_placement_problems(config: RunConfig) -> list[str]:
     return [
         f"{_VLLM}.tensor_parallel_size={tp} with {place.world_size} colocated rank(s) (WORLD_SIZE): {problem}; {fix}, "
         f"or a rollout TP dividing policy.megatron_cfg.tensor_model_parallel_size "
-        f"({mcfg.tensor_model_parallel_size}), or a multiple of it at pipeline_model_parallel_size=1 (an engine then "
-        "holds whole replicas)"
+        f"({mcfg.tensor_model_parallel_size}), or a multiple of it over which the replicas split evenly (an engine "
+        "then holds the TP groups of consecutive replicas)"
     ]
 
 

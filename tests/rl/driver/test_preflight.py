@@ -200,16 +200,19 @@ def test_a_rollout_engine_that_cannot_be_placed_is_refused_naming_the_fix(
     preflight(load_config(None, [*overrides[1:]]), download=False, launch_checks=False)  # rollout TP 1: approved
 
 
-def test_an_engine_over_replicas_of_a_pipeline_is_refused_naming_the_fix(monkeypatch):
-    """An engine larger than a replica must hold whole replicas: at PP 2 its ranks would be one stage of two."""
-    monkeypatch.setenv("WORLD_SIZE", "4")
-    monkeypatch.setenv("RANK", "0")
+def test_an_engine_over_replicas_must_hold_their_tp_groups(monkeypatch):
+    """An engine larger than the trainer's TP holds the TP groups of consecutive replicas (at PP 2, one stage of
+    each): 4 ranks (TP 1 x PP 2 x DP 2) take engines of 2; 6 ranks (DP 3) do not split into pairs of replicas."""
     monkeypatch.delenv("LOCAL_WORLD_SIZE", raising=False)
     monkeypatch.delenv("SLURM_NTASKS_PER_NODE", raising=False)
+    monkeypatch.setenv("RANK", "0")
     cfg = load_config(None, [*_TP2, "policy.megatron_cfg.pipeline_model_parallel_size=2"])
-    with pytest.raises(ConfigError, match="only without pipeline parallelism") as info:
+    monkeypatch.setenv("WORLD_SIZE", "4")
+    preflight(cfg, download=False, launch_checks=False)
+    monkeypatch.setenv("WORLD_SIZE", "6")
+    with pytest.raises(ConfigError, match="the 3 replicas do not split into groups of 2") as info:
         preflight(cfg, download=False, launch_checks=False)
-    assert "or a multiple of it at pipeline_model_parallel_size=1" in str(info.value)
+    assert "or a multiple of it" in str(info.value)
 
 
 def test_engines_of_a_node_must_not_straddle_two_nodes(monkeypatch):
@@ -246,7 +249,11 @@ def test_config_shows_each_replicas_samples_over_its_ranks_engines():
         REPO / "configs" / "llama31_8b_fp8.yaml",
         ["policy.generation.vllm_cfg.tensor_parallel_size=4", "policy.megatron_cfg.pipeline_model_parallel_size=2"],
     )
-    assert "only without pipeline parallelism (PP 1) (refused)" in describe_rollout(pp2, processes=8)
+    assert describe_rollout(pp2, processes=8) == (
+        "8 ranks: 2 engine(s) of TP 4, each sharded over 4 consecutive trainer ranks (vLLM external_launcher) holding "
+        "one pipeline stage of 2 replicas; each replica's 512 samples over its 2 engine(s) (one per stage), 256 each, "
+        "an engine generating that part of each of its 2 replicas"
+    )
 
 
 def test_config_refuses_the_deadline_format_grpo_refuses():
