@@ -84,24 +84,29 @@ def test_two_grpo_steps_with_tp2_engines_sharded_over_the_trainer_ranks(tmp_path
     assert rows[1]["refit_version"] == 2
 
 
-def test_an_engine_holding_two_replicas_rolls_out_both_once_and_each_trains_on_its_own(tmp_path):
-    """Trainer TP 1 x DP 2 on 2 ranks, rollout TP 2: one engine over both ranks holds both replicas (issue 53). It
-    generates the step's 64 samples once, as one request (each rank's engine: 64; two TP 1 engines would generate 32
-    each), each replica keeps and trains on its own 32 (its rewards are its own: the two replicas' reward means
-    differ on some step), validation asks the engine alike on both ranks, and each rank sends its engine shard only
-    its part of the version (no gather: each holds the full weights at trainer TP 1), verified exactly."""
-    proc = _launch(tmp_path / "out", "grpo.val_period=1", "grpo.max_val_samples=8")
+@pytest.mark.parametrize(("processes", "pp"), [(2, 1), (4, 2)])
+def test_an_engine_holding_two_replicas_rolls_out_both_once_and_each_trains_on_its_own(tmp_path, processes, pp):
+    """Trainer TP 1 x DP 2, rollout TP 2: an engine over ranks {2k, 2k+1} holds the TP groups of both replicas (issue
+    53). At PP 1 (2 ranks) one engine generates the step's 64 samples once, as one request (each rank's engine: 64;
+    two TP 1 engines would generate 32 each); at PP 2 (4 ranks: replica 0 = ranks 0 and 2, replica 1 = ranks 1 and 3)
+    the engine of each stage generates that stage's half of both replicas' samples (32 per engine). Each replica keeps
+    and trains on its own samples (``reward_mean_per_rank``: a replica's ranks agree, the replicas differ on some
+    step), validation asks each engine alike on its ranks, and each rank sends its engine shard only its part of the
+    version, verified exactly."""
+    pp_arg = f"policy.megatron_cfg.pipeline_model_parallel_size={pp}"
+    proc = _launch(tmp_path / "out", "grpo.val_period=1", "grpo.max_val_samples=8", pp_arg, processes=processes)
     assert proc.returncode == 0, proc.stderr[-4000:]
-    assert proc.stderr.count("(external_launcher)") == 2
+    assert proc.stderr.count("(external_launcher)") == processes
     rows = [json.loads(line) for line in (tmp_path / "out" / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in rows] == [0, 1]
     for r in rows:
-        assert r["rollout_prompts_per_rank"] == [64, 64]  # one engine, the step's samples once (both shards)
+        assert r["rollout_prompts_per_rank"] == [64 // pp] * processes  # both replicas' part, once per engine
         assert r["refit_max_rel_error"] == 0.0
         staged = r["refit_host_staged_bytes_per_rank"]
         assert all(0.45 * VERSION_BYTES < b <= 0.55 * VERSION_BYTES for b in staged), (staged, VERSION_BYTES)
-    per_replica = [r["reward_mean_per_rank"] for r in rows]  # rank r is replica r here
-    assert any(a != b for a, b in per_replica)  # each replica's own samples (the same ones would give equal means)
-    assert all(abs(r["reward_mean"] - sum(m) / 2) < 1e-6 for r, m in zip(rows, per_replica, strict=True))
+    per_rank = [r["reward_mean_per_rank"] for r in rows]  # rank = replica + 2 x stage
+    assert all(m[i] == m[i + 2] for m in per_rank for i in range(processes - 2))  # a replica's stages agree
+    assert any(m[0] != m[1] for m in per_rank)  # each replica's own samples (the same ones would give equal means)
+    assert all(abs(r["reward_mean"] - sum(m) / len(m)) < 1e-6 for r, m in zip(rows, per_rank, strict=True))
     validation = [json.loads(line) for line in (tmp_path / "out" / "validation.jsonl").read_text().splitlines()]
     assert validation and all(v["accuracy"] == v["accuracy"] for v in validation)  # counted over both replicas
