@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import logging
 import math
+import os
 from pathlib import Path
 
 import _warm_cli
@@ -85,6 +86,32 @@ def test_nemo_rls_8b_fp8_file_with_openmathinstruct2_staged_is_approved_with_nem
     # no longer "no effect": dataset_name and split are read
     no_effect = proc.stderr[proc.stderr.index("no effect in megatron-fp8") :].split("INFO")[0]
     assert "dataset_name" not in no_effect and "split_validation_size" not in no_effect
+
+
+def test_nemo_rls_70b_fp8_file_on_its_64_ranks_is_approved_with_its_rollout_tp_8(tmp_path):
+    """Issue 53: NeMo-RL's 70B FP8 recipe (trainer TP 4 x PP 8, DP 2 on 8 nodes of 8 GPUs, rollout TP 8) with its data
+    staged: each engine of 8 consecutive ranks holds one pipeline stage of both replicas; the memory plan is printed,
+    the engine shard's part (72.7 GB of FP8 weights / 8) staged and snapshotted on the GPU, no refit version in host
+    memory (host memory per rank: the offloaded optimizer state only)."""
+    staged = _omi2(tmp_path / "openmathinstruct2_train_1M.jsonl")
+    proc = _warm_cli.run(
+        ["config", "--config", str(CONFIGS / "grpo_math_70B_megatron_fp8.yaml"), f"data.train.data_path={staged}"],
+        timeout=300,
+        cwd=tmp_path,
+        env={**os.environ, "WORLD_SIZE": "64", "RANK": "0", "LOCAL_WORLD_SIZE": "8"},
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "approved: every check" in proc.stdout
+    assert (
+        "# rollout (64 processes): 64 ranks: 8 engine(s) of TP 8, each sharded over 8 consecutive trainer ranks (vLLM "
+        "external_launcher) holding one pipeline stage of 2 replicas" in proc.stdout
+    )
+    refit = next(line for line in proc.stdout.splitlines() if line.startswith("#   refit:"))
+    assert "refit's staged version 9.1 GB" in refit and "rollback snapshot (engine weights) 9.1 GB" in refit
+    peak = next(line for line in proc.stdout.splitlines() if line.startswith("#   peak:"))
+    assert ": fits; host memory per rank +13.2 GB" in peak  # the optimizer state offloaded (12 B x params / TP x PP)
+    optimizer = next(line for line in proc.stdout.splitlines() if line.startswith("#   training:"))
+    assert "optimizer state 13.2 GB" in optimizer  # so no refit byte is in host memory
 
 
 def test_the_staged_file_yields_nemo_rls_problems_answers_and_held_out_rows(tmp_path, monkeypatch):

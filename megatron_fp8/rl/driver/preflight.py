@@ -36,6 +36,8 @@ import yaml
 from safetensors import safe_open
 
 from megatron_fp8.config.algorithm_rules import correction_switch_problems
+from megatron_fp8.config.memory import describe_engine_memory
+from megatron_fp8.config.models import known_dims
 from megatron_fp8.config.nemo_rl.inheritance import check_config_size
 from megatron_fp8.config.schema import RunConfig
 from megatron_fp8.config.validate import validate_config
@@ -318,7 +320,7 @@ def _rollout_placement_problems(config: RunConfig) -> list[str]:
     tp = config.policy.generation.vllm_cfg.tensor_parallel_size
     if tp <= 1:
         return []
-    fix = f"set {_VLLM}.tensor_parallel_size=1 (every GPU then runs its own engine on its part of the samples)"
+    fix = _one_gpu_engine_fix(config)
     if not config.policy.generation.colocated.enabled:
         return [
             f"{_VLLM}.tensor_parallel_size={tp} cannot be placed: each separate rollout rank owns one GPU "
@@ -354,6 +356,29 @@ def _rollout_placement_problems(config: RunConfig) -> list[str]:
         f"({mcfg.tensor_model_parallel_size}), or a multiple of it over which the replicas split evenly (an engine "
         "then holds the TP groups of consecutive replicas)"
     ]
+
+
+def _one_gpu_engine_fix(config: RunConfig) -> str:
+    """The fix "rollout TP 1" a placement refusal names, only where an engine's weights fit one GPU's budget (else
+    what they need): never a fix that does not fit."""
+    fix = f"set {_VLLM}.tensor_parallel_size=1 (every GPU then runs its own engine on its part of the samples)"
+    dims = known_dims(config.model.name_or_path)
+    if dims is None:
+        return fix
+    one = dataclasses.replace(
+        config,
+        policy=dataclasses.replace(
+            config.policy,
+            generation=dataclasses.replace(
+                config.policy.generation,
+                vllm_cfg=dataclasses.replace(config.policy.generation.vllm_cfg, tensor_parallel_size=1),
+            ),
+        ),
+    )
+    line, fits = describe_engine_memory(one, dims)
+    if fits:
+        return fix
+    return f"rollout TP 1 does not fit ({line}): keep a rollout TP whose engine fits, placed as below"
 
 
 def _fp8_rollout_problems(config: RunConfig, fp8_arms: list[str]) -> list[str]:

@@ -16,7 +16,12 @@ from megatron_fp8.config import load_config
 from megatron_fp8.errors import ConfigError
 from megatron_fp8.models import tiny_model_path
 from megatron_fp8.rl.driver.phases import rollout_dtype_stream, trainer_dtype, training_math_label
-from megatron_fp8.rl.driver.preflight import check_weights_finite, preflight, refuse_empty_config
+from megatron_fp8.rl.driver.preflight import (
+    _rollout_placement_problems,
+    check_weights_finite,
+    preflight,
+    refuse_empty_config,
+)
 
 REPO = Path(__file__).resolve().parents[3]
 CLI = [sys.executable, "-m", "megatron_fp8.cli"]
@@ -213,6 +218,23 @@ def test_an_engine_over_replicas_must_hold_their_tp_groups(monkeypatch):
     with pytest.raises(ConfigError, match="the 3 replicas do not split into groups of 2") as info:
         preflight(cfg, download=False, launch_checks=False)
     assert "or a multiple of it" in str(info.value)
+
+
+def test_a_placement_refusal_never_names_rollout_tp_1_where_the_engine_cannot_fit_one_gpu(monkeypatch):
+    """NeMo-RL's 70B FP8 file at PP 2 on 3 nodes of 8 (DP 3): its engines of rollout TP 8 would hold one stage of 2 of
+    3 replicas; the refusal must not suggest rollout TP 1, whose 72.7 GB of FP8 weights exceed one H100's 48 GB engine
+    budget."""
+    monkeypatch.setenv("WORLD_SIZE", "24")
+    monkeypatch.setenv("RANK", "0")
+    monkeypatch.delenv("LOCAL_WORLD_SIZE", raising=False)
+    monkeypatch.delenv("SLURM_NTASKS_PER_NODE", raising=False)
+    cfg = load_config(
+        REPO / "tests" / "config" / "data" / "nemo_rl" / "examples" / "configs" / "grpo_math_70B_megatron_fp8.yaml",
+        ["policy.megatron_cfg.pipeline_model_parallel_size=2"],
+    )
+    problems = _rollout_placement_problems(cfg)
+    assert problems and "rollout TP 1 does not fit (weights 72.7 GB (fp8) / rollout TP 1" in problems[0]
+    assert "set policy.generation.vllm_cfg.tensor_parallel_size=1" not in problems[0]
 
 
 def test_engines_of_a_node_must_not_straddle_two_nodes(monkeypatch):
