@@ -193,15 +193,16 @@ def test_a_gpu_trainer_exports_on_its_gpu_exactly_when_the_target_takes_a_device
 
 
 def test_which_targets_take_a_device_stream():
-    """vLLM's applier keeps host copies (the receiver stages on the host for it), also behind the sleep schedule:
-    its colocated target takes the stream on the GPU; the reference engine's applier and the separate rollout ranks'
-    link take host tensors."""
+    """vLLM's applier keeps the version on its worker's device (the receiver stages there for it: the host for a CPU
+    engine, the GPU for a colocated one), also behind the sleep schedule: its colocated target takes the stream on the
+    GPU; the reference engine's applier and the separate rollout ranks' link take host tensors."""
     from megatron_fp8.rl.cluster.remote import RemoteRollout
     from megatron_fp8.rollout.reference.applier import ReferenceEngineApplier
     from megatron_fp8.rollout.sleep import ColocatedSleep, RecordingSleepControl
     from megatron_fp8.rollout.vllm.applier import VllmApplier
 
-    vllm = object.__new__(VllmApplier)  # its class's declaration; building one needs an engine (tests/rollout/vllm)
+    vllm = object.__new__(VllmApplier)  # building one needs an engine (tests/rollout/vllm): its worker's device set
+    vllm._staging = torch.device("cpu")
     slept = ColocatedSleep(control=RecordingSleepControl(), applier=vllm, level=2, kv_scales=None).applier
     reference = object.__new__(ReferenceEngineApplier)
     assert RemoteRollout.stream_on_device is False
@@ -209,6 +210,13 @@ def test_which_targets_take_a_device_stream():
         target = colocated.ColocatedTarget(SimpleNamespace(applier=applier), bucket_bytes=1 << 20, timeout=1.0)
         try:
             assert target.stream_on_device is on_device, applier
+            assert target.staging == ("host" if on_device else "copy")
             assert target._refit.receiver.applier is applier and target._refit.transport._queue.maxsize == 1
         finally:
             target.close()
+    vllm._staging = torch.device("cuda", 0)  # an engine worker on the trainer's GPU, in this process
+    target = colocated.ColocatedTarget(SimpleNamespace(applier=slept), bucket_bytes=1 << 20, timeout=1.0)
+    try:
+        assert target.stream_on_device and target.staging == "device" and target.shard_plan is None
+    finally:
+        target.close()
