@@ -371,6 +371,8 @@ _PER_RANK_FIELDS = (
     "refit_host_staged_bytes_per_rank",
     "refit_device_staged_bytes_per_rank",
     "reward_mean_per_rank",
+    "refit_bytes_per_rank",
+    "refit_seconds_per_rank",
 )
 """Tuples of one entry per rank: concatenated in rank order."""
 

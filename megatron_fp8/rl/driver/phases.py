@@ -579,6 +579,8 @@ def run_step(state: ArmState, ctx: GRPOContext, *, step: int) -> StepMetrics:
         refit_host_staged_bytes_per_rank=(refit.host_staged_bytes,),
         refit_device_staged_bytes_per_rank=(refit.device_staged_bytes,),
         reward_mean_per_rank=(float(rewards.float().mean()),),
+        refit_bytes_per_rank=(int(sum(refit.payload_bytes.values())),),
+        refit_seconds_per_rank=(refit.seconds,),
         train_seconds=train.seconds,
         step_seconds=time.perf_counter() - t_step,
         sample=f"{out.problems[best].prompt}{scores.texts[best]!r} (answer {out.problems[best].answer})",

@@ -91,9 +91,17 @@ _GROUP_KEYS: dict[str, tuple[str, ...]] = {
         "refit_bytes",  # the nested StepMetrics field, when a record holds it unflattened
         "refit_host_staged_bytes_per_rank",
         "refit_device_staged_bytes_per_rank",
+        "refit_bytes_per_rank",
     ),
     "mismatch": _MISMATCH_KEYS,
-    "timing": ("rollout_seconds", "train_seconds", "refit_seconds", "step_seconds", "rollout_tokens_per_s_per_rank"),
+    "timing": (
+        "rollout_seconds",
+        "train_seconds",
+        "refit_seconds",
+        "step_seconds",
+        "rollout_tokens_per_s_per_rank",
+        "refit_seconds_per_rank",
+    ),
 }
 SCALAR_GROUPS: Mapping[str, str] = MappingProxyType({k: g for g, keys in _GROUP_KEYS.items() for k in keys})
 """Record key -> TensorBoard / W&B group: the ``train/...`` of a tag. A nested key (``refit_bytes/fp8``) takes

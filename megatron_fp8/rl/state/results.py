@@ -35,7 +35,7 @@ CHECKPOINTS_DIR = "checkpoints"
 JSONRecord = dict[str, object]
 """One flat JSON object (a line of ``metrics.jsonl``)."""
 
-TIMING_SUFFIXES = ("_seconds", "_per_s_per_rank")
+TIMING_SUFFIXES = ("_seconds", "_per_s_per_rank", "_seconds_per_rank")
 """A ``metrics.jsonl`` key ending so is measured by the clock (differs between two runs of the same steps)."""
 _RECORD_EXTRAS = frozenset({"training_recipe", "training_math"})
 """Per-arm facts the driver adds to each record (not :class:`StepMetrics` fields)."""
@@ -132,6 +132,8 @@ class StepMetrics:
         refit_device_staged_bytes_per_rank: per trainer rank, the same kept on the engine's GPU.
         reward_mean_per_rank: per trainer rank, the mean reward of the samples its replica trained on (the ranks of
             one replica agree; replicas differ: each trains on its own samples).
+        refit_bytes_per_rank: per trainer rank, the refit payload bytes it sent (its engine shard's part).
+        refit_seconds_per_rank: per trainer rank, its refit's wall time, seconds.
     """
 
     arm: str
@@ -170,6 +172,8 @@ class StepMetrics:
     refit_host_staged_bytes_per_rank: tuple[int, ...] = ()
     refit_device_staged_bytes_per_rank: tuple[int, ...] = ()
     reward_mean_per_rank: tuple[float, ...] = ()
+    refit_bytes_per_rank: tuple[int, ...] = ()
+    refit_seconds_per_rank: tuple[float, ...] = ()
 
     @property
     def gen_kl(self) -> float:

@@ -80,7 +80,8 @@ def test_two_grpo_steps_with_tp2_engines_sharded_over_the_trainer_ranks(tmp_path
         assert len(staged) == processes and r["refit_device_staged_bytes_per_rank"] == [0] * processes
         # each rank stages its part: at most 0.55 of the whole version (what each staged before shard plans)
         assert all(0.45 * VERSION_BYTES < b <= 0.55 * VERSION_BYTES for b in staged), (staged, VERSION_BYTES)
-        assert r["refit_total_bytes"] == sum(staged)  # what the ranks sent is what their engines staged
+        assert r["refit_total_bytes"] == sum(staged) == sum(r["refit_bytes_per_rank"])  # sent = staged, per rank
+        assert r["refit_bytes_per_rank"] == staged and len(r["refit_seconds_per_rank"]) == processes
     assert rows[1]["refit_version"] == 2
 
 

@@ -71,6 +71,8 @@ def _metrics(step: int, *, arm: str = "fp8", reward: float = 0.5, refit_error: f
         refit_host_staged_bytes_per_rank=(0, 0),
         refit_device_staged_bytes_per_rank=(3_000_003_048, 3_000_003_048),
         reward_mean_per_rank=(0.5, 0.25),
+        refit_bytes_per_rank=(1_500_001_524, 1_500_001_524),
+        refit_seconds_per_rank=(0.75, 0.74),
         rollout_seconds=2.0,
         train_seconds=3.0,
         step_seconds=6.0,
