@@ -83,8 +83,10 @@ class VllmApplier:
     Attributes:
         last_verify: the last committed version's verification report (``max_rel_error`` 0: exact).
         last_timings: seconds of the last commit per phase: ``validate``, ``load``, ``verify``
-            (the worst worker), ``rollback_bytes``: host bytes kept to restore it, and ``rollback_copy_bytes``: of
-            those, the bytes copied to the host from a version staged on the engine's device.
+            (the worst worker), ``rollback_bytes``: host bytes kept to restore it, ``rollback_copy_bytes``: of
+            those, the bytes copied to the host from a version staged on the engine's device, and
+            ``snapshot_bytes``: the copy of its own weights an engine loaded in place took before the first write
+            (on their device; dropped once every shard committed).
         shard_plan: what this process's shard takes of each tensor (:class:`~megatron_fp8.layout.ShardPlan`): the
             trainer sends only these parts (``None``: full tensors; the worker slices its part).
         last_prefix_cache: how the last commit retired the prefix cache (a key of
