@@ -23,6 +23,11 @@ Taking vLLM's own post-processing into account:
   build FP8 engines);
 * KV-cache scales: the attention layer's ``{q,k,v}_scale`` equal the sent float32 values.
 
+The byte comparisons of a version are collected (:class:`ByteChecks`) and made at the end: on a GPU in one grouped
+pass per element width (:func:`~megatron_fp8.refit.fused_fill.compare_many`) whose verdicts come back in one host
+read, not one sync per tensor; elsewhere tensor by tensor. Either way the first differing tensor, in the order the
+engine's modules are walked, is the one reported.
+
 A single flipped element or a 1% scale error changes the compared bytes and is reported
 with the tensor's name and the first differing index.
 """
@@ -31,12 +36,13 @@ from __future__ import annotations
 
 import dataclasses
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 
 import torch
 
 from megatron_fp8.errors import RefitError
 from megatron_fp8.layout import ceil_div
+from megatron_fp8.refit import fused_fill
 from megatron_fp8.refit.verify import VerifyReport
 from megatron_fp8.rollout.vllm import inplace, layers, layouts
 from megatron_fp8.rollout.vllm.expected import ExpectedTensor, _linear_shard_rows
@@ -65,6 +71,7 @@ class ExactVerifyResult:
 
 
 def _first_diff(a: torch.Tensor, b: torch.Tensor) -> str:
+    a, b = a.detach().cpu(), b.detach().cpu()
     ne = (a.reshape(-1) != b.reshape(-1)).nonzero()
     if ne.numel() == 0:
         return "sign of zero or NaN payload"
@@ -88,6 +95,55 @@ def _fail(version: int, name: str, what: str) -> RefitError:
         f"verification of version {version} failed for {name!r}: the engine holds different values than were "
         f"sent ({what}); stale or partially applied weights"
     )
+
+
+class ByteChecks:
+    """The byte comparisons of one verification, made together at :meth:`finish`.
+
+    On a GPU every pair goes into one grouped comparison per element width (:func:`fused_fill.compare_many`: one read
+    of both sides, the verdicts read back once); elsewhere (CPU, or tensors the grouped pass cannot take) each pair is
+    compared with :func:`_same_bytes`. The first failing pair in the order of :meth:`expect` is reported.
+
+    Args:
+        version: the version verified (for messages).
+    """
+
+    def __init__(self, version: int):
+        self.version = version
+        self._pairs: list[tuple[torch.Tensor, torch.Tensor, str, Callable[[], str]]] = []
+
+    def expect(self, held: torch.Tensor, sent: torch.Tensor | RowParts, label: str, detail: Callable[[], str]) -> None:
+        """Record that ``held`` must hold ``sent``'s bytes (``sent`` moved to ``held``'s device and dtype, as
+        :func:`_same_bytes`); fused shards pair each part with its rows. A shape that differs fails now.
+
+        Raises:
+            RefitError: the shapes (element counts) differ.
+        """
+        parts = sent.rows() if isinstance(sent, RowParts) else [(slice(None), sent)]
+        if tuple(held.shape) != tuple(sent.shape):
+            raise _fail(self.version, label, f"shape {tuple(held.shape)} held, {tuple(sent.shape)} sent")
+        for rows, part in parts:
+            h = held if isinstance(rows, slice) and rows == slice(None) else held[rows]
+            self._pairs.append((h, part.to(device=h.device, dtype=h.dtype), label, detail))
+
+    def finish(self) -> int:
+        """Compare every recorded pair; the number compared.
+
+        Raises:
+            RefitError: naming the first pair whose bytes differ and how.
+        """
+        pairs, self._pairs = self._pairs, []
+        held = [h.contiguous() for h, _, _, _ in pairs]
+        sent = [s.contiguous() for _, s, _, _ in pairs]
+        if held and fused_fill.runs_on(held + sent):
+            flags = fused_fill.compare_many(held, sent).cpu()  # the verdicts: one host read
+            bad = flags.nonzero().flatten().tolist()
+        else:
+            bad = [i for i, (h, s) in enumerate(zip(held, sent, strict=True)) if not _same_bytes(h, s)]
+        if bad:
+            _, _, label, detail = pairs[bad[0]]
+            raise _fail(self.version, label, detail())
+        return len(pairs)
 
 
 def _shard_key(module: torch.nn.Module, index: int, count: int) -> str | int | None:
@@ -148,6 +204,7 @@ def _verify_processed_linear(
     sent: Mapping[str, torch.Tensor],
     *,
     version: int,
+    checks: ByteChecks,
     local: bool = False,
 ) -> int:
     """Compare an FP8 linear in a processed layout (``rowmajor``/``transposed``/``ue8m0``) byte for byte."""
@@ -166,9 +223,12 @@ def _verify_processed_linear(
         ) from exc
     for pname, t in want.items():
         held = getattr(module, pname).data
-        if not _same_bytes(held, t):
-            what = _first_diff(held.float(), materialized(t).float())
-            raise _fail(version, f"{module.prefix}.{pname} ({layout.kind})", what)
+        checks.expect(
+            held,
+            t,
+            f"{module.prefix}.{pname} ({layout.kind})",
+            lambda held=held, t=t: _first_diff(held.float(), materialized(t).float()),
+        )
     return 0
 
 
@@ -180,6 +240,7 @@ def _verify_linear(
     version: int,
     read_weights: bool,
     unverified: list[str],
+    checks: ByteChecks,
     local: bool = False,
 ) -> int:
     """Compare one linear module; returns 1 when it was probed through its GEMM."""
@@ -196,16 +257,16 @@ def _verify_linear(
             unverified.append(label)
             return 0
         if layout.kind != "checkpoint":  # processed (vLLM 0.11): compare with what the layout maps the sent stream to
-            return _verify_processed_linear(module, layout, keys, names, sent, version=version, local=local)
+            return _verify_processed_linear(
+                module, layout, keys, names, sent, version=version, checks=checks, local=local
+            )
         if tuple(weight.shape) == tuple(want.shape):
-            ok = _same_bytes(weight.data, want)
+            checks.expect(weight.data, want, label + shards, lambda: "FP8 codes differ")
         elif tuple(weight.shape) == tuple(reversed(want.shape)):
-            ok = _same_bytes(weight.data.t(), want)
+            checks.expect(weight.data.t(), want, label + shards, lambda: "FP8 codes differ")
         else:
             unverified.append(label)
             return 0
-        if not ok:
-            raise _fail(version, label + shards, "FP8 codes differ")
         scale = getattr(module, "weight_scale_inv", None)
         scale = scale if scale is not None else getattr(module, "weight_scale", None)
         scale_names = [n + SCALE_SUFFIX for n in names]
@@ -221,9 +282,8 @@ def _verify_linear(
             raise _fail(version, module.prefix + ".weight_scale_inv", "block scales differ (exactly, or as UE8M0)")
         return 0
     if read_weights and weight is not None and tuple(weight.shape) == tuple(want.shape):
-        if not _same_bytes(weight.data, want):
-            w = weight.data
-            raise _fail(version, label + shards, _first_diff(w, materialized(want).to(w.dtype)))
+        w = weight.data
+        checks.expect(w, want, label + shards, lambda: _first_diff(w, materialized(want).to(w.dtype)))
     elif weight is not None and hasattr(module, "quant_method") and want.dim() == 2:
         held = _probe(module, want.shape[1], want.dtype, weight.device).t().to("cpu")
         probed = 1
@@ -239,8 +299,9 @@ def _verify_linear(
         want_b = torch.cat(
             [_local(module, k, sent[b], block=1, local=local) for k, b in zip(keys, bias_names, strict=True)]
         )
-        if not _same_bytes(bias.data, want_b):
-            raise _fail(version, module.prefix + ".bias", _first_diff(bias.data.float(), want_b.float()))
+        checks.expect(
+            bias.data, want_b, module.prefix + ".bias", lambda: _first_diff(bias.data.float(), want_b.float())
+        )
     return probed
 
 
@@ -299,6 +360,7 @@ def verify_exact(
     linear_cls = layers.linear_base_cls()
     embedding_cls = layers.vocab_embedding_cls()
     unverified: list[str] = []
+    checks = ByteChecks(version)
     checked = probed = 0
     done: set[str] = set()
     modules = dict(model.named_modules())
@@ -312,7 +374,14 @@ def verify_exact(
         if not all(present):
             raise _fail(version, module.prefix, f"only {sum(present)} of its {len(names)} shards were loaded")
         probed += _verify_linear(
-            module, names, sent, version=version, read_weights=read_weights, unverified=unverified, local=local
+            module,
+            names,
+            sent,
+            version=version,
+            read_weights=read_weights,
+            unverified=unverified,
+            checks=checks,
+            local=local,
         )
         done.update(names)
         done.update(n + SCALE_SUFFIX for n in names)
@@ -355,8 +424,13 @@ def verify_exact(
         if held.shape != tensor.shape:
             unverified.append(name)
             continue
-        if not _same_bytes(held, tensor):
-            raise _fail(version, name, _first_diff(held.float().cpu(), tensor.to(held.dtype).float()))
+        checks.expect(
+            held,
+            tensor,
+            name,
+            lambda held=held, tensor=tensor: _first_diff(held.float().cpu(), tensor.to(held.dtype).float().cpu()),
+        )
         checked += 1
+    checks.finish()  # every byte comparison at once (one grouped pass on a GPU); the first difference raises
     report = VerifyReport(version=version, checked=checked, max_rel_error=0.0, worst="")
     return ExactVerifyResult(report, tuple(unverified), probed, time.perf_counter() - start)
