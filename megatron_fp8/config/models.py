@@ -79,6 +79,17 @@ def _tiny_dims(name: str) -> ModelDims:
     )
 
 
+_LLAMA_70B = ModelDims(
+    num_layers=80,
+    hidden_size=8192,
+    intermediate_size=28672,
+    num_attention_heads=64,
+    num_key_value_heads=8,
+    head_dim=128,
+    vocab_size=128256,
+)
+"""Llama-3.1-70B and Llama-3.3-70B (NeMo-RL's 70B recipes)."""
+
 KNOWN_MODELS: dict[str, ModelDims] = {
     **{name: _tiny_dims(name) for name in TINY_MODELS},
     "llama-3.1-8b": ModelDims(
@@ -90,24 +101,8 @@ KNOWN_MODELS: dict[str, ModelDims] = {
         head_dim=128,
         vocab_size=128256,
     ),
-    "llama-3.3-70b": ModelDims(  # also Llama-3.1-70B: the same config.json dimensions
-        num_layers=80,
-        hidden_size=8192,
-        intermediate_size=28672,
-        num_attention_heads=64,
-        num_key_value_heads=8,
-        head_dim=128,
-        vocab_size=128256,
-    ),
-    "llama-3.1-70b": ModelDims(
-        num_layers=80,
-        hidden_size=8192,
-        intermediate_size=28672,
-        num_attention_heads=64,
-        num_key_value_heads=8,
-        head_dim=128,
-        vocab_size=128256,
-    ),
+    "llama-3.3-70b": _LLAMA_70B,
+    "llama-3.1-70b": _LLAMA_70B,  # the same config.json dimensions
     "qwen3-8b": ModelDims(
         num_layers=36,
         hidden_size=4096,

@@ -82,8 +82,8 @@ def staging_device(applier: object) -> torch.device | None:
     version there for it and hands it views it owns); ``None``: it copies what it keeps (views of the receiver's
     buckets).
 
-    Read from the applier's ``staging_device`` attribute (a device or its name), else ``keeps_host_copies`` (true:
-    the host).
+    Read from the applier's ``staging_device`` attribute (a device or its name; ``cuda`` alone: the current GPU, with
+    its index), else ``keeps_host_copies`` (true: the host).
 
     Raises:
         RefitError: ``staging_device`` is not a device name.
@@ -91,12 +91,15 @@ def staging_device(applier: object) -> torch.device | None:
     device = getattr(applier, "staging_device", None)
     if device is not None:
         try:
-            return torch.device(device)
+            device = torch.device(device)
         except (RuntimeError, TypeError) as exc:
             raise RefitError(
                 f"{type(applier).__name__}.staging_device is {device!r}, not a device; give a torch.device or a name "
                 "such as 'cpu' or 'cuda:0' (None: the applier copies what it keeps)"
             ) from exc
+        if device.type == "cuda" and device.index is None:  # the current GPU, as a tensor's device names it
+            device = torch.device("cuda", torch.cuda.current_device())
+        return device
     return torch.device("cpu") if bool(getattr(applier, "keeps_host_copies", False)) else None
 
 

@@ -113,16 +113,6 @@ class ReceiveReport:
     staging_copies: int = 0
 
 
-def _same_device(a: torch.device, b: torch.device) -> bool:
-    """Whether ``a`` and ``b`` are one device (``cuda`` without an index: the current CUDA device)."""
-    if a.type != b.type:
-        return False
-    if a.type != "cuda" or a.index == b.index:
-        return True
-    current = torch.cuda.current_device()
-    return (current if a.index is None else a.index) == (current if b.index is None else b.index)
-
-
 def _names(names: list[str]) -> str:
     return f"{names[:_SHOW]}{' ...' if len(names) > _SHOW else ''}"
 
@@ -316,7 +306,7 @@ class _Version:
         ``wait=False`` leaves a CUDA copy in flight: it lands before any host read queued after it on the stream (the
         bucket's partials)."""
         payload = bucket.payload
-        if self.staging is None or (self.fresh and _same_device(payload.device, self.staging)):
+        if self.staging is None or (self.fresh and payload.device == self.staging):
             return bucket
         self.copies += 1
         if self.staging.type == "cpu":
@@ -555,6 +545,7 @@ class RefitReceiver:
             raise RefitError(f"refit version {cur.version} failed: {reason}") from error
         self.versions.observe(cur.version, what="refit receiver")
         delivered = self._report(RefitOutcome(cur.version, "committed", stream_id=cur.stream_id))
+        host_staged, device_staged = cur.staged_bytes()
         report = ReceiveReport(
             version=cur.version,
             num_tensors=len(cur.staged),
@@ -564,8 +555,8 @@ class RefitReceiver:
             tail_seconds=end - cur.last_arrival,
             discarded_buckets=discarded,
             outcome_delivered=delivered,
-            host_staged_bytes=cur.staged_bytes()[0],
-            device_staged_bytes=cur.staged_bytes()[1],
+            host_staged_bytes=host_staged,
+            device_staged_bytes=device_staged,
             staging_copies=cur.copies,
         )
         logger.debug("refit v%d applied: %d tensors from %d buckets", cur.version, report.num_tensors, cur.num_buckets)
