@@ -380,38 +380,38 @@ class FP8RefitWorkerExtension:
                 stream = kept[0].result()  # the rollback source in host memory (a device-staged version leaves)
         except Exception as exc:
             raise self._mfp8_recover(version, exc, native=native, snapshot=snap) from exc
-        if snap is not None:
-            self._mfp8_update(
-                version=version, serving=True, last_good=None, previous_good=None, snapshot=(state.version, snap)
-            )
-            out.update(
-                version=version,
-                serving=True,
-                validate_s=validate_s,
-                rollback_bytes=0,
-                rollback_copy_bytes=0,
-                snapshot_bytes=snap.nbytes,
-            )
-            return out
-        if state.partial:
-            merged = dict(state.last_good or rollback.checkpoint_weights(self.model_runner))
-            merged.update(stream)
-            stream = list(merged.items())
+        if snap is not None:  # the rollback source is the snapshot, kept until the release: no stream
+            last_good, previous_good = None, None
+        else:
+            if state.partial:
+                merged = dict(state.last_good or rollback.checkpoint_weights(self.model_runner))
+                merged.update(stream)
+                stream = list(merged.items())
+            last_good, previous_good = stream, (state.version, state.last_good)
         self._mfp8_update(
-            version=version, serving=True, last_good=stream, previous_good=(state.version, state.last_good)
+            version=version,
+            serving=True,
+            last_good=last_good,
+            previous_good=previous_good,
+            snapshot=(state.version, snap) if snap is not None else None,
         )
         out.update(
             version=version,
             serving=True,
             validate_s=validate_s,
-            rollback_bytes=_nbytes(stream),
-            rollback_copy_bytes=kept[0].copied_bytes,
-            snapshot_bytes=0,
+            rollback_bytes=_nbytes(last_good),
+            rollback_copy_bytes=sum(k.copied_bytes for k in kept),
+            snapshot_bytes=snap.nbytes if snap is not None else 0,
         )
         return out
 
     def _mfp8_restore(self, version: int, stream: Stream | None) -> None:
         """Reload ``stream`` (``None``: the checkpoint on disk) as ``version`` and verify it exactly."""
+        if stream is None and version != 0:
+            raise RefitError(
+                f"no rollback source for version {version}: this worker kept none (it was configured to load in "
+                "place and keep a snapshot instead); only version 0 can be re-read from the checkpoint on disk"
+            )
         rollback.reset_layerwise_state(self.model_runner.model)
         if stream is None:  # version 0: the checkpoint's full tensors, through vLLM's own load
             self._mfp8_load_and_verify(
@@ -432,43 +432,31 @@ class FP8RefitWorkerExtension:
         """
         state = self._mfp8_state()
         reason = f"{type(exc).__name__}: {exc}"
-        if snapshot is not None:
-            try:
-                snapshot.restore()
-            except Exception as restore_exc:
-                logger.error("refit v%d: restoring v%d's snapshot failed: %s", version, state.version, restore_exc)
-                return EngineNotServingError(
-                    f"refit version {version} failed after its first write ({reason}), and restoring version "
-                    f"{state.version} from its snapshot failed too ({restore_exc}); this engine refuses to generate "
-                    "until a good version commits"
-                )
-            self._mfp8_update(serving=True)
-            logger.warning("refit v%d failed after its first write; restored v%d: %s", version, state.version, reason)
-            return RefitRolledBackError(
-                f"refit version {version} failed after its first write ({reason}); the engine was restored to version "
-                f"{state.version} from a copy of its weights taken before the first write (every byte compared) and "
-                "keeps serving it"
-            )
-        if not native:
+        if snapshot is None and not native:
             logger.error("refit v%d failed after its first write (%s); in-place fallback: not serving", version, reason)
             return EngineNotServingError(
                 f"refit version {version} failed after its first write ({reason}); the in-place fallback cannot "
                 f"restore version {state.version}, so this engine refuses to generate until a good version commits"
             )
+        source = " from its snapshot" if snapshot is not None else ""
         try:
-            self._mfp8_restore(state.version, state.last_good)
+            if snapshot is not None:
+                snapshot.restore()
+            else:
+                self._mfp8_restore(state.version, state.last_good)
         except Exception as restore_exc:
-            logger.error("refit v%d: rollback to v%d failed: %s", version, state.version, restore_exc)
+            logger.error("refit v%d: rollback to v%d%s failed: %s", version, state.version, source, restore_exc)
             return EngineNotServingError(
                 f"refit version {version} failed after its first write ({reason}), and restoring version "
-                f"{state.version} failed too ({type(restore_exc).__name__}: {restore_exc}); this engine refuses "
-                "to generate until a good version commits"
+                f"{state.version}{source} failed too ({type(restore_exc).__name__}: {restore_exc}); this engine "
+                "refuses to generate until a good version commits"
             )
         self._mfp8_update(serving=True)
         logger.warning("refit v%d failed after its first write; rolled back to v%d: %s", version, state.version, reason)
+        how = "from a copy of its weights taken before the first write (every byte compared)" if snapshot else ""
         return RefitRolledBackError(
             f"refit version {version} failed after its first write ({reason}); the engine was restored to version "
-            f"{state.version} (verified exactly) and keeps serving it"
+            f"{state.version} {how or '(verified exactly)'} and keeps serving it"
         )
 
     def mfp8_release(self, version: int) -> None:
