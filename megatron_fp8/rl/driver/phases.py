@@ -224,9 +224,9 @@ def rollout_phase(state: ArmState, ctx: GRPOContext, *, step: int) -> RolloutOut
     )  # the samples (step indices) this rank's engine generates: its part, or the same part of each of its replicas
     source, base = (flat_prompts, first) if share.span == 1 else (_step_prompts(ctx, step_problems), 0)
     lengths = [hi - lo for lo, hi in ranges]
-    if all(ranges[i][1] == ranges[i + 1][0] for i in range(len(ranges) - 1)):  # consecutive: one request
-        ranges = [(ranges[0][0], ranges[-1][1])]
-    requests = [(source[lo - base : hi - base], lo) for lo, hi in ranges]  # (prompts, first sample's index)
+    merged = len(ranges) > 1 and all(ranges[i][1] == ranges[i + 1][0] for i in range(len(ranges) - 1))
+    asked = [(ranges[0][0], ranges[-1][1])] if merged else ranges  # consecutive replicas: one request
+    requests = [(source[lo - base : hi - base], lo) for lo, hi in asked]  # (prompts, first sample's index)
     results: list[list[tuple[tuple[int, ...], torch.Tensor, bool]]] = []
     engine_name = state.engine.name
     for mine, start in requests:  # every rank of an engine makes the same requests, in the same order
@@ -245,8 +245,8 @@ def rollout_phase(state: ArmState, ctx: GRPOContext, *, step: int) -> RolloutOut
     seconds = time.perf_counter() - t0
     generated = sum(len(t) for result in results for t, _, _ in result)
     count = sum(len(mine) for mine, _ in requests)
-    at = sum(lengths[:own]) if len(results) < len(lengths) else 0
-    part = (results[0] if len(results) < len(lengths) else results[own])[at : at + lengths[own]]
+    at = sum(lengths[:own])
+    part = results[0][at : at + lengths[own]] if merged else results[own]
     whole = gather_within_replica(part, share)  # the replica's ranks train on the same samples
     rollout = Rollout(
         token_ids=tuple(t for t, _, _ in whole),
