@@ -89,6 +89,18 @@ Patch 5: ``device="cuda"`` in Megatron-Core's schedules on a CPU-only machine (s
 :func:`cpu_schedule_patches` (a ``TorchFunctionMode``) answers a factory call that names the CUDA
 device with a CPU tensor while the schedule runs, only when torch has no usable CUDA; every other
 call passes through unchanged.
+
+Patch 6: packed sequences through the local (non-TE) attention (scoped)
+-----------------------------------------------------------------------
+Megatron-Core 0.16's ``Attention.forward`` (``megatron/core/transformer/attention.py``) handles a THD micro-batch
+(``PackedSeqParams(qkv_format="thd")``) itself: the rotary embedding restarts at every ``cu_seqlens`` boundary, and
+q/k/v are squeezed to ``[t, heads, dim]``; the core attention then must keep the sequences apart. TE's
+``TEDotProductAttention`` does (``cu_seqlens``); the local ``DotProductAttention``
+(``megatron/core/transformer/dot_product_attention.py``), the only one without TE, asserts
+``packed_seq_params is None``. :func:`packed_local_attention` lets it run such a micro-batch as what it is, one
+row of ``t`` tokens: q/k/v back to ``[t, 1, heads, dim]`` and the caller's block-diagonal causal mask
+(``[1, 1, t, t]``) keeping each sequence to itself; every other call passes through unchanged. The same packed
+micro-batch thus runs through Megatron-Core's packed path on a CPU, only the attention kernel differing.
 """
 
 from __future__ import annotations
@@ -405,6 +417,41 @@ def cpu_schedule_patches() -> Iterator[bool]:
         return
     with cpu_device_patches(), _CudaFactoriesOnCpu():
         yield True
+
+
+@contextlib.contextmanager
+def packed_local_attention() -> Iterator[None]:
+    """Patch 6: the local ``DotProductAttention`` takes a THD (packed) micro-batch while active."""
+    from megatron.core.transformer.dot_product_attention import DotProductAttention  # lazy: optional
+
+    original = DotProductAttention.forward
+
+    @functools.wraps(original)
+    def forward(
+        self, query, key, value, attention_mask, attn_mask_type=None, attention_bias=None, packed_seq_params=None
+    ):
+        if packed_seq_params is None:
+            return original(self, query, key, value, attention_mask, attn_mask_type, attention_bias)
+        if attention_mask is None or query.dim() != 3:
+            raise MegatronFP8Error(
+                "a packed micro-batch through the local attention needs its [t, heads, dim] q/k/v and the "
+                "block-diagonal mask of its sequences (megatron_fp8.megatron.microbatch)"
+            )
+        return original(
+            self,
+            query.unsqueeze(1),
+            key.unsqueeze(1),
+            value.unsqueeze(1),
+            attention_mask,
+            attn_mask_type,
+            attention_bias,
+        )
+
+    DotProductAttention.forward = forward
+    try:
+        yield
+    finally:
+        DotProductAttention.forward = original
 
 
 def use_cpu_rng_tracker() -> bool:

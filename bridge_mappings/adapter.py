@@ -194,6 +194,21 @@ def cpu_schedule_patches() -> contextlib.AbstractContextManager[bool]:
     return _patches.cpu_schedule_patches()
 
 
+def attention_keeps_packed_sequences_apart_by_mask(model: torch.nn.Module) -> bool:
+    """Whether ``model`` runs packed (THD) micro-batches through the local ``DotProductAttention`` (every model
+    built without TE), which keeps the sequences apart by the block-diagonal mask the caller passes, inside
+    :func:`packed_local_attention`; TransformerEngine's attention keeps them apart by ``cu_seqlens`` (no mask)."""
+    from megatron.core.transformer.dot_product_attention import DotProductAttention  # lazy: optional
+
+    return any(isinstance(module, DotProductAttention) for module in model.modules())
+
+
+def packed_local_attention() -> contextlib.AbstractContextManager[None]:
+    """Scope in which the local ``DotProductAttention`` takes a packed (THD) micro-batch (patch 6 of
+    :mod:`bridge_mappings._patches`)."""
+    return _patches.packed_local_attention()
+
+
 def use_cpu_rng_tracker() -> bool:
     """Install Megatron's no-op-fork RNG tracker when CUDA is unavailable (patch 4); ``False`` with CUDA."""
     return _patches.use_cpu_rng_tracker()

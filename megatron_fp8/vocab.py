@@ -298,3 +298,15 @@ MEMORY_PHASES: Final = MappingProxyType(
     }
 )
 """The phases of a colocated step whose GPU memory ``config`` plans (:mod:`megatron_fp8.config.memory_plan`)."""
+
+BATCH_LAYOUTS: Final = MappingProxyType(
+    {
+        "rows": "micro-batches of a fixed number of rows, each as long as the batch's longest row "
+        "(policy.train_micro_batch_size / policy.logprob_batch_size)",
+        "dynamic": "rows sorted by length and grouped up to a token budget, each micro-batch padded to its own "
+        "longest row (policy.dynamic_batching)",
+        "packed": "rows concatenated into micro-batches of at most a token budget, each sequence attending only to "
+        "itself, positions from 0 (policy.sequence_packing)",
+    }
+)
+"""How the trainer lays a batch's rows out in micro-batches (:mod:`megatron_fp8.megatron.microbatch`)."""

@@ -39,8 +39,7 @@ def run(args: argparse.Namespace) -> int:
         raise UsageError(f"--repeats must be >= 1, got {args.repeats}")
     if args.num_first_layers_in_bf16 < 0 or args.num_last_layers_in_bf16 < 0:
         raise UsageError("--num-first-layers-in-bf16 / --num-last-layers-in-bf16 must be >= 0")
-    from megatron_fp8.rl.driver.phases import quiet_stdout
-    from megatron_fp8.rl.driver.runtime import phase
+    from megatron_fp8.rl.driver.runtime import phase, quiet_stdout
 
     path = resolve_model(args.model)
     runs = {}

@@ -1,5 +1,6 @@
-"""Cross-field rules of the algorithm's settings: the loss (``loss_fn``: IS correction, PPO clip, KL penalty) and
-the learning-rate schedule (``policy.megatron_cfg.scheduler`` with ``optimizer.{lr, min_lr}``).
+"""Cross-field rules of the algorithm's settings: the loss (``loss_fn``: IS correction, PPO clip, KL penalty), the
+learning-rate schedule (``policy.megatron_cfg.scheduler`` with ``optimizer.{lr, min_lr}``) and how the trainer batches
+(``policy.sequence_packing`` / ``policy.dynamic_batching``).
 
 Each rule returns one line per problem, naming the key and the allowed range; :data:`megatron_fp8.config.validate.RULES`
 runs them with the others.
@@ -11,6 +12,7 @@ from collections.abc import Sequence
 
 from megatron_fp8 import vocab
 from megatron_fp8.config.schema import LossConfig, RunConfig
+from megatron_fp8.megatron.bins import PACKING_ALGORITHMS
 
 _SWITCH = "loss_fn.use_importance_sampling_correction"
 
@@ -130,3 +132,47 @@ def low_cap_warning(loss: LossConfig, arms: Sequence[str]) -> str | None:
         f"{cap}, the on-policy weight 1 included, so every corrected {unit.split()[0]}'s gradient is scaled by at most "
         f"{cap} (a smaller step), not only the over-weighted ones; NeMo-RL's files use 2"
     )
+
+
+MICROBATCH_ORDERS = ("packer", "largest_first")
+"""``policy.sequence_packing.microbatch_order``: NeMo-RL's two orders of a rank's bins."""
+
+
+def batching_rules(cfg: RunConfig) -> list[str]:
+    """``policy.sequence_packing`` / ``policy.dynamic_batching``: not both; an enabled one has both token budgets
+    (>= 1); a known packer and order; dynamic batching rounds to >= 1 and runs on one pipeline stage."""
+    pack, dyn = cfg.policy.sequence_packing, cfg.policy.dynamic_batching
+    problems: list[str] = []
+    if pack.enabled and dyn.enabled:
+        problems.append(
+            "policy.sequence_packing and policy.dynamic_batching are both enabled; they are exclusive (as in "
+            "NeMo-RL): keep sequence_packing (fewer padded tokens) and set policy.dynamic_batching.enabled: false"
+        )
+    for section, obj in (("policy.sequence_packing", pack), ("policy.dynamic_batching", dyn)):
+        if not obj.enabled:
+            continue
+        for key in ("train_mb_tokens", "logprob_mb_tokens"):
+            value = getattr(obj, key)
+            if value is None or value < 1:
+                problems.append(
+                    f"{section}.{key} must be a token budget >= 1 when {section}.enabled (NeMo-RL's files give "
+                    f"max_total_sequence_length x the micro-batch size), got {value}"
+                )
+    if pack.enabled and pack.algorithm.lower() not in PACKING_ALGORITHMS:
+        problems.append(
+            f"policy.sequence_packing.algorithm={pack.algorithm!r} is not one of NeMo-RL's packers: "
+            f"{', '.join(PACKING_ALGORITHMS)}"
+        )
+    if pack.enabled and pack.microbatch_order not in MICROBATCH_ORDERS:
+        problems.append(
+            f"policy.sequence_packing.microbatch_order={pack.microbatch_order!r}: use one of {', '.join(MICROBATCH_ORDERS)}"
+        )
+    if dyn.enabled and dyn.sequence_length_round < 1:
+        problems.append(f"policy.dynamic_batching.sequence_length_round must be >= 1, got {dyn.sequence_length_round}")
+    if dyn.enabled and cfg.policy.megatron_cfg.pipeline_model_parallel_size > 1:
+        problems.append(
+            "policy.dynamic_batching needs one pipeline stage (the stages exchange one activation shape per "
+            "micro-batch; NeMo-RL refuses it too): use policy.sequence_packing with "
+            "policy.megatron_cfg.pipeline_model_parallel_size > 1"
+        )
+    return problems

@@ -1,4 +1,5 @@
-"""The ``data`` sections of the run configuration (NeMo-RL's names): frozen dataclasses, re-exported by
+"""The ``data`` sections of the run configuration and how the trainer batches that data (NeMo-RL's names:
+``policy.sequence_packing``, ``policy.dynamic_batching``): frozen dataclasses, re-exported by
 :mod:`megatron_fp8.config.schema`.
 
 A split names a local file (``data_path``) and its two columns; NeMo-RL's ``dataset_name`` with a ``data_path``
@@ -76,3 +77,42 @@ class DataConfig:
     default: DataDefaultsConfig = field(default_factory=DataDefaultsConfig)
     max_input_seq_length: int | None = None
     shuffle: bool = True
+
+
+@dataclass(frozen=True)
+class SequencePackingConfig:
+    """``policy.sequence_packing`` (NeMo-RL's keys): every trainer pass packs the rows' real tokens into micro-batches
+    of at most a token budget (:mod:`megatron_fp8.megatron.microbatch`), each sequence attending only to itself.
+
+    Attributes:
+        enabled: pack (exclusive with ``policy.dynamic_batching``).
+        train_mb_tokens: tokens per training micro-batch at most (prompt + response of each row, padding included).
+        logprob_mb_tokens: tokens per scoring micro-batch at most (the old-policy and reference passes).
+        algorithm: NeMo-RL's bin packer (:data:`megatron_fp8.megatron.bins.PACKING_ALGORITHMS`).
+        microbatch_order: ``"packer"`` (the packer's order) or ``"largest_first"`` (bins by length, longest first:
+            the contents of each bin are unchanged).
+    """
+
+    enabled: bool = False
+    train_mb_tokens: int | None = None
+    logprob_mb_tokens: int | None = None
+    algorithm: str = "modified_first_fit_decreasing"
+    microbatch_order: str = "packer"
+
+
+@dataclass(frozen=True)
+class DynamicBatchingConfig:
+    """``policy.dynamic_batching`` (NeMo-RL's keys): rows sorted by length and grouped up to a token budget, each
+    micro-batch padded to its own longest row (rounded up to ``sequence_length_round``).
+
+    Attributes:
+        enabled: batch dynamically (exclusive with ``policy.sequence_packing``; one pipeline stage).
+        train_mb_tokens: tokens per training micro-batch at most (rows x padded length).
+        logprob_mb_tokens: tokens per scoring micro-batch at most.
+        sequence_length_round: micro-batch lengths rounded up to a multiple of this (tokens).
+    """
+
+    enabled: bool = False
+    train_mb_tokens: int | None = None
+    logprob_mb_tokens: int | None = None
+    sequence_length_round: int = 64

@@ -40,6 +40,17 @@ EFFECTS: Mapping[str, str] = {
     "(rl.driver.phases.train_phase)",
     "policy.train_micro_batch_size": "sequences per forward/backward; gradients accumulated into each update "
     "(rl.driver.phases.train_phase -> megatron.step.train_step)",
+    "policy.sequence_packing.enabled": "every trainer pass (old-policy and reference scores, training) packs rows into "
+    "micro-batches of a token budget, each sequence attending to itself (megatron.microbatch; a MoE model stays padded)",
+    "policy.sequence_packing.train_mb_tokens": "tokens per packed training micro-batch at most (megatron.microbatch)",
+    "policy.sequence_packing.logprob_mb_tokens": "tokens per packed scoring micro-batch at most (megatron.microbatch)",
+    "policy.sequence_packing.algorithm": "NeMo-RL's bin packer (megatron.bins: the same bins on the same lengths)",
+    "policy.sequence_packing.microbatch_order": "packer: the packer's order; largest_first: bins longest first",
+    "policy.dynamic_batching.enabled": "every trainer pass groups rows of similar length into micro-batches of a token "
+    "budget, each padded to its own longest row (megatron.microbatch; one pipeline stage; a MoE model stays padded)",
+    "policy.dynamic_batching.train_mb_tokens": "tokens (rows x padded length) per training micro-batch at most",
+    "policy.dynamic_batching.logprob_mb_tokens": "tokens (rows x padded length) per scoring micro-batch at most",
+    "policy.dynamic_batching.sequence_length_round": "a dynamic micro-batch's length rounded up to this multiple",
     "policy.megatron_cfg.enabled": "must be true: megatron-fp8 always trains through Megatron-Core",
     "policy.megatron_cfg.tensor_model_parallel_size": "Megatron tensor parallel size (config.wiring.megatron_parallel_args)",
     "policy.megatron_cfg.pipeline_model_parallel_size": "Megatron pipeline stages: Megatron-Core's 1F1B schedule "

@@ -5,6 +5,8 @@ Layout (dotted paths)::
     model.{name_or_path, is_moe, num_layers, hidden_size, intermediate_size, num_attention_heads,
            num_key_value_heads, head_dim, moe_intermediate_size, num_experts}
     policy.{model_name (NeMo-RL's model.name_or_path), train_global_batch_size, train_micro_batch_size, logprob_batch_size}
+    policy.sequence_packing.{enabled, train_mb_tokens, logprob_mb_tokens, algorithm, microbatch_order}
+    policy.dynamic_batching.{enabled, train_mb_tokens, logprob_mb_tokens, sequence_length_round}
     policy.megatron_cfg.{enabled, tensor_model_parallel_size, pipeline_model_parallel_size, expert_model_parallel_size,
                          activation_checkpointing, recompute_granularity, recompute_modules}
     policy.megatron_cfg.fp8_cfg.{enabled, fp8, fp8_recipe, fp8_param, num_first_layers_in_bf16, num_last_layers_in_bf16}
@@ -53,6 +55,8 @@ from megatron_fp8 import vocab
 from megatron_fp8.config.data_schema import DataConfig as DataConfig
 from megatron_fp8.config.data_schema import DataDefaultsConfig as DataDefaultsConfig
 from megatron_fp8.config.data_schema import DatasetConfig as DatasetConfig
+from megatron_fp8.config.data_schema import DynamicBatchingConfig as DynamicBatchingConfig
+from megatron_fp8.config.data_schema import SequencePackingConfig as SequencePackingConfig
 from megatron_fp8.config.outputs_schema import CheckpointingConfig, LoggerConfig, LoggingConfig
 from megatron_fp8.config.outputs_schema import WandbConfig as WandbConfig
 from megatron_fp8.recipes.registry import FP8_FORMATS
@@ -346,6 +350,8 @@ class PolicyConfig:
         logprob_batch_size: sequences per forward when the trainer scores a rollout (``None``: all at once).
         offload_optimizer_for_logprob: keep the optimizer state in host memory while the trainer scores the rollout
             too (colocated; otherwise it comes back before scoring), back before the update.
+        sequence_packing: packed micro-batches of a token budget (supersedes the two batch sizes when enabled).
+        dynamic_batching: micro-batches of similar-length rows up to a token budget (likewise).
         megatron_cfg: training settings.
         generation: rollout settings.
     """
@@ -355,6 +361,8 @@ class PolicyConfig:
     train_micro_batch_size: int | None = None
     logprob_batch_size: int | None = None
     offload_optimizer_for_logprob: bool = False
+    sequence_packing: SequencePackingConfig = field(default_factory=SequencePackingConfig)
+    dynamic_batching: DynamicBatchingConfig = field(default_factory=DynamicBatchingConfig)
     megatron_cfg: MegatronConfig = field(default_factory=MegatronConfig)
     generation: GenerationConfig = field(default_factory=GenerationConfig)
 

@@ -8,38 +8,45 @@ activations and their gradients travel between stages point to point, and the lo
 
 What this module adds to Megatron-Core:
 
-* the forward step of a GPT model on a ``[b, T]`` micro-batch (explicit causal / padding mask, positions over the
-  real tokens) and its loss function on the last stage: the vocab-parallel log-probabilities of the next tokens
-  (:func:`megatron_fp8.megatron.logits.local_logprobs`) handed to the caller's loss;
+* the forward step of a GPT model on a micro-batch (:class:`~megatron_fp8.megatron.microbatch.MicroBatch`: rows
+  with an explicit causal / padding mask and positions over the real tokens, or packed sequences in Megatron-Core's
+  THD form) and its loss function on the last stage: the vocab-parallel log-probabilities of the next tokens
+  (:func:`megatron_fp8.megatron.logits.local_logprobs`), mapped back to the batch's rows, handed to the caller's loss;
 * the loss scaling Megatron-Core's legacy two-value loss contract expects (it divides every micro-batch's loss by
   the number of micro-batches: the caller's shares, which already add up to the batch loss, are multiplied back);
 * :func:`from_last_stage`: what the last stage computed (log-probabilities, the loss, statistics) on every stage of
   the pipeline, so every rank of a model replica logs and corrects with the same numbers.
 
 Shapes: the pipeline's point-to-point buffers have one shape per call (``[T, b, hidden]``), so under pipeline
-parallelism every micro-batch of one call has the same number of rows (:func:`micro_batches` refuses otherwise).
+parallelism every micro-batch of one call has one shape (:func:`~megatron_fp8.megatron.microbatch.plan_micro_batches`
+makes it so, or refuses).
 """
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
 from typing import TYPE_CHECKING, TypeVar
 
 import torch
 import torch.distributed as dist
 
-from bridge_mappings.adapter import cpu_schedule_patches
+from bridge_mappings.adapter import (
+    attention_keeps_packed_sequences_apart_by_mask,
+    cpu_schedule_patches,
+    packed_local_attention,
+)
 from megatron_fp8.errors import ConfigError
-from megatron_fp8.megatron.logits import build_attention_mask, local_logprobs, position_ids_for
+from megatron_fp8.megatron.logits import local_logprobs
+from megatron_fp8.megatron.microbatch import MicroBatch
 
 if TYPE_CHECKING:  # annotations only (Megatron is optional at import time)
     from megatron_fp8.megatron.build import MegatronModel
 
 T = TypeVar("T")
 
-MicroLoss = Callable[[torch.Tensor, slice], torch.Tensor]
-"""``loss(logprobs [b, T-1] float32, rows)`` -> this micro-batch's share of the batch loss (a scalar)."""
+MicroLoss = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+"""``loss(logprobs [n, T-1] float32, rows int64 [n])`` -> this micro-batch's share of the batch loss (a scalar)."""
 
 
 def pipeline_size() -> int:
@@ -58,80 +65,73 @@ def is_last_stage() -> bool:
     return pipeline_size() == 1 or parallel_state.is_pipeline_last_stage()
 
 
-def micro_batches(rows: int, size: int | None, *, what: str) -> list[slice]:
-    """Row slices of ``size`` rows covering ``rows`` (the whole batch when ``size`` is ``None``).
+def model_inputs(mb: MicroBatch, device: torch.device, *, packed_mask: bool) -> dict[str, object]:
+    """The GPT model's keyword inputs for one micro-batch on ``device``.
 
-    Args:
-        rows: rows of the batch.
-        size: rows per micro-batch (``None``: one micro-batch).
-        what: the config key that set ``size``, for the error message.
-
-    Raises:
-        ConfigError: ``size < 1``, or under pipeline parallelism a last micro-batch smaller than the others.
+    A packed micro-batch goes in Megatron-Core's THD form (``packed_seq_params``); its block-diagonal mask only where
+    the attention keeps sequences apart by mask (``packed_mask``: the local attention, patch 6 of the adapter), none
+    for TransformerEngine's, which reads ``cu_seqlens``.
     """
-    if size is not None and size < 1:
-        raise ConfigError(f"{what} must be >= 1 (or unset), got {size}")
-    size = max(rows, 1) if size is None else size
-    if pipeline_size() > 1 and rows % size:
-        raise ConfigError(
-            f"{what}={size} does not split the {rows} rows of a batch into equal micro-batches, which pipeline "
-            f"parallelism needs (one activation shape per step); choose a divisor of {rows}"
-        )
-    return [slice(start, min(start + size, rows)) for start in range(0, max(rows, 1), size)]
+    packed = mb.packed_seq_params(device)
+    mask = None if packed is not None and not packed_mask else mb.attention_mask().to(device)
+    inputs: dict[str, object] = {
+        "input_ids": mb.input_ids.to(device=device, dtype=torch.int64),
+        "position_ids": mb.position_ids.to(device),
+        "attention_mask": mask,
+    }
+    if packed is not None:
+        inputs["packed_seq_params"] = packed
+    return inputs
 
 
-@dataclass(frozen=True)
-class _Micro:
-    rows: slice
-    input_ids: torch.Tensor
-    attention_mask: torch.Tensor | None
+def packing_scope(m: MegatronModel, micro: list[MicroBatch]) -> tuple[contextlib.AbstractContextManager, bool]:
+    """``(scope, packed_mask)`` for a pass over ``micro``: the local attention's packed-sequence scope and whether
+    the model needs the mask (see :func:`model_inputs`); a no-op without packed micro-batches."""
+    if not any(mb.cu_seqlens is not None for mb in micro):
+        return contextlib.nullcontext(), False
+    if attention_keeps_packed_sequences_apart_by_mask(m.model[0]):
+        return packed_local_attention(), True
+    return contextlib.nullcontext(), False
 
 
 def run_schedule(
     m: MegatronModel,
-    input_ids: torch.Tensor,
-    attention_mask: torch.Tensor | None,
-    parts: list[slice],
+    micro: list[MicroBatch],
     *,
     temperature: float,
     loss: MicroLoss | None,
-) -> list[torch.Tensor]:
-    """One pass of Megatron-Core's schedule over ``parts`` of the batch.
+) -> list[tuple[MicroBatch, torch.Tensor]]:
+    """One pass of Megatron-Core's schedule over the micro-batches of a batch.
 
     Args:
         m: the model (one chunk: virtual pipeline stages are not built).
-        input_ids: ``[B, T]`` token ids (the same on every stage of the replica).
-        attention_mask: optional ``[B, T]`` padding mask.
-        parts: the micro-batches' rows (from :func:`micro_batches`).
+        micro: the micro-batches (:func:`~megatron_fp8.megatron.microbatch.plan_micro_batches`, the same on every
+            stage of the replica).
         temperature: divides the logits before the log-softmax.
         loss: with a loss, a forward-backward pass (gradients accumulate in the DDP buffers, not finalized);
             without one, forward only.
 
     Returns:
-        On the last stage, per micro-batch: the loss share (training) or the ``[b, T-1]`` float32 log-probabilities
-        (forward only); on other stages an empty list.
+        On the last stage, per micro-batch: the loss share (training) or its rows' ``[n, T-1]`` float32
+        log-probabilities (forward only); on other stages an empty list.
     """
     from megatron.core.pipeline_parallel import get_forward_backward_func  # lazy: Megatron-Core is optional
 
     device = next(m.model[0].parameters()).device
-    ids = input_ids.to(device=device, dtype=torch.int64)
-    mask = attention_mask.to(device) if attention_mask is not None else None
-    micro = [_Micro(p, ids[p], mask[p] if mask is not None else None) for p in parts]
     count = len(micro)
+    scope, packed_mask = packing_scope(m, micro)
 
-    def forward_step(data: Iterator[_Micro], model: torch.nn.Module) -> tuple[torch.Tensor, Callable]:
+    def forward_step(data: Iterator[MicroBatch], model: torch.nn.Module) -> tuple[torch.Tensor, Callable]:
         mb = next(data)
-        output = model(
-            input_ids=mb.input_ids,
-            position_ids=position_ids_for(mb.input_ids, mb.attention_mask),
-            attention_mask=build_attention_mask(mb.input_ids, mb.attention_mask),
-        )
+        inputs = model_inputs(mb, device, packed_mask=packed_mask)
+        output = model(**inputs)
 
         def loss_func(logits: torch.Tensor) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-            logprobs = local_logprobs(logits, mb.input_ids, vocab_size=m.vocab_size, temperature=temperature)
+            scored = local_logprobs(logits, inputs["input_ids"], vocab_size=m.vocab_size, temperature=temperature)
+            rows = mb.to_rows(scored)
             if loss is None:
-                return logprobs.new_zeros(()), {"out": logprobs.detach()}
-            share = loss(logprobs, mb.rows)
+                return rows.new_zeros(()), {"out": rows.detach()}
+            share = loss(rows, mb.rows)
             if not isinstance(share, torch.Tensor) or share.numel() != 1:
                 raise ConfigError(f"loss_fn must return a scalar tensor, got {getattr(share, 'shape', type(share))}")
             if not torch.isfinite(share.detach()):
@@ -143,17 +143,17 @@ def run_schedule(
 
     schedule = get_forward_backward_func()
     grad = torch.enable_grad() if loss is not None else torch.no_grad()
-    with grad, cpu_schedule_patches():
+    with grad, cpu_schedule_patches(), scope:
         store = schedule(
             forward_step_func=forward_step,
             data_iterator=iter(micro),
             model=m.model,
             num_microbatches=count,
-            seq_length=ids.shape[1],
-            micro_batch_size=max(p.stop - p.start for p in parts),
+            seq_length=max(mb.input_ids.shape[1] for mb in micro),
+            micro_batch_size=max(mb.input_ids.shape[0] for mb in micro),
             forward_only=loss is None,
         )
-    return [entry["out"] for entry in store] if is_last_stage() else []
+    return list(zip(micro, (entry["out"] for entry in store), strict=True)) if is_last_stage() else []
 
 
 def from_last_stage(value: T | None) -> T:

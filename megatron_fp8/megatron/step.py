@@ -39,11 +39,13 @@ from megatron_fp8.megatron.logits import (
     position_ids_for,
     tensor_parallel_place,
 )
+from megatron_fp8.megatron.microbatch import BatchLayout, MicroBatch, TokenTally, plan_micro_batches
 from megatron_fp8.megatron.offload import empty_unused_memory
 from megatron_fp8.megatron.optim import AdamConfig, MegatronDDPAdam, StepOptimizer
 from megatron_fp8.megatron.schedule import (
     from_last_stage,
-    micro_batches,
+    model_inputs,
+    packing_scope,
     pipeline_size,
     run_schedule,
     tensor_from_last_stage,
@@ -152,6 +154,11 @@ def token_logprobs(
     return local_logprobs(logits, input_ids, vocab_size=m.vocab_size, temperature=temperature)
 
 
+def rows_layout(layout: BatchLayout | None, rows: int | None, *, key: str) -> BatchLayout:
+    """``layout``, or micro-batches of ``rows`` rows each (``None``: the whole batch) named by ``key``."""
+    return layout if layout is not None else BatchLayout(kind="rows", rows=rows, key=key)
+
+
 def sequence_logprobs(
     m: MegatronModel,
     input_ids: torch.Tensor,
@@ -159,42 +166,67 @@ def sequence_logprobs(
     temperature: float = 1.0,
     attention_mask: torch.Tensor | None = None,
     batch_size: int | None = None,
+    layout: BatchLayout | None = None,
+    tally: TokenTally | None = None,
+    pad_id: int = 0,
 ) -> torch.Tensor:
-    """Log-probability of each next token, ``batch_size`` rows per forward, at any pipeline layout.
+    """Log-probability of each next token, one micro-batch per forward, at any pipeline layout.
 
-    With one pipeline stage a forward per micro-batch (:func:`token_logprobs`); with several, Megatron-Core's
-    forward-only pipeline schedule, the log-probabilities taken on the last stage and broadcast to every stage.
-    Call it under ``torch.no_grad()``.
+    With one pipeline stage a forward per micro-batch; with several, Megatron-Core's forward-only pipeline schedule,
+    the log-probabilities taken on the last stage and broadcast to every stage. Call it under ``torch.no_grad()``.
 
     Args:
         m: the model.
-        input_ids: ``[B, T]`` int64 token ids.
+        input_ids: ``[B, T]`` int64 token ids, right-padded.
         temperature: sampling temperature (> 0).
         attention_mask: optional ``[B, T]`` padding mask (1 = real token).
         batch_size: rows per forward (``policy.logprob_batch_size``); ``None``: the whole batch.
+        layout: the micro-batches (dynamic or packed, :mod:`~megatron_fp8.megatron.microbatch`); supersedes
+            ``batch_size``.
+        tally: counts the real and computed tokens of the pass.
+        pad_id: token id of packed micro-batches' fill.
 
     Returns:
-        ``[B, T-1]`` float32 on every rank of the model replica.
+        ``[B, T-1]`` float32 on every rank of the model replica (0 past each row's real tokens with a dynamic or
+        packed layout).
     """
-    rows = input_ids.shape[0]
-    parts = micro_batches(rows, batch_size, what="policy.logprob_batch_size")
-    if pipeline_size() == 1:
-        outs = [
-            token_logprobs(
-                m,
-                input_ids[p],
-                temperature=temperature,
-                attention_mask=attention_mask[p] if attention_mask is not None else None,
-            )
-            for p in parts
-        ]
-        return outs[0] if len(outs) == 1 else torch.cat(outs)
     _check_ids(input_ids, m)
     if temperature <= 0:
         raise ConfigError(f"temperature must be > 0, got {temperature}")
-    outs = run_schedule(m, input_ids, attention_mask, parts, temperature=temperature, loss=None)
-    local = torch.cat(outs) if outs else None  # float32 already
-    return tensor_from_last_stage(local, shape=(rows, input_ids.shape[1] - 1), dtype=torch.float32)
+    rows, width = input_ids.shape[0], input_ids.shape[1] - 1
+    plan = plan_micro_batches(
+        input_ids,
+        attention_mask,
+        rows_layout(layout, batch_size, key="policy.logprob_batch_size"),
+        pipeline_stages=pipeline_size(),
+        pad_id=pad_id,
+    )
+    if tally is not None:
+        tally.add(plan)
+    if pipeline_size() == 1:
+        device = next(m.model[0].parameters()).device
+        scope, packed_mask = packing_scope(m, plan)
+        parts = []
+        with cpu_device_patches(), scope:
+            for mb in plan:
+                inputs = model_inputs(mb, device, packed_mask=packed_mask)
+                logits = m.model[0](**inputs)
+                scored = local_logprobs(logits, inputs["input_ids"], vocab_size=m.vocab_size, temperature=temperature)
+                parts.append((mb, mb.to_rows(scored)))
+        return _in_batch_order(parts, rows, width)
+    outs = run_schedule(m, plan, temperature=temperature, loss=None)
+    local = _in_batch_order(outs, rows, width) if outs else None
+    return tensor_from_last_stage(local, shape=(rows, width), dtype=torch.float32)
+
+
+def _in_batch_order(parts: list[tuple[MicroBatch, torch.Tensor]], rows: int, width: int) -> torch.Tensor:
+    """The micro-batches' ``[n, T-1]`` rows put back in the batch's row order."""
+    if len(parts) == 1 and parts[0][0].rows.tolist() == list(range(rows)):
+        return parts[0][1]
+    out = parts[0][1].new_zeros(rows, width)
+    for mb, values in parts:
+        out[mb.rows.to(out.device)] = values
+    return out
 
 
 def _megatron_optimizer(m: MegatronModel, config: AdamConfig) -> MegatronOptimizer:
@@ -333,6 +365,9 @@ def train_step(
     *,
     temperature: float = 1.0,
     micro_batch_size: int | None = None,
+    layout: BatchLayout | None = None,
+    tally: TokenTally | None = None,
+    pad_id: int = 0,
     empty_unused_memory_level: int = 0,
 ) -> StepResult:
     """Forward, backward and one optimizer step, over micro-batches when asked.
@@ -341,15 +376,19 @@ def train_step(
         m: the model.
         optimizer: from :func:`make_optimizer`.
         loss_fn: without micro-batches, maps the ``[B, T-1]`` float32 token log-probabilities (with grad) to
-            a scalar loss. With ``micro_batch_size``, it is called once per micro-batch as
-            ``loss_fn(logprobs, rows)`` with that micro-batch's ``[b, T-1]`` log-probabilities and its
-            ``rows`` slice of the batch, and returns the micro-batch's share of the batch loss (the shares
+            a scalar loss. With ``micro_batch_size`` or a ``layout``, it is called once per micro-batch as
+            ``loss_fn(logprobs, rows)`` with that micro-batch's rows' ``[n, T-1]`` log-probabilities and their
+            int64 ``[n]`` indices in the batch, and returns the micro-batch's share of the batch loss (the shares
             add up to the batch loss; e.g. a token mean over the whole batch divides by every token of it).
         batch: ``[B, T]`` int64 input ids, or a mapping with ``"input_ids"`` and optional
             ``"attention_mask"``.
         temperature: temperature applied to the logits before the log-softmax.
         micro_batch_size: rows per forward/backward (gradients accumulate in Megatron-Core's DDP buffers
             and are finalized once); ``None``: the whole batch at once.
+        layout: dynamic or packed micro-batches (:mod:`~megatron_fp8.megatron.microbatch`); supersedes
+            ``micro_batch_size``.
+        tally: counts the real and computed tokens of the pass.
+        pad_id: token id of packed micro-batches' fill.
         empty_unused_memory_level: Megatron's ``torch.cuda.empty_cache()`` after the forward / backward (1) and after
             the optimizer step too (2) (:func:`~megatron_fp8.megatron.offload.empty_unused_memory`; 0: never).
 
@@ -363,10 +402,18 @@ def train_step(
     _check_ids(input_ids, m)
     if temperature <= 0:
         raise ConfigError(f"temperature must be > 0, got {temperature}")
-    parts = micro_batches(input_ids.shape[0], micro_batch_size, what="policy.train_micro_batch_size")
-    whole = micro_batch_size is None
+    plan = plan_micro_batches(
+        input_ids,
+        attention_mask,
+        rows_layout(layout, micro_batch_size, key="policy.train_micro_batch_size"),
+        pipeline_stages=pipeline_size(),
+        pad_id=pad_id,
+    )
+    if tally is not None:
+        tally.add(plan)
+    whole = layout is None and micro_batch_size is None
 
-    def share(logprobs: torch.Tensor, rows: slice) -> torch.Tensor:
+    def share(logprobs: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
         return loss_fn(logprobs) if whole else loss_fn(logprobs, rows)
 
     for chunk in m.model:
@@ -374,7 +421,7 @@ def train_step(
         chunk.zero_grad_buffer()
     optimizer.zero_grad()
     with cpu_device_patches():
-        shares = run_schedule(m, input_ids, attention_mask, parts, temperature=temperature, loss=share)
+        shares = [value for _, value in run_schedule(m, plan, temperature=temperature, loss=share)]
         total = from_last_stage(float(torch.stack(shares).double().sum()) if shares else None)  # one host sync
         finalize_model_grads(m.model)
         empty_unused_memory(empty_unused_memory_level, point=1)

@@ -12,7 +12,7 @@ print that sentence, so they cannot disagree. No torch: dtypes are named (``"flo
 from __future__ import annotations
 
 TRAINER_DTYPES: dict[bool, str] = {True: "bfloat16", False: "float32"}
-"""The GRPO trainer's parameter / compute dtype by whether a CUDA GPU is there (``rl.driver.phases.trainer_dtype``):
+"""The GRPO trainer's parameter / compute dtype by whether a CUDA GPU is there (``rl.driver.runtime.trainer_dtype``):
 BF16 on a GPU; float32 on a CPU, where a BF16 matmul takes ~50x the float32 time on the 2-core CI machine."""
 
 _SHORT = {"float32": "fp32", "bfloat16": "bf16"}

@@ -47,7 +47,7 @@ being renormalized away).
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -431,3 +431,20 @@ def ppo_loss(
             kl_penalty=penalty_term.detach(),
         )
     return loss, stats
+
+
+def loss_units(response_mask: torch.Tensor, aggregation: str) -> torch.Tensor:
+    """What a loss aggregation averages over: real tokens (``token-mean``) or sequences with at least one."""
+    real = response_mask.bool()
+    units = real.sum() if aggregation == "token-mean" else real.any(dim=-1).sum()
+    return units.float()
+
+
+def token_weighted(stats: Sequence[PPOStats]) -> dict[str, float]:
+    """One update's PPO statistics over its micro-batches: token-weighted means, ``tokens`` summed."""
+    floats = [s.as_floats() for s in stats]
+    if len(floats) == 1:
+        return floats[0]
+    tokens = sum(f["tokens"] for f in floats)
+    out = {k: sum(f[k] * f["tokens"] for f in floats) / max(tokens, 1.0) for k in floats[0] if k != "tokens"}
+    return out | {"tokens": tokens}

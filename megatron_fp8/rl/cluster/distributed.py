@@ -373,6 +373,8 @@ _PER_RANK_FIELDS = (
     "reward_mean_per_rank",
     "refit_bytes_per_rank",
     "refit_seconds_per_rank",
+    "trainer_tokens_real_per_rank",
+    "trainer_tokens_computed_per_rank",
 )
 """Tuples of one entry per rank: concatenated in rank order."""
 

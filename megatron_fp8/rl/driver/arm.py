@@ -33,13 +33,10 @@ from megatron_fp8.rl.driver.phases import (
     ArmState,
     GRPOContext,
     RefitTarget,
-    quiet_stdout,
     refit_phase,
     run_step,
-    trainer_dtype,
-    training_math_label,
 )
-from megatron_fp8.rl.driver.runtime import environment, phase
+from megatron_fp8.rl.driver.runtime import environment, phase, quiet_stdout, trainer_dtype, training_math_label
 from megatron_fp8.rl.driver.stopping import RunStopped, StopRequests, signal_point
 from megatron_fp8.rl.driver.validation import ValidationResult, validate, validation_due
 from megatron_fp8.rl.state.checkpoint import CheckpointManager

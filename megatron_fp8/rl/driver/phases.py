@@ -14,11 +14,9 @@
 from __future__ import annotations
 
 import contextlib
-import io
 import itertools
-import logging
 import time
-from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -30,11 +28,11 @@ from megatron_fp8.config.schema import KVCacheConfig, RunConfig
 from megatron_fp8.errors import ConfigError, ManifestError
 from megatron_fp8.layout import ShardPlan, narrow_stream
 from megatron_fp8.megatron import MegatronModel, StepOptimizer, export_hf_weights, sequence_logprobs, train_step
+from megatron_fp8.megatron.microbatch import BatchLayout, TokenTally
 from megatron_fp8.megatron.reference import ReferenceWeights
 from megatron_fp8.megatron.schedule import from_last_stage
-from megatron_fp8.recipes.precision import math_label, trainer_dtype_name
 from megatron_fp8.rl.algorithm.batch import Tokenizer, decode_response, group_advantages, make_batch, pad_to_length
-from megatron_fp8.rl.algorithm.correction import ISResult, PPOStats, ppo_loss
+from megatron_fp8.rl.algorithm.correction import ISResult, PPOStats, loss_units, ppo_loss, token_weighted
 from megatron_fp8.rl.algorithm.kl import per_token_kl
 from megatron_fp8.rl.algorithm.kv_calibration import KVAmaxRecorder, compute_kv_scales
 from megatron_fp8.rl.algorithm.metrics import METRIC_KEYS, mismatch_metrics
@@ -49,8 +47,15 @@ from megatron_fp8.rl.data.problems import ProblemSource
 from megatron_fp8.rl.data.rewards import RewardFn, RewardResult, safe_reward
 from megatron_fp8.rl.data.task import Problem
 from megatron_fp8.rl.driver.colocated import PhaseMemory, exports_to_host
+from megatron_fp8.rl.driver.runtime import rollout_dtype_stream
 from megatron_fp8.rl.driver.stopping import signal_point
-from megatron_fp8.rl.driver.train_settings import correction_weights, kl_settings, learning_rate_at, update_rows
+from megatron_fp8.rl.driver.train_settings import (
+    batch_layouts,
+    correction_weights,
+    kl_settings,
+    learning_rate_at,
+    update_rows,
+)
 from megatron_fp8.rl.state.results import RefitDone, StepMetrics, finite_mean
 from megatron_fp8.rollout.engines import Rollout, RolloutEngine
 from megatron_fp8.vocab import ArmSpec
@@ -137,44 +142,6 @@ class ArmState:
     kv_settings: KVCacheConfig = KVCacheConfig()
     reference: ReferenceWeights | None = None
     memory: PhaseMemory | None = None
-
-
-# ----------------------------------------------------------------------------- trainer precision
-
-
-def trainer_dtype() -> torch.dtype:
-    """The trainer's parameter / compute dtype: BF16 on a GPU, float32 on a CPU machine.
-
-    CPUs without AVX512-BF16 / AMX have no fast BF16 GEMM in torch (on the 2-core CI machine a BF16
-    ``[640, 256] x [256, 512]`` matmul takes ~50x the float32 time), and the trainer's GEMMs are most of a
-    GRPO step; so on CPU the trainer keeps float32 weights and the refit sends them as the rollout holds
-    them: BF16, or FP8 quantized from the BF16 values (:func:`rollout_dtype_stream`), exactly as on a GPU.
-    """
-    return getattr(torch, trainer_dtype_name(has_gpu=torch.cuda.is_available()))
-
-
-@contextlib.contextmanager
-def quiet_stdout() -> Iterator[None]:
-    """Hide what the Megatron stack prints on stdout while it builds a model (its loading bar, parameter counts);
-    shown when the root logger is at DEBUG (``-v``)."""
-    if logging.getLogger().isEnabledFor(logging.DEBUG):
-        yield
-        return
-    with contextlib.redirect_stdout(io.StringIO()):
-        yield
-
-
-def training_math_label(math: str, dtype: torch.dtype) -> str:
-    """What the trainer's math really was: the recipe's ``math`` (``bf16``, ``bf16-emulated``, ``fp8``) or, with a
-    float32 trainer (:func:`trainer_dtype`), ``fp32`` / ``fp32-emulated`` (FP8 recipe validated and recorded):
-    :func:`megatron_fp8.recipes.precision.math_label`, the label of the run's one precision sentence."""
-    return math_label(math, str(dtype))
-
-
-def rollout_dtype_stream(stream: Iterable[tuple[str, torch.Tensor]]) -> Iterator[tuple[str, torch.Tensor]]:
-    """HF weights as the rollout holds them: float32 weights (a CPU trainer) cast to BF16; others as they are."""
-    for name, tensor in stream:
-        yield name, tensor.to(torch.bfloat16) if tensor.dtype == torch.float32 else tensor
 
 
 # ----------------------------------------------------------------------------- rollout
@@ -317,8 +284,18 @@ def score_phase(out: RolloutOutcome, ctx: GRPOContext) -> Scores:
 # ----------------------------------------------------------------------------- train
 
 
-def reference_logprobs(state: ArmState, batch_ids: torch.Tensor, mask: torch.Tensor, config: RunConfig) -> torch.Tensor:
-    """Log-probs of the batch under the reference policy (its weights swapped in; no FP8 KV-scale recording)."""
+def reference_logprobs(
+    state: ArmState,
+    batch_ids: torch.Tensor,
+    mask: torch.Tensor,
+    config: RunConfig,
+    *,
+    layout: BatchLayout | None = None,
+    tally: TokenTally | None = None,
+    pad_id: int = 0,
+) -> torch.Tensor:
+    """Log-probs of the batch under the reference policy (its weights swapped in; no FP8 KV-scale recording), in the
+    scoring passes' micro-batch ``layout``."""
     if state.reference is None:
         raise ConfigError(
             "loss_fn.reference_policy_kl_penalty is set but the arm holds no reference policy (it is captured when "
@@ -332,6 +309,9 @@ def reference_logprobs(state: ArmState, batch_ids: torch.Tensor, mask: torch.Ten
             temperature=config.policy.generation.temperature,
             attention_mask=mask,
             batch_size=config.policy.logprob_batch_size,
+            layout=layout,
+            tally=tally,
+            pad_id=pad_id,
         )
 
 
@@ -348,6 +328,7 @@ class TrainOutcome:
         is_variant: the IS variant whose statistics are in ``mismatch``.
         mismatch: :func:`~megatron_fp8.rl.algorithm.metrics.mismatch_metrics` (with the IS statistics).
         seconds: trainer scoring + updates, seconds.
+        tokens: real and computed tokens of every trainer pass of the step on this rank.
     """
 
     loss: float
@@ -358,6 +339,7 @@ class TrainOutcome:
     is_variant: str
     mismatch: Mapping[str, float]
     seconds: float
+    tokens: TokenTally
 
 
 def train_phase(state: ArmState, ctx: GRPOContext, out: RolloutOutcome, scores: Scores, *, step: int) -> TrainOutcome:
@@ -369,16 +351,24 @@ def train_phase(state: ArmState, ctx: GRPOContext, out: RolloutOutcome, scores: 
         # the router's load-balancing loss sees the same padding at every expert-parallel size
         batch = pad_to_length(batch, longest_over_replicas(batch.input_ids.shape[1], state.dp), ctx.pad_id)
     model_inputs = {"input_ids": batch.input_ids, "attention_mask": batch.attention_mask}
-    with torch.no_grad():  # the old policy's scores, policy.logprob_batch_size sequences per forward
+    layouts, tokens = batch_layouts(config, moe=state.model.is_moe), TokenTally()
+    with torch.no_grad():  # the old policy's scores, in policy.logprob_batch_size rows or the scoring token budget
         logp_old = sequence_logprobs(
             state.model,
             batch.input_ids,
             temperature=config.policy.generation.temperature,
             attention_mask=batch.attention_mask,
             batch_size=config.policy.logprob_batch_size,
+            layout=layouts.score,
+            tally=tokens,
+            pad_id=ctx.pad_id,
         )
     kl = kl_settings(config)
-    logp_ref = reference_logprobs(state, batch.input_ids, batch.attention_mask, config) if kl is not None else None
+    logp_ref = None
+    if kl is not None:
+        logp_ref = reference_logprobs(
+            state, batch.input_ids, batch.attention_mask, config, layout=layouts.score, tally=tokens, pad_id=ctx.pad_id
+        )
     # statistics of the configured variant for every arm; the weights enter the loss where the arm corrects
     # (loss_fn.use_importance_sampling_correction when given: every arm, any rollout precision; else the arm)
     is_result, weights = correction_weights(config, state.spec.name, logp_old, batch.logp_rollout, batch.response_mask)
@@ -402,11 +392,11 @@ def train_phase(state: ArmState, ctx: GRPOContext, out: RolloutOutcome, scores: 
     def update_loss(update: slice) -> Callable[..., torch.Tensor]:
         """The loss over one update's rows (token mean, or sequence mean of token means); a micro-batch (``rows``
         within them) returns its share: its own mean times its fraction of the update's tokens (sequences)."""
-        units = _loss_units(batch.response_mask[update], aggregation).clamp(min=1.0)
+        units = loss_units(batch.response_mask[update], aggregation).clamp(min=1.0)
         update_stats.clear()
 
-        def loss_fn(logp_new: torch.Tensor, rows: slice | None = None) -> torch.Tensor:
-            part = update if rows is None else slice(update.start + rows.start, update.start + rows.stop)
+        def loss_fn(logp_new: torch.Tensor, rows: torch.Tensor | None = None) -> torch.Tensor:
+            part = update if rows is None else rows + update.start
             penalty = None
             if kl is not None and logp_ref is not None:
                 penalty = kl.coef * per_token_kl(
@@ -427,7 +417,7 @@ def train_phase(state: ArmState, ctx: GRPOContext, out: RolloutOutcome, scores: 
             update_stats.append(stats)
             if rows is None:
                 return loss
-            return loss * (_loss_units(batch.response_mask[part], aggregation) / units)
+            return loss * (loss_units(batch.response_mask[part], aggregation) / units)
 
         return loss_fn
 
@@ -441,6 +431,9 @@ def train_phase(state: ArmState, ctx: GRPOContext, out: RolloutOutcome, scores: 
                 {k: v[update] for k, v in model_inputs.items()},
                 temperature=config.policy.generation.temperature,
                 micro_batch_size=config.policy.train_micro_batch_size,
+                layout=layouts.train,
+                tally=tokens,
+                pad_id=ctx.pad_id,
                 empty_unused_memory_level=config.policy.megatron_cfg.empty_unused_memory_level,
             )
             losses.append(result.loss)
@@ -451,28 +444,12 @@ def train_phase(state: ArmState, ctx: GRPOContext, out: RolloutOutcome, scores: 
         grad_norm=finite_mean(norms),
         update_successful=ok,
         learning_rate=lr,
-        ppo=from_last_stage(_token_weighted(update_stats) if update_stats else None),  # the loss runs there
+        ppo=from_last_stage(token_weighted(update_stats) if update_stats else None),  # the loss runs there
         is_variant=is_result.variant,
         mismatch=mismatch,
         seconds=time.perf_counter() - t0,
+        tokens=tokens,
     )
-
-
-def _loss_units(response_mask: torch.Tensor, aggregation: str) -> torch.Tensor:
-    """What a loss aggregation averages over: real tokens (``token-mean``) or sequences with at least one."""
-    real = response_mask.bool()
-    units = real.sum() if aggregation == "token-mean" else real.any(dim=-1).sum()
-    return units.float()
-
-
-def _token_weighted(stats: Sequence[PPOStats]) -> dict[str, float]:
-    """One update's PPO statistics over its micro-batches: token-weighted means, ``tokens`` summed."""
-    floats = [s.as_floats() for s in stats]
-    if len(floats) == 1:
-        return floats[0]
-    tokens = sum(f["tokens"] for f in floats)
-    out = {k: sum(f[k] * f["tokens"] for f in floats) / max(tokens, 1.0) for k in floats[0] if k != "tokens"}
-    return out | {"tokens": tokens}
 
 
 # ----------------------------------------------------------------------------- refit
@@ -581,6 +558,8 @@ def run_step(state: ArmState, ctx: GRPOContext, *, step: int) -> StepMetrics:
         reward_mean_per_rank=(float(rewards.float().mean()),),
         refit_bytes_per_rank=(int(sum(refit.payload_bytes.values())),),
         refit_seconds_per_rank=(refit.seconds,),
+        trainer_tokens_real_per_rank=(train.tokens.real,),
+        trainer_tokens_computed_per_rank=(train.tokens.computed,),
         train_seconds=train.seconds,
         step_seconds=time.perf_counter() - t_step,
         sample=f"{out.problems[best].prompt}{scores.texts[best]!r} (answer {out.problems[best].answer})",

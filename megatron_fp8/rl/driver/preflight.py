@@ -175,7 +175,10 @@ def checkpoint_metric_names() -> frozenset[str]:
     fields = {f.name for f in dataclasses.fields(StepMetrics)} - {"mismatch", "refit_bytes", "arm", "engine", "sample"}
     refit = {f"refit_{c}_bytes" for c in (*PAYLOAD_CLASSES, "total")}
     return frozenset(
-        fields | set(METRIC_KEYS) | refit | {"gen_kl", "refit_payload_ratio", "val_accuracy", "val_reward_mean"}
+        fields
+        | set(METRIC_KEYS)
+        | refit
+        | {"gen_kl", "refit_payload_ratio", "trainer_padding_share", "val_accuracy", "val_reward_mean"}
     )
 
 

@@ -8,25 +8,30 @@ records, the environment.
 * :func:`step_recorder`, :func:`validation_recorder` -- after each step and validation: ``metrics.jsonl`` (the
   writer's :class:`MetricsSink`, appended and flushed per step), ``validation.jsonl``, the loggers, the bar (every
   trainer rank averages its step metrics over the data-parallel group first);
-* :func:`kept_records` -- on resume, the metrics of the steps a run keeps.
+* :func:`kept_records` -- on resume, the metrics of the steps a run keeps;
+* :func:`trainer_dtype`, :func:`training_math_label`, :func:`rollout_dtype_stream` -- the trainer's precision on this
+  machine and what the rollout holds of it; :func:`quiet_stdout` -- the Megatron stack's prints hidden.
 """
 
 from __future__ import annotations
 
 import contextlib
+import io
 import json
 import logging
 import os
 import sys
 import time
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from pathlib import Path
 from typing import IO
 
+import torch
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TaskID, TextColumn, TimeElapsedColumn
 
 from megatron_fp8.files import disk_guard, write_atomically
+from megatron_fp8.recipes.precision import math_label, trainer_dtype_name
 from megatron_fp8.rl.cluster.distributed import DataParallel, average_over_ranks
 from megatron_fp8.rl.driver.validation import ValidationResult
 from megatron_fp8.rl.state import report
@@ -234,3 +239,38 @@ def validation_recorder(
             )
 
     return on_validation
+
+
+def trainer_dtype() -> torch.dtype:
+    """The trainer's parameter / compute dtype: BF16 on a GPU, float32 on a CPU machine.
+
+    CPUs without AVX512-BF16 / AMX have no fast BF16 GEMM in torch (on the 2-core CI machine a BF16
+    ``[640, 256] x [256, 512]`` matmul takes ~50x the float32 time), and the trainer's GEMMs are most of a
+    GRPO step; so on CPU the trainer keeps float32 weights and the refit sends them as the rollout holds
+    them: BF16, or FP8 quantized from the BF16 values (:func:`rollout_dtype_stream`), exactly as on a GPU.
+    """
+    return getattr(torch, trainer_dtype_name(has_gpu=torch.cuda.is_available()))
+
+
+@contextlib.contextmanager
+def quiet_stdout() -> Iterator[None]:
+    """Hide what the Megatron stack prints on stdout while it builds a model (its loading bar, parameter counts);
+    shown when the root logger is at DEBUG (``-v``)."""
+    if logging.getLogger().isEnabledFor(logging.DEBUG):
+        yield
+        return
+    with contextlib.redirect_stdout(io.StringIO()):
+        yield
+
+
+def training_math_label(math: str, dtype: torch.dtype) -> str:
+    """What the trainer's math really was: the recipe's ``math`` (``bf16``, ``bf16-emulated``, ``fp8``) or, with a
+    float32 trainer (:func:`trainer_dtype`), ``fp32`` / ``fp32-emulated`` (FP8 recipe validated and recorded):
+    :func:`megatron_fp8.recipes.precision.math_label`, the label of the run's one precision sentence."""
+    return math_label(math, str(dtype))
+
+
+def rollout_dtype_stream(stream: Iterable[tuple[str, torch.Tensor]]) -> Iterator[tuple[str, torch.Tensor]]:
+    """HF weights as the rollout holds them: float32 weights (a CPU trainer) cast to BF16; others as they are."""
+    for name, tensor in stream:
+        yield name, tensor.to(torch.bfloat16) if tensor.dtype == torch.float32 else tensor

@@ -1,15 +1,23 @@
 """What the train phase takes from the run config: the learning rate of a step, the KL penalty, the IS correction
-(and whether an arm applies it), and the rows of each optimizer update (pure functions of :class:`~megatron_fp8.config.schema.RunConfig`)."""
+(and whether an arm applies it), the rows of each optimizer update and the micro-batch layouts of its passes (pure
+functions of :class:`~megatron_fp8.config.schema.RunConfig`)."""
 
 from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from types import MappingProxyType
 
 import torch
 
 from megatron_fp8.config.schema import RunConfig
 from megatron_fp8.errors import ConfigError
+from megatron_fp8.megatron.microbatch import BatchLayout
 from megatron_fp8.rl.algorithm.correction import ISConfig, ISResult, compute_is_weights
 from megatron_fp8.rl.algorithm.kl import KLSettings
 from megatron_fp8.rl.cluster.distributed import DataParallel
+
+logger = logging.getLogger(__name__)
 
 
 class _Groups:
@@ -108,3 +116,63 @@ def update_rows(rows: int, config: RunConfig, dp: DataParallel) -> list[slice]:
         )
     per_rank = global_batch // dp.dp_size
     return [slice(start, start + per_rank) for start in range(0, rows, per_rank)]
+
+
+FP8_PACKED_MULTIPLE = MappingProxyType({"blockwise": 128, "fp8_param": 128})
+"""Tokens a packed micro-batch is padded to a multiple of under an FP8 training recipe (the FP8 GEMMs' token
+dimension; 16 for the other recipes), as NeMo-RL's Megatron path pads it; 1 without FP8 training."""
+
+
+@dataclass(frozen=True)
+class BatchLayouts:
+    """The micro-batch layouts of a step's trainer passes: ``score`` (old policy and reference), ``train``; ``None``:
+    rows of ``policy.logprob_batch_size`` / ``policy.train_micro_batch_size``."""
+
+    score: BatchLayout | None
+    train: BatchLayout | None
+
+
+def batch_layouts(config: RunConfig, *, moe: bool) -> BatchLayouts:
+    """The layouts ``policy.sequence_packing`` / ``policy.dynamic_batching`` ask for.
+
+    A mixture-of-experts model keeps padded rows (expert parallelism all-gathers one token count per micro-batch over
+    the replicas, which different packings would break); this is logged once per run.
+    """
+    pack, dyn = config.policy.sequence_packing, config.policy.dynamic_batching
+    if not (pack.enabled or dyn.enabled):
+        return BatchLayouts(None, None)
+    if moe:
+        section = "policy.sequence_packing" if pack.enabled else "policy.dynamic_batching"
+        _warn_once(
+            f"{section} is enabled but a mixture-of-experts model trains on padded rows (expert parallelism needs one "
+            "token count per micro-batch on every replica); policy.train_micro_batch_size / logprob_batch_size apply"
+        )
+        return BatchLayouts(None, None)
+    if pack.enabled:
+        fp8 = config.policy.megatron_cfg.fp8_cfg
+        multiple = FP8_PACKED_MULTIPLE.get(config.training_recipe, 16) if fp8.enabled else 1
+        kwargs = {
+            "kind": "packed",
+            "round_to": multiple,
+            "algorithm": pack.algorithm.lower(),
+            "largest_first": pack.microbatch_order == "largest_first",
+        }
+        tokens = (pack.logprob_mb_tokens, pack.train_mb_tokens)
+        section = "policy.sequence_packing"
+    else:
+        kwargs = {"kind": "dynamic", "round_to": dyn.sequence_length_round}
+        tokens = (dyn.logprob_mb_tokens, dyn.train_mb_tokens)
+        section = "policy.dynamic_batching"
+    return BatchLayouts(
+        score=BatchLayout(tokens=tokens[0], key=f"{section}.logprob_mb_tokens", **kwargs),
+        train=BatchLayout(tokens=tokens[1], key=f"{section}.train_mb_tokens", **kwargs),
+    )
+
+
+_WARNED: set[str] = set()
+
+
+def _warn_once(message: str) -> None:
+    if message not in _WARNED:
+        _WARNED.add(message)
+        logger.warning(message)

@@ -28,7 +28,7 @@ from megatron_fp8.megatron import (
 )
 from megatron_fp8.rl.algorithm.batch import Tokenizer, eos_and_pad, make_batch
 from megatron_fp8.rl.data.problems import ProblemSource
-from megatron_fp8.rl.driver.phases import quiet_stdout, rollout_dtype_stream, trainer_dtype
+from megatron_fp8.rl.driver.runtime import quiet_stdout, rollout_dtype_stream, trainer_dtype
 from megatron_fp8.rl.state.outputs import OUT_FULL_FIX
 from megatron_fp8.rl.state.results import WARM_START_DIR
 from megatron_fp8.rollout.engines import Rollout
@@ -81,7 +81,7 @@ def warm_start(
     ``grpo.warm_start_steps`` AdamW steps (lr ``grpo.warm_start_learning_rate``) of the mean
     negative log-likelihood of ``answer + EOS`` given the prompt, on fresh problems each step
     (seeded apart from the GRPO problems), ``num_prompts_per_step x num_generations_per_prompt``
-    examples per step, BF16 recipe, the trainer's dtype (:func:`~megatron_fp8.rl.driver.phases.trainer_dtype`;
+    examples per step, BF16 recipe, the trainer's dtype (:func:`~megatron_fp8.rl.driver.runtime.trainer_dtype`;
     the checkpoint is written in BF16, as the base). Every model-parallel rank trains and exports; rank 0 writes.
 
     Args:

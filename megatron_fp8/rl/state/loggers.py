@@ -72,6 +72,9 @@ _GROUP_KEYS: dict[str, tuple[str, ...]] = {
         "ppo_clip_fraction",
         "ppo_approx_kl",
         "kl_penalty",
+        "trainer_tokens_real_per_rank",
+        "trainer_tokens_computed_per_rank",
+        "trainer_padding_share",
     ),
     "rollout": (
         "reward_mean",

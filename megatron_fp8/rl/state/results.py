@@ -134,6 +134,10 @@ class StepMetrics:
             one replica agree; replicas differ: each trains on its own samples).
         refit_bytes_per_rank: per trainer rank, the refit payload bytes it sent (its engine shard's part).
         refit_seconds_per_rank: per trainer rank, its refit's wall time, seconds.
+        trainer_tokens_real_per_rank: per trainer rank, the real tokens (prompt + response) of every trainer pass of
+            the step (old-policy and reference scores, each training pass).
+        trainer_tokens_computed_per_rank: per trainer rank, the token positions those passes computed (real +
+            padding): ``trainer_padding_share`` in the record is the share of them that is padding.
     """
 
     arm: str
@@ -174,6 +178,15 @@ class StepMetrics:
     reward_mean_per_rank: tuple[float, ...] = ()
     refit_bytes_per_rank: tuple[int, ...] = ()
     refit_seconds_per_rank: tuple[float, ...] = ()
+    trainer_tokens_real_per_rank: tuple[int, ...] = ()
+    trainer_tokens_computed_per_rank: tuple[int, ...] = ()
+
+    @property
+    def trainer_padding_share(self) -> float:
+        """The share of the token positions the trainer computed that were padding, over every rank (``nan`` when
+        not recorded)."""
+        computed = sum(self.trainer_tokens_computed_per_rank)
+        return 1.0 - sum(self.trainer_tokens_real_per_rank) / computed if computed else float("nan")
 
     @property
     def gen_kl(self) -> float:
@@ -202,6 +215,7 @@ class StepMetrics:
             out[f"refit_{cls}_bytes"] = int(self.refit_bytes.get(cls, 0))
         out["refit_total_bytes"] = int(sum(self.refit_bytes.values()))
         out["refit_payload_ratio"] = self.refit_payload_ratio
+        out["trainer_padding_share"] = self.trainer_padding_share
         return {k: (None if isinstance(v, float) and not math.isfinite(v) else v) for k, v in out.items()}
 
     @classmethod
@@ -218,6 +232,7 @@ class StepMetrics:
                 derived = {
                     "gen_kl",
                     "refit_payload_ratio",
+                    "trainer_padding_share",
                     *(f"refit_{c}_bytes" for c in (*PAYLOAD_CLASSES, "total")),
                 }
                 values[name] = {

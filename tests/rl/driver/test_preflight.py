@@ -15,13 +15,13 @@ from safetensors.torch import load_file, save_file
 from megatron_fp8.config import load_config
 from megatron_fp8.errors import ConfigError
 from megatron_fp8.models import tiny_model_path
-from megatron_fp8.rl.driver.phases import rollout_dtype_stream, trainer_dtype, training_math_label
 from megatron_fp8.rl.driver.preflight import (
     _rollout_placement_problems,
     check_weights_finite,
     preflight,
     refuse_empty_config,
 )
+from megatron_fp8.rl.driver.runtime import rollout_dtype_stream, trainer_dtype, training_math_label
 
 REPO = Path(__file__).resolve().parents[3]
 CLI = [sys.executable, "-m", "megatron_fp8.cli"]
