@@ -60,6 +60,7 @@ bench: install
 	$(BIN)/python bench/refit.py --out bench/results/refit.json
 	$(BIN)/python bench/verify.py --out bench/results/verify.json
 	$(BIN)/python bench/engine_checks.py --out bench/results/engine_checks_cpu.json
+	$(BIN)/python bench/packing.py --out bench/results/packing.json
 
 gpu-run:
 	bash bench/gpu_run.sh

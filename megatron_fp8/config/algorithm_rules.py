@@ -172,7 +172,6 @@ def batching_rules(cfg: RunConfig) -> list[str]:
     if dyn.enabled and cfg.policy.megatron_cfg.pipeline_model_parallel_size > 1:
         problems.append(
             "policy.dynamic_batching needs one pipeline stage (the stages exchange one activation shape per "
-            "micro-batch; NeMo-RL refuses it too): use policy.sequence_packing with "
-            "policy.megatron_cfg.pipeline_model_parallel_size > 1"
+            "micro-batch; NeMo-RL refuses it too): with pipeline parallelism use policy.sequence_packing instead"
         )
     return problems

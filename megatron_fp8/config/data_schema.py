@@ -86,7 +86,8 @@ class SequencePackingConfig:
 
     Attributes:
         enabled: pack (exclusive with ``policy.dynamic_batching``).
-        train_mb_tokens: tokens per training micro-batch at most (prompt + response of each row, padding included).
+        train_mb_tokens: tokens per training micro-batch at most (prompt + response of each row; the bin's length is
+            then rounded up to the FP8 training recipe's multiple, as NeMo-RL does).
         logprob_mb_tokens: tokens per scoring micro-batch at most (the old-policy and reference passes).
         algorithm: NeMo-RL's bin packer (:data:`megatron_fp8.megatron.bins.PACKING_ALGORITHMS`).
         microbatch_order: ``"packer"`` (the packer's order) or ``"largest_first"`` (bins by length, longest first:

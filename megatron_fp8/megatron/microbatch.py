@@ -43,7 +43,8 @@ class BatchLayout:
     Attributes:
         kind: a key of :data:`~megatron_fp8.vocab.BATCH_LAYOUTS`.
         rows: ``rows``: rows per micro-batch (``None``: the whole batch at once).
-        tokens: ``dynamic`` / ``packed``: tokens per micro-batch at most (padding included).
+        tokens: ``dynamic`` / ``packed``: tokens per micro-batch at most (padding included; a packed bin's real
+            tokens, its length then rounded up to ``round_to`` as NeMo-RL's Megatron path does).
         round_to: ``dynamic`` / ``packed``: micro-batch lengths rounded up to a multiple of this (tokens).
         algorithm: ``packed``: the bin-packing algorithm, one of NeMo-RL's.
         largest_first: ``packed``: run the bins longest first (NeMo-RL's ``microbatch_order: largest_first``),
@@ -95,6 +96,7 @@ class MicroBatch:
         cu_seqlens: int32 ``[k + 1]``: packed, the sequences' cumulative lengths (fill included, last = ``t``).
         lengths: real tokens of each of the ``n`` rows.
         width: the batch's ``T - 1`` (the log-probability width :meth:`to_rows` returns).
+        batch_rows: ``rows`` layout: whole rows of the batch, their log-probabilities returned as they are.
     """
 
     rows: torch.Tensor
@@ -105,6 +107,7 @@ class MicroBatch:
     padding: torch.Tensor | None = None
     segments: torch.Tensor | None = None
     cu_seqlens: torch.Tensor | None = None
+    batch_rows: bool = False
     _gather: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = field(default=None, repr=False)
 
     @property
@@ -146,9 +149,13 @@ class MicroBatch:
 
         Position ``j`` of row ``i`` scores its token ``j + 1``; positions past a row's last real token are 0.
         """
-        if self._gather is None:  # rows / dynamic: the rows themselves, cut or widened to the batch's width
+        if self.batch_rows:  # rows of the batch as they are
+            return logprobs
+        if self._gather is None:  # dynamic: cut or widened to the batch's width, 0 past each row's last token
             cut = logprobs[:, : self.width]
-            return torch.nn.functional.pad(cut, (0, self.width - cut.shape[1]))
+            rows = torch.nn.functional.pad(cut, (0, self.width - cut.shape[1]))
+            scored = torch.tensor(self.lengths, device=rows.device)[:, None] - 1
+            return torch.where(torch.arange(self.width, device=rows.device) < scored, rows, 0.0)
         src, dst_row, dst_col = (x.to(logprobs.device) for x in self._gather)
         out = logprobs.new_zeros(len(self.lengths), self.width)
         return out.index_put((dst_row, dst_col), logprobs.reshape(-1)[src])
@@ -202,6 +209,7 @@ def _rows_layout(ids: torch.Tensor, padding: torch.Tensor | None, layout: BatchL
                 lengths=tuple(lengths[part]),
                 width=t - 1,
                 padding=mask,
+                batch_rows=True,
             )
         )
     return out
@@ -319,10 +327,13 @@ def plan_micro_batches(
         return _rows_layout(input_ids, padding, layout)
     lengths = row_lengths(input_ids, padding)
     longest = max(lengths, default=0)
-    if longest > layout.tokens:
+    # dynamic: a row alone is its micro-batch, rounded up (never past T), as NeMo-RL checks it
+    alone = min(_round_up(longest, layout.round_to), input_ids.shape[1]) if layout.kind == "dynamic" else longest
+    if alone > layout.tokens:
         row = lengths.index(longest)
+        rounded = f" ({alone} rounded up to sequence_length_round)" if alone != longest else ""
         raise ConfigError(
-            f"row {row} of the batch has {longest} tokens (prompt + response), more than {layout.key}="
+            f"row {row} of the batch has {longest} tokens (prompt + response){rounded}, more than {layout.key}="
             f"{layout.tokens}: raise it to at least the longest prompt + policy.generation.max_new_tokens"
         )
     if layout.kind == "dynamic":

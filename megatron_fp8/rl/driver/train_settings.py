@@ -118,9 +118,10 @@ def update_rows(rows: int, config: RunConfig, dp: DataParallel) -> list[slice]:
     return [slice(start, start + per_rank) for start in range(0, rows, per_rank)]
 
 
-FP8_PACKED_MULTIPLE = MappingProxyType({"blockwise": 128, "fp8_param": 128})
+FP8_PACKED_MULTIPLE = MappingProxyType({"blockwise": 128, "fp8_param": 128, "mxfp8": 32})
 """Tokens a packed micro-batch is padded to a multiple of under an FP8 training recipe (the FP8 GEMMs' token
-dimension; 16 for the other recipes), as NeMo-RL's Megatron path pads it; 1 without FP8 training."""
+dimension: cuBLAS's 128 blocks, MXFP8's 32; 16 for the other recipes), as NeMo-RL's Megatron path pads it
+(``_get_pack_sequence_parameters_for_megatron``); 1 without FP8 training."""
 
 
 @dataclass(frozen=True)

@@ -239,20 +239,6 @@ def test_expert_parallelism_needs_a_moe_model_and_splits_its_experts_evenly(warm
         assert proc.returncode != 0 and message in proc.stderr and "approved" not in proc.stdout, proc.stderr
 
 
-def test_uneven_micro_batches_are_refused_under_pipeline_parallelism(monkeypatch):
-    from megatron_fp8.errors import ConfigError
-    from megatron_fp8.megatron import schedule
-
-    assert schedule.micro_batches(10, 4, what="k") == [slice(0, 4), slice(4, 8), slice(8, 10)]  # one stage
-    assert schedule.micro_batches(10, None, what="k") == [slice(0, 10)]
-    with pytest.raises(ConfigError, match="k must be >= 1"):
-        schedule.micro_batches(10, 0, what="k")
-    monkeypatch.setattr(schedule, "pipeline_size", lambda: 2)  # the rule of a pipeline stage's p2p buffers
-    assert schedule.micro_batches(12, 4, what="k") == [slice(0, 4), slice(4, 8), slice(8, 12)]
-    with pytest.raises(ConfigError, match=r"k=4 does not split the 10 rows .* pipeline parallelism"):
-        schedule.micro_batches(10, 4, what="k")
-
-
 def test_global_batch_splits_a_step_into_updates_and_micro_batches_stay_exact(tmp_path, one_process, warm_cli):
     """``policy.train_global_batch_size`` (NeMo-RL's key): the step's samples as updates of 16, each seeing
     the policy the previous one left (the PPO ratio moves: approx KL > 0 at the second update); micro-batches
@@ -281,3 +267,48 @@ def test_update_rows_over_data_parallel_ranks():
         update_rows(12, cfg, DataParallel(rank=0, world_size=3))
     with pytest.raises(ConfigError, match="train_global_batch_size=12 must divide the step's"):
         load_config(None, ["policy.train_global_batch_size=12"])
+
+
+PACKED = (
+    "policy.sequence_packing.enabled=true",
+    "policy.sequence_packing.train_mb_tokens=128",
+    "policy.sequence_packing.logprob_mb_tokens=256",
+)
+DYNAMIC = (
+    "policy.dynamic_batching.enabled=true",
+    "policy.dynamic_batching.train_mb_tokens=128",
+    "policy.dynamic_batching.logprob_mb_tokens=256",
+    "policy.dynamic_batching.sequence_length_round=1",  # the tiny model's rows are 6-12 tokens
+)
+
+
+def _assert_fewer_tokens(got: list[dict], ref: list[dict], *, replicas_ranks: int = 1, fewer: bool = True) -> None:
+    """The same real tokens as the padded run (per rank of a replica: each scores and trains all of its rows), fewer
+    computed (at most as many with ``fewer=False``)."""
+    for g, r in zip(got, ref, strict=True):
+        assert g["trainer_tokens_real_per_rank"] == r["trainer_tokens_real_per_rank"] * replicas_ranks
+        computed, padded = sum(g["trainer_tokens_computed_per_rank"]), sum(r["trainer_tokens_computed_per_rank"])
+        assert computed < padded * replicas_ranks if fewer else computed <= padded * replicas_ranks
+
+
+@pytest.mark.parametrize("layout", ["packed", "dynamic"])
+def test_packed_and_dynamic_micro_batches_equal_the_padded_run(tmp_path, one_process, warm_cli, layout):
+    """Issue 54: ``policy.sequence_packing`` (NeMo-RL's packer, micro-batches of <= 128 tokens, Megatron-Core's THD
+    path) and ``policy.dynamic_batching`` (rows of similar length up to 128 tokens) in every trainer pass (old-policy
+    and reference scores, the update): the same run as the padded one, with fewer tokens computed."""
+    got = _grpo(warm_cli, tmp_path / layout, 1, *(PACKED if layout == "packed" else DYNAMIC))
+    _assert_same_run(got, one_process, engines_per_replica=1)
+    _assert_fewer_tokens(got, one_process)
+    if layout == "packed":
+        assert all(r["trainer_padding_share"] < 0.1 for r in got), [r["trainer_padding_share"] for r in got]
+
+
+@pytest.mark.parametrize("layout", [("policy.megatron_cfg.tensor_model_parallel_size=2",), PP2], ids=["tp2", "pp2"])
+def test_packed_micro_batches_under_model_parallelism_equal_one_process(tmp_path, one_process, warm_cli, layout):
+    """Packed sequences over two tensor-parallel ranks (vocabulary-parallel log-probabilities of a THD micro-batch)
+    and over two pipeline stages (every bin padded to the longest, one activation shape per pass through the 1F1B
+    schedule: at the tiny model's 6-12-token rows that fill is as much as the padded rows', so only "not more"): the
+    padded one-process run."""
+    got = _grpo(warm_cli, tmp_path / "packed", 2, *layout, *PACKED)
+    _assert_same_run(got, one_process, engines_per_replica=2)
+    _assert_fewer_tokens(got, one_process, replicas_ranks=2, fewer=layout != PP2)
