@@ -148,6 +148,11 @@ def batching_rules(cfg: RunConfig) -> list[str]:
             "policy.sequence_packing and policy.dynamic_batching are both enabled; they are exclusive (as in "
             "NeMo-RL): keep sequence_packing (fewer padded tokens) and set policy.dynamic_batching.enabled: false"
         )
+    prompt, engine_cap = cfg.data.max_input_seq_length, cfg.policy.generation.vllm_cfg.max_model_len
+    longest = (prompt if prompt is not None else 1) + cfg.policy.generation.max_new_tokens
+    what = ("data.max_input_seq_length + " if prompt is not None else "a 1-token prompt + ") + "max_new_tokens"
+    if engine_cap is not None and engine_cap < longest:  # the engine stops a row at its max_model_len
+        longest, what = engine_cap, "policy.generation.vllm_cfg.max_model_len"
     for section, obj in (("policy.sequence_packing", pack), ("policy.dynamic_batching", dyn)):
         if not obj.enabled:
             continue
@@ -157,6 +162,11 @@ def batching_rules(cfg: RunConfig) -> list[str]:
                 problems.append(
                     f"{section}.{key} must be a token budget >= 1 when {section}.enabled (NeMo-RL's files give "
                     f"max_total_sequence_length x the micro-batch size), got {value}"
+                )
+            elif value < longest:  # a row can be that long: it would fit no micro-batch
+                problems.append(
+                    f"{section}.{key}={value} is below the longest row a step can hold ({what} = {longest} "
+                    f"tokens); raise it to at least {longest}"
                 )
     if pack.enabled and pack.algorithm.lower() not in PACKING_ALGORITHMS:
         problems.append(

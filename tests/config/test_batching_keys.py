@@ -269,13 +269,17 @@ def test_row_longer_than_the_budget_is_refused_at_plan_time():
     assert sorted(int(r) for mb in micro for r in mb.rows) == [0, 1, 2]
     assert all(mb.computed_tokens % 128 == 0 for mb in micro)
 
-    small = batch_layouts(load_config(E2E, [f"{PACK}.train_mb_tokens=96"]), moe=False)
+    # a budget below what a row can reach is refused when the config loads (the engine's max_model_len here) ...
+    with pytest.raises(ConfigError, match=rf"{PACK}\.train_mb_tokens=96 is below the longest row .*max_model_len"):
+        load_config(E2E, [f"{PACK}.train_mb_tokens=96"])
+    # ... and a row over the budget when a pass is planned, naming the key
+    small = dataclasses.replace(fits, tokens=96)
     with pytest.raises(ConfigError) as err:
-        plan_micro_batches(ids, mask, small.train)
+        plan_micro_batches(ids, mask, small)
     msg = str(err.value)
     assert f"{PACK}.train_mb_tokens=96" in msg and "row 1 of the batch has 100 tokens" in msg
-    plan_micro_batches(ids, mask, small.score)  # the scoring budget is the file's own, large enough
 
-    dyn_cfg = load_config(MEGATRON_1B, [f"{PACK}.enabled=false", f"{DYN}.enabled=true", f"{DYN}.logprob_mb_tokens=64"])
+    dyn_cfg = load_config(MEGATRON_1B, [f"{PACK}.enabled=false", f"{DYN}.enabled=true"])
+    dyn_small = dataclasses.replace(batch_layouts(dyn_cfg, moe=False).score, tokens=64)
     with pytest.raises(ConfigError, match=rf"row 1 of the batch has 100 tokens .*{DYN}\.logprob_mb_tokens=64"):
-        plan_micro_batches(ids, mask, batch_layouts(dyn_cfg, moe=False).score)
+        plan_micro_batches(ids, mask, dyn_small)
