@@ -73,6 +73,8 @@ def _metrics(step: int, *, arm: str = "fp8", reward: float = 0.5, refit_error: f
         reward_mean_per_rank=(0.5, 0.25),
         refit_bytes_per_rank=(1_500_001_524, 1_500_001_524),
         refit_seconds_per_rank=(0.75, 0.74),
+        trainer_tokens_real_per_rank=(730, 730),
+        trainer_tokens_computed_per_rank=(736, 1024),
         rollout_seconds=2.0,
         train_seconds=3.0,
         step_seconds=6.0,
