@@ -50,3 +50,34 @@ def test_recipe_runs_in_fp8_and_stays_close_to_bf16(recipe):
             res = train_step(m, opt, lambda lp: -lp.mean(), ids)
             assert res.update_successful
         assert -token_logprobs(m, ids).mean().item() < before
+
+
+@pytest.mark.parametrize("recipe", ["bf16", "tensorwise"])
+def test_packed_sequences_through_te_attention_equal_padded_rows(recipe):
+    """Issue 54 on the container: a packed micro-batch goes through TransformerEngine's THD attention (``cu_seqlens``,
+    no mask) and gives the padded rows' log-probabilities to BF16 / FP8 rounding (the CPU test of the same path, with
+    the local attention: ``tests/megatron/test_microbatch.py``)."""
+    from megatron_fp8.megatron import build_megatron_model, megatron_parallel
+    from megatron_fp8.megatron.microbatch import BatchLayout
+    from megatron_fp8.megatron.step import sequence_logprobs
+    from megatron_fp8.recipes.capability import check
+    from megatron_fp8.recipes.registry import get_recipe
+
+    if not check(get_recipe(recipe)).supported:
+        pytest.skip(f"needs a GPU/CUDA/TE that runs {recipe} (see `megatron-fp8 doctor`)")
+    lengths = [96, 40, 128, 17, 64]
+    g = torch.Generator().manual_seed(0)
+    ids = torch.zeros(len(lengths), max(lengths), dtype=torch.int64)
+    mask = torch.zeros_like(ids)
+    for i, n in enumerate(lengths):
+        ids[i, :n] = torch.randint(4, 300, (n,), generator=g)
+        mask[i, :n] = 1
+    real = mask[:, 1:].bool()
+    with megatron_parallel(), torch.no_grad():
+        m = build_megatron_model(tiny_model_path("tiny"), recipe=recipe)
+        padded = sequence_logprobs(m, ids.cuda(), attention_mask=mask.cuda())
+        packed = sequence_logprobs(
+            m, ids.cuda(), attention_mask=mask.cuda(), layout=BatchLayout(kind="packed", tokens=256, round_to=16)
+        )
+    diff = (packed - padded)[real.cuda()].abs()
+    assert float(diff.mean()) < 0.05 and float(diff.max()) < 0.5  # BF16/FP8 GEMMs over other shapes, not a leak
