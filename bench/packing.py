@@ -22,9 +22,9 @@ ones on the response positions (max abs difference), the loss and gradient norm 
 and the weights after it (reported only: see :data:`GATED`); over 1e-4 logs a warning (the bench does not fail
 on it).
 
-On CPU the packed micro-batch goes through Megatron-Core's local attention with a block-diagonal mask (patch 6 of the
-adapter), which computes every ``L x L`` score of a bin; the JSON counts these attention scores next to the tokens
-(TransformerEngine's THD attention on a GPU computes only each sequence's own).
+A packed micro-batch's attention computes each sequence's own scores only (``n^2`` per sequence: TransformerEngine's
+THD attention on a GPU, the local attention over each sequence alone on a CPU, patch 6 of the adapter); rows and
+dynamic micro-batches compute ``t^2`` per row; the JSON counts these attention scores next to the tokens.
 
 Example::
 
@@ -122,9 +122,14 @@ def _plan(ids: torch.Tensor, mask: torch.Tensor, kwargs: dict[str, object]) -> l
 
 
 def attention_scores(plan: list[MicroBatch]) -> tuple[int, int]:
-    """``(computed, real)`` attention scores of a pass per head and layer: ``b x t^2`` per micro-batch (the local
-    attention's dense ``t x t``, a packed bin's included) against ``n^2`` per sequence alone."""
-    computed = sum(mb.input_ids.shape[0] * mb.input_ids.shape[1] ** 2 for mb in plan)
+    """``(computed, real)`` attention scores of a pass per head and layer: ``b x t^2`` per rows / dynamic micro-batch,
+    each sequence's ``n^2`` in a packed one (its fill a sequence of its own), against ``n^2`` per sequence alone."""
+    computed = sum(
+        int(((mb.cu_seqlens[1:] - mb.cu_seqlens[:-1]).long() ** 2).sum())
+        if mb.cu_seqlens is not None
+        else mb.input_ids.shape[0] * mb.input_ids.shape[1] ** 2
+        for mb in plan
+    )
     real = sum(n * n for mb in plan for n in mb.lengths)
     return computed, real
 
@@ -260,6 +265,7 @@ def run(
                 "real": tally.real,
                 "computed_over_real": tally.computed / tally.real,
                 "padding_share": tally.padding_share,
+                "passes": 2,  # the scoring pass and the train step's
             },
             "attention_scores_per_pass": {
                 "computed": att_computed,
@@ -383,7 +389,8 @@ def log_table(summary: dict) -> None:
     lines = [
         f"train phase (score + train step) on {summary['machine']['cpu']}, {summary['machine']['torch_threads']} "
         f"torch threads: {b['rows']} rows padded to {b['padded_length']}, responses {r['min']}..{r['max']} "
-        f"(median {r['median']:g}, mean {r['mean']:.1f}), {b['real_tokens']} real tokens; median of {s['repeats']}",
+        f"(median {r['median']:g}, mean {r['mean']:.1f}), {b['real_tokens']} real tokens; tokens counted over both passes "
+        f"(score + train), seconds the median of {s['repeats']}",
         f"{'layout':<9}{'micro-b.':>9}{'computed':>10}{'real':>8}{'comp/real':>10}{'attn c/r':>9}"
         f"{'score s':>9}{'train s':>9}{'total s':>9}{'speed-up':>10}",
     ]

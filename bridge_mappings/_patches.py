@@ -97,10 +97,12 @@ Megatron-Core 0.16's ``Attention.forward`` (``megatron/core/transformer/attentio
 q/k/v are squeezed to ``[t, heads, dim]``; the core attention then must keep the sequences apart. TE's
 ``TEDotProductAttention`` does (``cu_seqlens``); the local ``DotProductAttention``
 (``megatron/core/transformer/dot_product_attention.py``), the only one without TE, asserts
-``packed_seq_params is None``. :func:`packed_local_attention` lets it run such a micro-batch as what it is, one
-row of ``t`` tokens: q/k/v back to ``[t, 1, heads, dim]`` and the caller's block-diagonal causal mask
-(``[1, 1, t, t]``) keeping each sequence to itself; every other call passes through unchanged. The same packed
-micro-batch thus runs through Megatron-Core's packed path on a CPU, only the attention kernel differing.
+``packed_seq_params is None``. :func:`packed_local_attention` lets it run such a micro-batch as TE does, each
+sequence of ``cu_seqlens`` alone: q/k/v rows ``[start, stop)`` as a ``[n, 1, heads, dim]`` batch of one with a causal
+``[1, 1, n, n]`` mask, the outputs concatenated back to ``[t, 1, hidden]`` (``sum n^2`` attention scores, not the
+``t^2`` a block-diagonal mask over the whole micro-batch would compute); every other call passes through unchanged.
+The same packed micro-batch thus runs through Megatron-Core's packed path on a CPU, only the attention kernel
+differing.
 """
 
 from __future__ import annotations
@@ -109,6 +111,7 @@ import contextlib
 import functools
 import importlib
 import importlib.util
+import itertools
 import logging
 import re
 import sys
@@ -432,20 +435,29 @@ def packed_local_attention() -> Iterator[None]:
     ):
         if packed_seq_params is None:
             return original(self, query, key, value, attention_mask, attn_mask_type, attention_bias)
-        if attention_mask is None or query.dim() != 3:
+        if query.dim() != 3:
             raise MegatronFP8Error(
-                "a packed micro-batch through the local attention needs its [t, heads, dim] q/k/v and the "
-                "block-diagonal mask of its sequences (megatron_fp8.megatron.microbatch)"
+                f"a packed micro-batch through the local attention needs [t, heads, dim] q/k/v, got {tuple(query.shape)}"
             )
-        return original(
-            self,
-            query.unsqueeze(1),
-            key.unsqueeze(1),
-            value.unsqueeze(1),
-            attention_mask,
-            attn_mask_type,
-            attention_bias,
-        )
+        cu = packed_seq_params.cu_seqlens_q_padded
+        bounds = (cu if cu is not None else packed_seq_params.cu_seqlens_q).tolist()  # CPU only: no device sync
+        parts = []
+        for start, stop in itertools.pairwise(bounds):  # each sequence alone: sum n^2 scores, not t^2
+            n = stop - start
+            causal = torch.ones(n, n, dtype=torch.bool, device=query.device).triu(1)[None, None]
+            rows = slice(start, stop)
+            parts.append(
+                original(
+                    self,
+                    query[rows].unsqueeze(1),
+                    key[rows].unsqueeze(1),
+                    value[rows].unsqueeze(1),
+                    causal,
+                    attn_mask_type,
+                    attention_bias,
+                )
+            )
+        return torch.cat(parts, dim=0)
 
     DotProductAttention.forward = forward
     try:

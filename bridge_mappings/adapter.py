@@ -194,19 +194,15 @@ def cpu_schedule_patches() -> contextlib.AbstractContextManager[bool]:
     return _patches.cpu_schedule_patches()
 
 
-def attention_keeps_packed_sequences_apart_by_mask(model: torch.nn.Module) -> bool:
-    """Whether ``model`` runs packed (THD) micro-batches through the local ``DotProductAttention`` (every model
-    built without TE), which keeps the sequences apart by the block-diagonal mask the caller passes, inside
-    :func:`packed_local_attention`; TransformerEngine's attention keeps them apart by ``cu_seqlens`` (no mask)."""
+def packed_attention_scope(model: torch.nn.Module) -> contextlib.AbstractContextManager[None]:
+    """Scope in which ``model`` takes packed (THD) micro-batches: TransformerEngine's attention reads ``cu_seqlens``
+    itself (nothing to do); the local ``DotProductAttention`` (every model built without TE) runs each sequence alone
+    (patch 6 of :mod:`bridge_mappings._patches`)."""
     from megatron.core.transformer.dot_product_attention import DotProductAttention  # lazy: optional
 
-    return any(isinstance(module, DotProductAttention) for module in model.modules())
-
-
-def packed_local_attention() -> contextlib.AbstractContextManager[None]:
-    """Scope in which the local ``DotProductAttention`` takes a packed (THD) micro-batch (patch 6 of
-    :mod:`bridge_mappings._patches`)."""
-    return _patches.packed_local_attention()
+    if any(isinstance(module, DotProductAttention) for module in model.modules()):
+        return _patches.packed_local_attention()
+    return contextlib.nullcontext()
 
 
 def use_cpu_rng_tracker() -> bool:

@@ -122,7 +122,7 @@ class MicroBatch:
 
     def attention_mask(self) -> torch.Tensor:
         """Megatron-Core's boolean ``[b, 1, t, t]`` mask, ``True`` where attention is not allowed: causal, padded keys
-        masked; packed, only within each sequence."""
+        masked; packed, only within each sequence (what the attention keeps to: the model reads ``cu_seqlens``)."""
         from megatron_fp8.megatron.logits import build_attention_mask
 
         if self.segments is None:

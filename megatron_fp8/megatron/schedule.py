@@ -31,11 +31,7 @@ from typing import TYPE_CHECKING, TypeVar
 import torch
 import torch.distributed as dist
 
-from bridge_mappings.adapter import (
-    attention_keeps_packed_sequences_apart_by_mask,
-    cpu_schedule_patches,
-    packed_local_attention,
-)
+from bridge_mappings.adapter import cpu_schedule_patches, packed_attention_scope
 from megatron_fp8.errors import ConfigError
 from megatron_fp8.megatron.logits import local_logprobs
 from megatron_fp8.megatron.microbatch import MicroBatch
@@ -65,33 +61,26 @@ def is_last_stage() -> bool:
     return pipeline_size() == 1 or parallel_state.is_pipeline_last_stage()
 
 
-def model_inputs(mb: MicroBatch, device: torch.device, *, packed_mask: bool) -> dict[str, object]:
-    """The GPT model's keyword inputs for one micro-batch on ``device``.
-
-    A packed micro-batch goes in Megatron-Core's THD form (``packed_seq_params``); its block-diagonal mask only where
-    the attention keeps sequences apart by mask (``packed_mask``: the local attention, patch 6 of the adapter), none
-    for TransformerEngine's, which reads ``cu_seqlens``.
-    """
+def model_inputs(mb: MicroBatch, device: torch.device) -> dict[str, object]:
+    """The GPT model's keyword inputs for one micro-batch on ``device``: rows with their causal / padding mask, or
+    packed sequences in Megatron-Core's THD form (``packed_seq_params``, no mask: the attention keeps the sequences
+    apart by ``cu_seqlens``, TransformerEngine's or the local one in :func:`packing_scope`)."""
     packed = mb.packed_seq_params(device)
-    mask = None if packed is not None and not packed_mask else mb.attention_mask().to(device)
     inputs: dict[str, object] = {
         "input_ids": mb.input_ids.to(device=device, dtype=torch.int64),
         "position_ids": mb.position_ids.to(device),
-        "attention_mask": mask,
+        "attention_mask": mb.attention_mask().to(device) if packed is None else None,
     }
     if packed is not None:
         inputs["packed_seq_params"] = packed
     return inputs
 
 
-def packing_scope(m: MegatronModel, micro: list[MicroBatch]) -> tuple[contextlib.AbstractContextManager, bool]:
-    """``(scope, packed_mask)`` for a pass over ``micro``: the local attention's packed-sequence scope and whether
-    the model needs the mask (see :func:`model_inputs`); a no-op without packed micro-batches."""
+def packing_scope(m: MegatronModel, micro: list[MicroBatch]) -> contextlib.AbstractContextManager:
+    """The scope a pass over ``micro`` runs in: the model's packed-sequence scope when a micro-batch is packed."""
     if not any(mb.cu_seqlens is not None for mb in micro):
-        return contextlib.nullcontext(), False
-    if attention_keeps_packed_sequences_apart_by_mask(m.model[0]):
-        return packed_local_attention(), True
-    return contextlib.nullcontext(), False
+        return contextlib.nullcontext()
+    return packed_attention_scope(m.model[0])
 
 
 def run_schedule(
@@ -119,11 +108,11 @@ def run_schedule(
 
     device = next(m.model[0].parameters()).device
     count = len(micro)
-    scope, packed_mask = packing_scope(m, micro)
+    scope = packing_scope(m, micro)
 
     def forward_step(data: Iterator[MicroBatch], model: torch.nn.Module) -> tuple[torch.Tensor, Callable]:
         mb = next(data)
-        inputs = model_inputs(mb, device, packed_mask=packed_mask)
+        inputs = model_inputs(mb, device)
         output = model(**inputs)
 
         def loss_func(logits: torch.Tensor) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:

@@ -205,11 +205,11 @@ def sequence_logprobs(
         tally.add(plan)
     if pipeline_size() == 1:
         device = next(m.model[0].parameters()).device
-        scope, packed_mask = packing_scope(m, plan)
+        scope = packing_scope(m, plan)
         parts = []
         with cpu_device_patches(), scope:
             for mb in plan:
-                inputs = model_inputs(mb, device, packed_mask=packed_mask)
+                inputs = model_inputs(mb, device)
                 logits = m.model[0](**inputs)
                 scored = local_logprobs(logits, inputs["input_ids"], vocab_size=m.vocab_size, temperature=temperature)
                 parts.append((mb, mb.to_rows(scored)))

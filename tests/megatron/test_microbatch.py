@@ -4,8 +4,8 @@ What a layout must keep: every row in exactly one micro-batch, the token budget,
 parallelism; and what the model computes through it: the log-probabilities of the padded layout (float32 rounding:
 the bound each test states is what it measures, with margin), and the same gradients, so a step's update is the
 padded step's. Packed micro-batches run Megatron-Core's own THD path (``PackedSeqParams``: the rotary embedding
-restarts at each sequence), only the attention kernel differing on CPU (the local attention with the block-diagonal
-mask, patch 6 of the adapter).
+restarts at each sequence), only the attention kernel differing on CPU (the local attention over each sequence alone,
+patch 6 of the adapter).
 """
 
 from __future__ import annotations
