@@ -152,6 +152,13 @@ def describe_layout(cfg: RunConfig) -> str:
     samples = cfg.grpo.num_prompts_per_step * cfg.grpo.num_generations_per_prompt
     updates = samples // global_batch if global_batch else 1
     micro_text = f"micro-batches of {micro} sequences" if micro else "one micro-batch per update"
+    pack, dyn = cfg.policy.sequence_packing, cfg.policy.dynamic_batching
+    if pack.enabled or dyn.enabled:
+        kind, budgets = ("packed", pack) if pack.enabled else ("dynamic", dyn)
+        micro_text = (
+            f"{kind} micro-batches of <= {budgets.train_mb_tokens} tokens (scoring <= {budgets.logprob_mb_tokens})"
+            + ("; a MoE model keeps padded rows" if cfg.model.is_moe else "")
+        )
     return (
         f"TP {mcfg.tensor_model_parallel_size} x PP {mcfg.pipeline_model_parallel_size} per model replica; "
         f"DP = processes / {mp}; CP 1, EP {mcfg.expert_model_parallel_size}; {samples} samples per step in {updates} optimizer update(s) of "

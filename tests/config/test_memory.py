@@ -65,7 +65,7 @@ def test_config_prints_the_layout_and_the_estimate_even_when_it_refuses():
     cmd = [sys.executable, "-m", "megatron_fp8.cli", "config", "--config", "configs/qwen3_8b_fp8.yaml"]
     proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=300)
     assert (
-        "# layout: TP 2 x PP 1 per model replica; DP = processes / 2; CP 1, EP 1; 512 samples per step in 1 optimizer update(s) of 512; one micro-batch per update; Adam state sharded over DP"
+        "# layout: TP 2 x PP 1 per model replica; DP = processes / 2; CP 1, EP 1; 512 samples per step in 1 optimizer update(s) of 512; packed micro-batches of <= 8192 tokens (scoring <= 16384); Adam state sharded over DP"
         in proc.stdout
     )
     assert (
