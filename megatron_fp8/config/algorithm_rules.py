@@ -185,3 +185,28 @@ def batching_rules(cfg: RunConfig) -> list[str]:
             "micro-batch; NeMo-RL refuses it too): with pipeline parallelism use policy.sequence_packing instead"
         )
     return problems
+
+
+def async_rules(cfg: RunConfig) -> list[str]:
+    """``grpo.async_grpo``: separate rollout ranks (NeMo-RL refuses colocated async with vLLM), an age limit >= 0;
+    ``loss_fn.force_on_policy_ratio``: one optimizer update per step (NeMo-RL's condition)."""
+    problems: list[str] = []
+    a = cfg.grpo.async_grpo
+    if a.max_trajectory_age_steps < 0:
+        problems.append(f"grpo.async_grpo.max_trajectory_age_steps must be >= 0, got {a.max_trajectory_age_steps}")
+    if a.enabled and cfg.policy.generation.colocated.enabled:
+        problems.append(
+            "grpo.async_grpo.enabled needs separate rollout ranks (the colocated engine sleeps while its GPU trains, "
+            "so nothing overlaps; NeMo-RL refuses it with vLLM too): set policy.generation.colocated.enabled: false "
+            "with colocated.resources, or ROLLOUT_TASKS=N in slurm/grpo.sbatch"
+        )
+    samples = cfg.grpo.num_prompts_per_step * cfg.grpo.num_generations_per_prompt
+    global_batch = cfg.policy.train_global_batch_size
+    if cfg.loss_fn.force_on_policy_ratio and (
+        cfg.grpo.updates_per_step != 1 or (global_batch is not None and global_batch != samples)
+    ):
+        problems.append(
+            "loss_fn.force_on_policy_ratio needs one optimizer update per step (the ratio's old policy is the weights "
+            f"being trained): set grpo.updates_per_step: 1 and policy.train_global_batch_size: {samples} (or null)"
+        )
+    return problems

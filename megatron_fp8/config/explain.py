@@ -40,6 +40,12 @@ EFFECTS: Mapping[str, str] = {
     "(rl.driver.phases.train_phase)",
     "policy.train_micro_batch_size": "sequences per forward/backward; gradients accumulated into each update "
     "(rl.driver.phases.train_phase -> megatron.step.train_step)",
+    "grpo.async_grpo.enabled": "the rollout ranks generate the next step's samples while the trainers train "
+    "(rl.driver.phases.run_step -> RemoteRollout.submit; separate rollout ranks only; ages in metrics.jsonl)",
+    "grpo.async_grpo.max_trajectory_age_steps": "0: no overlap (the synchronous run); >= 1: the rollout one step "
+    "ahead, every sample at most 1 update old",
+    "loss_fn.force_on_policy_ratio": "the PPO ratio's old policy is the training forward (ratio 1); the IS weights "
+    "compare it with the generating policy (rl.driver.phases.train_phase); one update per step",
     "policy.sequence_packing.enabled": "every trainer pass (old-policy and reference scores, training) packs rows into "
     "micro-batches of a token budget, each sequence attending to itself (megatron.microbatch; a MoE model stays padded)",
     "policy.sequence_packing.train_mb_tokens": "tokens per packed training micro-batch at most (megatron.microbatch)",

@@ -43,7 +43,6 @@ EXPERIMENT_KEYS: dict[str, tuple[tuple[JSONValue, ...], str]] = {
     "grpo.advantage_clip_high": ((None,), "clipped advantages"),
     "grpo.batch_multiplier": ((1, None), "oversampled prompts"),
     "grpo.max_rollout_turns": ((1, None), "multi-turn rollouts"),
-    "grpo.async_grpo.enabled": (_OFF, "asynchronous (off-policy) GRPO"),
     "grpo.reward_scaling.enabled": (_OFF, "scaled rewards"),
     "grpo.reward_shaping.enabled": (_OFF, "shaped rewards (overlong penalty)"),
     "policy.generation.top_p": ((1.0, None), "nucleus sampling (megatron-fp8 samples the full distribution)"),

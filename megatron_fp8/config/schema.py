@@ -22,12 +22,12 @@ Layout (dotted paths)::
     loss_fn.{use_importance_sampling_correction, is_variant, is_cap, is_lower, is_upper,
              ratio_clip_min, ratio_clip_max, log_ratio_clamp, reference_policy_kl_penalty,
              reference_policy_kl_type, kl_input_clamp_value, kl_output_clamp_value,
-             use_on_policy_kl_approximation, token_level_loss}
+             use_on_policy_kl_approximation, token_level_loss, force_on_policy_ratio}
     policy.generation.{max_new_tokens, temperature}; policy.generation.colocated.{enabled, sleep_level, resources.{...}}
     policy.{offload_optimizer_for_logprob}; policy.megatron_cfg.{empty_unused_memory_level, optimizer.optimizer_cpu_offload}
     grpo.{max_num_steps, num_prompts_per_step, num_generations_per_prompt, seed, arms, task, task_max_digits, updates_per_step,
           warm_start_steps, warm_start_learning_rate, val_period, val_at_start, max_val_samples,
-          normalize_rewards, use_leave_one_out_baseline}
+          normalize_rewards, use_leave_one_out_baseline, async_grpo.{enabled, max_trajectory_age_steps}}
     data.{max_input_seq_length, shuffle, train.{data_path, input_key, output_key, max_samples, split_validation_size, seed},
           validation.{...as train}, default.{prompt_file, system_prompt_file, env_name}}
     checkpointing.{enabled, checkpoint_dir, save_period, keep_top_k, metric_name, higher_is_better, save_consolidated}
@@ -52,6 +52,7 @@ from typing import Annotated, ClassVar, Literal, TypeAlias
 import yaml
 
 from megatron_fp8 import vocab
+from megatron_fp8.config.data_schema import AsyncGRPOConfig as AsyncGRPOConfig
 from megatron_fp8.config.data_schema import DataConfig as DataConfig
 from megatron_fp8.config.data_schema import DataDefaultsConfig as DataDefaultsConfig
 from megatron_fp8.config.data_schema import DatasetConfig as DatasetConfig
@@ -393,6 +394,8 @@ class LossConfig:
         use_on_policy_kl_approximation: weight the per-token KL by ``pi / pi_rollout`` (the samples come from the
             rollout policy), with its gradient; otherwise by ``exp(logp - sg(logp))`` (value 1, the score-function
             gradient of the on-policy estimate).
+        force_on_policy_ratio: the PPO ratio's old policy is the training forward itself (ratio 1; NeMo-RL's key):
+            the IS weights then compare it with the generating policy; one optimizer update per step.
         token_level_loss: average the loss over every response token of the update (``True``), or per sequence
             first, then over sequences (``False``).
     """
@@ -411,6 +414,7 @@ class LossConfig:
     kl_output_clamp_value: float | None = 10.0
     use_on_policy_kl_approximation: bool = False
     token_level_loss: bool = True
+    force_on_policy_ratio: bool = False
 
     @property
     def kl_enabled(self) -> bool:
@@ -480,6 +484,7 @@ class GRPOConfig:
     normalize_rewards: bool = True
     use_leave_one_out_baseline: bool = False
     allow_no_effect: bool = False
+    async_grpo: AsyncGRPOConfig = field(default_factory=AsyncGRPOConfig)
     allow_over_memory: bool = False
 
 

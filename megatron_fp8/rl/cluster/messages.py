@@ -55,16 +55,20 @@ class GenerateRequest:
 
 @dataclass(frozen=True)
 class WireRollout:
-    """A :class:`Rollout` as plain data: log-probabilities as their raw bytes (bit-exact, any dtype)."""
+    """A :class:`Rollout` as plain data: log-probabilities as their raw bytes (bit-exact, any dtype); ``seconds``: the
+    rollout rank's generation time; ``age`` and ``wait`` (set by trainer rank 0): versions behind, and its wait."""
 
     token_ids: tuple[tuple[int, ...], ...]
     logprobs: tuple[bytes, ...]
     dtypes: tuple[str, ...]
     finished: tuple[bool, ...]
     engine: str
+    seconds: float = 0.0
+    age: int = 0
+    wait: float = 0.0
 
     @classmethod
-    def of(cls, r: Rollout) -> WireRollout:
+    def of(cls, r: Rollout, *, seconds: float = 0.0) -> WireRollout:
         lps = [lp.detach().cpu().contiguous() for lp in r.logprobs]
         return cls(
             token_ids=tuple(tuple(int(t) for t in ids) for ids in r.token_ids),
@@ -72,6 +76,7 @@ class WireRollout:
             dtypes=tuple(str(lp.dtype).removeprefix("torch.") for lp in lps),
             finished=tuple(bool(f) for f in r.finished),
             engine=r.engine,
+            seconds=seconds,
         )
 
     def rollout(self) -> Rollout:

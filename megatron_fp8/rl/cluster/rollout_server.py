@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import logging
 import math
+import time
 from collections.abc import Callable
 
 from megatron_fp8.config.schema import RunConfig
@@ -61,19 +62,18 @@ class _RolloutServer:
         return self.engine.name, self.engine.precision
 
     def on_generate(self, requests: tuple[GenerateRequest, ...]) -> tuple[WireRollout, ...]:
-        engine = self._engine()
-        return tuple(
-            WireRollout.of(
-                engine.generate(
-                    r.prompts,
-                    max_new_tokens=r.max_new_tokens,
-                    temperature=r.temperature,
-                    seed=r.seed,
-                    eos_token_id=r.eos_token_id,
-                )
+        engine, out = self._engine(), []
+        for r in requests:  # each answer says how long this rank generated it (the rollout side's busy time)
+            t0 = time.perf_counter()
+            got = engine.generate(
+                r.prompts,
+                max_new_tokens=r.max_new_tokens,
+                temperature=r.temperature,
+                seed=r.seed,
+                eos_token_id=r.eos_token_id,
             )
-            for r in requests
-        )
+            out.append(WireRollout.of(got, seconds=time.perf_counter() - t0))
+        return tuple(out)
 
     def on_refit(self, version: int) -> tuple[int, float, str | None]:
         engine, receiver, wait = self._engine(), self.receiver, self.config.refit.timeout_s

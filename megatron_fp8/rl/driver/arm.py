@@ -255,7 +255,8 @@ def run_arm(
                     stop.start_loop()
                 for step in range(first, steps):
                     t_step = time.monotonic()
-                    m = hooks.on_step(run_step(state, ctx, step=step), training=training)
+                    ahead = config.grpo.async_grpo.ahead > 0 and step + 1 < steps  # the next step's samples now
+                    m = hooks.on_step(run_step(state, ctx, step=step, prefetch=ahead), training=training)
                     results.append(m)
                     if validation_due(config, completed_steps=step + 1):
                         val_metrics = _validate(state, ctx, hooks, completed_steps=step + 1)

@@ -22,22 +22,30 @@ no memory is given back, the order and the refusals are the same); the trainer s
 
 from __future__ import annotations
 
+import itertools
 import logging
 from collections.abc import Callable, Iterable
-from typing import TypeVar
+from typing import Protocol, TypeVar
 
 import torch
 
+from bridge_mappings.manifest import Manifest
+from bridge_mappings.quantized_export import ExportSettings, checked_stream, quantized_stream
+from bridge_mappings.quantized_export import refit_stream as bridge_refit_stream
 from megatron_fp8.config.memory_plan import COLOCATED_QUEUED_BUCKETS, sleep_level, trainer_offloads
-from megatron_fp8.config.schema import RunConfig
-from megatron_fp8.layout import ShardPlan
-from megatron_fp8.megatron import MegatronModel, StepOptimizer
+from megatron_fp8.config.schema import KVCacheConfig, RunConfig
+from megatron_fp8.errors import ManifestError
+from megatron_fp8.layout import ShardPlan, narrow_stream
+from megatron_fp8.megatron import MegatronModel, StepOptimizer, export_hf_weights
 from megatron_fp8.megatron.offload import TrainerOffload
 from megatron_fp8.refit.applier import staging_device
 from megatron_fp8.refit.pipeline import ColocatedRefit
+from megatron_fp8.rl.algorithm.kv_calibration import KVAmaxRecorder, compute_kv_scales
+from megatron_fp8.rl.driver.runtime import rollout_dtype_stream
 from megatron_fp8.rl.state.results import RefitDone, least_checked_prefix_cache
 from megatron_fp8.rollout.engines import RolloutEngine
 from megatron_fp8.rollout.sleep import ColocatedSleep, RecordingSleepControl, SleepControl, sleep_level_for
+from megatron_fp8.vocab import ArmSpec
 
 logger = logging.getLogger(__name__)
 
@@ -195,3 +203,60 @@ def refit_route(model: MegatronModel, *, stream_on_device: bool, staging: str = 
         "the stream stays on the trainer's GPU (FP8 weights quantized straight into their buckets there) and the "
         "receiver stages the version in pinned host memory for the engine, one bucket at a time"
     )
+
+
+# ----------------------------------------------------------------------------- the refit stream
+
+
+class RefitSource(Protocol):
+    """What :func:`refit_stream` reads of an arm (:class:`~megatron_fp8.rl.driver.phases.ArmState` has it)."""
+
+    spec: ArmSpec
+    model: MegatronModel
+    refit: object  # the target: ``stream_on_device``, and ``shard_plan`` when it has one
+    manifest: Manifest | None
+    export_settings: ExportSettings
+    kv_recorder: KVAmaxRecorder | None
+    kv_settings: KVCacheConfig
+
+
+def refit_stream(state: RefitSource) -> Iterable[tuple[str, torch.Tensor]]:
+    """The HF-named stream: BF16 export, or FP8 per the manifest (+ KV-cache scales when recorded); each FP8
+    weight is quantized by the refit packer straight into its bucket (``in_bucket=True``: a few ops per bucket).
+
+    The export stays on the trainer's GPU when the target takes a device stream (``stream_on_device``):
+    the weights are then quantized there (the Triton in-bucket path) and only the refit's bytes reach the host;
+    otherwise every weight is copied to the host first and quantized there.
+
+    For an engine sharded over the trainer's ranks whose shard takes only its part of each tensor (the target's
+    ``shard_plan``), every exported tensor is cut to this rank's part before it is converted, quantized (on whole
+    blocks of the full tensor's grid: the same bytes) and packed: the buckets, their checksums and the engine's
+    staging hold 1/TP of the version.
+    """
+    fp32_trainer = next(state.model.model[0].parameters()).dtype == torch.float32
+    cpu = exports_to_host(state.model, stream_on_device=state.refit.stream_on_device)
+    plan: ShardPlan | None = getattr(state.refit, "shard_plan", None)
+
+    def exported() -> Iterable[tuple[str, torch.Tensor]]:
+        full = export_hf_weights(state.model, cpu=cpu)
+        return narrow_stream(full, plan) if plan is not None else full
+
+    if state.spec.rollout_precision != "fp8":
+        return rollout_dtype_stream(exported()) if fp32_trainer else exported()
+    if state.manifest is None:
+        raise ManifestError(f"arm {state.spec.name} rolls out in FP8 but was given no FP8 manifest")
+    stream: Iterable[tuple[str, torch.Tensor]]
+    if fp32_trainer or plan is not None:  # quantize the BF16 values (of this rank's parts), as a GPU trainer sends them
+        bf16 = rollout_dtype_stream(exported()) if fp32_trainer else exported()
+        stream = checked_stream(
+            quantized_stream(bf16, state.manifest, state.export_settings, in_bucket=True), state.manifest
+        )
+    else:  # the bridge adapter uses Megatron-Bridge's quantized-export hook where the installed version has one
+        stream = bridge_refit_stream(state.model, state.manifest, state.export_settings, in_bucket=True, cpu=cpu)
+    if state.kv_recorder is not None and state.kv_recorder.layers():
+        kv = compute_kv_scales(
+            state.kv_recorder, percentile=state.kv_settings.percentile, margin=state.kv_settings.margin
+        )
+        state.kv_recorder.reset()
+        stream = itertools.chain(stream, kv.items())
+    return stream

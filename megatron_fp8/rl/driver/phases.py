@@ -14,7 +14,6 @@
 from __future__ import annotations
 
 import contextlib
-import itertools
 import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
@@ -23,21 +22,21 @@ from typing import Protocol
 import torch
 
 from bridge_mappings.manifest import Manifest
-from bridge_mappings.quantized_export import ExportSettings, checked_stream, quantized_stream, refit_stream
+from bridge_mappings.quantized_export import ExportSettings
 from megatron_fp8.config.schema import KVCacheConfig, RunConfig
-from megatron_fp8.errors import ConfigError, ManifestError
-from megatron_fp8.layout import ShardPlan, narrow_stream
-from megatron_fp8.megatron import MegatronModel, StepOptimizer, export_hf_weights, sequence_logprobs, train_step
+from megatron_fp8.errors import ConfigError
+from megatron_fp8.megatron import MegatronModel, StepOptimizer, sequence_logprobs, train_step
 from megatron_fp8.megatron.microbatch import BatchLayout, TokenTally
 from megatron_fp8.megatron.reference import ReferenceWeights
 from megatron_fp8.megatron.schedule import from_last_stage
 from megatron_fp8.rl.algorithm.batch import Tokenizer, decode_response, group_advantages, make_batch, pad_to_length
 from megatron_fp8.rl.algorithm.correction import ISResult, PPOStats, loss_units, ppo_loss, token_weighted
 from megatron_fp8.rl.algorithm.kl import per_token_kl
-from megatron_fp8.rl.algorithm.kv_calibration import KVAmaxRecorder, compute_kv_scales
+from megatron_fp8.rl.algorithm.kv_calibration import KVAmaxRecorder
 from megatron_fp8.rl.algorithm.metrics import METRIC_KEYS, mismatch_metrics
 from megatron_fp8.rl.cluster.distributed import (
     DataParallel,
+    RolloutShare,
     gather_within_replica,
     longest_over_replicas,
     request_ranges,
@@ -46,14 +45,14 @@ from megatron_fp8.rl.cluster.distributed import (
 from megatron_fp8.rl.data.problems import ProblemSource
 from megatron_fp8.rl.data.rewards import RewardFn, RewardResult, safe_reward
 from megatron_fp8.rl.data.task import Problem
-from megatron_fp8.rl.driver.colocated import PhaseMemory, exports_to_host
-from megatron_fp8.rl.driver.runtime import rollout_dtype_stream
+from megatron_fp8.rl.driver.colocated import PhaseMemory, refit_stream
 from megatron_fp8.rl.driver.stopping import signal_point
 from megatron_fp8.rl.driver.train_settings import (
     batch_layouts,
     correction_weights,
     kl_settings,
     learning_rate_at,
+    ratio_inputs,
     update_rows,
 )
 from megatron_fp8.rl.state.results import RefitDone, StepMetrics, finite_mean
@@ -158,6 +157,9 @@ class RolloutOutcome:
         seconds: this rank's generation time, seconds.
         generated_samples: samples this rank's engine generated (its part of the replica's).
         generated_tokens: response tokens this rank's engine generated.
+        age: updates the generating weights were behind the trainer's (``grpo.async_grpo``: 0 or 1).
+        busy_seconds: the engine's generation time (the rollout ranks' own, when separate), seconds.
+        wait_seconds: the trainer's time waiting for these samples, seconds.
     """
 
     problems: tuple[Problem, ...]
@@ -166,6 +168,71 @@ class RolloutOutcome:
     seconds: float
     generated_samples: int = 0
     generated_tokens: int = 0
+    age: int = 0
+    busy_seconds: float = 0.0
+    wait_seconds: float = 0.0
+
+
+@dataclass(frozen=True)
+class _StepRequests:
+    """What this rank asks its engine for at one step (:func:`rollout_phase`, :func:`prefetch_phase`)."""
+
+    problems: tuple[Problem, ...]
+    prompts: tuple[list[int], ...]
+    share: RolloutShare
+    lengths: list[int]
+    own: int
+    merged: bool
+    requests: list[tuple[tuple[list[int], ...], int]]
+
+
+def _step_requests(state: ArmState, ctx: GRPOContext, step: int) -> _StepRequests:
+    """This rank's requests of ``step``: its engine's part of the replica's samples (one per replica it holds, or one
+    for consecutive replicas), each with the step index of its first sample."""
+    g = ctx.config.grpo
+    step_problems = ctx.problems.step_problems(step=step, count=g.num_prompts_per_step)
+    problems = state.dp.shard(step_problems)
+    first = state.dp.shard_start(len(step_problems)) * g.num_generations_per_prompt  # the replica's first sample
+    prompt_ids = [ctx.tokenizer.encode(p.prompt, add_special_tokens=False) for p in problems]
+    flat_prompts = tuple(ids for ids in prompt_ids for _ in range(g.num_generations_per_prompt))
+    flat_problems = tuple(p for p in problems for _ in range(g.num_generations_per_prompt))
+    share = rollout_share(len(flat_prompts), state.dp, engine_ranks=state.engine.engine_ranks)
+    ranges, own = request_ranges(
+        state.dp, share, n_problems=len(step_problems), generations=g.num_generations_per_prompt
+    )  # the samples (step indices) this rank's engine generates: its part, or the same part of each of its replicas
+    source, base = (flat_prompts, first) if share.span == 1 else (_step_prompts(ctx, step_problems), 0)
+    merged = len(ranges) > 1 and all(ranges[i][1] == ranges[i + 1][0] for i in range(len(ranges) - 1))
+    asked = [(ranges[0][0], ranges[-1][1])] if merged else ranges  # consecutive replicas: one request
+    requests = [(source[lo - base : hi - base], lo) for lo, hi in asked]  # (prompts, first sample's index)
+    return _StepRequests(flat_problems, flat_prompts, share, [hi - lo for lo, hi in ranges], own, merged, requests)
+
+
+def _asks(state: ArmState, prompts: Sequence[Sequence[int]]) -> bool:
+    """Whether this rank calls its engine for ``prompts`` (a remote engine: every trainer rank calls, even empty)."""
+    return bool(prompts) or getattr(state.engine, "collective_generate", False)
+
+
+def _sampling(ctx: GRPOContext, step: int, start: int) -> dict[str, object]:
+    gen = ctx.config.policy.generation
+    seed = sample_seed(ctx.config.grpo.seed, step, start)
+    return {
+        "max_new_tokens": gen.max_new_tokens,
+        "temperature": gen.temperature,
+        "seed": seed,
+        "eos_token_id": ctx.eos_id,
+    }
+
+
+def prefetch_phase(state: ArmState, ctx: GRPOContext, *, step: int) -> None:
+    """``grpo.async_grpo``: ask the separate rollout ranks for ``step``'s samples now, with the version they hold;
+    :func:`rollout_phase` of ``step`` collects them (one version behind the trainer by then). A no-op for an engine
+    that cannot take a request ahead (colocated)."""
+    submit = getattr(state.engine, "submit", None)
+    if submit is None:
+        return
+    for mine, start in _step_requests(state, ctx, step).requests:
+        if _asks(state, mine):
+            submit(mine, **_sampling(ctx, step, start))
 
 
 def rollout_phase(state: ArmState, ctx: GRPOContext, *, step: int) -> RolloutOutcome:
@@ -175,53 +242,38 @@ def rollout_phase(state: ArmState, ctx: GRPOContext, *, step: int) -> RolloutOut
     (:func:`~megatron_fp8.rl.cluster.distributed.rollout_share`) and all-gathered, so every rank of the replica trains
     on the whole batch while each engine generated only its part; an engine holding whole replicas generates all of
     their samples in one request and each rank keeps its replica's. Sample ``i`` of the step (problem-major, over all
-    replicas) is seeded with :func:`sample_seed`, so a sample does not depend on which rank generated it.
+    replicas) is seeded with :func:`sample_seed`, so a sample does not depend on which rank generated it. Samples a
+    :func:`prefetch_phase` asked for earlier are collected (their age recorded).
     """
-    g = ctx.config.grpo
-    step_problems = ctx.problems.step_problems(step=step, count=g.num_prompts_per_step)
-    problems = state.dp.shard(step_problems)
-    first = state.dp.shard_start(len(step_problems)) * g.num_generations_per_prompt  # the replica's first sample
-    prompt_ids = [ctx.tokenizer.encode(p.prompt, add_special_tokens=False) for p in problems]
-    flat_prompts = tuple(ids for ids in prompt_ids for _ in range(g.num_generations_per_prompt))
-    flat_problems = tuple(p for p in problems for _ in range(g.num_generations_per_prompt))
-    share = rollout_share(len(flat_prompts), state.dp, engine_ranks=state.engine.engine_ranks)
+    asked = _step_requests(state, ctx, step)
     t0 = time.perf_counter()
-    ranges, own = request_ranges(
-        state.dp, share, n_problems=len(step_problems), generations=g.num_generations_per_prompt
-    )  # the samples (step indices) this rank's engine generates: its part, or the same part of each of its replicas
-    source, base = (flat_prompts, first) if share.span == 1 else (_step_prompts(ctx, step_problems), 0)
-    lengths = [hi - lo for lo, hi in ranges]
-    merged = len(ranges) > 1 and all(ranges[i][1] == ranges[i + 1][0] for i in range(len(ranges) - 1))
-    asked = [(ranges[0][0], ranges[-1][1])] if merged else ranges  # consecutive replicas: one request
-    requests = [(source[lo - base : hi - base], lo) for lo, hi in asked]  # (prompts, first sample's index)
     results: list[list[tuple[tuple[int, ...], torch.Tensor, bool]]] = []
-    engine_name = state.engine.name
-    for mine, start in requests:  # every rank of an engine makes the same requests, in the same order
-        if mine or getattr(state.engine, "collective_generate", False):  # a remote engine: every trainer rank calls
-            got = state.engine.generate(
-                mine,
-                max_new_tokens=ctx.config.policy.generation.max_new_tokens,
-                temperature=ctx.config.policy.generation.temperature,
-                seed=sample_seed(g.seed, step, start),
-                eos_token_id=ctx.eos_id,
-            )
+    engine_name, age, busy, wait = state.engine.name, 0, 0.0, 0.0
+    for mine, start in asked.requests:  # every rank of an engine makes the same requests, in the same order
+        if _asks(state, mine):
+            got = state.engine.generate(mine, **_sampling(ctx, step, start))
             results.append(list(zip(got.token_ids, got.logprobs, got.finished, strict=True)))
             engine_name = got.engine
+            timing = getattr(state.engine, "last_generation", None)  # a remote engine says what each side spent
+            if timing is not None:
+                age, busy, wait = max(age, timing.age), busy + timing.rollout_seconds, wait + timing.wait_seconds
         else:
             results.append([])
     seconds = time.perf_counter() - t0
     generated = sum(len(t) for result in results for t, _, _ in result)
-    count = sum(len(mine) for mine, _ in requests)
-    at = sum(lengths[:own])
-    part = results[0][at : at + lengths[own]] if merged else results[own]
-    whole = gather_within_replica(part, share)  # the replica's ranks train on the same samples
+    count = sum(len(mine) for mine, _ in asked.requests)
+    at = sum(asked.lengths[: asked.own])
+    part = results[0][at : at + asked.lengths[asked.own]] if asked.merged else results[asked.own]
+    whole = gather_within_replica(part, asked.share)  # the replica's ranks train on the same samples
     rollout = Rollout(
         token_ids=tuple(t for t, _, _ in whole),
         logprobs=tuple(lp for _, lp, _ in whole),
         finished=tuple(f for _, _, f in whole),
         engine=engine_name,
     )
-    return RolloutOutcome(flat_problems, flat_prompts, rollout, seconds, count, generated)
+    if getattr(state.engine, "last_generation", None) is None:  # in process: the engine's time is the wait
+        busy, wait = seconds, seconds
+    return RolloutOutcome(asked.problems, asked.prompts, rollout, seconds, count, generated, age, busy, wait)
 
 
 def _step_prompts(ctx: GRPOContext, step_problems: Sequence[Problem]) -> tuple[list[int], ...]:
@@ -402,14 +454,23 @@ def train_phase(state: ArmState, ctx: GRPOContext, out: RolloutOutcome, scores: 
                 penalty = kl.coef * per_token_kl(
                     logp_new, logp_ref[part], kl, mask=batch.response_mask[part], logp_rollout=batch.logp_rollout[part]
                 )
-            loss, stats = ppo_loss(
+            old, is_w = ratio_inputs(
+                config,
+                state.spec.name,
                 logp_new,
                 logp_old[part],
+                batch.logp_rollout[part],
+                batch.response_mask[part],
+                weights.weights[part] if isinstance(weights, ISResult) else None,
+            )
+            loss, stats = ppo_loss(
+                logp_new,
+                old,
                 scores.advantages[part],
                 batch.response_mask[part],
                 clip_low=config.loss_fn.ratio_clip_min,
                 clip_high=config.loss_fn.ratio_clip_max,
-                is_weights=weights.weights[part] if isinstance(weights, ISResult) else None,
+                is_weights=is_w,
                 aggregation=aggregation,
                 log_ratio_clamp=config.loss_fn.log_ratio_clamp,
                 penalty=penalty,
@@ -455,58 +516,18 @@ def train_phase(state: ArmState, ctx: GRPOContext, out: RolloutOutcome, scores: 
 # ----------------------------------------------------------------------------- refit
 
 
-def _refit_tensors(state: ArmState) -> Iterable[tuple[str, torch.Tensor]]:
-    """The HF-named stream: BF16 export, or FP8 per the manifest (+ KV-cache scales when recorded); each FP8
-    weight is quantized by the refit packer straight into its bucket (``in_bucket=True``: a few ops per bucket).
-
-    The export stays on the trainer's GPU when the target takes a device stream (:attr:`RefitTarget.stream_on_device`):
-    the weights are then quantized there (the Triton in-bucket path) and only the refit's bytes reach the host;
-    otherwise every weight is copied to the host first and quantized there.
-
-    For an engine sharded over the trainer's ranks whose shard takes only its part of each tensor (the target's
-    ``shard_plan``), every exported tensor is cut to this rank's part before it is converted, quantized (on whole
-    blocks of the full tensor's grid: the same bytes) and packed: the buckets, their checksums and the engine's
-    staging hold 1/TP of the version.
-    """
-    fp32_trainer = next(state.model.model[0].parameters()).dtype == torch.float32
-    cpu = exports_to_host(state.model, stream_on_device=state.refit.stream_on_device)
-    plan: ShardPlan | None = getattr(state.refit, "shard_plan", None)
-
-    def exported() -> Iterable[tuple[str, torch.Tensor]]:
-        full = export_hf_weights(state.model, cpu=cpu)
-        return narrow_stream(full, plan) if plan is not None else full
-
-    if state.spec.rollout_precision != "fp8":
-        return rollout_dtype_stream(exported()) if fp32_trainer else exported()
-    if state.manifest is None:
-        raise ManifestError(f"arm {state.spec.name} rolls out in FP8 but was given no FP8 manifest")
-    stream: Iterable[tuple[str, torch.Tensor]]
-    if fp32_trainer or plan is not None:  # quantize the BF16 values (of this rank's parts), as a GPU trainer sends them
-        bf16 = rollout_dtype_stream(exported()) if fp32_trainer else exported()
-        stream = checked_stream(
-            quantized_stream(bf16, state.manifest, state.export_settings, in_bucket=True), state.manifest
-        )
-    else:  # the bridge adapter uses Megatron-Bridge's quantized-export hook where the installed version has one
-        stream = refit_stream(state.model, state.manifest, state.export_settings, in_bucket=True, cpu=cpu)
-    if state.kv_recorder is not None and state.kv_recorder.layers():
-        kv = compute_kv_scales(
-            state.kv_recorder, percentile=state.kv_settings.percentile, margin=state.kv_settings.margin
-        )
-        state.kv_recorder.reset()
-        stream = itertools.chain(stream, kv.items())
-    return stream
-
-
 def refit_phase(state: ArmState) -> RefitDone:
     """Send the trainer's weights to the arm's engine(s) through the verified refit."""
-    return state.refit.refit(_refit_tensors(state))
+    return state.refit.refit(refit_stream(state))
 
 
 # ----------------------------------------------------------------------------- the step
 
 
-def run_step(state: ArmState, ctx: GRPOContext, *, step: int) -> StepMetrics:
-    """Rollout -> score -> train -> refit for one step of one arm; this rank's metrics."""
+def run_step(state: ArmState, ctx: GRPOContext, *, step: int, prefetch: bool = False) -> StepMetrics:
+    """Rollout -> score -> train -> refit for one step of one arm; this rank's metrics. With ``prefetch``
+    (``grpo.async_grpo``) the next step's samples are asked for right after this step's arrive, so the separate
+    rollout ranks generate them while this step scores and trains (they come one version behind)."""
     t_step = time.perf_counter()
     memory = state.memory  # colocated: generate -> sleep -> train -> wake_up(weights) -> refit -> wake_up(kv_cache)
     signal_point("rollout", step)
@@ -515,6 +536,8 @@ def run_step(state: ArmState, ctx: GRPOContext, *, step: int) -> StepMetrics:
     out = rollout_phase(state, ctx, step=step)
     if memory is not None:
         memory.after_generation()
+    if prefetch:
+        prefetch_phase(state, ctx, step=step + 1)
     scores = score_phase(out, ctx)
     signal_point("train", step)
     train = train_phase(state, ctx, out, scores, step=step)
@@ -551,6 +574,9 @@ def run_step(state: ArmState, ctx: GRPOContext, *, step: int) -> StepMetrics:
         refit_max_rel_error=refit.max_rel_error,
         refit_prefix_cache=refit.prefix_cache,
         rollout_seconds=out.seconds,
+        rollout_age_steps=out.age,
+        rollout_busy_seconds=out.busy_seconds,
+        rollout_wait_seconds=out.wait_seconds,
         rollout_prompts_per_rank=(out.generated_samples,),
         rollout_tokens_per_s_per_rank=(out.generated_tokens / out.seconds if out.seconds > 0 else 0.0,),
         refit_host_staged_bytes_per_rank=(refit.host_staged_bytes,),

@@ -178,7 +178,14 @@ def checkpoint_metric_names() -> frozenset[str]:
         fields
         | set(METRIC_KEYS)
         | refit
-        | {"gen_kl", "refit_payload_ratio", "trainer_padding_share", "val_accuracy", "val_reward_mean"}
+        | {
+            "gen_kl",
+            "refit_payload_ratio",
+            "trainer_padding_share",
+            "rollout_overlap_seconds",
+            "val_accuracy",
+            "val_reward_mean",
+        }
     )
 
 
@@ -240,6 +247,13 @@ def _argument_problems(config: RunConfig, *, n_steps: int, arm_names: tuple[str,
     if "fp8_tis" in arm_names and loss.is_variant == "none" and loss.use_importance_sampling_correction is None:
         problems.append("arm fp8_tis corrects with loss_fn.is_variant, which is 'none'; set is_variant: token_tis")
     problems += correction_switch_problems(loss, arm_names)  # --arms against the key
+    uncorrected = [arm for arm in arm_names if arm in ARMS and not loss.arm_corrects(arm)]
+    if config.grpo.async_grpo.ahead and uncorrected:  # NeMo-RL's async guide: required for convergence (a warning)
+        logger.warning(
+            "grpo.async_grpo.enabled trains on samples one update old, and arm(s) %s do not correct for it: set "
+            "loss_fn.use_importance_sampling_correction: true (NeMo-RL's async GRPO guide requires it)",
+            ", ".join(uncorrected),
+        )
     problems += _expert_problems(config)
     try:
         get_task(config.grpo.task, max_digits=config.grpo.task_max_digits)

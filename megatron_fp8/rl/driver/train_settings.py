@@ -99,6 +99,40 @@ def correction_weights(
     return result, (result if config.loss_fn.arm_corrects(arm) else None)
 
 
+def ratio_inputs(
+    config: RunConfig,
+    arm: str,
+    logp_new: torch.Tensor,
+    logp_old: torch.Tensor,
+    logp_rollout: torch.Tensor,
+    response_mask: torch.Tensor,
+    is_weights: torch.Tensor | None,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """The PPO ratio's old log-probabilities and the IS weights of one micro-batch's loss.
+
+    The trainer's scores of the rollout and the step's weights; with ``loss_fn.force_on_policy_ratio`` (NeMo-RL's
+    ``ClippedPGLossFn``: ``prev_logprobs = curr_logprobs.detach()``) the training forward itself, ratio 1, and the IS
+    weights of the arm recomputed against it.
+
+    Args:
+        config: the run config.
+        arm: the arm.
+        logp_new: ``[n, T]`` the training forward's log-probs (with grad).
+        logp_old: ``[n, T]`` the trainer's scores of the rollout.
+        logp_rollout: ``[n, T]`` the engine's log-probs.
+        response_mask: ``[n, T]`` real response tokens.
+        is_weights: ``[n, T]`` the step's IS weights of these rows (``None``: the arm does not correct).
+
+    Returns:
+        ``(old log-probs, IS weights or None)``.
+    """
+    if not config.loss_fn.force_on_policy_ratio:
+        return logp_old, is_weights
+    old = logp_new.detach()
+    _, fresh = correction_weights(config, arm, old, logp_rollout, response_mask)
+    return old, fresh.weights if fresh is not None else None
+
+
 def update_rows(rows: int, config: RunConfig, dp: DataParallel) -> list[slice]:
     """This rank's rows of each optimizer update of a step (``policy.train_global_batch_size`` over all ranks).
 

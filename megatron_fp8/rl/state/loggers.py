@@ -85,6 +85,7 @@ _GROUP_KEYS: dict[str, tuple[str, ...]] = {
         "reward_errors",
         "rollout_prompts_per_rank",
         "reward_mean_per_rank",
+        "rollout_age_steps",
     ),
     "refit": (
         "refit_version",
@@ -104,6 +105,9 @@ _GROUP_KEYS: dict[str, tuple[str, ...]] = {
         "step_seconds",
         "rollout_tokens_per_s_per_rank",
         "refit_seconds_per_rank",
+        "rollout_busy_seconds",
+        "rollout_wait_seconds",
+        "rollout_overlap_seconds",
     ),
 }
 SCALAR_GROUPS: Mapping[str, str] = MappingProxyType({k: g for g, keys in _GROUP_KEYS.items() for k in keys})

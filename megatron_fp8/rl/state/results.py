@@ -117,6 +117,11 @@ class StepMetrics:
         refit_prefix_cache: how the refit retired the engine's prefix cache (a key of
             :data:`megatron_fp8.vocab.PREFIX_CACHE_RESETS`; ``""`` in records written before it existed).
         rollout_seconds: generation time, seconds.
+        rollout_age_steps: updates the samples' generating weights were behind the trainer's (``grpo.async_grpo``:
+            1 when they were generated during the previous step's training; 0 synchronous).
+        rollout_busy_seconds: the engine's generation time for the step (the rollout ranks' own when separate).
+        rollout_wait_seconds: the trainer's time waiting for the step's samples; ``rollout_busy_seconds`` minus it
+            is the generation hidden behind training (``rollout_overlap_seconds`` in the record).
         train_seconds: trainer scoring + optimizer updates, seconds.
         step_seconds: whole step, seconds.
         sample: one prompt and response of the step, for reading.
@@ -180,6 +185,14 @@ class StepMetrics:
     refit_seconds_per_rank: tuple[float, ...] = ()
     trainer_tokens_real_per_rank: tuple[int, ...] = ()
     trainer_tokens_computed_per_rank: tuple[int, ...] = ()
+    rollout_age_steps: int = 0
+    rollout_busy_seconds: float = 0.0
+    rollout_wait_seconds: float = 0.0
+
+    @property
+    def rollout_overlap_seconds(self) -> float:
+        """Generation time hidden behind the trainer's work (busy minus waited, >= 0), seconds."""
+        return max(0.0, self.rollout_busy_seconds - self.rollout_wait_seconds)
 
     @property
     def trainer_padding_share(self) -> float:
@@ -216,6 +229,7 @@ class StepMetrics:
         out["refit_total_bytes"] = int(sum(self.refit_bytes.values()))
         out["refit_payload_ratio"] = self.refit_payload_ratio
         out["trainer_padding_share"] = self.trainer_padding_share
+        out["rollout_overlap_seconds"] = self.rollout_overlap_seconds
         return {k: (None if isinstance(v, float) and not math.isfinite(v) else v) for k, v in out.items()}
 
     @classmethod
@@ -233,6 +247,7 @@ class StepMetrics:
                     "gen_kl",
                     "refit_payload_ratio",
                     "trainer_padding_share",
+                    "rollout_overlap_seconds",
                     *(f"refit_{c}_bytes" for c in (*PAYLOAD_CLASSES, "total")),
                 }
                 values[name] = {

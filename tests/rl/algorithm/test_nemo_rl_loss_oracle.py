@@ -24,7 +24,7 @@ import yaml
 from megatron_fp8.config import load_config
 from megatron_fp8.config.schema import RunConfig
 from megatron_fp8.rl.algorithm.correction import ppo_loss
-from megatron_fp8.rl.driver.train_settings import correction_weights
+from megatron_fp8.rl.driver.train_settings import correction_weights, ratio_inputs
 
 DATA = Path(__file__).parent / "data" / "nemo_rl"
 _PACKAGES = (
@@ -203,3 +203,35 @@ def test_the_switch_and_the_truncation_change_the_loss(nemo_rl_loss):
         _nemo_rl(nemo_rl_loss, keys, x) for keys in ({_KEY: False}, {_KEY: True}, {_KEY: True, **_TIS2})
     ]  # off, untruncated, TIS C=2
     assert len({round(v, 6) for v in losses}) == 3, losses
+
+
+@pytest.mark.parametrize(
+    "loss_keys", [{_KEY: True, **_TIS2}, {_KEY: True}, {_KEY: False}], ids=["tis2", "untruncated", "uncorrected"]
+)
+@pytest.mark.parametrize("seed", [0, 1])
+def test_force_on_policy_ratio_as_nemo_rl_defines_it(nemo_rl_loss, tmp_path, loss_keys, seed):
+    """``loss_fn.force_on_policy_ratio`` (NeMo-RL's async recipes set it): the ratio's old policy is the training
+    forward itself, and the IS weights compare it with the generating policy; megatron-fp8's micro-batch loss inputs
+    (:func:`~megatron_fp8.rl.driver.train_settings.ratio_inputs`, what ``train_phase`` calls) give NeMo-RL's loss."""
+    keys = {**loss_keys, "force_on_policy_ratio": True}
+    cfg = _config(tmp_path, "fp8", keys)
+    assert cfg.loss_fn.force_on_policy_ratio
+    (arm,) = cfg.grpo.arms
+    x = _inputs(seed)
+    _, weights = correction_weights(cfg, arm, x.logp_old, x.logp_gen, x.mask)
+    step_weights = weights.weights if weights is not None else None
+    old, is_weights = ratio_inputs(cfg, arm, x.logp_new, x.logp_old, x.logp_gen, x.mask, step_weights)
+    loss, _ = ppo_loss(
+        x.logp_new,
+        old,
+        x.advantages,
+        x.mask,
+        clip_low=cfg.loss_fn.ratio_clip_min,
+        clip_high=cfg.loss_fn.ratio_clip_max,
+        is_weights=is_weights,
+        aggregation=cfg.loss_fn.aggregation,
+        log_ratio_clamp=cfg.loss_fn.log_ratio_clamp,
+    )
+    theirs = _nemo_rl(nemo_rl_loss, keys, x)
+    assert float(loss.detach()) == pytest.approx(theirs, rel=1e-5, abs=1e-6)
+    assert theirs != pytest.approx(_nemo_rl(nemo_rl_loss, loss_keys, x), rel=1e-3)  # the switch changes the loss

@@ -1,6 +1,6 @@
 """The GRPO refit stream quantizes each FP8 weight straight into its bucket: same wire, the op budget, NaN refused.
 
-``phases._refit_tensors`` is what ``refit_phase`` hands the arm's refit target (colocated or remote: both pack with
+``colocated.refit_stream`` is what ``refit_phase`` hands the arm's refit target (colocated or remote: both pack with
 ``RefitSender``). Here it runs over the tiny model's checkpoint as a CPU (float32) trainer exports it, so the test
 needs no Megatron model; the BF16-trainer branch (``refit_stream(in_bucket=True)`` through the bridge adapter) is
 checked against the eager export in ``tests/bridge_mappings/test_quantized_export.py``.
@@ -27,7 +27,7 @@ from megatron_fp8.refit import DictApplier, InProcTransport, RefitReceiver, Refi
 from megatron_fp8.refit.buckets import pack_buckets
 from megatron_fp8.refit.inbucket import PendingPart
 from megatron_fp8.refit.opcount import OpCounter, OpCounts
-from megatron_fp8.rl.driver import colocated, phases
+from megatron_fp8.rl.driver import colocated
 
 MAX_EXTRA_OPS = 8
 BUCKET_BYTES = 256 << 10
@@ -47,7 +47,7 @@ def _manifest(weights: dict[str, torch.Tensor]) -> Manifest:
 
 
 def _state(weights, precision: str, monkeypatch, *, scale_format: str = "fp32"):
-    """An arm state with only what ``_refit_tensors`` reads; the export answers ``weights`` as parameters (they
+    """An arm state with only what ``refit_stream`` reads; the export answers ``weights`` as parameters (they
     require grad, as a trainer's do)."""
     params = {n: t.detach().clone().requires_grad_(True) for n, t in weights.items()}
 
@@ -55,7 +55,7 @@ def _state(weights, precision: str, monkeypatch, *, scale_format: str = "fp32"):
         assert cpu, "a CPU trainer's export goes to the host"
         return iter(list(params.items()))
 
-    monkeypatch.setattr(phases, "export_hf_weights", export)
+    monkeypatch.setattr(colocated, "export_hf_weights", export)
     return SimpleNamespace(
         spec=SimpleNamespace(name=precision, rollout_precision=precision),
         manifest=_manifest(weights),
@@ -76,16 +76,16 @@ def test_the_grpo_fp8_stream_quantizes_in_the_bucket_with_the_wire_of_the_eager_
     checkpoint, monkeypatch, bucket_bytes, scale_format
 ):
     state = _state(checkpoint, "fp8", monkeypatch, scale_format=scale_format)
-    items = list(phases._refit_tensors(state))
+    items = list(colocated.refit_stream(state))
     pending = {n for n, t in items if isinstance(t, PendingPart)}
     fp8 = state.manifest.fp8_set
     assert pending == fp8 | {n + "_scale_inv" for n in fp8}
-    bf16 = phases.rollout_dtype_stream(checkpoint.items())
+    bf16 = colocated.rollout_dtype_stream(checkpoint.items())
     eager = checked_stream(
         quantized_stream(bf16, state.manifest, state.export_settings, nonfinite="defer"), state.manifest
     )
     want = _wire(pack_buckets(eager, version=4, bucket_bytes=bucket_bytes, stream_id=9))
-    got = _wire(pack_buckets(phases._refit_tensors(state), version=4, bucket_bytes=bucket_bytes, stream_id=9))
+    got = _wire(pack_buckets(colocated.refit_stream(state), version=4, bucket_bytes=bucket_bytes, stream_id=9))
     assert len(got) == len(want)
     for a, b in zip(want, got, strict=True):
         assert a[:4] == b[:4] and a[5] == b[5], f"bucket {a[0]}: metadata or checksum differ"
@@ -121,8 +121,8 @@ def test_the_grpo_fp8_refit_costs_at_most_8_ops_per_bucket_more_than_bf16_and_on
     runs = {}
     for precision in ("bf16", "bf16", "fp8", "fp8"):  # the first of each warms per-process caches
         state = _state(checkpoint, precision, monkeypatch)
-        targets = {n: torch.zeros(t.shape, dtype=t.dtype) for n, t in phases._refit_tensors(state)}
-        runs[precision] = (*_refit_counts(phases._refit_tensors(state), targets), targets)
+        targets = {n: torch.zeros(t.shape, dtype=t.dtype) for n, t in colocated.refit_stream(state)}
+        runs[precision] = (*_refit_counts(colocated.refit_stream(state), targets), targets)
     nb_bf16, snd_bf16, rcv_bf16, _ = runs["bf16"]
     nb_fp8, snd_fp8, rcv_fp8, held = runs["fp8"]
     assert nb_fp8 >= 4 and nb_bf16 >= 4
@@ -135,7 +135,7 @@ def test_the_grpo_fp8_refit_costs_at_most_8_ops_per_bucket_more_than_bf16_and_on
     ):
         assert side.num_host_reads <= nb, (what, nb, dict(side.host_reads))
     state = _state(checkpoint, "fp8", monkeypatch)
-    eager = dict(quantized_stream(phases.rollout_dtype_stream(checkpoint.items()), state.manifest, nonfinite="defer"))
+    eager = dict(quantized_stream(colocated.rollout_dtype_stream(checkpoint.items()), state.manifest, nonfinite="defer"))
     assert set(held) == set(eager)
     for name, t in eager.items():
         assert torch.equal(held[name].view(torch.uint8), t.view(torch.uint8)), name
@@ -148,11 +148,11 @@ def test_a_nan_in_a_grpo_fp8_weight_is_refused_naming_it(checkpoint, monkeypatch
     bad[name][300, 7] = float("nan")
     state = _state(bad, "fp8", monkeypatch)
     with pytest.raises(NonFiniteError, match=rf"'{name}' of version 5 .*first at index \(300, 7\)"):
-        list(pack_buckets(phases._refit_tensors(state), version=5, bucket_bytes=48 << 10))
+        list(pack_buckets(colocated.refit_stream(state), version=5, bucket_bytes=48 << 10))
 
 
 class _GpuParameter:
-    """What ``_refit_tensors`` reads of a GPU trainer's first parameter (no GPU here)."""
+    """What ``refit_stream`` reads of a GPU trainer's first parameter (no GPU here)."""
 
     is_cuda = True
     dtype = torch.bfloat16
@@ -175,8 +175,8 @@ def test_a_gpu_trainer_exports_on_its_gpu_exactly_when_the_target_takes_a_device
         asked.append(cpu)
         return iter(())
 
-    monkeypatch.setattr(phases, "export_hf_weights", export)
-    monkeypatch.setattr(phases, "refit_stream", stream)
+    monkeypatch.setattr(colocated, "export_hf_weights", export)
+    monkeypatch.setattr(colocated, "bridge_refit_stream", stream)
     state = SimpleNamespace(
         spec=SimpleNamespace(name=precision, rollout_precision=precision),
         manifest=_manifest({"model.layers.0.mlp.up_proj.weight": torch.zeros(1)}),
@@ -185,7 +185,7 @@ def test_a_gpu_trainer_exports_on_its_gpu_exactly_when_the_target_takes_a_device
         model=SimpleNamespace(model=[SimpleNamespace(parameters=lambda: iter([_GpuParameter()]))]),
         refit=SimpleNamespace(stream_on_device=on_device),
     )
-    list(phases._refit_tensors(state))
+    list(colocated.refit_stream(state))
     assert asked == [not on_device]
     assert colocated.exports_to_host(state.model, stream_on_device=on_device) is (not on_device)
     route = colocated.refit_route(state.model, stream_on_device=on_device)  # what the run's log says
