@@ -24,7 +24,7 @@ PYTEST_WORKERS ?= 0
 help:
 	@echo "make demo    - install (once) and run the main job (GRPO, 3 arms) on the embedded tiny model"
 	@echo "make test    - install (once) and run the test suite (GPU tests skip with 'needs CUDA')"
-	@echo "make bench   - quantizer, refit, engine-check and packing (train phase padded vs dynamic vs packed, CPU) benchmarks (tables + JSON under bench/results/)"
+	@echo "make bench   - quantizer, refit, engine-check, packing (train phase padded vs dynamic vs packed) and async GRPO (vs synchronous) benchmarks (tables + JSON under bench/results/)"
 	@echo "make gpu-run - on a GPU machine: every gpu test + both benchmarks -> bench/results/*_cuda.json (docs/gpu.md)"
 	@echo "make lint    - ruff + shellcheck"
 	@echo "make image   - build the NGC PyTorch (CUDA 12.9) image; make image-sqsh for enroot/pyxis"
@@ -61,6 +61,7 @@ bench: install
 	$(BIN)/python bench/verify.py --out bench/results/verify.json
 	$(BIN)/python bench/engine_checks.py --out bench/results/engine_checks_cpu.json
 	$(BIN)/python bench/packing.py --out bench/results/packing.json
+	$(BIN)/python bench/async_grpo.py --out bench/results/async_grpo.json
 
 gpu-run:
 	bash bench/gpu_run.sh
