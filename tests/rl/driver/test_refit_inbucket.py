@@ -135,7 +135,9 @@ def test_the_grpo_fp8_refit_costs_at_most_8_ops_per_bucket_more_than_bf16_and_on
     ):
         assert side.num_host_reads <= nb, (what, nb, dict(side.host_reads))
     state = _state(checkpoint, "fp8", monkeypatch)
-    eager = dict(quantized_stream(colocated.rollout_dtype_stream(checkpoint.items()), state.manifest, nonfinite="defer"))
+    eager = dict(
+        quantized_stream(colocated.rollout_dtype_stream(checkpoint.items()), state.manifest, nonfinite="defer")
+    )
     assert set(held) == set(eager)
     for name, t in eager.items():
         assert torch.equal(held[name].view(torch.uint8), t.view(torch.uint8)), name
