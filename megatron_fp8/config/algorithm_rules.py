@@ -24,6 +24,8 @@ def loss_rules(cfg: RunConfig) -> list[str]:
     problems: list[str] = correction_switch_problems(loss, cfg.grpo.arms)
     if loss.is_cap is not None and loss.is_cap <= 0:
         problems.append(f"loss_fn.is_cap must be > 0 (or null: no truncation), got {loss.is_cap}")
+    if loss.ratio_clip_c is not None and not loss.ratio_clip_c > 1:
+        problems.append(f"loss_fn.ratio_clip_c (dual clip) must be > 1 (or null: off), got {loss.ratio_clip_c}")
     if loss.is_lower is not None and loss.is_lower < 0:
         problems.append(f"loss_fn.is_lower must be >= 0, got {loss.is_lower}")
     if loss.is_lower is not None and loss.is_upper is not None and loss.is_lower >= loss.is_upper:

@@ -44,6 +44,8 @@ EFFECTS: Mapping[str, str] = {
     "(rl.driver.phases.run_step -> RemoteRollout.submit; separate rollout ranks only; ages in metrics.jsonl)",
     "grpo.async_grpo.max_trajectory_age_steps": "0: no overlap (the synchronous run); >= 1: the rollout one step "
     "ahead, every sample at most 1 update old",
+    "loss_fn.ratio_clip_c": "dual-clip PPO: a negative-advantage token's loss bounded by -A x C "
+    "(rl.algorithm.correction.ppo_loss)",
     "loss_fn.force_on_policy_ratio": "the PPO ratio's old policy is the training forward (ratio 1); the IS weights "
     "compare it with the generating policy (rl.driver.phases.train_phase); one update per step",
     "policy.sequence_packing.enabled": "every trainer pass (old-policy and reference scores, training) packs rows into "

@@ -35,7 +35,6 @@ EXPERIMENT_KEYS: dict[str, tuple[tuple[JSONValue, ...], str]] = {
     "loss_fn.disable_ppo_ratio": (_OFF, "a loss without the PPO ratio"),
     "loss_fn.sequence_level_importance_ratios": (_OFF, "sequence-level (GSPO) ratios"),
     "loss_fn.positive_example_nll_weight": (_ZERO, "an NLL term on positive examples"),
-    "loss_fn.ratio_clip_c": ((None,), "dual-clip PPO"),
     "grpo.adv_estimator.name": (("grpo", None), "another advantage estimator"),
     "grpo.use_dynamic_sampling": (_OFF, "dynamic sampling (groups filtered by reward variance)"),
     "grpo.overlong_filtering": (_OFF, "truncated responses masked out of the loss"),

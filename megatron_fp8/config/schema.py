@@ -22,7 +22,7 @@ Layout (dotted paths)::
     loss_fn.{use_importance_sampling_correction, is_variant, is_cap, is_lower, is_upper,
              ratio_clip_min, ratio_clip_max, log_ratio_clamp, reference_policy_kl_penalty,
              reference_policy_kl_type, kl_input_clamp_value, kl_output_clamp_value,
-             use_on_policy_kl_approximation, token_level_loss, force_on_policy_ratio}
+             use_on_policy_kl_approximation, token_level_loss, force_on_policy_ratio, ratio_clip_c}
     policy.generation.{max_new_tokens, temperature}; policy.generation.colocated.{enabled, sleep_level, resources.{...}}
     policy.{offload_optimizer_for_logprob}; policy.megatron_cfg.{empty_unused_memory_level, optimizer.optimizer_cpu_offload}
     grpo.{max_num_steps, num_prompts_per_step, num_generations_per_prompt, seed, arms, task, task_max_digits, updates_per_step,
@@ -396,6 +396,8 @@ class LossConfig:
             gradient of the on-policy estimate).
         force_on_policy_ratio: the PPO ratio's old policy is the training forward itself (ratio 1; NeMo-RL's key):
             the IS weights then compare it with the generating policy; one optimizer update per step.
+        ratio_clip_c: dual-clip PPO's ``C > 1``: a token with a negative advantage loses at most ``-A C`` (NeMo-RL's
+            key; ``None``: off).
         token_level_loss: average the loss over every response token of the update (``True``), or per sequence
             first, then over sequences (``False``).
     """
@@ -415,6 +417,7 @@ class LossConfig:
     use_on_policy_kl_approximation: bool = False
     token_level_loss: bool = True
     force_on_policy_ratio: bool = False
+    ratio_clip_c: float | None = None
 
     @property
     def kl_enabled(self) -> bool:

@@ -349,11 +349,13 @@ def ppo_loss(
     aggregation: str = "token-mean",
     log_ratio_clamp: float = DEFAULT_LOG_RATIO_CLAMP,
     penalty: torch.Tensor | None = None,
+    dual_clip: float | None = None,
 ) -> tuple[torch.Tensor, PPOStats]:
     """PPO clipped surrogate per token, times the IS weight, averaged over real tokens, plus a penalty.
 
     Per real token with ``r = exp(clamp(logp_new - logp_old, -c, c))`` and advantage ``A``:
-    ``loss_t = w_t * max(-A r, -A clip(r, 1 - clip_low, 1 + clip_high))`` (to minimize). ``penalty`` (the KL to
+    ``loss_t = w_t * max(-A r, -A clip(r, 1 - clip_low, 1 + clip_high))`` (to minimize); with ``dual_clip`` ``C``
+    (dual-clip PPO, NeMo-RL's ``ratio_clip_c``) a token with ``A < 0`` loses at most ``-A C``. ``penalty`` (the KL to
     the reference policy, :func:`megatron_fp8.rl.algorithm.kl.per_token_kl` times ``beta``) is aggregated the same way
     and added without the IS weight.
 
@@ -368,6 +370,7 @@ def ppo_loss(
         aggregation: one of :data:`LOSS_AGGREGATIONS`.
         log_ratio_clamp: bound on ``|logp_new - logp_old|`` before ``exp``.
         penalty: ``[B, T]`` per-token penalty (0 on padding), or ``None``.
+        dual_clip: ``C > 1``, the bound of a negative-advantage token's loss (``None``: no dual clip).
 
     Returns:
         ``(loss, stats)``: a 0-d float32 tensor with a gradient w.r.t. ``logp_new``,
@@ -380,6 +383,8 @@ def ppo_loss(
         raise ConfigError(f"unknown loss aggregation {aggregation!r}; valid names: {sorted(LOSS_AGGREGATIONS)}")
     if not (0.0 <= clip_low < 1.0) or clip_high < 0.0:
         raise ConfigError(f"need 0 <= clip_low < 1 and clip_high >= 0, got clip_low={clip_low}, clip_high={clip_high}")
+    if dual_clip is not None and not dual_clip > 1.0:
+        raise ConfigError(f"loss_fn.ratio_clip_c (dual clip) must be > 1 (or null), got {dual_clip}")
     _check_pair(logp_new, logp_old, response_mask, ("logp_new", "logp_old", "response_mask"))
     real = response_mask.bool()
     real_f = real.float()
@@ -408,7 +413,10 @@ def ppo_loss(
     ratio = torch.exp(log_r)
     unclipped = -adv * ratio
     clipped = -adv * ratio.clamp(1.0 - clip_low, 1.0 + clip_high)
-    per_token = torch.maximum(unclipped, clipped) * weights
+    surrogate = torch.maximum(unclipped, clipped)
+    if dual_clip is not None:  # dual-clip PPO (arXiv:1912.09729): a negative advantage's loss is at most -A C
+        surrogate = torch.where(adv < 0, torch.minimum(surrogate, -adv * dual_clip), surrogate)
+    per_token = surrogate * weights
     loss = LOSS_AGGREGATIONS[aggregation](per_token, real_f)
     if penalty is not None:
         if penalty.shape != logp_new.shape:

@@ -474,6 +474,7 @@ def train_phase(state: ArmState, ctx: GRPOContext, out: RolloutOutcome, scores: 
                 aggregation=aggregation,
                 log_ratio_clamp=config.loss_fn.log_ratio_clamp,
                 penalty=penalty,
+                dual_clip=config.loss_fn.ratio_clip_c,
             )
             update_stats.append(stats)
             if rows is None:

@@ -136,6 +136,7 @@ def _ours(cfg: RunConfig, x: _Inputs) -> float:
         is_weights=weights,
         aggregation=cfg.loss_fn.aggregation,
         log_ratio_clamp=cfg.loss_fn.log_ratio_clamp,
+        dual_clip=cfg.loss_fn.ratio_clip_c,
     )
     return float(loss.detach())
 
@@ -172,6 +173,8 @@ _ICEPOP = {
         ("fp8", {_KEY: True, **_ICEPOP}, "fp8_tis", True),
         ("fp8", {_KEY: True, "token_level_loss": False}, "fp8_tis", True),
         ("bf16", {_KEY: True, **_TIS2}, "bf16", True),
+        ("fp8", {_KEY: True, **_TIS2, "ratio_clip_c": 1.5}, "fp8_tis", True),  # dual clip (DAPO recipes: 10)
+        ("bf16", {_KEY: False, "ratio_clip_c": 1.2, "token_level_loss": False}, "bf16", False),
     ],
     ids=[
         "on-bf16",
@@ -183,6 +186,8 @@ _ICEPOP = {
         "on-fp8-icepop",
         "on-fp8-seq-mean",
         "on-bf16-tis2",
+        "on-fp8-tis2-dual-clip",
+        "off-bf16-seq-mean-dual-clip",
     ],
 )
 @pytest.mark.parametrize("seed", [0, 1])
@@ -203,6 +208,8 @@ def test_the_switch_and_the_truncation_change_the_loss(nemo_rl_loss):
         _nemo_rl(nemo_rl_loss, keys, x) for keys in ({_KEY: False}, {_KEY: True}, {_KEY: True, **_TIS2})
     ]  # off, untruncated, TIS C=2
     assert len({round(v, 6) for v in losses}) == 3, losses
+    dual = _nemo_rl(nemo_rl_loss, {_KEY: True, **_TIS2, "ratio_clip_c": 1.5}, x)
+    assert round(dual, 6) not in {round(v, 6) for v in losses}, (dual, losses)  # the dual clip binds on these inputs
 
 
 @pytest.mark.parametrize(
