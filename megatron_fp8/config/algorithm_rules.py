@@ -212,3 +212,41 @@ def async_rules(cfg: RunConfig) -> list[str]:
             f"being trained): set grpo.updates_per_step: 1 and policy.train_global_batch_size: {samples} (or null)"
         )
     return problems
+
+
+def reward_rules(cfg: RunConfig) -> list[str]:
+    """``grpo.reward_scaling``: a source range of positive width; ``grpo.reward_shaping``: the three overlong keys (or
+    ``stop_properly_penalty_coef`` in ``[0, 1]``), a penalty >= 0 and a buffer within ``max_response_length``."""
+    problems: list[str] = []
+    scale, shape = cfg.grpo.reward_scaling, cfg.grpo.reward_shaping
+    if scale.enabled and not scale.source_max > scale.source_min:
+        problems.append(
+            f"grpo.reward_scaling: source_max ({scale.source_max}) must exceed source_min ({scale.source_min})"
+        )
+    if not shape.enabled:
+        return problems
+    coef = shape.stop_properly_penalty_coef
+    if coef is not None:
+        if not 0.0 <= coef <= 1.0:
+            problems.append(f"grpo.reward_shaping.stop_properly_penalty_coef must be in [0, 1], got {coef}")
+        return problems
+    keys = ("overlong_buffer_length", "overlong_buffer_penalty", "max_response_length")
+    missing = [k for k in keys if getattr(shape, k) is None]
+    if missing:
+        problems.append(
+            f"grpo.reward_shaping.enabled needs {', '.join(missing)} (DAPO's overlong penalty; NeMo-RL refuses it "
+            "too), or stop_properly_penalty_coef"
+        )
+        return problems
+    assert shape.overlong_buffer_length is not None and shape.max_response_length is not None
+    assert shape.overlong_buffer_penalty is not None
+    if shape.overlong_buffer_penalty < 0:
+        problems.append(
+            f"grpo.reward_shaping.overlong_buffer_penalty must be >= 0, got {shape.overlong_buffer_penalty}"
+        )
+    if not 0 < shape.overlong_buffer_length <= shape.max_response_length:
+        problems.append(
+            f"grpo.reward_shaping.overlong_buffer_length ({shape.overlong_buffer_length}) must be in "
+            f"(0, max_response_length = {shape.max_response_length}]"
+        )
+    return problems

@@ -1,6 +1,7 @@
 """How samples flow from the rollout to the trainer, as run-configuration sections (NeMo-RL's names): the ``data``
-sections, how the trainer batches the samples (``policy.sequence_packing``, ``policy.dynamic_batching``) and how far
-the rollout runs ahead of the trainer (``grpo.async_grpo``); frozen dataclasses, re-exported by
+sections, how the trainer batches the samples (``policy.sequence_packing``, ``policy.dynamic_batching``), how far
+the rollout runs ahead of the trainer (``grpo.async_grpo``) and what a sample's reward becomes before its advantage
+(``grpo.reward_scaling``, ``grpo.reward_shaping``); frozen dataclasses, re-exported by
 :mod:`megatron_fp8.config.schema`.
 
 A split names a local file (``data_path``) and its two columns; NeMo-RL's ``dataset_name`` with a ``data_path``
@@ -139,3 +140,37 @@ class AsyncGRPOConfig:
     def ahead(self) -> int:
         """Steps the rollout runs ahead of the trainer: 1 when enabled with an age limit >= 1, else 0."""
         return 1 if self.enabled and self.max_trajectory_age_steps >= 1 else 0
+
+
+@dataclass(frozen=True)
+class RewardScalingConfig:
+    """``grpo.reward_scaling`` (NeMo-RL's keys): each reward clamped to ``[source_min, source_max]`` and mapped linearly
+    onto ``[target_min, target_max]`` before the advantages (:func:`megatron_fp8.rl.algorithm.shaping.scale_rewards`).
+    """
+
+    enabled: bool = False
+    source_min: float = 0.0
+    source_max: float = 1.0
+    target_min: float = 0.0
+    target_max: float = 1.0
+
+
+@dataclass(frozen=True)
+class RewardShapingConfig:
+    """``grpo.reward_shaping`` (NeMo-RL's keys): DAPO's overlong penalty, after the scaling
+    (:func:`megatron_fp8.rl.algorithm.shaping.shape_rewards`).
+
+    Attributes:
+        enabled: shape.
+        overlong_buffer_length: tokens before ``max_response_length`` where the penalty grows from 0.
+        overlong_buffer_penalty: the penalty at the buffer's end (>= 0), per buffer length of excess.
+        max_response_length: the length the buffer ends at, tokens.
+        stop_properly_penalty_coef: instead of the overlong penalty, a truncated response's reward times this
+            (in ``[0, 1]``).
+    """
+
+    enabled: bool = False
+    overlong_buffer_length: int | None = None
+    overlong_buffer_penalty: float | None = None
+    max_response_length: int | None = None
+    stop_properly_penalty_coef: float | None = None

@@ -44,6 +44,19 @@ EFFECTS: Mapping[str, str] = {
     "(rl.driver.phases.run_step -> RemoteRollout.submit; separate rollout ranks only; ages in metrics.jsonl)",
     "grpo.async_grpo.max_trajectory_age_steps": "0: no overlap (the synchronous run); >= 1: the rollout one step "
     "ahead, every sample at most 1 update old",
+    "grpo.reward_scaling.enabled": "rewards clamped to [source_min, source_max] and mapped onto [target_min, "
+    "target_max] before the advantages (rl.algorithm.shaping.scale_rewards)",
+    "grpo.reward_scaling.source_min": "the scaling's source range, low end",
+    "grpo.reward_scaling.source_max": "the scaling's source range, high end",
+    "grpo.reward_scaling.target_min": "the scaling's target range, low end",
+    "grpo.reward_scaling.target_max": "the scaling's target range, high end",
+    "grpo.reward_shaping.enabled": "DAPO's overlong penalty after the scaling (rl.algorithm.shaping.shape_rewards)",
+    "grpo.reward_shaping.overlong_buffer_length": "tokens before max_response_length where the penalty grows from 0",
+    "grpo.reward_shaping.overlong_buffer_penalty": "the penalty per buffer length of excess (>= 0)",
+    "grpo.reward_shaping.max_response_length": "where the overlong buffer ends, tokens",
+    "grpo.reward_shaping.stop_properly_penalty_coef": "instead: a truncated response's reward times this (in [0, 1])",
+    "grpo.overlong_filtering": "responses cut at max_new_tokens leave the loss (their group's baseline keeps them; "
+    "rl.driver.phases.train_phase)",
     "loss_fn.ratio_clip_c": "dual-clip PPO: a negative-advantage token's loss bounded by -A x C "
     "(rl.algorithm.correction.ppo_loss)",
     "loss_fn.force_on_policy_ratio": "the PPO ratio's old policy is the training forward (ratio 1); the IS weights "

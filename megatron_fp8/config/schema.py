@@ -27,7 +27,8 @@ Layout (dotted paths)::
     policy.{offload_optimizer_for_logprob}; policy.megatron_cfg.{empty_unused_memory_level, optimizer.optimizer_cpu_offload}
     grpo.{max_num_steps, num_prompts_per_step, num_generations_per_prompt, seed, arms, task, task_max_digits, updates_per_step,
           warm_start_steps, warm_start_learning_rate, val_period, val_at_start, max_val_samples,
-          normalize_rewards, use_leave_one_out_baseline, async_grpo.{enabled, max_trajectory_age_steps}}
+          normalize_rewards, use_leave_one_out_baseline, async_grpo.{enabled, max_trajectory_age_steps},
+          reward_scaling.{...}, reward_shaping.{...}, overlong_filtering}
     data.{max_input_seq_length, shuffle, train.{data_path, input_key, output_key, max_samples, split_validation_size, seed},
           validation.{...as train}, default.{prompt_file, system_prompt_file, env_name}}
     checkpointing.{enabled, checkpoint_dir, save_period, keep_top_k, metric_name, higher_is_better, save_consolidated}
@@ -57,6 +58,8 @@ from megatron_fp8.config.data_schema import DataConfig as DataConfig
 from megatron_fp8.config.data_schema import DataDefaultsConfig as DataDefaultsConfig
 from megatron_fp8.config.data_schema import DatasetConfig as DatasetConfig
 from megatron_fp8.config.data_schema import DynamicBatchingConfig as DynamicBatchingConfig
+from megatron_fp8.config.data_schema import RewardScalingConfig as RewardScalingConfig
+from megatron_fp8.config.data_schema import RewardShapingConfig as RewardShapingConfig
 from megatron_fp8.config.data_schema import SequencePackingConfig as SequencePackingConfig
 from megatron_fp8.config.outputs_schema import CheckpointingConfig, LoggerConfig, LoggingConfig
 from megatron_fp8.config.outputs_schema import WandbConfig as WandbConfig
@@ -469,6 +472,9 @@ class GRPOConfig:
         responses of its group (RLOO) instead of the whole group.
     allow_no_effect: run although NeMo-RL keys that change the experiment have no effect here (warned).
     allow_over_memory: run although the memory plan per phase exceeds the GPU (``config.memory_plan``; warned).
+    async_grpo: the rollout one step ahead of the trainer (separate rollout ranks).
+    reward_scaling, reward_shaping: what the rewards become before the advantages (NeMo-RL's order).
+    overlong_filtering: truncated responses out of the loss (still in their group's baseline).
     """
 
     max_num_steps: int = 20
@@ -488,6 +494,9 @@ class GRPOConfig:
     use_leave_one_out_baseline: bool = False
     allow_no_effect: bool = False
     async_grpo: AsyncGRPOConfig = field(default_factory=AsyncGRPOConfig)
+    reward_scaling: RewardScalingConfig = field(default_factory=RewardScalingConfig)
+    reward_shaping: RewardShapingConfig = field(default_factory=RewardShapingConfig)
+    overlong_filtering: bool = False
     allow_over_memory: bool = False
 
 

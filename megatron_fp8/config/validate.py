@@ -17,7 +17,13 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from megatron_fp8 import vocab
-from megatron_fp8.config.algorithm_rules import async_rules, batching_rules, loss_rules, scheduler_rules
+from megatron_fp8.config.algorithm_rules import (
+    async_rules,
+    batching_rules,
+    loss_rules,
+    reward_rules,
+    scheduler_rules,
+)
 from megatron_fp8.config.memory_plan import memory_rules
 from megatron_fp8.config.models import ModelDims
 from megatron_fp8.config.schema import FP8TrainConfig, RunConfig, VllmConfig
@@ -498,6 +504,7 @@ RULES: tuple[Rule, ...] = (
     scheduler_rules,
     batching_rules,
     async_rules,
+    reward_rules,
     grpo_rules,
     refit_rules,
     memory_rules,

@@ -218,6 +218,14 @@ def rollout_share(n_samples: int, dp: DataParallel, *, engine_ranks: int = 1) ->
     return RolloutShare(engine=engine, engines=engines, start=start, stop=stop, leader=leader)
 
 
+def sample_seed(seed: int, step: int, index: int) -> int:
+    """The sampling seed of sample ``index`` of GRPO step ``step`` (problem-major: problem ``p``'s generation ``k``
+    is ``p x num_generations_per_prompt + k`` among the step's problems), for run seed ``grpo.seed``. An engine
+    seeds prompt ``j`` of a request with ``seed + j``, so a request for samples ``a..b`` passes
+    ``sample_seed(seed, step, a)``."""
+    return seed * 1_000_003 + step * 10_007 + index
+
+
 def request_ranges(
     dp: DataParallel, share: RolloutShare, *, n_problems: int, generations: int
 ) -> tuple[list[tuple[int, int]], int]:

@@ -34,6 +34,7 @@ from megatron_fp8.rl.algorithm.correction import ISResult, PPOStats, loss_units,
 from megatron_fp8.rl.algorithm.kl import per_token_kl
 from megatron_fp8.rl.algorithm.kv_calibration import KVAmaxRecorder
 from megatron_fp8.rl.algorithm.metrics import METRIC_KEYS, mismatch_metrics
+from megatron_fp8.rl.algorithm.shaping import scale_rewards, shape_rewards
 from megatron_fp8.rl.cluster.distributed import (
     DataParallel,
     RolloutShare,
@@ -41,6 +42,7 @@ from megatron_fp8.rl.cluster.distributed import (
     longest_over_replicas,
     request_ranges,
     rollout_share,
+    sample_seed,
 )
 from megatron_fp8.rl.data.problems import ProblemSource
 from megatron_fp8.rl.data.rewards import RewardFn, RewardResult, safe_reward
@@ -283,14 +285,6 @@ def _step_prompts(ctx: GRPOContext, step_problems: Sequence[Problem]) -> tuple[l
     return tuple(ids for ids in prompts for _ in range(g.num_generations_per_prompt))
 
 
-def sample_seed(seed: int, step: int, index: int) -> int:
-    """The sampling seed of sample ``index`` of GRPO step ``step`` (problem-major: problem ``p``'s generation ``k``
-    is ``p x num_generations_per_prompt + k`` among the step's problems), for run seed ``grpo.seed``. An engine
-    seeds prompt ``j`` of a request with ``seed + j``, so a request for samples ``a..b`` passes
-    ``sample_seed(seed, step, a)``."""
-    return seed * 1_000_003 + step * 10_007 + index
-
-
 # ----------------------------------------------------------------------------- score
 
 
@@ -324,7 +318,11 @@ def score_phase(out: RolloutOutcome, ctx: GRPOContext) -> Scores:
         texts.append(text)
         breakdowns.append(safe_reward(ctx.reward, problem, text, finished=finished))
     rewards = torch.tensor([s.reward for s in breakdowns], dtype=torch.float32)
-    g = ctx.config.grpo
+    g, rollout = ctx.config.grpo, out.rollout  # NeMo-RL's order: scaled, then shaped (DAPO's overlong penalty)
+    cut = [not f for f in rollout.finished]
+    rewards = shape_rewards(
+        scale_rewards(rewards, g.reward_scaling), [len(t) for t in rollout.token_ids], cut, g.reward_shaping
+    )
     advantages = group_advantages(
         rewards.view(-1, g.num_generations_per_prompt),
         leave_one_out=g.use_leave_one_out_baseline,
@@ -440,11 +438,14 @@ def train_phase(state: ArmState, ctx: GRPOContext, out: RolloutOutcome, scores: 
     update_stats: list[PPOStats] = []  # the last update's, one per micro-batch
 
     aggregation = config.loss_fn.aggregation
+    loss_mask = batch.response_mask  # grpo.overlong_filtering: responses cut at the length limit leave the loss
+    if g.overlong_filtering:
+        loss_mask = loss_mask & torch.tensor(out.rollout.finished, dtype=torch.bool)[:, None]
 
     def update_loss(update: slice) -> Callable[..., torch.Tensor]:
         """The loss over one update's rows (token mean, or sequence mean of token means); a micro-batch (``rows``
         within them) returns its share: its own mean times its fraction of the update's tokens (sequences)."""
-        units = loss_units(batch.response_mask[update], aggregation).clamp(min=1.0)
+        units = loss_units(loss_mask[update], aggregation).clamp(min=1.0)
         update_stats.clear()
 
         def loss_fn(logp_new: torch.Tensor, rows: torch.Tensor | None = None) -> torch.Tensor:
@@ -452,7 +453,7 @@ def train_phase(state: ArmState, ctx: GRPOContext, out: RolloutOutcome, scores: 
             penalty = None
             if kl is not None and logp_ref is not None:
                 penalty = kl.coef * per_token_kl(
-                    logp_new, logp_ref[part], kl, mask=batch.response_mask[part], logp_rollout=batch.logp_rollout[part]
+                    logp_new, logp_ref[part], kl, mask=loss_mask[part], logp_rollout=batch.logp_rollout[part]
                 )
             old, is_w = ratio_inputs(
                 config,
@@ -460,14 +461,14 @@ def train_phase(state: ArmState, ctx: GRPOContext, out: RolloutOutcome, scores: 
                 logp_new,
                 logp_old[part],
                 batch.logp_rollout[part],
-                batch.response_mask[part],
+                loss_mask[part],
                 weights.weights[part] if isinstance(weights, ISResult) else None,
             )
             loss, stats = ppo_loss(
                 logp_new,
                 old,
                 scores.advantages[part],
-                batch.response_mask[part],
+                loss_mask[part],
                 clip_low=config.loss_fn.ratio_clip_min,
                 clip_high=config.loss_fn.ratio_clip_max,
                 is_weights=is_w,
@@ -479,7 +480,7 @@ def train_phase(state: ArmState, ctx: GRPOContext, out: RolloutOutcome, scores: 
             update_stats.append(stats)
             if rows is None:
                 return loss
-            return loss * (loss_units(batch.response_mask[part], aggregation) / units)
+            return loss * (loss_units(loss_mask[part], aggregation) / units)
 
         return loss_fn
 
