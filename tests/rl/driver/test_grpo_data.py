@@ -89,10 +89,10 @@ def test_checkpoint_of_another_config_is_refused_before_anything_is_touched(tmp_
 def test_ctrl_c_mid_step_keeps_the_last_complete_checkpoint(tmp_path, monkeypatch):
     real_run_step = arm_module.run_step
 
-    def interrupted(state, ctx, *, step):
+    def interrupted(state, ctx, *, step, **kwargs):
         if step == 1:
             raise KeyboardInterrupt
-        return real_run_step(state, ctx, step=step)
+        return real_run_step(state, ctx, step=step, **kwargs)
 
     monkeypatch.setattr(arm_module, "run_step", interrupted)
     out = tmp_path / "out"
