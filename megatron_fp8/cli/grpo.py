@@ -90,15 +90,19 @@ def run_job(args: argparse.Namespace) -> tuple[Path, Path, Path] | None:
         overrides.append("grpo.allow_no_effect=true")
     if getattr(args, "allow_over_memory", False):
         overrides.append("grpo.allow_over_memory=true")
-    loaded = load_config_report(args.config, overrides)
-    config = loaded.config
-    refuse_before_run(config, loaded.no_effect)
-    logging.getLogger().setLevel(config.logging.level if not verbose else "DEBUG")
     arms = None
     if getattr(args, "arms", None) is not None:
         arms = [a.strip() for a in args.arms.split(",")]
         if not all(arms):
             raise UsageError(f"--arms {args.arms!r} has an empty arm name; e.g. --arms {','.join(ARMS)}")
+        unknown = [a for a in arms if a not in ARMS]
+        if unknown:
+            raise UsageError(f"--arms {args.arms!r}: unknown arm(s) {unknown}; valid arms: {', '.join(ARMS)}")
+        overrides.append(f"grpo.arms=[{','.join(arms)}]")  # every check of the config sees the arms that run
+    loaded = load_config_report(args.config, overrides)
+    config = loaded.config
+    refuse_before_run(config, loaded.no_effect)
+    logging.getLogger().setLevel(config.logging.level if not verbose else "DEBUG")
     if args.out is not None and not args.out.strip():
         raise UsageError("--out '' names no folder; give a path, or leave --out out for a new folder per run")
     out = Path(args.out) if args.out else (Path(config.out_dir) if config.out_dir else None)

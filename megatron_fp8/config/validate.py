@@ -401,6 +401,15 @@ def training_parallelism_rules(cfg: RunConfig) -> list[str]:
         if value is not None and value < 1:
             problems.append(f"policy.{key} must be >= 1 (or null: the whole batch at once), got {value}")
     samples = cfg.grpo.num_prompts_per_step * cfg.grpo.num_generations_per_prompt
+    update = global_batch if global_batch is not None and global_batch >= 1 else samples
+    micro = cfg.policy.train_micro_batch_size
+    if micro is not None and micro > update:  # an update's rows over all ranks: no rank's micro-batch can hold more
+        problems.append(
+            f"policy.train_micro_batch_size={micro} is more than an optimizer update's {update} sequences (over all "
+            f"ranks: policy.train_global_batch_size, else the step's grpo.num_prompts_per_step x "
+            f"num_generations_per_prompt samples); a micro-batch is part of one rank's share of an update: set it to "
+            f"at most {update} (or null: the rank's whole share at once)"
+        )
     if global_batch is not None and (global_batch < 1 or samples % global_batch):
         problems.append(
             f"policy.train_global_batch_size={global_batch} must divide the step's {samples} samples "
