@@ -29,6 +29,10 @@ LAUNCH_ENV = "MEGATRON_FP8_LAUNCH"
 SHUTDOWN_TIMEOUT_S = 900
 """How long the launcher waits for the ranks to finish their step and save after a signal (torchrun: 30 s)."""
 
+NPROC_WORDS = ("auto", "cpu", "gpu", "xpu")
+"""``--nproc-per-node`` values torchrun takes besides a count (one process per core, GPU or XPU; ``auto``: GPUs,
+else cores)."""
+
 SIGNALS = "SIGTERM,SIGINT,SIGHUP,SIGQUIT,SIGUSR1"
 """The signals the launcher passes on to the ranks (torchrun's, plus Slurm's warning SIGUSR1)."""
 
@@ -77,6 +81,14 @@ def run(args: argparse.Namespace) -> int:
     defaults = [] if "--shutdown-timeout" in given else ["--shutdown-timeout", str(SHUTDOWN_TIMEOUT_S)]
     defaults += [] if "--signals-to-handle" in given else ["--signals-to-handle", SIGNALS]
     torchrun_args = get_args_parser().parse_args([*defaults, *options, "-m", "megatron_fp8", *command])
+    nproc = str(torchrun_args.nproc_per_node)
+    if not (nproc.isdigit() and int(nproc) > 0) and nproc not in NPROC_WORDS:
+        from megatron_fp8.errors import UsageError
+
+        raise UsageError(
+            f"--nproc-per-node {nproc!r}: give the processes per node as a number >= 1 (e.g. --nproc-per-node 2), "
+            f"or one of torchrun's words: {', '.join(NPROC_WORDS)}"
+        )
     os.environ[LAUNCH_ENV] = " ".join(shlex.quote(a) for a in ["megatron-fp8", "launch", *options])
     try:
         torchrun(torchrun_args)

@@ -73,8 +73,20 @@ def _fresh_together(*argvs: tuple[str, ...], env: dict[str, str]) -> list[subpro
         (("config", "grpo.arms=bf16,"), 1, "grpo.arms: 'bf16,' has an empty item"),
         (("report", "README.md"), 2, "is a file; report wants the run folder that holds metrics.jsonl"),
         (("config", "policy.generation.top_p=0.5"), 1, "--allow-no-effect"),
+        (("grpo", "--arms", "bf16,fp9"), 2, "--arms 'bf16,fp9': unknown arm(s) ['fp9']"),  # issue 57, trip 2
+        (("launch", "--nproc-per-node", "abc", "config"), 2, "--nproc-per-node 'abc': give the processes per node"),
     ],
-    ids=["empty-arms", "empty-arm", "empty-out", "unknown-option", "empty-list-item", "report-file", "no-effect"],
+    ids=[
+        "empty-arms",
+        "empty-arm",
+        "empty-out",
+        "unknown-option",
+        "empty-list-item",
+        "report-file",
+        "no-effect",
+        "unknown-arm",
+        "nproc-not-a-number",
+    ],
 )
 def test_careless_input_gets_one_line_and_the_right_exit_code(args, code, message):
     proc = _cli(*args)
