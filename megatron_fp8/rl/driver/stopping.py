@@ -253,13 +253,16 @@ def next_command(argv: Sequence[str], stopped: RunStopped) -> list[str]:
     """The ``grpo`` arguments that go on after ``stopped``, run as printed: ``argv`` with ``--out`` naming the run's
     folder when it was chosen for the run (a rerun without it would open a new one); when a checkpoint holds the last
     step, without ``--overwrite`` (it would remove that checkpoint and start over), else (checkpointing off) with it:
-    the partial outputs are replaced and the run starts over."""
+    the partial outputs are replaced and the run starts over, with ``checkpointing.enabled=true`` after a deadline
+    (the same deadline would stop the same step again)."""
     args = [a for a in argv if a != "--overwrite"] if stopped.checkpoint is not None else list(argv)
     given = any(a == "--out" or a.startswith("--out=") for a in args)
     if not given and stopped.out_dir is not None:
         args += ["--out", str(stopped.out_dir)]
     if stopped.checkpoint is None and "--overwrite" not in args:
         args.append("--overwrite")
+    if stopped.checkpoint is None and stopped.reason == DEADLINE and "checkpointing.enabled=true" not in args:
+        args.append("checkpointing.enabled=true")  # the same deadline would stop the same step again: save steps
     return args
 
 
@@ -279,6 +282,11 @@ def stop_message(stopped: RunStopped, *, command: str) -> str:
         kept = f"; the completed steps' metrics are in {stopped.out_dir}" if stopped.out_dir is not None else ""
         saved = f"nothing was saved (checkpointing.enabled=false){kept}"
         verb = "start over with (--overwrite replaces this run's outputs; add checkpointing.enabled=true to save steps)"
+        if stopped.reason == DEADLINE:  # started over as it was, the run would stop at the same step every time
+            verb = (
+                "start over with checkpoints on (the same deadline would stop the same step again; saved steps "
+                "let the next run go on from them)"
+            )
     return (
         f"stopped ({why}) after {stopped.completed_steps} of {stopped.total_steps} steps of arm {stopped.arm}; "
         f"{saved}; {verb}: {command}"
