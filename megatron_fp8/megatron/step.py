@@ -154,9 +154,28 @@ def token_logprobs(
     return local_logprobs(logits, input_ids, vocab_size=m.vocab_size, temperature=temperature)
 
 
-def rows_layout(layout: BatchLayout | None, rows: int | None, *, key: str) -> BatchLayout:
-    """``layout``, or micro-batches of ``rows`` rows each (``None``: the whole batch) named by ``key``."""
-    return layout if layout is not None else BatchLayout(kind="rows", rows=rows, key=key)
+def _plan_pass(
+    input_ids: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    layout: BatchLayout | None,
+    rows: int | None,
+    *,
+    key: str,
+    tally: TokenTally | None,
+    pad_id: int,
+) -> list[MicroBatch]:
+    """One pass's micro-batches: ``layout``, or rows of ``rows`` each (``None``: the whole batch) named by ``key``;
+    counted into ``tally``."""
+    plan = plan_micro_batches(
+        input_ids,
+        attention_mask,
+        layout if layout is not None else BatchLayout(kind="rows", rows=rows, key=key),
+        pipeline_stages=pipeline_size(),
+        pad_id=pad_id,
+    )
+    if tally is not None:
+        tally.add(plan)
+    return plan
 
 
 def sequence_logprobs(
@@ -194,15 +213,9 @@ def sequence_logprobs(
     if temperature <= 0:
         raise ConfigError(f"temperature must be > 0, got {temperature}")
     rows, width = input_ids.shape[0], input_ids.shape[1] - 1
-    plan = plan_micro_batches(
-        input_ids,
-        attention_mask,
-        rows_layout(layout, batch_size, key="policy.logprob_batch_size"),
-        pipeline_stages=pipeline_size(),
-        pad_id=pad_id,
+    plan = _plan_pass(
+        input_ids, attention_mask, layout, batch_size, key="policy.logprob_batch_size", tally=tally, pad_id=pad_id
     )
-    if tally is not None:
-        tally.add(plan)
     if pipeline_size() == 1:
         device = next(m.model[0].parameters()).device
         scope = packing_scope(m, plan)
@@ -402,15 +415,15 @@ def train_step(
     _check_ids(input_ids, m)
     if temperature <= 0:
         raise ConfigError(f"temperature must be > 0, got {temperature}")
-    plan = plan_micro_batches(
+    plan = _plan_pass(
         input_ids,
         attention_mask,
-        rows_layout(layout, micro_batch_size, key="policy.train_micro_batch_size"),
-        pipeline_stages=pipeline_size(),
+        layout,
+        micro_batch_size,
+        key="policy.train_micro_batch_size",
+        tally=tally,
         pad_id=pad_id,
     )
-    if tally is not None:
-        tally.add(plan)
     whole = layout is None and micro_batch_size is None
 
     def share(logprobs: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
