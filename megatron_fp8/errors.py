@@ -117,3 +117,8 @@ class DiskFullError(MegatronFP8Error):
 
 class UsageError(ConfigError):
     """A bad command-line argument or an unusable output folder: the CLI exits with code 2."""
+
+
+class DynamicSamplingError(MegatronFP8Error, RuntimeError):
+    """DAPO's dynamic sampling ran out of generation rounds before a step had enough samples whose group rewards vary
+    (``grpo.dynamic_sampling_max_gen_batches``); the checkpoints of the completed steps are kept."""

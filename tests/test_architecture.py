@@ -24,7 +24,7 @@ ROOT = pathlib.Path(__file__).resolve().parents[1]
 PACKAGES = ("megatron_fp8", "bridge_mappings")
 MAX_LINES = 600
 MAX_MODULES_PER_PACKAGE = 12
-RL_FLOORS = {"algorithm": 0, "data": 0, "state": 0, "cluster": 1, "driver": 2}
+RL_FLOORS = {"algorithm": 0, "data": 0, "state": 0, "cluster": 1, "sampling": 2, "driver": 3}
 """The rooms of ``megatron_fp8/rl/`` and their floors (docs/architecture.md, "The rooms of rl/")."""
 
 

@@ -214,6 +214,31 @@ def async_rules(cfg: RunConfig) -> list[str]:
     return problems
 
 
+def dynamic_sampling_rules(cfg: RunConfig) -> list[str]:
+    """``grpo.use_dynamic_sampling``: ``batch_multiplier >= 1`` (``1`` without dynamic sampling, as NeMo-RL asserts),
+    ``dynamic_sampling_max_gen_batches >= 1``, a round's prompts split evenly over the data-parallel replicas when
+    they are known here, and no rollout ahead of the trainer (``grpo.async_grpo``)."""
+    g = cfg.grpo
+    problems: list[str] = []
+    if not g.use_dynamic_sampling:
+        if g.batch_multiplier != 1:
+            problems.append(
+                f"grpo.batch_multiplier={g.batch_multiplier} oversamples prompts for dynamic sampling only: set "
+                "grpo.use_dynamic_sampling: true, or batch_multiplier: 1"
+            )
+        return problems
+    if g.batch_multiplier < 1:
+        problems.append(f"grpo.batch_multiplier must be >= 1, got {g.batch_multiplier}")
+    if g.dynamic_sampling_max_gen_batches < 1:
+        problems.append(f"grpo.dynamic_sampling_max_gen_batches must be >= 1, got {g.dynamic_sampling_max_gen_batches}")
+    if g.async_grpo.enabled:
+        problems.append(
+            "grpo.use_dynamic_sampling with grpo.async_grpo.enabled: a step's generation rounds depend on its rewards, "
+            "so the next step's samples cannot be asked for ahead; turn one of them off"
+        )
+    return problems
+
+
 def reward_rules(cfg: RunConfig) -> list[str]:
     """``grpo.reward_scaling``: a source range of positive width; ``grpo.reward_shaping``: the three overlong keys (or
     ``stop_properly_penalty_coef`` in ``[0, 1]``), a penalty >= 0 and a buffer within ``max_response_length``."""

@@ -1,6 +1,6 @@
-"""How samples flow from the rollout to the trainer, as run-configuration sections (NeMo-RL's names): the ``data``
-sections, how the trainer batches the samples (``policy.sequence_packing``, ``policy.dynamic_batching``), how far
-the rollout runs ahead of the trainer (``grpo.async_grpo``) and what a sample's reward becomes before its advantage
+"""How samples flow from the rollout to the trainer, as run-configuration sections (NeMo-RL's names): the ``grpo``
+section (prompts and samples per step, DAPO's dynamic sampling), the ``data`` sections, how the trainer batches the
+samples (``policy.sequence_packing``, ``policy.dynamic_batching``), how far the rollout runs ahead of the trainer (``grpo.async_grpo``) and what a sample's reward becomes before its advantage
 (``grpo.reward_scaling``, ``grpo.reward_shaping``); frozen dataclasses, re-exported by
 :mod:`megatron_fp8.config.schema`.
 
@@ -12,6 +12,8 @@ before these are built.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+
+from megatron_fp8 import vocab
 
 
 @dataclass(frozen=True)
@@ -174,3 +176,71 @@ class RewardShapingConfig:
     overlong_buffer_penalty: float | None = None
     max_response_length: int | None = None
     stop_properly_penalty_coef: float | None = None
+
+
+@dataclass(frozen=True)
+class GRPOConfig:
+    """``grpo``. Attributes:
+    max_num_steps: training steps per arm (NeMo-RL's key; ``grpo.num_steps`` is its former spelling).
+    num_prompts_per_step: prompts per step.
+    num_generations_per_prompt: samples per prompt (the GRPO group size).
+    seed: RNG seed (prompts, sampling, init).
+    arms: which arms to run, keys of :data:`megatron_fp8.vocab.ARMS`.
+    task: the verifiable toy task, a key of :data:`megatron_fp8.rl.data.task.TASKS` (``addition``, ``copy``).
+    task_max_digits: operand / string length limit of the task (digits).
+    updates_per_step: optimizer updates on each step's batch (PPO epochs; the first is on-policy).
+    warm_start_steps: supervised steps on task answers before the arms (shared; 0 = none): a random-init
+        model gets a policy RL can improve, as RL normally starts from a pretrained model.
+    warm_start_learning_rate: learning rate of the warm-start steps.
+    val_period: validate (accuracy on ``data.validation`` or held-out task problems) every N steps; 0 = never.
+    val_at_start: also validate before the first step.
+    max_val_samples: validation problems used (``None`` = all).
+    normalize_rewards: divide each advantage by its group's reward standard deviation (where it is not 0).
+    use_leave_one_out_baseline: each response's baseline (and standard deviation) is taken over the other
+        responses of its group (RLOO) instead of the whole group.
+    allow_no_effect: run although NeMo-RL keys that change the experiment have no effect here (warned).
+    allow_over_memory: run although the memory plan per phase exceeds the GPU (``config.memory_plan``; warned).
+    async_grpo: the rollout one step ahead of the trainer (separate rollout ranks).
+    reward_scaling, reward_shaping: what the rewards become before the advantages (NeMo-RL's order).
+    overlong_filtering: truncated responses out of the loss (still in their group's baseline).
+    use_dynamic_sampling: DAPO's dynamic sampling: a step trains on ``num_prompts_per_step x
+        num_generations_per_prompt`` samples whose group rewards vary, drawn from as many generation rounds of
+        ``num_prompts_per_step x batch_multiplier`` prompts as it takes (:mod:`megatron_fp8.rl.sampling.dynamic`).
+    batch_multiplier: prompts of one generation round, in multiples of ``num_prompts_per_step`` (dynamic sampling
+        only; NeMo-RL's key).
+    dynamic_sampling_max_gen_batches: generation rounds a step may take before the run stops with an error; as
+        NeMo-RL counts them, a step still short after round ``max + 1`` stops.
+    """
+
+    max_num_steps: int = 20
+    num_prompts_per_step: int = 8
+    num_generations_per_prompt: int = 4
+    seed: int = 0
+    arms: tuple[str, ...] = tuple(vocab.ARMS)
+    task: str = "addition"
+    task_max_digits: int = 1
+    updates_per_step: int = 1
+    warm_start_steps: int = 0
+    warm_start_learning_rate: float = 1.0e-3
+    val_period: int = 0
+    val_at_start: bool = False
+    max_val_samples: int | None = None
+    normalize_rewards: bool = True
+    use_leave_one_out_baseline: bool = False
+    allow_no_effect: bool = False
+    async_grpo: AsyncGRPOConfig = field(default_factory=AsyncGRPOConfig)
+    reward_scaling: RewardScalingConfig = field(default_factory=RewardScalingConfig)
+    reward_shaping: RewardShapingConfig = field(default_factory=RewardShapingConfig)
+    overlong_filtering: bool = False
+    use_dynamic_sampling: bool = False
+    batch_multiplier: float = 1.0
+    dynamic_sampling_max_gen_batches: int = 10
+    allow_over_memory: bool = False
+
+    @property
+    def round_prompts(self) -> int:
+        """Prompts of one generation round: ``num_prompts_per_step``, times ``batch_multiplier`` (rounded down, as
+        NeMo-RL's ``int()``) with dynamic sampling."""
+        if not self.use_dynamic_sampling:
+            return self.num_prompts_per_step
+        return int(self.num_prompts_per_step * self.batch_multiplier)

@@ -57,6 +57,11 @@ EFFECTS: Mapping[str, str] = {
     "grpo.reward_shaping.stop_properly_penalty_coef": "instead: a truncated response's reward times this (in [0, 1])",
     "grpo.overlong_filtering": "responses cut at max_new_tokens leave the loss (their group's baseline keeps them; "
     "rl.driver.phases.train_phase)",
+    "grpo.use_dynamic_sampling": "DAPO: a step trains only on groups whose rewards vary, generation rounds repeated "
+    "until it has num_prompts_per_step x num_generations_per_prompt such samples (rl.sampling.dynamic)",
+    "grpo.batch_multiplier": "prompts of one dynamic-sampling generation round: num_prompts_per_step x this",
+    "grpo.dynamic_sampling_max_gen_batches": "generation rounds a step may take; still short after round max + 1: "
+    "the run stops naming the keys (as NeMo-RL counts them)",
     "loss_fn.ratio_clip_c": "dual-clip PPO: a negative-advantage token's loss bounded by -A x C "
     "(rl.algorithm.correction.ppo_loss)",
     "loss_fn.force_on_policy_ratio": "the PPO ratio's old policy is the training forward (ratio 1); the IS weights "

@@ -28,7 +28,8 @@ Layout (dotted paths)::
     grpo.{max_num_steps, num_prompts_per_step, num_generations_per_prompt, seed, arms, task, task_max_digits, updates_per_step,
           warm_start_steps, warm_start_learning_rate, val_period, val_at_start, max_val_samples,
           normalize_rewards, use_leave_one_out_baseline, async_grpo.{enabled, max_trajectory_age_steps},
-          reward_scaling.{...}, reward_shaping.{...}, overlong_filtering}
+          reward_scaling.{...}, reward_shaping.{...}, overlong_filtering,
+          use_dynamic_sampling, batch_multiplier, dynamic_sampling_max_gen_batches}
     data.{max_input_seq_length, shuffle, train.{data_path, input_key, output_key, max_samples, split_validation_size, seed},
           validation.{...as train}, default.{prompt_file, system_prompt_file, env_name}}
     checkpointing.{enabled, checkpoint_dir, save_period, keep_top_k, metric_name, higher_is_better, save_consolidated}
@@ -58,6 +59,7 @@ from megatron_fp8.config.data_schema import DataConfig as DataConfig
 from megatron_fp8.config.data_schema import DataDefaultsConfig as DataDefaultsConfig
 from megatron_fp8.config.data_schema import DatasetConfig as DatasetConfig
 from megatron_fp8.config.data_schema import DynamicBatchingConfig as DynamicBatchingConfig
+from megatron_fp8.config.data_schema import GRPOConfig as GRPOConfig
 from megatron_fp8.config.data_schema import RewardScalingConfig as RewardScalingConfig
 from megatron_fp8.config.data_schema import RewardShapingConfig as RewardShapingConfig
 from megatron_fp8.config.data_schema import SequencePackingConfig as SequencePackingConfig
@@ -448,56 +450,6 @@ class LossConfig:
         if self.use_importance_sampling_correction is None:
             return vocab.ARMS[arm].correct
         return self.use_importance_sampling_correction
-
-
-@dataclass(frozen=True)
-class GRPOConfig:
-    """``grpo``. Attributes:
-    max_num_steps: training steps per arm (NeMo-RL's key; ``grpo.num_steps`` is its former spelling).
-    num_prompts_per_step: prompts per step.
-    num_generations_per_prompt: samples per prompt (the GRPO group size).
-    seed: RNG seed (prompts, sampling, init).
-    arms: which arms to run, keys of :data:`megatron_fp8.vocab.ARMS`.
-    task: the verifiable toy task, a key of :data:`megatron_fp8.rl.data.task.TASKS` (``addition``, ``copy``).
-    task_max_digits: operand / string length limit of the task (digits).
-    updates_per_step: optimizer updates on each step's batch (PPO epochs; the first is on-policy).
-    warm_start_steps: supervised steps on task answers before the arms (shared; 0 = none): a random-init
-        model gets a policy RL can improve, as RL normally starts from a pretrained model.
-    warm_start_learning_rate: learning rate of the warm-start steps.
-    val_period: validate (accuracy on ``data.validation`` or held-out task problems) every N steps; 0 = never.
-    val_at_start: also validate before the first step.
-    max_val_samples: validation problems used (``None`` = all).
-    normalize_rewards: divide each advantage by its group's reward standard deviation (where it is not 0).
-    use_leave_one_out_baseline: each response's baseline (and standard deviation) is taken over the other
-        responses of its group (RLOO) instead of the whole group.
-    allow_no_effect: run although NeMo-RL keys that change the experiment have no effect here (warned).
-    allow_over_memory: run although the memory plan per phase exceeds the GPU (``config.memory_plan``; warned).
-    async_grpo: the rollout one step ahead of the trainer (separate rollout ranks).
-    reward_scaling, reward_shaping: what the rewards become before the advantages (NeMo-RL's order).
-    overlong_filtering: truncated responses out of the loss (still in their group's baseline).
-    """
-
-    max_num_steps: int = 20
-    num_prompts_per_step: int = 8
-    num_generations_per_prompt: int = 4
-    seed: int = 0
-    arms: tuple[str, ...] = tuple(vocab.ARMS)
-    task: str = "addition"
-    task_max_digits: int = 1
-    updates_per_step: int = 1
-    warm_start_steps: int = 0
-    warm_start_learning_rate: float = 1.0e-3
-    val_period: int = 0
-    val_at_start: bool = False
-    max_val_samples: int | None = None
-    normalize_rewards: bool = True
-    use_leave_one_out_baseline: bool = False
-    allow_no_effect: bool = False
-    async_grpo: AsyncGRPOConfig = field(default_factory=AsyncGRPOConfig)
-    reward_scaling: RewardScalingConfig = field(default_factory=RewardScalingConfig)
-    reward_shaping: RewardShapingConfig = field(default_factory=RewardShapingConfig)
-    overlong_filtering: bool = False
-    allow_over_memory: bool = False
 
 
 @dataclass(frozen=True)

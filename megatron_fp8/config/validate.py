@@ -20,6 +20,7 @@ from megatron_fp8 import vocab
 from megatron_fp8.config.algorithm_rules import (
     async_rules,
     batching_rules,
+    dynamic_sampling_rules,
     loss_rules,
     reward_rules,
     scheduler_rules,
@@ -513,6 +514,7 @@ RULES: tuple[Rule, ...] = (
     scheduler_rules,
     batching_rules,
     async_rules,
+    dynamic_sampling_rules,
     reward_rules,
     grpo_rules,
     refit_rules,

@@ -29,16 +29,12 @@ from megatron_fp8.rl.cluster.distributed import DataParallel, check_against_mega
 from megatron_fp8.rl.cluster.remote import ArmSetup, RemoteRollout
 from megatron_fp8.rl.cluster.roles import Groups
 from megatron_fp8.rl.driver.colocated import ColocatedTarget, colocated_memory, refit_route
-from megatron_fp8.rl.driver.phases import (
-    ArmState,
-    GRPOContext,
-    RefitTarget,
-    refit_phase,
-    run_step,
-)
+from megatron_fp8.rl.driver.phases import ArmState, RefitTarget, refit_phase, run_step
 from megatron_fp8.rl.driver.runtime import environment, phase, quiet_stdout, trainer_dtype, training_math_label
 from megatron_fp8.rl.driver.stopping import RunStopped, StopRequests, signal_point
 from megatron_fp8.rl.driver.validation import ValidationResult, validate, validation_due
+from megatron_fp8.rl.sampling.context import GRPOContext
+from megatron_fp8.rl.sampling.dynamic import CHECKPOINT_KEY as DATA_BATCHES_KEY
 from megatron_fp8.rl.state.checkpoint import CheckpointManager
 from megatron_fp8.rl.state.results import ArmResult, StepMetrics
 from megatron_fp8.rollout.engines import RolloutEngine, build_rollout_engine, resolve_engine_name
@@ -311,7 +307,8 @@ def _save(
     signal_point("save", step)
     if state.memory is not None:  # the optimizer state on its device for the checkpoint (offloaded before the refit)
         state.memory.before_update()
-    path = checkpoints.save(step=step, model=state.model, optimizer=state.optimizer, metrics=metrics)
+    extra = {DATA_BATCHES_KEY: state.cursor.next_batch}  # dynamic sampling's data position (rounds per step vary)
+    path = checkpoints.save(step=step, model=state.model, optimizer=state.optimizer, metrics=metrics, extra=extra)
     if stop is not None:
         stop.timed_save(time.monotonic() - t_save)
     return path
@@ -333,6 +330,8 @@ def _resume(state: ArmState, checkpoints: CheckpointManager | None, *, steps: in
     if resumed is None:
         return 0
     first = resumed.step + 1
+    # the data batches drawn before (one per step; dynamic sampling: one per generation round)
+    state.cursor.next_batch = int(resumed.extra.get(DATA_BATCHES_KEY, first))  # type: ignore[arg-type]
     logger.info("arm %s: resumed from step %d (%s)", state.spec.name, first, resumed.path)
     if first < steps:  # the engine still holds the initial weights: send it the restored policy
         with phase(f"arm {state.spec.name}: refit of the restored weights"):

@@ -78,7 +78,6 @@ from megatron_fp8.rl.data.rewards import RewardFn, reward_function
 from megatron_fp8.rl.data.task import get_task
 from megatron_fp8.rl.driver.arm import ArmHooks, build_engine, run_arm
 from megatron_fp8.rl.driver.fp8_rollout import fp8_manifest, rollout_quantization_config
-from megatron_fp8.rl.driver.phases import GRPOContext
 from megatron_fp8.rl.driver.preflight import preflight
 from megatron_fp8.rl.driver.runtime import (
     MetricsSink,
@@ -93,6 +92,7 @@ from megatron_fp8.rl.driver.runtime import (
 )
 from megatron_fp8.rl.driver.stopping import RunStopped, StopRequests
 from megatron_fp8.rl.driver.warm_start import warm_start
+from megatron_fp8.rl.sampling.context import GRPOContext
 from megatron_fp8.rl.state import report
 from megatron_fp8.rl.state.checkpoint import CheckpointManager
 from megatron_fp8.rl.state.fingerprint import config_fingerprint
@@ -208,10 +208,11 @@ def run_grpo(
     # signals are handled until the outputs are written: one after the last step lets the run finish normally
     stop = StopRequests(config.checkpointing.checkpoint_must_save_by)
     with stop, _trainer_ranks(placement, config) as (dp, groups):
-        if config.grpo.num_prompts_per_step % dp.dp_size:
+        if config.grpo.num_prompts_per_step % dp.dp_size or config.grpo.round_prompts % dp.dp_size:
             raise ConfigError(
-                f"grpo.num_prompts_per_step={config.grpo.num_prompts_per_step} is not divisible by the "
-                f"{dp.dp_size} data-parallel model replicas; each replica rolls out whole prompt groups"
+                f"grpo.num_prompts_per_step={config.grpo.num_prompts_per_step} (a generation round: "
+                f"{config.grpo.round_prompts}) is not divisible by the {dp.dp_size} data-parallel model replicas; "
+                "each replica rolls out whole prompt groups"
             )
         ctx_parts = _RunParts(
             tokenizer=tokenizer, problems=problems, reward=reward, checkpoints=checkpoints, kept=kept, groups=groups

@@ -1,8 +1,10 @@
 """One GRPO step of one arm, as four phases: rollout -> score -> train -> refit.
 
-* :func:`rollout_phase`: this rank's share of the step's problems, ``num_generations_per_prompt``
-  responses each from the arm's engine, with the engine's per-token log-probabilities;
-* :func:`score_phase`: verifiable partial-credit rewards and group-normalised advantages;
+* the rollout (:mod:`megatron_fp8.rl.sampling.rollout`): this rank's share of the step's problems,
+  ``num_generations_per_prompt`` responses each from the arm's engine, with the engine's per-token log-probabilities;
+  with ``grpo.use_dynamic_sampling`` as many generation rounds as the step needs (:mod:`megatron_fp8.rl.sampling.dynamic`);
+* the scores (:mod:`megatron_fp8.rl.sampling.scores`): verifiable partial-credit rewards and group-normalised
+  advantages;
 * :func:`train_phase`: the trainer's log-probabilities of the same tokens (no grad, the old
   policy), the mismatch metrics and IS weights, ``grpo.updates_per_step`` PPO updates;
 * :func:`refit_phase`: the updated weights to the engine (FP8 + block scales for the manifest's
@@ -15,8 +17,8 @@ from __future__ import annotations
 
 import contextlib
 import time
-from collections.abc import Callable, Iterable, Mapping, Sequence
-from dataclasses import dataclass
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass, field
 from typing import Protocol
 
 import torch
@@ -29,24 +31,12 @@ from megatron_fp8.megatron import MegatronModel, StepOptimizer, sequence_logprob
 from megatron_fp8.megatron.microbatch import BatchLayout, TokenTally
 from megatron_fp8.megatron.reference import ReferenceWeights
 from megatron_fp8.megatron.schedule import from_last_stage
-from megatron_fp8.rl.algorithm.batch import Tokenizer, decode_response, group_advantages, make_batch, pad_to_length
+from megatron_fp8.rl.algorithm.batch import make_batch, pad_to_length
 from megatron_fp8.rl.algorithm.correction import ISResult, PPOStats, loss_units, ppo_loss, token_weighted
 from megatron_fp8.rl.algorithm.kl import per_token_kl
 from megatron_fp8.rl.algorithm.kv_calibration import KVAmaxRecorder
 from megatron_fp8.rl.algorithm.metrics import METRIC_KEYS, mismatch_metrics
-from megatron_fp8.rl.algorithm.shaping import scale_rewards, shape_rewards
-from megatron_fp8.rl.cluster.distributed import (
-    DataParallel,
-    RolloutShare,
-    gather_within_replica,
-    longest_over_replicas,
-    request_ranges,
-    rollout_share,
-    sample_seed,
-)
-from megatron_fp8.rl.data.problems import ProblemSource
-from megatron_fp8.rl.data.rewards import RewardFn, RewardResult, safe_reward
-from megatron_fp8.rl.data.task import Problem
+from megatron_fp8.rl.cluster.distributed import DataParallel, longest_over_replicas
 from megatron_fp8.rl.driver.colocated import PhaseMemory, refit_stream
 from megatron_fp8.rl.driver.stopping import signal_point
 from megatron_fp8.rl.driver.train_settings import (
@@ -57,8 +47,12 @@ from megatron_fp8.rl.driver.train_settings import (
     ratio_inputs,
     update_rows,
 )
+from megatron_fp8.rl.sampling.context import GRPOContext
+from megatron_fp8.rl.sampling.dynamic import DataCursor, DynamicSamplingStats, dynamic_sampling_phase
+from megatron_fp8.rl.sampling.rollout import RolloutOutcome, prefetch_phase, rollout_phase
+from megatron_fp8.rl.sampling.scores import Scores, score_phase
 from megatron_fp8.rl.state.results import RefitDone, StepMetrics, finite_mean
-from megatron_fp8.rollout.engines import Rollout, RolloutEngine
+from megatron_fp8.rollout.engines import RolloutEngine
 from megatron_fp8.vocab import ArmSpec
 
 
@@ -91,27 +85,6 @@ class Optimizer(StepOptimizer, Protocol):
 
 
 @dataclass(frozen=True)
-class GRPOContext:
-    """What every step of every arm shares.
-
-    Attributes:
-        config: the run configuration.
-        problems: the training problems (a dataset or the built-in task), a pure function of the step.
-        reward: the reward of a response (math-verify, a user's function, or the task's partial credit).
-        tokenizer: the model's tokenizer.
-        eos_id: end-of-sequence id (stops responses).
-        pad_id: padding id of the trainer's batches.
-    """
-
-    config: RunConfig
-    problems: ProblemSource
-    reward: RewardFn
-    tokenizer: Tokenizer
-    eos_id: int
-    pad_id: int
-
-
-@dataclass(frozen=True)
 class ArmState:
     """One arm's trainer, engine and refit session, built once per arm.
 
@@ -129,6 +102,8 @@ class ArmState:
         kv_settings: percentile and margin of those scales.
         reference: the reference policy of the KL penalty (``None``: ``loss_fn.reference_policy_kl_penalty`` 0).
         memory: the colocated engine's sleep and the trainer's offload, phase by phase (``None``: neither).
+        cursor: the next data batch a dynamic-sampling round draws (``grpo.use_dynamic_sampling``; restored on
+            resume).
     """
 
     spec: ArmSpec
@@ -143,192 +118,7 @@ class ArmState:
     kv_settings: KVCacheConfig = KVCacheConfig()
     reference: ReferenceWeights | None = None
     memory: PhaseMemory | None = None
-
-
-# ----------------------------------------------------------------------------- rollout
-
-
-@dataclass(frozen=True)
-class RolloutOutcome:
-    """This rank's responses of one step.
-
-    Attributes:
-        problems: per response, its problem (each problem repeated ``num_generations_per_prompt`` times).
-        prompt_ids: per response, the prompt token ids.
-        rollout: the engine's responses and log-probabilities (the whole replica's, gathered).
-        seconds: this rank's generation time, seconds.
-        generated_samples: samples this rank's engine generated (its part of the replica's).
-        generated_tokens: response tokens this rank's engine generated.
-        age: updates the generating weights were behind the trainer's (``grpo.async_grpo``: 0 or 1).
-        busy_seconds: the engine's generation time (the rollout ranks' own, when separate), seconds.
-        wait_seconds: the trainer's time waiting for these samples, seconds.
-    """
-
-    problems: tuple[Problem, ...]
-    prompt_ids: tuple[list[int], ...]
-    rollout: Rollout
-    seconds: float
-    generated_samples: int = 0
-    generated_tokens: int = 0
-    age: int = 0
-    busy_seconds: float = 0.0
-    wait_seconds: float = 0.0
-
-
-@dataclass(frozen=True)
-class _StepRequests:
-    """What this rank asks its engine for at one step (:func:`rollout_phase`, :func:`prefetch_phase`)."""
-
-    problems: tuple[Problem, ...]
-    prompts: tuple[list[int], ...]
-    share: RolloutShare
-    lengths: list[int]
-    own: int
-    merged: bool
-    requests: list[tuple[tuple[list[int], ...], int]]
-
-
-def _step_requests(state: ArmState, ctx: GRPOContext, step: int) -> _StepRequests:
-    """This rank's requests of ``step``: its engine's part of the replica's samples (one per replica it holds, or one
-    for consecutive replicas), each with the step index of its first sample."""
-    g = ctx.config.grpo
-    step_problems = ctx.problems.step_problems(step=step, count=g.num_prompts_per_step)
-    problems = state.dp.shard(step_problems)
-    first = state.dp.shard_start(len(step_problems)) * g.num_generations_per_prompt  # the replica's first sample
-    prompt_ids = [ctx.tokenizer.encode(p.prompt, add_special_tokens=False) for p in problems]
-    flat_prompts = tuple(ids for ids in prompt_ids for _ in range(g.num_generations_per_prompt))
-    flat_problems = tuple(p for p in problems for _ in range(g.num_generations_per_prompt))
-    share = rollout_share(len(flat_prompts), state.dp, engine_ranks=state.engine.engine_ranks)
-    ranges, own = request_ranges(
-        state.dp, share, n_problems=len(step_problems), generations=g.num_generations_per_prompt
-    )  # the samples (step indices) this rank's engine generates: its part, or the same part of each of its replicas
-    source, base = (flat_prompts, first) if share.span == 1 else (_step_prompts(ctx, step_problems), 0)
-    merged = len(ranges) > 1 and all(ranges[i][1] == ranges[i + 1][0] for i in range(len(ranges) - 1))
-    asked = [(ranges[0][0], ranges[-1][1])] if merged else ranges  # consecutive replicas: one request
-    requests = [(source[lo - base : hi - base], lo) for lo, hi in asked]  # (prompts, first sample's index)
-    return _StepRequests(flat_problems, flat_prompts, share, [hi - lo for lo, hi in ranges], own, merged, requests)
-
-
-def _asks(state: ArmState, prompts: Sequence[Sequence[int]]) -> bool:
-    """Whether this rank calls its engine for ``prompts`` (a remote engine: every trainer rank calls, even empty)."""
-    return bool(prompts) or getattr(state.engine, "collective_generate", False)
-
-
-def _sampling(ctx: GRPOContext, step: int, start: int) -> dict[str, object]:
-    gen = ctx.config.policy.generation
-    seed = sample_seed(ctx.config.grpo.seed, step, start)
-    return {
-        "max_new_tokens": gen.max_new_tokens,
-        "temperature": gen.temperature,
-        "seed": seed,
-        "eos_token_id": ctx.eos_id,
-    }
-
-
-def prefetch_phase(state: ArmState, ctx: GRPOContext, *, step: int) -> None:
-    """``grpo.async_grpo``: ask the separate rollout ranks for ``step``'s samples now, with the version they hold;
-    :func:`rollout_phase` of ``step`` collects them (one version behind the trainer by then). A no-op for an engine
-    that cannot take a request ahead (colocated)."""
-    submit = getattr(state.engine, "submit", None)
-    if submit is None:
-        return
-    for mine, start in _step_requests(state, ctx, step).requests:
-        if _asks(state, mine):
-            submit(mine, **_sampling(ctx, step, start))
-
-
-def rollout_phase(state: ArmState, ctx: GRPOContext, *, step: int) -> RolloutOutcome:
-    """Roll out this replica's problems of ``step`` (the same for every arm), each rank's engine its own part.
-
-    The replica's samples (its problems x ``num_generations_per_prompt``) are split over the engines of its ranks
-    (:func:`~megatron_fp8.rl.cluster.distributed.rollout_share`) and all-gathered, so every rank of the replica trains
-    on the whole batch while each engine generated only its part; an engine holding whole replicas generates all of
-    their samples in one request and each rank keeps its replica's. Sample ``i`` of the step (problem-major, over all
-    replicas) is seeded with :func:`sample_seed`, so a sample does not depend on which rank generated it. Samples a
-    :func:`prefetch_phase` asked for earlier are collected (their age recorded).
-    """
-    asked = _step_requests(state, ctx, step)
-    t0 = time.perf_counter()
-    results: list[list[tuple[tuple[int, ...], torch.Tensor, bool]]] = []
-    engine_name, age, busy, wait = state.engine.name, 0, 0.0, 0.0
-    for mine, start in asked.requests:  # every rank of an engine makes the same requests, in the same order
-        if _asks(state, mine):
-            got = state.engine.generate(mine, **_sampling(ctx, step, start))
-            results.append(list(zip(got.token_ids, got.logprobs, got.finished, strict=True)))
-            engine_name = got.engine
-            timing = getattr(state.engine, "last_generation", None)  # a remote engine says what each side spent
-            if timing is not None:
-                age, busy, wait = max(age, timing.age), busy + timing.rollout_seconds, wait + timing.wait_seconds
-        else:
-            results.append([])
-    seconds = time.perf_counter() - t0
-    generated = sum(len(t) for result in results for t, _, _ in result)
-    count = sum(len(mine) for mine, _ in asked.requests)
-    at = sum(asked.lengths[: asked.own])
-    part = results[0][at : at + asked.lengths[asked.own]] if asked.merged else results[asked.own]
-    whole = gather_within_replica(part, asked.share)  # the replica's ranks train on the same samples
-    rollout = Rollout(
-        token_ids=tuple(t for t, _, _ in whole),
-        logprobs=tuple(lp for _, lp, _ in whole),
-        finished=tuple(f for _, _, f in whole),
-        engine=engine_name,
-    )
-    if getattr(state.engine, "last_generation", None) is None:  # in process: the engine's time is the wait
-        busy, wait = seconds, seconds
-    return RolloutOutcome(asked.problems, asked.prompts, rollout, seconds, count, generated, age, busy, wait)
-
-
-def _step_prompts(ctx: GRPOContext, step_problems: Sequence[Problem]) -> tuple[list[int], ...]:
-    """Every sample's prompt of the step, problem-major (what an engine holding several replicas draws from)."""
-    g = ctx.config.grpo
-    prompts = [ctx.tokenizer.encode(p.prompt, add_special_tokens=False) for p in step_problems]
-    return tuple(ids for ids in prompts for _ in range(g.num_generations_per_prompt))
-
-
-# ----------------------------------------------------------------------------- score
-
-
-@dataclass(frozen=True)
-class Scores:
-    """The rewards of one step's responses.
-
-    Attributes:
-        texts: per response, the decoded text (EOS dropped).
-        breakdowns: per response, the reward's result (``error`` set where the reward function raised).
-        rewards: float32 ``[num_responses]``.
-        advantages: float32 ``[num_responses]``, normalised within each prompt's group.
-    """
-
-    texts: tuple[str, ...]
-    breakdowns: tuple[RewardResult, ...]
-    rewards: torch.Tensor
-    advantages: torch.Tensor
-
-
-def score_phase(out: RolloutOutcome, ctx: GRPOContext) -> Scores:
-    """Decode and score every response, then the GRPO advantages within each group.
-
-    A reward function that raises scores 0 for that response and is reported with the sample
-    (:func:`~megatron_fp8.rl.data.rewards.safe_reward`); the step counts such responses (``reward_errors``).
-    """
-    texts, breakdowns = [], []
-    for problem, ids, finished in zip(out.problems, out.rollout.token_ids, out.rollout.finished, strict=True):
-        body = ids[:-1] if finished and ids and ids[-1] == ctx.eos_id else ids
-        text = decode_response(ctx.tokenizer, body)
-        texts.append(text)
-        breakdowns.append(safe_reward(ctx.reward, problem, text, finished=finished))
-    rewards = torch.tensor([s.reward for s in breakdowns], dtype=torch.float32)
-    g, rollout = ctx.config.grpo, out.rollout  # NeMo-RL's order: scaled, then shaped (DAPO's overlong penalty)
-    cut = [not f for f in rollout.finished]
-    rewards = shape_rewards(
-        scale_rewards(rewards, g.reward_scaling), [len(t) for t in rollout.token_ids], cut, g.reward_shaping
-    )
-    advantages = group_advantages(
-        rewards.view(-1, g.num_generations_per_prompt),
-        leave_one_out=g.use_leave_one_out_baseline,
-        normalize=g.normalize_rewards,
-    )
-    return Scores(tuple(texts), tuple(breakdowns), rewards, advantages)
+    cursor: DataCursor = field(default_factory=DataCursor)
 
 
 # ----------------------------------------------------------------------------- train
@@ -535,12 +325,19 @@ def run_step(state: ArmState, ctx: GRPOContext, *, step: int, prefetch: bool = F
     signal_point("rollout", step)
     if memory is not None:
         memory.before_generation()
-    out = rollout_phase(state, ctx, step=step)
+    g = ctx.config.grpo
+    dynamic: DynamicSamplingStats | None = None
+    if g.use_dynamic_sampling:  # rounds until the step has its samples with varying group rewards
+        out, scores, dynamic = dynamic_sampling_phase(state, ctx, cursor=state.cursor, step=step)
+    else:
+        out = rollout_phase(state, ctx, batch=step, count=g.num_prompts_per_step)
+        state.cursor.next_batch = step + 1  # one data batch per step
     if memory is not None:
         memory.after_generation()
     if prefetch:
-        prefetch_phase(state, ctx, step=step + 1)
-    scores = score_phase(out, ctx)
+        prefetch_phase(state, ctx, batch=step + 1, count=g.num_prompts_per_step)
+    if dynamic is None:
+        scores = score_phase(out, ctx)
     signal_point("train", step)
     train = train_phase(state, ctx, out, scores, step=step)
     signal_point("refit", step)
@@ -553,10 +350,12 @@ def run_step(state: ArmState, ctx: GRPOContext, *, step: int, prefetch: bool = F
         arm=state.spec.name,
         step=step,
         engine=out.rollout.engine,
-        reward_mean=float(rewards.mean()),
+        reward_mean=float(rewards.mean()) if dynamic is None else dynamic.reward_mean,
         reward_std=float(rewards.std(unbiased=False)),
         reward_max=float(rewards.max()),
-        exact_match=sum(s.exact for s in scores.breakdowns) / len(scores.breakdowns),
+        exact_match=sum(s.exact for s in scores.breakdowns) / len(scores.breakdowns)
+        if dynamic is None
+        else dynamic.exact_match,
         response_tokens_mean=sum(len(t) for t in token_ids) / len(token_ids),
         loss=train.loss,
         grad_norm=train.grad_norm,
@@ -593,4 +392,17 @@ def run_step(state: ArmState, ctx: GRPOContext, *, step: int, prefetch: bool = F
         sample=f"{out.problems[best].prompt}{scores.texts[best]!r} (answer {out.problems[best].answer})",
         reward_errors=sum(1 for s in scores.breakdowns if s.error is not None),
         kl_penalty=train.ppo.get("kl_penalty", 0.0),
+        **_dynamic_metrics(dynamic, rewards),
     )
+
+
+def _dynamic_metrics(dynamic: DynamicSamplingStats | None, trained: torch.Tensor) -> dict[str, float | int]:
+    """NeMo-RL's dynamic-sampling metrics of the step (none without it)."""
+    if dynamic is None:
+        return {}
+    return {
+        "filtered_reward_mean": float(trained.mean()),
+        "dynamic_sampling_num_gen_batches": dynamic.rounds,
+        "dynamic_sampling_num_discarded_valid_samples": dynamic.discarded,
+        "dynamic_sampling_filtered_share": dynamic.filtered_share,
+    }

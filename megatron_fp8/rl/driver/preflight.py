@@ -310,6 +310,12 @@ def _world_problems(config: RunConfig, world_size: int | None) -> list[str]:
             f"data-parallel model replicas ({world_size} processes, WORLD_SIZE, / TP x PP {model_parallel}); each "
             "replica rolls out whole prompt groups"
         )
+    elif replicas and config.grpo.round_prompts % replicas:
+        problems.append(
+            f"a dynamic-sampling round's {config.grpo.round_prompts} prompts (grpo.num_prompts_per_step x "
+            f"batch_multiplier={config.grpo.batch_multiplier}) are not divisible by the {replicas} data-parallel model "
+            "replicas; each replica rolls out whole prompt groups: change grpo.batch_multiplier"
+        )
     return problems
 
 

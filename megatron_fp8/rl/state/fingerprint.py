@@ -68,10 +68,13 @@ _ABSENT = "<absent>"
 def fingerprint_differences(
     saved: Mapping[str, JSONValue], current: Mapping[str, JSONValue]
 ) -> tuple[tuple[str, JSONValue, JSONValue], ...]:
-    """``(dotted key, saved value, current value)`` for every leaf that differs (``"<absent>"`` where missing)."""
+    """``(dotted key, saved value, current value)`` for every leaf that differs (``"<absent>"`` where missing); a key
+    the checkpoint does not have (written before the key existed) differs only where its value now is not the
+    default's."""
     a, b = _flatten(dict(saved)), _flatten(dict(current))
+    defaults = _flatten(config_fingerprint(RunConfig()))  # a key newer than the checkpoint computed its default
     return tuple(
         (k, a.get(k, _ABSENT), b.get(k, _ABSENT))
         for k in sorted(a.keys() | b.keys())
-        if a.get(k, _ABSENT) != b.get(k, _ABSENT)
+        if a.get(k, _ABSENT) != b.get(k, _ABSENT) and not (k not in a and k in defaults and defaults[k] == b.get(k))
     )

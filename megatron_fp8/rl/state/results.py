@@ -90,10 +90,12 @@ class StepMetrics:
         arm: arm name.
         step: 0-based step index.
         engine: rollout engine name (``reference-fp8``, ``vllm-bf16``, ...).
-        reward_mean: mean reward over the step's responses, in [0, 1].
+        reward_mean: mean reward over the step's responses (with dynamic sampling: every response of every round,
+            NeMo-RL's ``reward``; the trained ones' mean is ``filtered_reward_mean``).
         reward_std: population standard deviation of the rewards.
         reward_max: best reward of the step.
-        exact_match: fraction of responses that are exactly right (and stopped at EOS).
+        exact_match: fraction of responses that are exactly right (and stopped at EOS); with dynamic sampling, of
+            every response of every round.
         response_tokens_mean: mean response length (tokens, EOS included).
         loss: PPO loss (mean over the step's optimizer updates, before each update).
         grad_norm: gradient L2 norm before clipping (mean over updates).
@@ -122,6 +124,11 @@ class StepMetrics:
         rollout_busy_seconds: the engine's generation time for the step (the rollout ranks' own when separate).
         rollout_wait_seconds: the trainer's time waiting for the step's samples; ``rollout_busy_seconds`` minus it
             is the generation hidden behind training (``rollout_overlap_seconds`` in the record).
+        filtered_reward_mean: ``grpo.use_dynamic_sampling``: the mean reward of the samples trained on (NeMo-RL's
+            ``filtered_reward``; ``nan`` without dynamic sampling).
+        dynamic_sampling_num_gen_batches: generation rounds of the step (0: dynamic sampling off).
+        dynamic_sampling_num_discarded_valid_samples: samples with varying group rewards beyond the step's need.
+        dynamic_sampling_filtered_share: the share of generated samples left out for equal group rewards.
         train_seconds: trainer scoring + optimizer updates, seconds.
         step_seconds: whole step, seconds.
         sample: one prompt and response of the step, for reading.
@@ -188,6 +195,10 @@ class StepMetrics:
     rollout_age_steps: int = 0
     rollout_busy_seconds: float = 0.0
     rollout_wait_seconds: float = 0.0
+    filtered_reward_mean: float = float("nan")
+    dynamic_sampling_num_gen_batches: int = 0
+    dynamic_sampling_num_discarded_valid_samples: int = 0
+    dynamic_sampling_filtered_share: float = 0.0
 
     @property
     def rollout_overlap_seconds(self) -> float:

@@ -1,0 +1,1 @@
+"""What a step trains on: the rollout of a data batch, its scores, and DAPO's dynamic sampling over rounds."""

@@ -1,0 +1,162 @@
+"""DAPO's dynamic sampling in real GRPO runs (``grpo.use_dynamic_sampling``, ``batch_multiplier``,
+``dynamic_sampling_max_gen_batches``): the rounds a step takes, the groups it trains on, the data position on resume,
+and the stop when the rounds run out. The selection itself is NeMo-RL's (``tests/rl/algorithm/
+test_dynamic_sampling_oracle.py``).
+
+The reward (a user's function on the embedded math file) is 1.0 for every response to a problem whose answer is odd,
+so those groups never vary and are always left out, and the response's length parity otherwise, so most other groups
+vary."""
+
+from __future__ import annotations
+
+import json
+import logging
+import textwrap
+from pathlib import Path
+
+import pytest
+import torch
+
+pytest.importorskip("megatron.core")
+
+from megatron_fp8.config import load_config
+from megatron_fp8.errors import DynamicSamplingError
+from megatron_fp8.rl.driver import phases
+from megatron_fp8.rl.sampling import dynamic as dynamic_module
+from megatron_fp8.rl.driver.grpo import run_grpo
+from megatron_fp8.rl.state.results import METRICS_FILE, TIMING_SUFFIXES
+
+pytestmark = [pytest.mark.slow, pytest.mark.megatron]
+
+MATH = Path(__file__).resolve().parents[3] / "data" / "math_tiny"
+GROUP = 4
+DS = ("grpo.use_dynamic_sampling=true", "grpo.batch_multiplier=1.5", "grpo.dynamic_sampling_max_gen_batches=6")
+REWARDS = """
+def odd_answers_always_right(prompt, response, answer):
+    return 1.0 if int(answer) % 2 else float(len(response) % 2)
+
+def always_right(prompt, response, answer):
+    return 1.0
+
+def length(prompt, response, answer):
+    return len(response) / 100.0
+"""
+
+
+@pytest.fixture
+def reward_pkg(tmp_path, monkeypatch) -> str:
+    pkg = tmp_path / "dapo_rewards"
+    pkg.mkdir()
+    (pkg / "__init__.py").write_text("")
+    (pkg / "rewards.py").write_text(textwrap.dedent(REWARDS))
+    monkeypatch.syspath_prepend(str(tmp_path))
+    return "dapo_rewards.rewards"
+
+
+def _config(tmp_path: Path, reward: str, *extra: str):
+    tmp_path.mkdir(parents=True, exist_ok=True)
+    data = tmp_path / "train.jsonl"
+    data.write_text("\n".join((MATH / "train.jsonl").read_text().splitlines()[:60]) + "\n")
+    return load_config(
+        None,
+        [
+            f"data.train.data_path={data}",
+            "data.train.input_key=problem",
+            "data.train.output_key=expected_answer",
+            f"data.default.env_name={reward}",
+            "grpo.num_prompts_per_step=4",
+            f"grpo.num_generations_per_prompt={GROUP}",
+            "grpo.warm_start_steps=1",
+            *extra,
+        ],
+    )
+
+
+def _records(out: Path) -> list[dict]:
+    return [json.loads(line) for line in (out / METRICS_FILE).read_text().splitlines()]
+
+
+def _untimed(record: dict) -> dict:
+    return {k: v for k, v in record.items() if not k.endswith(TIMING_SUFFIXES)}
+
+
+def test_a_dapo_run_trains_only_on_groups_whose_rewards_vary(tmp_path, reward_pkg, monkeypatch, caplog):
+    trained = []
+    real_train = phases.train_phase
+
+    def spy(state, ctx, out, scores, *, step):
+        trained.append((out.problems, scores.rewards.clone()))
+        return real_train(state, ctx, out, scores, step=step)
+
+    monkeypatch.setattr(phases, "train_phase", spy)
+    out = tmp_path / "out"
+    cfg = _config(tmp_path, f"{reward_pkg}:odd_answers_always_right", *DS)
+    with caplog.at_level(logging.INFO, logger="megatron_fp8.rl.sampling.dynamic"):
+        run_grpo(cfg, out_dir=out, steps=4, arms=["fp8_tis"], progress=False)
+    records = _records(out)
+    assert len(records) == 4 and len(trained) == 4
+    for problems, rewards in trained:
+        assert len(problems) == 4 * GROUP  # num_prompts_per_step x num_generations_per_prompt, every step
+        for g in range(4):
+            group = rewards[g * GROUP : (g + 1) * GROUP]
+            assert bool((group != group[0]).any()), "a group with equal rewards was trained on"
+            assert all(int(p.answer) % 2 == 0 for p in problems[g * GROUP : (g + 1) * GROUP])
+    for r in records:  # 6 prompts a round; the odd-answer groups always leave
+        assert r["dynamic_sampling_num_gen_batches"] >= 1 and 0 <= r["dynamic_sampling_filtered_share"] < 1
+        assert r["dynamic_sampling_num_discarded_valid_samples"] >= 0 and r["filtered_reward_mean"] is not None
+    assert sum(r["dynamic_sampling_num_gen_batches"] for r in records) > 4  # some step needed a second round
+    assert sum(r["dynamic_sampling_filtered_share"] for r in records) > 0
+    assert "dynamic sampling round 2 (data batch" in caplog.text and "samples have varying group rewards" in caplog.text
+
+
+def test_when_every_group_varies_dynamic_sampling_is_the_plain_run(tmp_path, reward_pkg, monkeypatch):
+    """Every sample kept (the deviation forced non-zero): one round, nothing filtered, and the run is the plain one,
+    metric for metric: the rounds' plumbing (gather, share, scores rebuilt) changes nothing it trains on."""
+    monkeypatch.setattr(dynamic_module, "prompt_reward_std", lambda rewards, **_: torch.ones_like(rewards))
+    reward = f"{reward_pkg}:length"
+    plain = _records(_run(tmp_path / "plain", reward))
+    dynamic = _records(_run(tmp_path / "ds", reward, "grpo.use_dynamic_sampling=true"))
+    ds_keys = {k for k in dynamic[0] if k.startswith("dynamic_sampling_")} | {"filtered_reward_mean", "reward_mean"}
+    for a, b in zip(plain, dynamic, strict=True):
+        assert b["dynamic_sampling_num_gen_batches"] == 1 and b["dynamic_sampling_filtered_share"] == 0.0
+        assert b["reward_mean"] == pytest.approx(a["reward_mean"], rel=1e-6)
+        assert b["filtered_reward_mean"] == pytest.approx(a["reward_mean"], rel=1e-6)
+        assert {k: v for k, v in _untimed(a).items() if k not in ds_keys} == {
+            k: v for k, v in _untimed(b).items() if k not in ds_keys
+        }
+
+
+def _run(tmp_path: Path, reward: str, *extra: str, steps: int = 2) -> Path:
+    out = tmp_path / "out"
+    run_grpo(_config(tmp_path, reward, *extra), out_dir=out, steps=steps, arms=["fp8"], progress=False)
+    return out
+
+
+def test_a_resumed_dapo_run_draws_the_rounds_an_uninterrupted_one_draws(tmp_path, reward_pkg):
+    reward = f"{reward_pkg}:odd_answers_always_right"
+    ckpt = ("checkpointing.enabled=true", "checkpointing.save_period=1")
+    whole = _records(
+        _run(tmp_path / "a", reward, *DS, *ckpt, f"checkpointing.checkpoint_dir={tmp_path / 'ca'}", steps=3)
+    )
+    extra = (*DS, *ckpt, f"checkpointing.checkpoint_dir={tmp_path / 'cb'}")
+    _run(tmp_path / "b", reward, *extra, steps=2)
+    meta = json.loads((tmp_path / "cb" / "fp8" / "step_1" / "checkpoint.json").read_text())
+    assert meta["extra"]["data_batches"] == sum(r["dynamic_sampling_num_gen_batches"] for r in whole[:2])
+    assert meta["extra"]["data_batches"] > 2  # a step took two rounds: the position is not the step count
+    resumed = _records(_run(tmp_path / "b", reward, *extra, steps=3))
+    for a, b in zip(whole, resumed, strict=True):  # the engine's version counts its refits: the resume's is one more
+        a, b = _untimed(a), _untimed(b)
+        assert {k: (a[k], b.get(k)) for k in a if a[k] != b.get(k) and k != "refit_version"} == {}
+
+
+def test_a_step_that_runs_out_of_rounds_stops_naming_the_keys_and_keeps_the_last_checkpoint(tmp_path, reward_pkg):
+    cfg = _config(
+        tmp_path,
+        f"{reward_pkg}:always_right",
+        "grpo.use_dynamic_sampling=true",
+        "grpo.dynamic_sampling_max_gen_batches=1",
+    )
+    with pytest.raises(
+        DynamicSamplingError, match=r"after 2 generation rounds .*grpo\.dynamic_sampling_max_gen_batches=1"
+    ):
+        run_grpo(cfg, out_dir=tmp_path / "out", steps=2, arms=["fp8"], progress=False)
