@@ -235,7 +235,7 @@ def refit_stream(state: RefitSource) -> Iterable[tuple[str, torch.Tensor]]:
     """
     trainer_dtype = next(state.model.model[0].parameters()).dtype
     cast = trainer_dtype != torch.bfloat16  # a float32 (CPU) or FP16 trainer: the rollout holds BF16
-    fp16 = torch.float16 in (trainer_dtype, state.model.round_to)  # its FP8 weights quantized from its FP16 values
+    fp16 = torch.float16 in (trainer_dtype, getattr(state.model, "round_to", None))  # FP8 from its FP16 values
     cpu = exports_to_host(state.model, stream_on_device=state.refit.stream_on_device)
     plan: ShardPlan | None = getattr(state.refit, "shard_plan", None)
 
