@@ -90,7 +90,7 @@ log-probs of two engines are bitwise comparable only on the same path with the s
 
 # --- dtypes, by name -----------------------------------------------------------------------
 
-PARAM_DTYPES: Final = MappingProxyType({"bf16": "bfloat16", "fp32": "float32"})
+PARAM_DTYPES: Final = MappingProxyType({"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"})
 """Trainer parameter dtypes by config short name -> torch dtype attribute name."""
 
 WIRE_DTYPES: Final = (
@@ -148,6 +148,16 @@ class ArmSpec:
 
 ROLLOUT_PRECISIONS: Final = ("bf16", "fp8")
 """Precisions of the rollout engine's weights."""
+
+TRAINING_PRECISIONS: Final = MappingProxyType(
+    {
+        "bfloat16": "BF16 weights and math on a GPU (float32 on a CPU); no loss scaling",
+        "float16": "FP16 weights and math on a GPU with Megatron-Core's dynamic loss scaling (on a CPU: float32 math, "
+        "weights rounded to FP16 after every update, the same loss scaler)",
+        "float32": "float32 weights and math (Megatron-Core's FP32 optimizer on a GPU)",
+    }
+)
+"""``policy.precision`` values (NeMo-RL's names) -> what the trainer holds and computes in."""
 
 ARMS: Final = MappingProxyType(
     {

@@ -40,6 +40,10 @@ EFFECTS: Mapping[str, str] = {
     "(rl.driver.phases.train_phase)",
     "policy.train_micro_batch_size": "sequences per forward/backward; gradients accumulated into each update "
     "(rl.driver.phases.train_phase -> megatron.step.train_step)",
+    "policy.precision": "the trainer's weights and math (rl.driver.runtime.trainer_dtype -> megatron.build: "
+    "params_dtype, bf16/fp16; megatron.step.make_optimizer: Megatron-Core's FP16 optimizer and dynamic loss scale, "
+    "on CPU float32 math with FP16-rounded weights and the same scaler, megatron.optim.DynamicLossScaler); "
+    "sent to the rollout as BF16 / FP8",
     "grpo.async_grpo.enabled": "the rollout ranks generate the next step's samples while the trainers train "
     "(rl.driver.phases.run_step -> RemoteRollout.submit; separate rollout ranks only; ages in metrics.jsonl)",
     "grpo.async_grpo.max_trajectory_age_steps": "0: no overlap (the synchronous run); >= 1: the rollout one step "

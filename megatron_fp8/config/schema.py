@@ -24,7 +24,7 @@ Layout (dotted paths)::
              reference_policy_kl_type, kl_input_clamp_value, kl_output_clamp_value,
              use_on_policy_kl_approximation, token_level_loss, force_on_policy_ratio, ratio_clip_c}
     policy.generation.{max_new_tokens, temperature}; policy.generation.colocated.{enabled, sleep_level, resources.{...}}
-    policy.{offload_optimizer_for_logprob}; policy.megatron_cfg.{empty_unused_memory_level, optimizer.optimizer_cpu_offload}
+    policy.{offload_optimizer_for_logprob, precision}; policy.megatron_cfg.{empty_unused_memory_level, optimizer.optimizer_cpu_offload}
     grpo.{max_num_steps, num_prompts_per_step, num_generations_per_prompt, seed, arms, task, task_max_digits, updates_per_step,
           warm_start_steps, warm_start_learning_rate, val_period, val_at_start, max_val_samples,
           normalize_rewards, use_leave_one_out_baseline, async_grpo.{enabled, max_trajectory_age_steps},
@@ -39,11 +39,9 @@ Layout (dotted paths)::
 Every other NeMo-RL key is accepted with no effect (listed in a warning at load; the key set is data:
 ``megatron_fp8/config/nemo_rl/keys.yaml``); a key in neither is rejected with a did-you-mean.
 
-Aliases (older or NeMo-RL spellings, accepted on input, never written out) are
-declared per section in ``ALIASES``: ``use_weight_pow2_scale`` ->
-``pow2_weight_scaling_factors``, ``use_activation_pow2_scale`` ->
-``pow2_activation_scaling_factors``. Value aliases
-(NeMo-RL spellings of a value) are declared per section in ``VALUE_ALIASES``: ``vllm_cfg.precision: bfloat16``
+Aliases (older or NeMo-RL spellings, accepted on input, never written out) are declared per section in ``ALIASES``:
+``use_weight_pow2_scale`` -> ``pow2_weight_scaling_factors``, ``use_activation_pow2_scale`` ->
+``pow2_activation_scaling_factors``. Value aliases (NeMo-RL spellings of a value) are declared per section in ``VALUE_ALIASES``: ``vllm_cfg.precision: bfloat16``
 -> ``bf16``, ``vllm_cfg.kv_cache_dtype: fp8_e4m3`` -> ``fp8``."""
 
 from __future__ import annotations
@@ -360,6 +358,7 @@ class PolicyConfig:
         dynamic_batching: micro-batches of similar-length rows up to a token budget (likewise).
         megatron_cfg: training settings.
         generation: rollout settings.
+        precision: the trainer's weights and math, a key of :data:`megatron_fp8.vocab.TRAINING_PRECISIONS`.
     """
 
     model_name: str | None = None
@@ -371,6 +370,7 @@ class PolicyConfig:
     dynamic_batching: DynamicBatchingConfig = field(default_factory=DynamicBatchingConfig)
     megatron_cfg: MegatronConfig = field(default_factory=MegatronConfig)
     generation: GenerationConfig = field(default_factory=GenerationConfig)
+    precision: Annotated[str, OneOf(tuple(vocab.TRAINING_PRECISIONS))] = "bfloat16"
 
 
 @dataclass(frozen=True)

@@ -85,9 +85,11 @@ class MegatronModel:
             recipe: fields, environment, and ``math`` (``"bf16"``, ``"bf16-emulated"``,
             ``"fp8"``, ``"unchecked"``).
         hf_path: the checkpoint folder.
-        dtype: parameter dtype (``torch.bfloat16`` or ``torch.float32``).
+        dtype: parameter dtype (``torch.bfloat16``, ``torch.float16`` or ``torch.float32``).
         vocab_size: the Hugging Face vocabulary size (logits are cut to it).
         ddp_config: the Megatron-Core ``DistributedDataParallelConfig`` used for wrapping.
+        round_to: the dtype float32 weights are held to (rounded at the build and by the optimizer after every
+            update: ``torch.float16`` emulates ``policy.precision: float16`` on a CPU); ``None``: not rounded.
     """
 
     bridge: AutoBridge
@@ -99,6 +101,7 @@ class MegatronModel:
     dtype: torch.dtype
     vocab_size: int
     ddp_config: DistributedDataParallelConfig
+    round_to: torch.dtype | None = None
 
     @property
     def is_moe(self) -> bool:
@@ -206,7 +209,7 @@ def _set_parallel_sizes(provider: GPTModelProvider) -> None:
 
 def _set_dtype(provider: GPTModelProvider, dtype: torch.dtype) -> None:
     provider.bf16 = dtype == torch.bfloat16
-    provider.fp16 = False
+    provider.fp16 = dtype == torch.float16
     provider.params_dtype = dtype
     provider.pipeline_dtype = dtype
     if hasattr(provider, "autocast_dtype"):
@@ -251,6 +254,7 @@ def build_megatron_model(
     fp8_format: str | None = None,
     use_distributed_optimizer: bool = False,
     recompute: RecomputeSettings | None = None,
+    round_to: torch.dtype | None = None,
 ) -> MegatronModel:
     """Build a Megatron-Core model from a Hugging Face checkpoint and load its weights.
 
@@ -261,9 +265,9 @@ def build_megatron_model(
             ``"tensorwise"``, ``"blockwise"``, ``"fp8_param"``, ...).
         num_first_layers_in_bf16: transformer layers at the start kept in BF16 by the recipe.
         num_last_layers_in_bf16: transformer layers at the end kept in BF16 by the recipe.
-        dtype: parameter / compute dtype, ``torch.bfloat16`` (default, as in training) or
-            ``torch.float32`` (exact comparisons on CPU); the strings ``"bf16"`` / ``"fp32"``
-            are accepted.
+        dtype: parameter / compute dtype, ``torch.bfloat16`` (default, as in training), ``torch.float16``
+            (``policy.precision: float16``: Megatron-Core's FP16 mixed precision) or ``torch.float32`` (exact
+            comparisons on CPU); the strings ``"bf16"`` / ``"fp16"`` / ``"fp32"`` are accepted.
         check_capability: check the recipe against this machine (see :mod:`megatron_fp8.recipes`).
         configure: optional callback run on the provider after every other setting and before
             the model is created (e.g. to change ``moe_aux_loss_coeff``).
@@ -273,6 +277,8 @@ def build_megatron_model(
             (reduce-scatter) where that optimizer runs (CUDA); on CPU the buffers stay all-reduced and
             :class:`~megatron_fp8.megatron.dist_optim.ShardedDDPAdam` shards the optimizer state.
         recompute: Megatron-Core's activation recompute (``None``: off).
+        round_to: with float32 ``dtype``, hold the weights to this dtype's values (``torch.float16``: FP16 emulated
+            on a CPU; the optimizer rounds them after every update, :mod:`~megatron_fp8.megatron.optim`).
 
     Returns:
         The :class:`MegatronModel`.
@@ -337,17 +343,23 @@ def build_megatron_model(
         model = provider.provide_distributed_model(
             wrap_with_ddp=False,
             bf16=dtype == torch.bfloat16,
+            fp16=dtype == torch.float16,
             use_cpu_initialization=on_cpu,
             pre_wrap_hook=[],
         )
         _mark_tensor_parallel_weights(model)
         model = _wrap_ddp(model, ddp_config)
         bridge.load_hf_weights(model)
+    if round_to is not None:
+        _round_weights(model, dtype, round_to)
     for chunk in model:
         chunk.eval()
     config = model[0].config if hasattr(model[0], "config") else provider
     hf_config = bridge.hf_pretrained.config
-    sentence = precision_sentence(recipe=application.recipe, label=math_label(application.math, str(dtype)))
+    rounded = str(round_to) if round_to is not None else None
+    sentence = precision_sentence(
+        recipe=application.recipe, label=math_label(application.math, str(dtype), rounded=rounded)
+    )
     logger.info("built %s from %s: %s", type(model[0]).__name__, hf_path, sentence)
     return MegatronModel(
         bridge=bridge,
@@ -359,7 +371,18 @@ def build_megatron_model(
         dtype=dtype,
         vocab_size=int(hf_config.vocab_size),
         ddp_config=ddp_config,
+        round_to=round_to,
     )
+
+
+def _round_weights(chunks: list[torch.nn.Module], dtype: torch.dtype, round_to: torch.dtype) -> None:
+    """Round float32 weights to ``round_to``'s values in place (as a ``round_to`` model loads them)."""
+    if dtype != torch.float32 or round_to not in DTYPES.values():
+        raise ConfigError(f"round_to={round_to} needs float32 weights and a dtype of {', '.join(DTYPES)}; got {dtype}")
+    with torch.no_grad():
+        for chunk in chunks:
+            for param in chunk.parameters():
+                param.data.copy_(param.data.to(round_to))
 
 
 def _mark_tensor_parallel_weights(chunks: list[torch.nn.Module]) -> None:

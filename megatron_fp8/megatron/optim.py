@@ -14,7 +14,15 @@ optimizer, so on CPU :class:`MegatronDDPAdam` does the same job with the same in
 * global gradient-norm clipping counts tensor-parallel duplicates once and all-reduces the
   squared norm over the model-parallel group, as Megatron does;
 * a step with non-finite gradients is skipped and reported (``update_successful=False``);
-* no weight decay on biases and 1-D parameters (norm weights), Megatron's default.
+* no weight decay on biases and 1-D parameters (norm weights), Megatron's default;
+* FP16 (``policy.precision: float16``, emulated on CPU): Megatron-Core's dynamic loss scale
+  (:class:`DynamicLossScaler`, its ``DynamicGradScaler`` rule with its defaults), the loss multiplied by it through
+  the model config's ``grad_scale_func`` (the hook Megatron-Core's schedule calls before the backward, set by
+  :func:`~megatron_fp8.megatron.step.make_optimizer` as Megatron-Bridge sets ``optimizer.scale_loss``), the
+  gradients divided by it before the norm and the clip; a gradient that is not finite *or would not fit in FP16*
+  (``|g * scale| > 65504``: the float32 CPU trainer's stand-in for an FP16 backward's overflow, checked on the
+  parameters' gradients) skips the step and backs the scale off; after every update the weights are rounded to
+  FP16 (FP32 main copies kept), so FP16's range and precision hold for the weights.
 
 ``step()`` returns ``(update_successful, grad_norm, num_zeros_in_grad)`` like Megatron's.
 """
@@ -24,7 +32,7 @@ from __future__ import annotations
 import logging
 import math
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Protocol
 
 import torch
@@ -50,6 +58,9 @@ class AdamConfig:
         cpu_offload: Adam state and step in host memory (Megatron-Core's HybridDeviceOptimizer on a GPU; the CPU
             optimizers hold it there anyway).
         cpu_offload_fraction: the share of the state ``cpu_offload`` keeps in host memory, in [0, 1].
+        fp16: FP16 mixed precision (``policy.precision: float16``): Megatron-Core's FP16 optimizer on a GPU, the
+            emulation of :class:`MegatronDDPAdam` on CPU, both with the dynamic loss scale of ``loss_scale``.
+        loss_scale: the dynamic loss scale's settings (read with ``fp16`` only).
     """
 
     lr: float
@@ -60,6 +71,123 @@ class AdamConfig:
     distributed: bool = False
     cpu_offload: bool = False
     cpu_offload_fraction: float = 1.0
+    fp16: bool = False
+    loss_scale: LossScaleConfig = field(default_factory=lambda: LossScaleConfig())
+
+
+@dataclass(frozen=True)
+class LossScaleConfig:
+    """Megatron-Core's dynamic loss scale (``OptimizerConfig`` fields and the factors ``get_megatron_optimizer``
+    passes to ``DynamicGradScaler``), with Megatron-Core 0.16.1's defaults, which NeMo-RL's ``precision: float16``
+    uses (it sets none of them).
+
+    Attributes:
+        initial_scale: the first scale (``initial_loss_scale``, 2**32).
+        min_scale: the scale never goes below it (``min_loss_scale``).
+        growth_factor: multiplies the scale after ``growth_interval`` steps without overflow.
+        backoff_factor: multiplies the scale once ``hysteresis`` overflowing steps were seen.
+        growth_interval: clean steps before the scale grows (``loss_scale_window``).
+        hysteresis: overflowing steps before the scale backs off (``hysteresis``).
+    """
+
+    initial_scale: float = 2.0**32
+    min_scale: float = 1.0
+    growth_factor: float = 2.0
+    backoff_factor: float = 0.5
+    growth_interval: int = 1000
+    hysteresis: int = 2
+
+    def __post_init__(self) -> None:
+        if not (0 < self.min_scale <= self.initial_scale) or self.growth_factor <= 1:
+            raise ConfigError(f"loss scale: need 0 < min_scale <= initial_scale and growth_factor > 1, got {self}")
+        if not 0 < self.backoff_factor < 1 or self.growth_interval < 1 or self.hysteresis < 1:
+            raise ConfigError(f"loss scale: need 0 < backoff_factor < 1, growth_interval >= 1, hysteresis >= 1: {self}")
+
+
+FP16_MAX = 65504.0
+"""The largest finite FP16 value: a scaled gradient above it overflows an FP16 backward."""
+
+
+class DynamicLossScaler:
+    """Megatron-Core's ``DynamicGradScaler`` update rule on the CPU (its class allocates ``device='cuda'``).
+
+    The scale is a float32 ``[1]`` tensor, as Megatron's. :meth:`update` after every step: an overflow resets the
+    growth count and uses up one unit of hysteresis; with none left the scale is multiplied by ``backoff_factor``
+    (not below ``min_scale``), and every further overflow backs it off again until ``growth_interval`` clean steps
+    in a row multiply it by ``growth_factor`` and restore the hysteresis.
+
+    Args:
+        config: the settings.
+    """
+
+    def __init__(self, config: LossScaleConfig):
+        self.config = config
+        self._scale = torch.tensor([config.initial_scale], dtype=torch.float)
+        self._min = torch.tensor([config.min_scale], dtype=torch.float)
+        self._growth_tracker = 0
+        self._hysteresis_tracker = config.hysteresis
+        self.skipped_steps = 0
+
+    @property
+    def scale(self) -> torch.Tensor:
+        """The loss scale, float32 ``[1]``."""
+        return self._scale
+
+    @property
+    def inv_scale(self) -> torch.Tensor:
+        """``1 / scale`` computed in float64 and rounded to float32, as Megatron's."""
+        return self._scale.double().reciprocal().float()
+
+    def scale_loss(self, loss: torch.Tensor) -> torch.Tensor:
+        """The loss times the scale (the model config's ``grad_scale_func``; Megatron's ``optimizer.scale_loss``)."""
+        return self._scale.to(loss.device) * loss
+
+    def update(self, found_inf: bool) -> None:
+        """Megatron-Core's rule after a step (``found_inf``: its gradients overflowed and it was skipped)."""
+        if found_inf:
+            self.skipped_steps += 1
+            self._growth_tracker = 0
+            self._hysteresis_tracker -= 1
+            if self._hysteresis_tracker <= 0:
+                self._scale = torch.max(self._scale * self.config.backoff_factor, self._min)
+        else:
+            self._growth_tracker += 1
+            if self._growth_tracker == self.config.growth_interval:
+                self._growth_tracker = 0
+                self._hysteresis_tracker = self.config.hysteresis
+                self._scale = self._scale * self.config.growth_factor
+
+    def state_dict(self) -> dict:
+        """Megatron's keys (``scale``, ``growth_tracker``, ``hysteresis_tracker``) plus ``skipped_steps``."""
+        return {
+            "scale": self._scale.clone(),
+            "growth_tracker": self._growth_tracker,
+            "hysteresis_tracker": self._hysteresis_tracker,
+            "skipped_steps": self.skipped_steps,
+        }
+
+    def load_state_dict(self, state: dict) -> None:
+        """Restore :meth:`state_dict` output."""
+        self._scale = state["scale"].detach().to(torch.float).cpu().clone()
+        self._growth_tracker = int(state["growth_tracker"])
+        self._hysteresis_tracker = int(state["hysteresis_tracker"])
+        self.skipped_steps = int(state.get("skipped_steps", 0))
+
+
+def fp16_overflow(grads: Sequence[tuple[torch.nn.Parameter, torch.Tensor]]) -> bool:
+    """Whether an FP16 backward of these scaled float32 gradients overflows: a value not finite or above
+    :data:`FP16_MAX`; agreed (any) over Megatron-Core's model-parallel group, as Megatron's ``found_inf``."""
+    from megatron.core import parallel_state  # lazy: Megatron-Core is optional
+
+    worst = torch.zeros(1, dtype=torch.float32)
+    for _, grad in grads:
+        if grad.numel():
+            worst = torch.maximum(worst, grad.abs().max().reshape(1).float())
+    found = torch.tensor([0.0 if math.isfinite(float(worst)) and float(worst) <= FP16_MAX else 1.0])
+    if torch.distributed.is_initialized() and parallel_state.get_model_parallel_group().size() > 1:
+        group = parallel_state.get_model_parallel_group()
+        torch.distributed.all_reduce(found, op=torch.distributed.ReduceOp.MAX, group=group)
+    return bool(found.item())
 
 
 class StepOptimizer(Protocol):
@@ -163,6 +291,8 @@ class MegatronDDPAdam:
         if config.lr <= 0:
             raise ConfigError(f"lr must be > 0, got {config.lr}")
         self.config = config
+        # FP16: every weight gets a float32 main copy and is held at FP16 values (Megatron's FP16 optimizer)
+        self.loss_scaler = DynamicLossScaler(config.loss_scale) if config.fp16 else None
         self._pairs: list[tuple[torch.nn.Parameter, torch.Tensor]] = []
         decay: list[torch.Tensor] = []
         undecayed: list[torch.Tensor] = []
@@ -170,7 +300,10 @@ class MegatronDDPAdam:
             for name, param in chunk.named_parameters():
                 if not param.requires_grad:
                     continue
-                main = param if param.dtype == torch.float32 else param.detach().float().clone()
+                if config.fp16:
+                    param.data.copy_(param.data.to(torch.float16))
+                own = param.dtype == torch.float32 and not config.fp16
+                main = param if own else param.detach().float().clone()
                 if main is not param:
                     main.requires_grad_(True)
                 self._pairs.append((param, main))
@@ -194,15 +327,39 @@ class MegatronDDPAdam:
             if set_to_none:
                 param.grad = None
 
+    def scale_loss(self, loss: torch.Tensor) -> torch.Tensor:
+        """The loss times the FP16 loss scale (Megatron's ``optimizer.scale_loss``; 1 without FP16)."""
+        return self.loss_scaler.scale_loss(loss) if self.loss_scaler is not None else loss
+
+    def get_loss_scale(self) -> torch.Tensor:
+        """The loss scale, float32 ``[1]`` (1.0 without FP16), as Megatron's ``get_loss_scale``."""
+        return self.loss_scaler.scale if self.loss_scaler is not None else torch.ones(1)
+
     @torch.no_grad()
-    def step(self) -> tuple[bool, float, int]:
-        """Clip, check and apply one AdamW update.
+    def step(self) -> tuple[bool, float | None, int | None]:
+        """Unscale (FP16), clip, check and apply one AdamW update.
 
         Returns:
             ``(update_successful, grad_norm, num_zeros_in_grad)``; ``grad_norm`` is measured
-            before clipping; the update is skipped when it is not finite.
+            before clipping; the update is skipped when it is not finite. An FP16 step whose gradients overflow
+            is skipped with ``(False, None, None)``, as Megatron's, and the loss scale backs off.
         """
         grads = fp32_grads([param for param, _ in self._pairs])
+        if self.loss_scaler is not None:
+            found_inf = fp16_overflow(grads)
+            scale_was = float(self.loss_scaler.scale)
+            self.loss_scaler.update(found_inf)
+            if found_inf:
+                logger.warning(
+                    "FP16: gradients overflow at loss scale %g; step skipped (%d so far), loss scale now %g",
+                    scale_was,
+                    self.loss_scaler.skipped_steps,
+                    float(self.loss_scaler.scale),
+                )
+                return False, None, None
+            inv = self.loss_scaler.inv_scale
+            grads = [(param, grad * inv) for param, grad in grads]
+            logger.debug("FP16: loss scale %g, %d steps skipped", scale_was, self.loss_scaler.skipped_steps)
         norm, num_zeros, scale = clip_scale(grads, self.config.clip_grad)
         if math.isnan(scale):
             return False, norm, num_zeros
@@ -212,12 +369,15 @@ class MegatronDDPAdam:
         self.optimizer.step()
         for param, main in self._pairs:
             if main is not param:
-                param.data.copy_(main.data)
+                param.data.copy_(main.data.to(torch.float16) if self.loss_scaler is not None else main.data)
         return True, norm, num_zeros
 
     def state_dict(self) -> dict:
-        """Optimizer state plus the FP32 main weights, in parameter order."""
-        return {"optimizer": self.optimizer.state_dict(), "main_params": [m.detach().clone() for _, m in self._pairs]}
+        """Optimizer state plus the FP32 main weights, in parameter order (and the FP16 loss scaler's state)."""
+        state = {"optimizer": self.optimizer.state_dict(), "main_params": [m.detach().clone() for _, m in self._pairs]}
+        if self.loss_scaler is not None:
+            state["loss_scaler"] = self.loss_scaler.state_dict()
+        return state
 
     def load_state_dict(self, state: dict) -> None:
         """Restore :meth:`state_dict` output (same model, same parameter order)."""
@@ -233,5 +393,12 @@ class MegatronDDPAdam:
             for (param, main), saved in zip(self._pairs, mains, strict=True):
                 main.copy_(saved)
                 if main is not param:
-                    param.data.copy_(saved)
+                    param.data.copy_(saved.to(torch.float16) if self.loss_scaler is not None else saved)
         self.optimizer.load_state_dict(state["optimizer"])
+        if self.loss_scaler is not None:
+            if "loss_scaler" not in state:
+                raise ConfigError(
+                    "this optimizer state has no FP16 loss scale (saved without policy.precision: float16); resume "
+                    "with the policy.precision it was saved with"
+                )
+            self.loss_scaler.load_state_dict(state["loss_scaler"])

@@ -41,7 +41,7 @@ from megatron_fp8.megatron.logits import (
 )
 from megatron_fp8.megatron.microbatch import BatchLayout, MicroBatch, TokenTally, plan_micro_batches
 from megatron_fp8.megatron.offload import empty_unused_memory
-from megatron_fp8.megatron.optim import AdamConfig, MegatronDDPAdam, StepOptimizer
+from megatron_fp8.megatron.optim import AdamConfig, LossScaleConfig, MegatronDDPAdam, StepOptimizer
 from megatron_fp8.megatron.schedule import (
     from_last_stage,
     model_inputs,
@@ -242,6 +242,43 @@ def _in_batch_order(parts: list[tuple[MicroBatch, torch.Tensor]], rows: int, wid
     return out
 
 
+def megatron_optimizer_fields(config: AdamConfig, dtype: torch.dtype) -> dict[str, object]:
+    """The ``OptimizerConfig`` fields :func:`make_optimizer` gives Megatron-Core for a model of ``dtype`` (pure).
+
+    BF16: ``bf16=True``, no loss scale. FP16 (``policy.precision: float16``): ``fp16=True`` and
+    ``loss_scale=None``, so ``get_megatron_optimizer`` builds its ``DynamicGradScaler`` from ``initial_loss_scale``,
+    ``min_loss_scale``, ``loss_scale_window`` and ``hysteresis`` (:class:`~megatron_fp8.megatron.optim.LossScaleConfig`;
+    its growth and backoff factors are Megatron's fixed 2 and 0.5). float32: neither (Megatron's FP32 optimizer).
+    """
+    if dtype == torch.float16 and (config.loss_scale.growth_factor, config.loss_scale.backoff_factor) != (2.0, 0.5):
+        raise ConfigError("Megatron-Core's FP16 optimizer grows the loss scale by 2 and backs it off by 0.5 only")
+    fields: dict[str, object] = {
+        "optimizer": "adam",
+        "lr": config.lr,
+        "min_lr": config.lr,
+        "weight_decay": config.weight_decay,
+        "adam_beta1": config.betas[0],
+        "adam_beta2": config.betas[1],
+        "adam_eps": config.eps,
+        "clip_grad": config.clip_grad,
+        "bf16": dtype == torch.bfloat16,
+        "params_dtype": dtype,
+        "use_distributed_optimizer": config.distributed,
+        "optimizer_cpu_offload": config.cpu_offload,  # HybridDeviceOptimizer: state and step in host memory
+        "optimizer_offload_fraction": config.cpu_offload_fraction if config.cpu_offload else 0.0,
+    }
+    if dtype == torch.float16:
+        fields |= {
+            "fp16": True,
+            "loss_scale": None,  # dynamic
+            "initial_loss_scale": config.loss_scale.initial_scale,
+            "min_loss_scale": config.loss_scale.min_scale,
+            "loss_scale_window": config.loss_scale.growth_interval,
+            "hysteresis": config.loss_scale.hysteresis,
+        }
+    return fields
+
+
 def _megatron_optimizer(m: MegatronModel, config: AdamConfig) -> MegatronOptimizer:
     from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer  # lazy: Megatron-Core is optional
 
@@ -250,21 +287,7 @@ def _megatron_optimizer(m: MegatronModel, config: AdamConfig) -> MegatronOptimiz
             "Megatron-Core's optimizer needs CUDA (it allocates device='cuda' tensors); "
             "use make_optimizer(..., backend='torch') or backend='auto' on CPU"
         )
-    opt_config = OptimizerConfig(
-        optimizer="adam",
-        lr=config.lr,
-        min_lr=config.lr,
-        weight_decay=config.weight_decay,
-        adam_beta1=config.betas[0],
-        adam_beta2=config.betas[1],
-        adam_eps=config.eps,
-        clip_grad=config.clip_grad,
-        bf16=m.dtype == torch.bfloat16,
-        params_dtype=m.dtype,
-        use_distributed_optimizer=config.distributed,
-        optimizer_cpu_offload=config.cpu_offload,  # HybridDeviceOptimizer: state and step in host memory
-        optimizer_offload_fraction=config.cpu_offload_fraction if config.cpu_offload else 0.0,
-    )
+    opt_config = OptimizerConfig(**megatron_optimizer_fields(config, m.dtype))
     if config.distributed != m.ddp_config.use_distributed_optimizer:
         raise ConfigError(
             f"use_distributed_optimizer={config.distributed} but the model's DDP buffers were built with "
@@ -275,7 +298,23 @@ def _megatron_optimizer(m: MegatronModel, config: AdamConfig) -> MegatronOptimiz
 
 
 def _torch_optimizer(m: MegatronModel, config: AdamConfig) -> MegatronDDPAdam | ShardedDDPAdam:
+    if config.distributed and config.fp16:
+        raise ConfigError(
+            "policy.precision: float16 with policy.megatron_cfg.optimizer.use_distributed_optimizer: true runs on a "
+            "GPU only (Megatron-Core's DistributedOptimizer); the CPU trainer's sharded Adam has no loss scale: set "
+            "use_distributed_optimizer: false, or policy.precision: bfloat16"
+        )
     return ShardedDDPAdam(m.model, config) if config.distributed else MegatronDDPAdam(m.model, config)
+
+
+def set_grad_scale_func(m: MegatronModel, optimizer: StepOptimizer, *, scaled: bool) -> None:
+    """Point the model config's ``grad_scale_func`` at the optimizer's ``scale_loss`` when it scales the loss (FP16),
+    as Megatron-Bridge's ``setup`` does: Megatron-Core's schedule multiplies every micro-batch's loss by it before
+    the backward (``backward_step``), on a GPU and in the CPU trainer alike. BF16 / float32: left unset (scale 1)."""
+    from megatron.core.utils import get_model_config  # lazy: Megatron-Core is optional
+
+    for chunk in m.model:
+        get_model_config(chunk).grad_scale_func = optimizer.scale_loss if scaled else None
 
 
 OPTIMIZER_BACKENDS: dict[str, Callable[[MegatronModel, AdamConfig], StepOptimizer]] = {
@@ -297,6 +336,7 @@ def make_optimizer(
     distributed: bool = False,
     cpu_offload: bool = False,
     cpu_offload_fraction: float = 1.0,
+    loss_scale: LossScaleConfig | None = None,
 ) -> StepOptimizer:
     """Adam for the model.
 
@@ -318,6 +358,9 @@ def make_optimizer(
         cpu_offload: the Adam state and step in host memory (``optimizer_cpu_offload``): Megatron-Core's
             HybridDeviceOptimizer (GPU; needs ``distributed``); the torch backend keeps its state in host memory anyway.
         cpu_offload_fraction: the share of the state ``cpu_offload`` keeps in host memory (``optimizer_offload_fraction``).
+        loss_scale: the dynamic loss scale of an FP16 model (``m.dtype`` or ``m.round_to`` float16:
+            ``policy.precision: float16``); ``None``: Megatron-Core's defaults. The model config's
+            ``grad_scale_func`` is set to the optimizer's ``scale_loss`` (:func:`set_grad_scale_func`).
 
     Returns:
         An optimizer whose ``zero_grad()`` clears gradients and whose ``step()`` returns
@@ -346,9 +389,12 @@ def make_optimizer(
         distributed=distributed,
         cpu_offload=cpu_offload,
         cpu_offload_fraction=cpu_offload_fraction,
+        fp16=torch.float16 in (m.dtype, m.round_to),
+        loss_scale=loss_scale if loss_scale is not None else LossScaleConfig(),
     )
     with cpu_device_patches():
         optimizer = builder(m, config)
+    set_grad_scale_func(m, optimizer, scaled=config.fp16)
     logger.debug("made %s (backend %s, lr %g, weight decay %g)", type(optimizer).__name__, backend, lr, weight_decay)
     return optimizer
 

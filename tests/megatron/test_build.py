@@ -150,8 +150,8 @@ def test_blockwise_recipe_is_recorded_on_cpu(parallel, paths, built):
 
 
 def test_bad_arguments(parallel, paths, built):
-    with pytest.raises(ConfigError, match="valid: bf16, fp32"):
-        build_megatron_model(paths["dense"], dtype="fp16")
+    with pytest.raises(ConfigError, match="valid: bf16, fp16, fp32"):
+        build_megatron_model(paths["dense"], dtype="fp64")
     m = built("dense", "fp32")
     with pytest.raises(ConfigError, match="outside"):
         forward_logits(m, torch.tensor([[1, 999]]))

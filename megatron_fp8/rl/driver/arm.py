@@ -30,7 +30,14 @@ from megatron_fp8.rl.cluster.remote import ArmSetup, RemoteRollout
 from megatron_fp8.rl.cluster.roles import Groups
 from megatron_fp8.rl.driver.colocated import ColocatedTarget, colocated_memory, refit_route
 from megatron_fp8.rl.driver.phases import ArmState, RefitTarget, refit_phase, run_step
-from megatron_fp8.rl.driver.runtime import environment, phase, quiet_stdout, trainer_dtype, training_math_label
+from megatron_fp8.rl.driver.runtime import (
+    environment,
+    phase,
+    quiet_stdout,
+    trainer_dtype,
+    trainer_rounding,
+    training_math_label,
+)
 from megatron_fp8.rl.driver.stopping import RunStopped, StopRequests, signal_point
 from megatron_fp8.rl.driver.validation import ValidationResult, validate, validation_due
 from megatron_fp8.rl.sampling.context import GRPOContext
@@ -180,8 +187,9 @@ def run_arm(
                 dp.pp_rank,
                 dp.dp_rank,
             )
-            dtype = trainer_dtype()
-            with phase(f"arm {spec.name}: building its Megatron-Core trainer ({dtype})"), quiet_stdout():
+            dtype, rounded = trainer_dtype(config.policy.precision), trainer_rounding(config.policy.precision)
+            held = f", weights rounded to {rounded}: FP16 emulated" if rounded is not None else ""
+            with phase(f"arm {spec.name}: building its Megatron-Core trainer ({dtype}{held})"), quiet_stdout():
                 model = build_megatron_model(
                     model_path,
                     recipe=config.training_recipe if spec.fp8_training_recipe else "bf16",
@@ -191,6 +199,7 @@ def run_arm(
                     dtype=dtype,
                     use_distributed_optimizer=mcfg.optimizer.use_distributed_optimizer,
                     recompute=recompute_settings(config),
+                    round_to=rounded,
                 )
             fp8_kv = spec.rollout_precision == "fp8" and config.policy.generation.vllm_cfg.kv_cache_dtype == "fp8"
             optimizer = make_optimizer(
@@ -237,7 +246,7 @@ def run_arm(
                 else None
             )
             try:
-                math = training_math_label(model.recipe_application.math, dtype)
+                math = training_math_label(model.recipe_application.math, dtype, rounded)
                 training = (model.recipe_application.recipe, math)
                 first = _resume(state, checkpoints, steps=steps)
                 hooks.on_resume(spec.name, first)

@@ -233,7 +233,9 @@ def refit_stream(state: RefitSource) -> Iterable[tuple[str, torch.Tensor]]:
     blocks of the full tensor's grid: the same bytes) and packed: the buckets, their checksums and the engine's
     staging hold 1/TP of the version.
     """
-    fp32_trainer = next(state.model.model[0].parameters()).dtype == torch.float32
+    trainer_dtype = next(state.model.model[0].parameters()).dtype
+    cast = trainer_dtype != torch.bfloat16  # a float32 (CPU) or FP16 trainer: the rollout holds BF16
+    fp16 = torch.float16 in (trainer_dtype, getattr(state.model, "round_to", None))  # FP8 from its FP16 values
     cpu = exports_to_host(state.model, stream_on_device=state.refit.stream_on_device)
     plan: ShardPlan | None = getattr(state.refit, "shard_plan", None)
 
@@ -242,12 +244,13 @@ def refit_stream(state: RefitSource) -> Iterable[tuple[str, torch.Tensor]]:
         return narrow_stream(full, plan) if plan is not None else full
 
     if state.spec.rollout_precision != "fp8":
-        return rollout_dtype_stream(exported()) if fp32_trainer else exported()
+        return rollout_dtype_stream(exported()) if cast else exported()
     if state.manifest is None:
         raise ManifestError(f"arm {state.spec.name} rolls out in FP8 but was given no FP8 manifest")
     stream: Iterable[tuple[str, torch.Tensor]]
-    if fp32_trainer or plan is not None:  # quantize the BF16 values (of this rank's parts), as a GPU trainer sends them
-        bf16 = rollout_dtype_stream(exported()) if fp32_trainer else exported()
+    if cast or plan is not None:  # quantize the BF16 (FP16) values of this rank's parts, as a GPU trainer sends them
+        keep = frozenset(state.manifest.fp8_params) if fp16 else frozenset()
+        bf16 = rollout_dtype_stream(exported(), keep=keep) if cast else exported()
         stream = checked_stream(
             quantized_stream(bf16, state.manifest, state.export_settings, in_bucket=True), state.manifest
         )

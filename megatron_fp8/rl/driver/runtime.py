@@ -22,7 +22,7 @@ import logging
 import os
 import sys
 import time
-from collections.abc import Callable, Iterable, Iterator, Mapping
+from collections.abc import Callable, Container, Iterable, Iterator, Mapping
 from pathlib import Path
 from typing import IO
 
@@ -31,7 +31,7 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TaskID, TextColumn, TimeElapsedColumn
 
 from megatron_fp8.files import disk_guard, write_atomically
-from megatron_fp8.recipes.precision import math_label, trainer_dtype_name
+from megatron_fp8.recipes.precision import math_label, rounded_dtype_name, trainer_dtype_name
 from megatron_fp8.rl.cluster.distributed import DataParallel, average_over_ranks
 from megatron_fp8.rl.driver.validation import ValidationResult
 from megatron_fp8.rl.state import report
@@ -241,15 +241,23 @@ def validation_recorder(
     return on_validation
 
 
-def trainer_dtype() -> torch.dtype:
-    """The trainer's parameter / compute dtype: BF16 on a GPU, float32 on a CPU machine.
+def trainer_dtype(precision: str = "bfloat16") -> torch.dtype:
+    """The trainer's parameter / compute dtype: ``policy.precision`` on a GPU, float32 on a CPU machine.
 
     CPUs without AVX512-BF16 / AMX have no fast BF16 GEMM in torch (on the 2-core CI machine a BF16
     ``[640, 256] x [256, 512]`` matmul takes ~50x the float32 time), and the trainer's GEMMs are most of a
-    GRPO step; so on CPU the trainer keeps float32 weights and the refit sends them as the rollout holds
-    them: BF16, or FP8 quantized from the BF16 values (:func:`rollout_dtype_stream`), exactly as on a GPU.
+    GRPO step; so on CPU the trainer keeps float32 weights (rounded to FP16 for ``policy.precision: float16``:
+    :func:`trainer_rounding`) and the refit sends them as the rollout holds them: BF16, or FP8 quantized
+    (:func:`rollout_dtype_stream`), exactly as on a GPU.
     """
-    return getattr(torch, trainer_dtype_name(has_gpu=torch.cuda.is_available()))
+    return getattr(torch, trainer_dtype_name(has_gpu=torch.cuda.is_available(), precision=precision))
+
+
+def trainer_rounding(precision: str = "bfloat16") -> torch.dtype | None:
+    """The dtype a float32 CPU trainer rounds its weights to: ``torch.float16`` for ``policy.precision: float16``
+    on a CPU (FP16 emulated), else ``None``."""
+    name = rounded_dtype_name(has_gpu=torch.cuda.is_available(), precision=precision)
+    return getattr(torch, name) if name else None
 
 
 @contextlib.contextmanager
@@ -263,14 +271,20 @@ def quiet_stdout() -> Iterator[None]:
         yield
 
 
-def training_math_label(math: str, dtype: torch.dtype) -> str:
+def training_math_label(math: str, dtype: torch.dtype, rounded: torch.dtype | None = None) -> str:
     """What the trainer's math really was: the recipe's ``math`` (``bf16``, ``bf16-emulated``, ``fp8``) or, with a
-    float32 trainer (:func:`trainer_dtype`), ``fp32`` / ``fp32-emulated`` (FP8 recipe validated and recorded):
+    float32 trainer (:func:`trainer_dtype`), ``fp32`` / ``fp32-emulated`` (FP8 recipe validated and recorded), with
+    `` (fp16 weights)`` where it rounds them (:func:`trainer_rounding`):
     :func:`megatron_fp8.recipes.precision.math_label`, the label of the run's one precision sentence."""
-    return math_label(math, str(dtype))
+    return math_label(math, str(dtype), rounded=str(rounded) if rounded is not None else None)
 
 
-def rollout_dtype_stream(stream: Iterable[tuple[str, torch.Tensor]]) -> Iterator[tuple[str, torch.Tensor]]:
-    """HF weights as the rollout holds them: float32 weights (a CPU trainer) cast to BF16; others as they are."""
+def rollout_dtype_stream(
+    stream: Iterable[tuple[str, torch.Tensor]], *, keep: Container[str] = ()
+) -> Iterator[tuple[str, torch.Tensor]]:
+    """HF weights as the rollout holds them: float32 (a CPU trainer) and FP16 (``policy.precision: float16``)
+    weights cast to BF16; others, and the names in ``keep`` (an FP16 trainer's FP8 weights, quantized from its own
+    values), as they are."""
     for name, tensor in stream:
-        yield name, tensor.to(torch.bfloat16) if tensor.dtype == torch.float32 else tensor
+        cast = tensor.dtype in (torch.float32, torch.float16) and name not in keep
+        yield name, tensor.to(torch.bfloat16) if cast else tensor

@@ -22,8 +22,8 @@ pytest.importorskip("megatron.core")
 from megatron_fp8.config import load_config
 from megatron_fp8.errors import DynamicSamplingError
 from megatron_fp8.rl.driver import phases
-from megatron_fp8.rl.sampling import dynamic as dynamic_module
 from megatron_fp8.rl.driver.grpo import run_grpo
+from megatron_fp8.rl.sampling import dynamic as dynamic_module
 from megatron_fp8.rl.state.results import METRICS_FILE, TIMING_SUFFIXES
 
 pytestmark = [pytest.mark.slow, pytest.mark.megatron]
