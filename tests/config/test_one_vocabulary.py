@@ -204,20 +204,20 @@ def test_nemo_rls_8b_fp8_file_runs_as_it_is_once_its_data_is_staged(caplog):
     staged = [f"data.train.data_path={Path('data/math_tiny/train.jsonl').resolve()}"]
     loaded = load_config_report(DATA / "grpo_math_8B_megatron_fp8.yaml", staged)
     refuse_before_run(loaded.config, loaded.no_effect)  # nothing refused
-    changed = load_config_report(DATA / "grpo_math_8B_megatron_fp8.yaml", [*staged, "grpo.use_dynamic_sampling=true"])
+    changed = load_config_report(DATA / "grpo_math_8B_megatron_fp8.yaml", [*staged, "grpo.max_rollout_turns=2"])
     with pytest.raises(ConfigError) as info:
         refuse_before_run(changed.config, changed.no_effect)
     message = str(info.value)
-    assert "1 key(s) would change the experiment" in message and "grpo.use_dynamic_sampling=True" in message
+    assert "1 key(s) would change the experiment" in message and "grpo.max_rollout_turns=2" in message
     assert "--allow-no-effect" in message
     assert "truncated_importance_sampling" not in message  # its type 'tis' + ratio 2 is this run's token_tis, cap 2
     allowed = load_config_report(
         DATA / "grpo_math_8B_megatron_fp8.yaml",
-        [*staged, "grpo.use_dynamic_sampling=true", "grpo.allow_no_effect=true"],
+        [*staged, "grpo.max_rollout_turns=2", "grpo.allow_no_effect=true"],
     )
     with caplog.at_level(logging.WARNING, logger="megatron_fp8.config.refusals"):
         refuse_before_run(allowed.config, allowed.no_effect)
-    assert any("use_dynamic_sampling=True" in r.getMessage() for r in caplog.records)
+    assert any("max_rollout_turns=2" in r.getMessage() for r in caplog.records)
 
 
 def test_the_newer_adv_estimator_spelling_must_agree_with_the_grpo_keys():
@@ -234,7 +234,7 @@ def test_the_newer_adv_estimator_spelling_must_agree_with_the_grpo_keys():
         (["policy.generation.top_p=1.0", "policy.generation.top_k=null", "loss_fn.reference_policy_kl_penalty=0.1"], []),
         (["policy.generation.top_p=0.9"], ["policy.generation.top_p=0.9"]),
         (["policy.generation.top_k=50"], ["policy.generation.top_k=50"]),
-        (["grpo.use_dynamic_sampling=true"], ["grpo.use_dynamic_sampling=True"]),
+        (["grpo.max_rollout_turns=2"], ["grpo.max_rollout_turns=2"]),
     ],
 )  # fmt: skip
 def test_each_experiment_key_is_judged_by_its_value(overrides, refused):

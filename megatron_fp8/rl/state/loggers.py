@@ -86,6 +86,10 @@ _GROUP_KEYS: dict[str, tuple[str, ...]] = {
         "rollout_prompts_per_rank",
         "reward_mean_per_rank",
         "rollout_age_steps",
+        "filtered_reward_mean",
+        "dynamic_sampling_num_gen_batches",
+        "dynamic_sampling_num_discarded_valid_samples",
+        "dynamic_sampling_filtered_share",
     ),
     "refit": (
         "refit_version",
