@@ -31,8 +31,10 @@ from megatron_fp8.cli.grpo import MODEL_HELP, model_override
 from megatron_fp8.config.explain import explain_rows, render_json, render_text
 from megatron_fp8.config.loader import load_config_report
 from megatron_fp8.config.memory_plan import memory_report
+from megatron_fp8.config.nemo_rl.inheritance import with_env_hints
 from megatron_fp8.config.refusals import refuse_before_run
 from megatron_fp8.config.schema import RunConfig
+from megatron_fp8.errors import ConfigError
 
 logger = logging.getLogger(__name__)
 
@@ -89,10 +91,12 @@ def run(args: argparse.Namespace) -> int:
         return 0
     for line in _layout_lines(cfg):  # before the preflight: a config it refuses still shows its layout
         print(line, file=sys.stderr if args.json else sys.stdout)
-    refuse_before_run(cfg, loaded.no_effect)
-    report = preflight(
-        cfg, download=False, launch_checks="WORLD_SIZE" in os.environ
-    )  # every check `grpo` makes before it touches a model
+    try:
+        refuse_before_run(cfg, loaded.no_effect)
+        # every check `grpo` makes before it touches a model
+        report = preflight(cfg, download=False, launch_checks="WORLD_SIZE" in os.environ)
+    except ConfigError as exc:  # a value read from an environment variable: the message names it
+        raise ConfigError(with_env_hints(str(exc), loaded.env)) from exc
     for note in report.notes:
         print(f"# preflight: {note}", file=sys.stderr if args.json else sys.stdout)
     if args.json:

@@ -22,8 +22,9 @@ from pathlib import Path
 from megatron_fp8.cli._io import say
 from megatron_fp8.cli._noise import quiet_third_party
 from megatron_fp8.config import load_config_report
+from megatron_fp8.config.nemo_rl.inheritance import with_env_hints
 from megatron_fp8.config.refusals import refuse_before_run
-from megatron_fp8.errors import UsageError
+from megatron_fp8.errors import ConfigError, UsageError
 from megatron_fp8.vocab import ARMS
 
 MODEL_HELP = "'tiny', 'tiny-moe', a checkpoint folder or a Hugging Face id (= model.name_or_path=NAME)"
@@ -109,14 +110,17 @@ def run_job(args: argparse.Namespace) -> tuple[Path, Path, Path] | None:
     steps = getattr(args, "steps", None)
     if steps is not None and steps < 1:
         raise UsageError(f"--steps must be >= 1, got {steps}")
-    result = run_grpo(
-        config,
-        out_dir=out,
-        steps=steps,
-        arms=arms,
-        progress=not getattr(args, "no_progress", False),
-        overwrite=getattr(args, "overwrite", False),
-    )
+    try:
+        result = run_grpo(
+            config,
+            out_dir=out,
+            steps=steps,
+            arms=arms,
+            progress=not getattr(args, "no_progress", False),
+            overwrite=getattr(args, "overwrite", False),
+        )
+    except ConfigError as exc:  # a value read from an environment variable: the message names it
+        raise ConfigError(with_env_hints(str(exc), loaded.env)) from exc
     if result.summary_path is None:  # a rank other than 0 of a multi-process run: rank 0 writes
         print(f"rank done in {result.seconds:.0f} s; rank 0 writes the outputs to {result.out_dir}")
         return None

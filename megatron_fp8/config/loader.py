@@ -31,6 +31,7 @@ from omegaconf.errors import OmegaConfBaseException
 
 from megatron_fp8.config.algorithm_rules import low_cap_warning
 from megatron_fp8.config.models import known_dims
+from megatron_fp8.config.nemo_rl import inheritance
 from megatron_fp8.config.nemo_rl.datasets import translate_dataset_keys
 from megatron_fp8.config.nemo_rl.importance_sampling import translate_is_keys
 from megatron_fp8.config.nemo_rl.inheritance import ComposedTree, compose_file, compose_text, merge_trees, resolve
@@ -239,6 +240,7 @@ class LoadedConfig:
         files: every config file read, parents before children (empty for the embedded default).
         translated: NeMo-RL keys read through megatron-fp8's own (its IS keys, :mod:`.nemo_rl.importance_sampling`;
             a staged ``dataset_name``, :mod:`.nemo_rl.datasets`) -> value.
+        env: dotted path -> where its ``${oc.env:NAME}`` value came from (:func:`.nemo_rl.inheritance.env_hints`).
     """
 
     config: RunConfig
@@ -246,6 +248,7 @@ class LoadedConfig:
     sources: dict[str, str]
     files: tuple[Path, ...]
     translated: dict[str, JSONValue] = field(default_factory=dict)
+    env: dict[str, str] = field(default_factory=dict)
 
 
 MOVED_KEYS: dict[str, str] = {
@@ -535,7 +538,12 @@ def load_config_report(path: str | Path | None = None, overrides: Sequence[str] 
     if cap_warning:
         logger.warning("%s", cap_warning)
     return LoadedConfig(
-        config=config, no_effect=no_effect, sources=composed.sources, files=composed.files, translated=read
+        config=config,
+        no_effect=no_effect,
+        sources=composed.sources,
+        files=composed.files,
+        translated=read,
+        env=inheritance.env_hints(composed),
     )
 
 
