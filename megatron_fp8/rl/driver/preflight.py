@@ -503,11 +503,21 @@ def _data_problems(config: RunConfig, tokenizer: PromptTokenizer) -> list[str]:
     return []
 
 
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json", "vocab.txt")
+"""A model folder holding none of these has no tokenizer (transformers then builds one that encodes nothing)."""
+
+
 def _tokenizer_problems(config: RunConfig, model_path: Path, *, warm_start: bool) -> list[str]:
     """The tokenizer loads, has EOS, turns the task's prompts (and, for the warm start, answers) into tokens, and
     turns the dataset's rows into prompts (:func:`_data_problems`, with the same tokenizer)."""
     from transformers import AutoTokenizer  # lazy: transformers is optional (not a core dependency)
 
+    if model_path.is_dir() and not any((model_path / name).is_file() for name in TOKENIZER_FILES):
+        return [
+            f"the model folder {model_path} has no tokenizer files (none of {', '.join(TOKENIZER_FILES)}); GRPO "
+            "needs the model's tokenizer: copy them from where the weights came from (e.g. `huggingface-cli download "
+            "ID tokenizer.json tokenizer_config.json --local-dir DIR`)"
+        ]
     try:
         tokenizer = AutoTokenizer.from_pretrained(str(model_path))
     except Exception as exc:  # transformers raises many types for a bad tokenizer folder

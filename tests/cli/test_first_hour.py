@@ -1,0 +1,59 @@
+"""Issue 57's new-user trips, each through the real CLI: the message a newcomer gets names the thing and the fix.
+
+Every command is a fork of the suite's warm launcher (tests/_warm_cli.py): the same ``megatron_fp8.cli.main``,
+argv and environment as ``megatron-fp8 ...`` in a shell.
+"""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+
+import _warm_cli
+
+from megatron_fp8.models import tiny_model_path
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def _cli(*args: str, env: dict[str, str] | None = None):
+    proc = _warm_cli.run(list(args), cwd=ROOT, timeout=300, env=env)
+    assert "Traceback" not in proc.stderr, proc.stderr[-3000:]
+    return proc
+
+
+def test_a_model_folder_without_tokenizer_files_is_named(tmp_path):
+    """Was: "the tokenizer of DIR encodes the task text '1+1=' to no tokens"."""
+    folder = tmp_path / "no-tokenizer"
+    shutil.copytree(tiny_model_path("tiny"), folder)
+    for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"):
+        (folder / name).unlink()
+    proc = _cli("config", "--model", str(folder))
+    assert proc.returncode == 1, proc.stderr[-2000:]
+    assert f"the model folder {folder} has no tokenizer files (none of tokenizer.json" in proc.stderr
+    assert "no tokens" not in proc.stderr
+
+
+def test_config_takes_arms_as_grpo_does():
+    """Was: the top-level "unrecognized arguments: --arms"."""
+    proc = _cli("config", "--arms", "bf16")
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert "arms: bf16; approved" in proc.stdout
+    proc = _cli("config", "--arms", "bf16,fp9")
+    assert proc.returncode == 2 and "unknown arm(s) ['fp9']; valid arms: bf16, fp8, fp8_tis" in proc.stderr
+
+
+def test_a_deadline_of_the_wrong_type_names_the_format():
+    """Was: "checkpointing.checkpoint_must_save_by: expected str, got int -1"."""
+    proc = _cli("config", "checkpointing.checkpoint_must_save_by=-1")
+    assert proc.returncode == 1
+    assert "expected str, got int -1 (NeMo-RL's DD:HH:MM:SS after the training loop starts" in proc.stderr
+    assert "checkpointing.checkpoint_must_save_by=00:03:30:00" in proc.stderr
+
+
+def test_a_hugging_face_dataset_name_is_refused_without_a_warning_first():
+    """Was: a WARNING that the run would train on the built-in task, then the refusal saying the same."""
+    proc = _cli("config", "data.train.dataset_name=OpenMathInstruct-2")
+    assert proc.returncode == 1, proc.stderr[-2000:]
+    assert "data.train.dataset_name='OpenMathInstruct-2' names a Hugging Face dataset" in proc.stderr
+    assert proc.stderr.count("names a Hugging Face dataset") == 1 and "WARNING" not in proc.stderr, proc.stderr
