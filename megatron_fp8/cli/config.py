@@ -99,7 +99,10 @@ def run(args: argparse.Namespace) -> int:
         # every check `grpo` makes before it touches a model
         report = preflight(cfg, download=False, launch_checks="WORLD_SIZE" in os.environ)
     except ConfigError as exc:  # a value read from an environment variable: the message names it
-        raise ConfigError(with_env_hints(str(exc), loaded.env)) from exc
+        hinted = with_env_hints(str(exc), loaded.env)
+        if hinted == str(exc):
+            raise
+        raise ConfigError(hinted) from exc
     for note in report.notes:
         print(f"# preflight: {note}", file=sys.stderr if args.json else sys.stdout)
     if args.json:

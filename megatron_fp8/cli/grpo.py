@@ -134,7 +134,10 @@ def run_job(args: argparse.Namespace) -> tuple[Path, Path, Path] | None:
             overwrite=getattr(args, "overwrite", False),
         )
     except ConfigError as exc:  # a value read from an environment variable: the message names it
-        raise ConfigError(with_env_hints(str(exc), loaded.env)) from exc
+        hinted = with_env_hints(str(exc), loaded.env)
+        if hinted == str(exc):
+            raise
+        raise ConfigError(hinted) from exc
     if result.summary_path is None:  # a rank other than 0 of a multi-process run: rank 0 writes
         print(f"rank done in {result.seconds:.0f} s; rank 0 writes the outputs to {result.out_dir}")
         return None

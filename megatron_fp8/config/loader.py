@@ -26,6 +26,7 @@ from importlib import resources
 from pathlib import Path
 from typing import Annotated, Literal, TypeVar
 
+import yaml
 from omegaconf import OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
@@ -38,7 +39,7 @@ from megatron_fp8.config.nemo_rl.inheritance import ComposedTree, compose_file, 
 from megatron_fp8.config.nemo_rl.keys import known_keys
 from megatron_fp8.config.schema import JSONValue, OneOf, RunConfig
 from megatron_fp8.config.validate import validate_config
-from megatron_fp8.errors import ConfigError
+from megatron_fp8.errors import ConfigError, UsageError
 
 logger = logging.getLogger(__name__)
 
@@ -316,18 +317,21 @@ def _parse_overrides(overrides: Sequence[str]) -> dict[str, JSONValue]:
         size = len(item.encode())
         if size > MAX_OVERRIDE_BYTES:
             key = item.split("=", 1)[0][:80]
-            raise ConfigError(
+            raise UsageError(
                 f"override {key}=... is {size} bytes (the limit is {MAX_OVERRIDE_BYTES} bytes); put a long value "
                 "in a config file (--config) or the file it names, not on the command line"
             )
         text = item.lstrip("+")
         if "=" not in text or text.startswith("="):
-            raise ConfigError(f"override {item!r} is not of the form dotted.key=value (e.g. grpo.max_num_steps=3)")
+            raise UsageError(f"override {item!r} is not of the form dotted.key=value (e.g. grpo.max_num_steps=3)")
         cleaned.append(text)
     try:
         plain = OmegaConf.to_container(OmegaConf.from_dotlist(cleaned), resolve=False)
-    except OmegaConfBaseException as exc:
-        raise ConfigError(f"cannot parse overrides {list(overrides)}: {exc}") from exc
+    except (OmegaConfBaseException, yaml.YAMLError) as exc:  # a malformed value: a usage error (exit 2)
+        reason = getattr(exc, "problem", None) or str(exc).strip().splitlines()[0]
+        raise UsageError(
+            f"cannot parse overrides {list(overrides)}: {reason} (a value is not valid YAML: close its [ or {{)"
+        ) from exc
     return {str(k): v for k, v in plain.items()} if isinstance(plain, dict) else {}
 
 

@@ -6,6 +6,7 @@ argv and environment as ``megatron-fp8 ...`` in a shell.
 
 from __future__ import annotations
 
+import os
 import shutil
 from pathlib import Path
 
@@ -57,3 +58,19 @@ def test_a_hugging_face_dataset_name_is_refused_without_a_warning_first():
     assert proc.returncode == 1, proc.stderr[-2000:]
     assert "data.train.dataset_name='OpenMathInstruct-2' names a Hugging Face dataset" in proc.stderr
     assert proc.stderr.count("names a Hugging Face dataset") == 1 and "WARNING" not in proc.stderr, proc.stderr
+
+
+def test_a_malformed_override_is_a_usage_error():
+    """Was: exit 1 (a usage error is exit 2, as the README says); an unclosed bracket was "please report it"."""
+    proc = _cli("config", "grpo.max_num_steps")
+    assert proc.returncode == 2 and "is not of the form dotted.key=value" in proc.stderr
+    proc = _cli("config", "grpo.max_num_steps=[1")
+    assert proc.returncode == 2 and "a value is not valid YAML" in proc.stderr and "report it" not in proc.stderr
+
+
+def test_hf_hub_offline_neither_on_nor_off_is_refused():
+    """Was: ``HF_HUB_OFFLINE=maybe`` accepted silently (huggingface_hub reads it as online)."""
+    env = {**os.environ, "HF_HUB_OFFLINE": "maybe"}
+    proc = _cli("config", "--model", "Qwen/Qwen3-8B", "--allow-over-memory", env=env)
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    assert "HF_HUB_OFFLINE='maybe' is neither on nor off; set it to 1" in proc.stderr

@@ -41,7 +41,7 @@ from megatron_fp8.config.models import known_dims
 from megatron_fp8.config.nemo_rl.inheritance import check_config_size
 from megatron_fp8.config.schema import RunConfig
 from megatron_fp8.config.validate import validate_config
-from megatron_fp8.errors import ConfigError
+from megatron_fp8.errors import ConfigError, UsageError
 from megatron_fp8.launch_env import env_int, launch_place
 from megatron_fp8.layout import engine_group_problem
 from megatron_fp8.models import resolve_model
@@ -136,7 +136,9 @@ def preflight(
     try:
         model_path = resolve_model(config.model.name_or_path, download=download)
     except ConfigError as exc:
-        if download or not _is_hub_id(config.model.name_or_path):  # a damaged local folder is an error here too
+        if (
+            download or not _is_hub_id(config.model.name_or_path) or isinstance(exc, UsageError)
+        ):  # a damaged local folder, a bad HF_HUB_OFFLINE: errors here too
             raise
         known = (
             "checked against its known dimensions" if config.model.hidden_size is not None else "no known dimensions"
