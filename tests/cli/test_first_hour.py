@@ -74,3 +74,21 @@ def test_hf_hub_offline_neither_on_nor_off_is_refused():
     proc = _cli("config", "--model", "Qwen/Qwen3-8B", "--allow-over-memory", env=env)
     assert proc.returncode == 2, proc.stderr[-2000:]
     assert "HF_HUB_OFFLINE='maybe' is neither on nor off; set it to 1" in proc.stderr
+
+
+def test_resuming_into_another_out_names_both_folders(tmp_path):
+    """Was: resuming a checkpoint_dir into another --out split the metrics over two folders without a word."""
+    small = ["grpo.num_prompts_per_step=2", "grpo.num_generations_per_prompt=2", "grpo.warm_start_steps=1"]
+    ckpt = [
+        f"checkpointing.checkpoint_dir={tmp_path / 'ckpt'}",
+        "checkpointing.enabled=true",
+        "checkpointing.save_period=1",
+    ]
+    first, second = tmp_path / "first", tmp_path / "second"
+    common = ["--arms", "bf16", "--no-progress", *small, *ckpt]
+    proc = _cli("grpo", "--steps", "1", "--out", str(first), *common)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    proc = _cli("grpo", "--steps", "2", "--out", str(second), *common)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert f"resuming the run of {first.resolve()} into another folder, {second}" in proc.stderr, proc.stderr[-3000:]
+    assert f"rerun with --out {first.resolve()} to keep the run in one folder" in proc.stderr
