@@ -1,6 +1,6 @@
 """The engine's value check of a host-staged refit version, on the CPU where it runs (part of ``make bench``).
 
-A colocated vLLM engine gets each version staged in host memory (README, "A GRPO run's refit on GPUs"), and its
+A colocated vLLM engine gets each version staged in host memory (docs/benchmarks.md, "A GRPO run's refit on GPUs"), and its
 worker checks the whole version before the first write
 (:func:`megatron_fp8.rollout.vllm.expected.validate_version`: NaN/Inf in every weight, scales finite and > 0). Run
 on the host's CPU, in the trainer rank's process (often one OpenMP thread: ``torchrun`` sets

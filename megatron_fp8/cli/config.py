@@ -11,8 +11,8 @@ goes, or "no effect" and why. ``--json`` gives the full table.
 
 Without ``--explain`` the config then goes through every check ``megatron-fp8 grpo`` makes before it
 touches a model (:func:`megatron_fp8.rl.driver.preflight.preflight`: arms vs rollout precision, processes,
-the model resolved and its dimensions against the TP sizes, its tokenizer), so a config approved here
-starts; a Hugging Face model not in the local cache is checked against its known dimensions (nothing
+the model resolved and its dimensions against the TP sizes, its tokenizer), so what it refuses ``grpo``
+refuses; a Hugging Face model not in the local cache is checked against its known dimensions (nothing
 is downloaded) and the output says so. A file that sets no key is refused.
 
 A bad config exits 1 with the error naming the file or dotted key and the fix.
@@ -27,12 +27,14 @@ import os
 import sys
 
 from megatron_fp8.cli._noise import quiet_third_party
-from megatron_fp8.cli.grpo import MODEL_HELP, model_override
+from megatron_fp8.cli.grpo import ARMS_HELP, MODEL_HELP, arms_argument, model_override
 from megatron_fp8.config.explain import explain_rows, render_json, render_text
 from megatron_fp8.config.loader import load_config_report
 from megatron_fp8.config.memory_plan import memory_report
+from megatron_fp8.config.nemo_rl.inheritance import with_env_hints
 from megatron_fp8.config.refusals import refuse_before_run
 from megatron_fp8.config.schema import RunConfig
+from megatron_fp8.errors import ConfigError
 
 logger = logging.getLogger(__name__)
 
@@ -58,6 +60,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="run although the memory plan per phase exceeds the GPU (= grpo.allow_over_memory=true)",
     )
     parser.add_argument("--model", default=None, metavar="NAME", help=MODEL_HELP)
+    parser.add_argument("--arms", default=None, metavar="a,b,c", help=ARMS_HELP)
     parser.add_argument("overrides", nargs="*", metavar="KEY=VALUE", help="dotted overrides, e.g. grpo.max_num_steps=3")
 
 
@@ -79,6 +82,8 @@ def run(args: argparse.Namespace) -> int:
 
     refuse_empty_config(args.explain or args.config)
     overrides = [*args.overrides, *model_override(args)]
+    arms = arms_argument(args)
+    overrides += [f"grpo.arms=[{','.join(arms)}]"] if arms is not None else []  # as `grpo --arms` applies it
     overrides += ["grpo.allow_no_effect=true"] if getattr(args, "allow_no_effect", False) else []
     overrides += ["grpo.allow_over_memory=true"] if getattr(args, "allow_over_memory", False) else []
     loaded = load_config_report(args.explain or args.config, overrides)
@@ -89,10 +94,15 @@ def run(args: argparse.Namespace) -> int:
         return 0
     for line in _layout_lines(cfg):  # before the preflight: a config it refuses still shows its layout
         print(line, file=sys.stderr if args.json else sys.stdout)
-    refuse_before_run(cfg, loaded.no_effect)
-    report = preflight(
-        cfg, download=False, launch_checks="WORLD_SIZE" in os.environ
-    )  # every check `grpo` makes before it touches a model
+    try:
+        refuse_before_run(cfg, loaded.no_effect)
+        # every check `grpo` makes before it touches a model
+        report = preflight(cfg, download=False, launch_checks="WORLD_SIZE" in os.environ)
+    except ConfigError as exc:  # a value read from an environment variable: the message names it
+        hinted = with_env_hints(str(exc), loaded.env)
+        if hinted == str(exc):
+            raise
+        raise ConfigError(hinted) from exc
     for note in report.notes:
         print(f"# preflight: {note}", file=sys.stderr if args.json else sys.stdout)
     if args.json:

@@ -22,8 +22,9 @@ from pathlib import Path
 from megatron_fp8.cli._io import say
 from megatron_fp8.cli._noise import quiet_third_party
 from megatron_fp8.config import load_config_report
+from megatron_fp8.config.nemo_rl.inheritance import with_env_hints
 from megatron_fp8.config.refusals import refuse_before_run
-from megatron_fp8.errors import UsageError
+from megatron_fp8.errors import ConfigError, UsageError
 from megatron_fp8.vocab import ARMS
 
 MODEL_HELP = "'tiny', 'tiny-moe', a checkpoint folder or a Hugging Face id (= model.name_or_path=NAME)"
@@ -43,6 +44,26 @@ def model_override(args: argparse.Namespace) -> list[str]:
     return [f"model.name_or_path={model}"]
 
 
+ARMS_HELP = f"comma-separated arms: {', '.join(ARMS)} (= grpo.arms=[...])"
+
+
+def arms_argument(args: argparse.Namespace) -> list[str] | None:
+    """The arms ``--arms a,b`` names (``None`` without it).
+
+    Raises:
+        UsageError: an empty or unknown arm name.
+    """
+    if getattr(args, "arms", None) is None:
+        return None
+    arms = [a.strip() for a in args.arms.split(",")]
+    if not all(arms):
+        raise UsageError(f"--arms {args.arms!r} has an empty arm name; e.g. --arms {','.join(ARMS)}")
+    unknown = [a for a in arms if a not in ARMS]
+    if unknown:
+        raise UsageError(f"--arms {args.arms!r}: unknown arm(s) {unknown}; valid arms: {', '.join(ARMS)}")
+    return arms
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """Register ``--config``, ``--steps``, ``--out``, ``--arms``, ``--model``, ``--no-progress``, ``--overwrite``,
     overrides."""
@@ -57,7 +78,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="output folder (default: the config's out_dir, else a new out/grpo-<time>; a resumed run continues in its "
         "checkpoint's folder)",
     )
-    parser.add_argument("--arms", default=None, metavar="a,b,c", help=f"comma-separated arms: {', '.join(ARMS)}")
+    parser.add_argument("--arms", default=None, metavar="a,b,c", help=ARMS_HELP)
     parser.add_argument("--model", default=None, metavar="NAME", help=MODEL_HELP)
     parser.add_argument("--no-progress", action="store_true", help="no progress bar")
     parser.add_argument(
@@ -90,14 +111,8 @@ def run_job(args: argparse.Namespace) -> tuple[Path, Path, Path] | None:
         overrides.append("grpo.allow_no_effect=true")
     if getattr(args, "allow_over_memory", False):
         overrides.append("grpo.allow_over_memory=true")
-    arms = None
-    if getattr(args, "arms", None) is not None:
-        arms = [a.strip() for a in args.arms.split(",")]
-        if not all(arms):
-            raise UsageError(f"--arms {args.arms!r} has an empty arm name; e.g. --arms {','.join(ARMS)}")
-        unknown = [a for a in arms if a not in ARMS]
-        if unknown:
-            raise UsageError(f"--arms {args.arms!r}: unknown arm(s) {unknown}; valid arms: {', '.join(ARMS)}")
+    arms = arms_argument(args)
+    if arms is not None:
         overrides.append(f"grpo.arms=[{','.join(arms)}]")  # every check of the config sees the arms that run
     loaded = load_config_report(args.config, overrides)
     config = loaded.config
@@ -109,14 +124,20 @@ def run_job(args: argparse.Namespace) -> tuple[Path, Path, Path] | None:
     steps = getattr(args, "steps", None)
     if steps is not None and steps < 1:
         raise UsageError(f"--steps must be >= 1, got {steps}")
-    result = run_grpo(
-        config,
-        out_dir=out,
-        steps=steps,
-        arms=arms,
-        progress=not getattr(args, "no_progress", False),
-        overwrite=getattr(args, "overwrite", False),
-    )
+    try:
+        result = run_grpo(
+            config,
+            out_dir=out,
+            steps=steps,
+            arms=arms,
+            progress=not getattr(args, "no_progress", False),
+            overwrite=getattr(args, "overwrite", False),
+        )
+    except ConfigError as exc:  # a value read from an environment variable: the message names it
+        hinted = with_env_hints(str(exc), loaded.env)
+        if hinted == str(exc):
+            raise
+        raise ConfigError(hinted) from exc
     if result.summary_path is None:  # a rank other than 0 of a multi-process run: rank 0 writes
         print(f"rank done in {result.seconds:.0f} s; rank 0 writes the outputs to {result.out_dir}")
         return None

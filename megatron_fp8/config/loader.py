@@ -26,18 +26,20 @@ from importlib import resources
 from pathlib import Path
 from typing import Annotated, Literal, TypeVar
 
+import yaml
 from omegaconf import OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
 from megatron_fp8.config.algorithm_rules import low_cap_warning
 from megatron_fp8.config.models import known_dims
+from megatron_fp8.config.nemo_rl import inheritance
 from megatron_fp8.config.nemo_rl.datasets import translate_dataset_keys
 from megatron_fp8.config.nemo_rl.importance_sampling import translate_is_keys
 from megatron_fp8.config.nemo_rl.inheritance import ComposedTree, compose_file, compose_text, merge_trees, resolve
 from megatron_fp8.config.nemo_rl.keys import known_keys
 from megatron_fp8.config.schema import JSONValue, OneOf, RunConfig
 from megatron_fp8.config.validate import validate_config
-from megatron_fp8.errors import ConfigError
+from megatron_fp8.errors import ConfigError, UsageError
 
 logger = logging.getLogger(__name__)
 
@@ -85,8 +87,16 @@ def _type_name(tp: object) -> str:
     return getattr(tp, "__name__", str(tp))
 
 
+FORMATS = {
+    "checkpointing.checkpoint_must_save_by": "NeMo-RL's DD:HH:MM:SS after the training loop starts: e.g. "
+    "checkpointing.checkpoint_must_save_by=00:03:30:00 for 3.5 hours, quoted in a YAML file",
+}
+"""Keys whose type alone does not say what to write: dotted path -> the format, named in a type error."""
+
+
 def _type_error(path: str, tp: object, value: object) -> ConfigError:
-    return ConfigError(f"{path}: expected {_type_name(tp)}, got {type(value).__name__} {value!r}")
+    fmt = f" ({FORMATS[path]})" if path in FORMATS else ""
+    return ConfigError(f"{path}: expected {_type_name(tp)}, got {type(value).__name__} {value!r}{fmt}")
 
 
 def _convert(tp: object, value: object, path: str) -> object:
@@ -239,6 +249,7 @@ class LoadedConfig:
         files: every config file read, parents before children (empty for the embedded default).
         translated: NeMo-RL keys read through megatron-fp8's own (its IS keys, :mod:`.nemo_rl.importance_sampling`;
             a staged ``dataset_name``, :mod:`.nemo_rl.datasets`) -> value.
+        env: dotted path -> where its ``${oc.env:NAME}`` value came from (:func:`.nemo_rl.inheritance.env_hints`).
     """
 
     config: RunConfig
@@ -246,6 +257,7 @@ class LoadedConfig:
     sources: dict[str, str]
     files: tuple[Path, ...]
     translated: dict[str, JSONValue] = field(default_factory=dict)
+    env: dict[str, str] = field(default_factory=dict)
 
 
 MOVED_KEYS: dict[str, str] = {
@@ -305,18 +317,21 @@ def _parse_overrides(overrides: Sequence[str]) -> dict[str, JSONValue]:
         size = len(item.encode())
         if size > MAX_OVERRIDE_BYTES:
             key = item.split("=", 1)[0][:80]
-            raise ConfigError(
+            raise UsageError(
                 f"override {key}=... is {size} bytes (the limit is {MAX_OVERRIDE_BYTES} bytes); put a long value "
                 "in a config file (--config) or the file it names, not on the command line"
             )
         text = item.lstrip("+")
         if "=" not in text or text.startswith("="):
-            raise ConfigError(f"override {item!r} is not of the form dotted.key=value (e.g. grpo.max_num_steps=3)")
+            raise UsageError(f"override {item!r} is not of the form dotted.key=value (e.g. grpo.max_num_steps=3)")
         cleaned.append(text)
     try:
         plain = OmegaConf.to_container(OmegaConf.from_dotlist(cleaned), resolve=False)
-    except OmegaConfBaseException as exc:
-        raise ConfigError(f"cannot parse overrides {list(overrides)}: {exc}") from exc
+    except (OmegaConfBaseException, yaml.YAMLError) as exc:  # a malformed value: a usage error (exit 2)
+        reason = getattr(exc, "problem", None) or str(exc).strip().splitlines()[0]
+        raise UsageError(
+            f"cannot parse overrides {list(overrides)}: {reason} (a value is not valid YAML: close its [ or {{)"
+        ) from exc
     return {str(k): v for k, v in plain.items()} if isinstance(plain, dict) else {}
 
 
@@ -510,9 +525,19 @@ def config_from_dict(data: Mapping[str, JSONValue]) -> RunConfig:
         ConfigError: unknown keys, type errors, or a failed cross-field rule.
     """
     implemented, no_effect = partition_keys(_canonicalize(dict(data), RunConfig, "", []))
-    if no_effect:
-        logger.warning("%s", no_effect_message(no_effect))
-    return _build(implemented)
+    config = _build(implemented)
+    _warn_no_effect(no_effect, config)
+    return config
+
+
+def _warn_no_effect(no_effect: Mapping[str, JSONValue], config: RunConfig) -> None:
+    """One warning listing the no-effect keys, less a ``dataset_name`` without a ``data_path``: the run is refused
+    for it (:func:`megatron_fp8.config.refusals.unstaged_datasets`), a warning first would say it runs."""
+    splits = [s for s in ("train", "validation") if getattr(getattr(config.data, s), "data_path", None) is None]
+    unstaged = {f"data.{s}.dataset_name" for s in splits}
+    shown = {k: v for k, v in no_effect.items() if k not in unstaged}
+    if shown:
+        logger.warning("%s", no_effect_message(shown))
 
 
 def load_config_report(path: str | Path | None = None, overrides: Sequence[str] = ()) -> LoadedConfig:
@@ -527,38 +552,19 @@ def load_config_report(path: str | Path | None = None, overrides: Sequence[str] 
     read = translate_is_keys(raw, composed.sources, composed.files)  # NeMo-RL's IS keys -> the correction run
     read |= translate_dataset_keys(raw, composed.sources)  # NeMo-RL's named datasets, staged locally
     implemented, no_effect = partition_keys(raw)
-    if no_effect:
-        logger.warning("%s", no_effect_message(no_effect))
     config = _build(implemented)
-    _warn_dataset_names(config, no_effect)
+    _warn_no_effect(no_effect, config)
     cap_warning = low_cap_warning(config.loss_fn, config.grpo.arms)
     if cap_warning:
         logger.warning("%s", cap_warning)
     return LoadedConfig(
-        config=config, no_effect=no_effect, sources=composed.sources, files=composed.files, translated=read
+        config=config,
+        no_effect=no_effect,
+        sources=composed.sources,
+        files=composed.files,
+        translated=read,
+        env=inheritance.env_hints(composed),
     )
-
-
-def _warn_dataset_names(config: RunConfig, no_effect: Mapping[str, JSONValue]) -> None:
-    """Warn when a NeMo-RL ``dataset_name`` (a Hugging Face dataset) stands where megatron-fp8 reads a local file."""
-    for split in ("train", "validation"):
-        name = no_effect.get(f"data.{split}.dataset_name")
-        dataset = getattr(config.data, split)
-        if name is not None and (dataset is None or dataset.data_path is None):
-            fallback = (
-                f"trains on the built-in task grpo.task={config.grpo.task}"
-                if split == "train"
-                else "does not validate on it"
-            )
-            logger.warning(
-                "data.%s.dataset_name=%r names a Hugging Face dataset; megatron-fp8 reads local files only, so this run "
-                "%s. Download it (e.g. `huggingface-cli download --repo-type dataset NAME --local-dir DIR`) and set "
-                "data.%s.data_path to its JSONL/Parquet file",
-                split,
-                name,
-                fallback,
-                split,
-            )
 
 
 def load_config(path: str | Path | None = None, overrides: Sequence[str] = ()) -> RunConfig:

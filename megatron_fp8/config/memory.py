@@ -71,21 +71,32 @@ class MemoryEstimate:
         """Whether the estimate (activations excluded) fits the GPU."""
         return self.total_bytes <= self.gpu_bytes
 
-    def describe(self) -> str:
-        """One line: the formula with its numbers and the verdict."""
+    def describe(self, *, verdict: bool = True) -> str:
+        """One line: the formula with its numbers and the verdict.
+
+        Args:
+            verdict: add the engine and judge the sum against the GPU; ``False``: the trainer state alone, for a
+                header whose per-phase plan gives the verdict (the sum of both would be a second, other verdict).
+        """
         gb = 1e9
         engine = f" + colocated engine {self.engine_bytes / gb:.1f} GB" if self.engine_bytes else ""
-        verdict = "fits" if self.fits else "EXCEEDS it"
+        judged = "fits" if self.fits else "EXCEEDS it"
         count = f"{self.params / 1e9:.2f} B" if self.params >= 10**8 else f"{self.params / 1e6:.2f} M"
         per_param = f"{TRAINER_BYTES_PER_PARAM} B"
         if self.data_parallel > 1:
             rest = TRAINER_BYTES_PER_PARAM - SHARDED_BYTES_PER_PARAM
             per_param = f"({rest} B + {SHARDED_BYTES_PER_PARAM} B / DP {self.data_parallel} of {self.processes})"
         experts = f", routed experts / EP {self.expert_parallel}" if self.expert_parallel > 1 else ""
+        if not verdict:
+            return (
+                f"{count} params x {per_param} / (TP x PP = {self.model_parallel}){experts} = "
+                f"{self.trainer_bytes / gb:.1f} GB trainer state (weights, gradients, Adam state, all on the GPU at "
+                "once); the plan by phase below gives the verdict"
+            )
         return (
             f"{count} params x {per_param} / (TP x PP = {self.model_parallel}){experts} = "
             f"{self.trainer_bytes / gb:.1f} GB trainer state{engine} = {self.total_bytes / gb:.1f} GB of "
-            f"{self.gpu_bytes / gb:.0f} GB ({self.gpu_name}): {verdict}; activations not included"
+            f"{self.gpu_bytes / gb:.0f} GB ({self.gpu_name}): {judged}; activations not included"
         )
 
 
@@ -283,7 +294,7 @@ def layout_report(cfg: RunConfig, *, total_decides: bool = True) -> tuple[list[s
         )
         return lines, None
     estimate = estimate_memory(cfg, dims)
-    lines.append(f"memory per GPU (estimate): {estimate.describe()}")
+    lines.append(f"memory per GPU (estimate): {estimate.describe(verdict=total_decides)}")
     engine_line, engine_fits = describe_engine_memory(cfg, dims)
     lines.append(f"rollout engine per GPU (estimate): {engine_line}")
     if not engine_fits:

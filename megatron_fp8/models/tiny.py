@@ -38,7 +38,7 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 
-from megatron_fp8.errors import ConfigError
+from megatron_fp8.errors import ConfigError, UsageError
 from megatron_fp8.files import CACHE_ENV_VAR, cache_root, disk_guard, ensure_dir
 from megatron_fp8.models.tokenizer import (
     EOS_TOKEN,
@@ -346,6 +346,7 @@ def _download(repo_id: str, *, local_files_only: bool) -> Path:
             + _stage_hint(repo_id)
         ) from None
     patterns = ["*.json", "*.safetensors", "*.model", "*.txt", "*.tiktoken", "*.py"]
+    _hub_offline()  # a value huggingface_hub would read as "online" without a word is refused here
     try:
         if not local_files_only:
             logger.info("resolving Hugging Face model %s (downloads into the Hugging Face cache once)", repo_id)
@@ -377,9 +378,24 @@ def _download(repo_id: str, *, local_files_only: bool) -> Path:
     return path.resolve()
 
 
+HUB_OFFLINE_VALUES = {"1": True, "true": True, "yes": True, "on": True, "": False, "0": False, "false": False,
+                      "no": False, "off": False}  # fmt: skip
+"""``HF_HUB_OFFLINE`` values huggingface_hub understands (any other it reads as online, silently)."""
+
+
 def _hub_offline() -> bool:
-    """Whether ``HF_HUB_OFFLINE`` asks the Hugging Face client not to touch the network."""
-    return os.environ.get("HF_HUB_OFFLINE", "").strip().lower() in ("1", "true", "yes", "on")
+    """Whether ``HF_HUB_OFFLINE`` asks the Hugging Face client not to touch the network.
+
+    Raises:
+        UsageError: a value that is neither on nor off (huggingface_hub would go online without a word).
+    """
+    value = os.environ.get("HF_HUB_OFFLINE", "").strip().lower()
+    if value not in HUB_OFFLINE_VALUES:
+        raise UsageError(
+            f"HF_HUB_OFFLINE={os.environ['HF_HUB_OFFLINE']!r} is neither on nor off; set it to 1 (offline: only the "
+            "Hugging Face cache is read) or 0 (may download), or unset it"
+        )
+    return HUB_OFFLINE_VALUES[value]
 
 
 def resolve_model(name_or_path: str | Path, *, cache_dir: Path | None = None, download: bool = True) -> Path:

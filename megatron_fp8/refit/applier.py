@@ -4,7 +4,7 @@ The receiver (:mod:`megatron_fp8.refit.receiver`) hands an applier one whole
 version: ``begin(version, metas)`` with the metadata of *every* tensor of the
 version, ``stage(name, tensor)`` for each tensor, then ``commit(version)``; or
 ``abort(version, reason)`` on any failure before commit. The guarantees an applier
-gives (README "Refit guarantees"):
+gives (docs/refit.md, "Refit guarantees"):
 
 * ``begin`` and ``stage`` write nothing to the engine: they validate names,
   shapes, dtypes, completeness (the version holds exactly the tensors the engine

@@ -13,7 +13,9 @@ console script and ``python -m`` entry points themselves are tests/cli/test_entr
 from __future__ import annotations
 
 import json
+import os
 import re
+import shlex
 import subprocess
 import sys
 from pathlib import Path
@@ -21,6 +23,8 @@ from pathlib import Path
 import _warm_cli
 import pytest
 import yaml
+
+from megatron_fp8.cli import COMMANDS
 
 ROOT = Path(__file__).resolve().parents[2]
 CLI = [sys.executable, "-m", "megatron_fp8.cli"]
@@ -90,3 +94,54 @@ def test_readme_commands_in_order(tmp_path):
     # torchrun -m megatron_fp8
     launched = _run("launch", "--nproc-per-node", "1", "config", "grpo.max_num_steps=3", fresh=True)
     assert "approved" in launched.stdout and "max_num_steps: 3" in launched.stdout
+
+
+def _readme_shell_commands() -> list[list[str]]:
+    """Every ``megatron-fp8 ...`` line of the README's bash blocks (continuations joined, comments and env dropped)."""
+    text = (ROOT / "README.md").read_text()
+    commands = []
+    for block in re.findall(r"^```bash\n(.*?)^```", text, flags=re.M | re.S):
+        for line in block.replace("\\\n", " ").splitlines():
+            words = shlex.split(line.split("  #", 1)[0], comments=True)
+            while words and re.fullmatch(r"[A-Z_]+=\S*", words[0]):
+                words = words[1:]
+            if words[:1] == ["megatron-fp8"]:
+                commands.append(words[1:])
+    return commands
+
+
+def test_every_readme_command_names_a_command_and_options_it_has():
+    """Each README command line: its subcommand exists and every ``--option`` is one ``COMMAND --help`` lists."""
+    commands = _readme_shell_commands()
+    assert len(commands) >= 10, commands
+    helps: dict[str, str] = {}
+    for words in commands:
+        words = [w for w in words if w != "[--debug]"]
+        if words[0] == "launch":  # torchrun's options, then the command it runs
+            words = words[next(i for i, w in enumerate(words) if i and w in COMMANDS) :]
+        if words[0] == "COMMAND":
+            continue
+        assert words[0] in COMMANDS, words
+        if words[0] not in helps:
+            helps[words[0]] = _run(words[0], "--help").stdout
+        options = {w.strip("[]").split("=")[0] for w in words if w.strip("[]").startswith("--")}
+        unknown = [o for o in options if o not in helps[words[0]]]
+        assert unknown == [], (words, unknown)
+
+
+def test_first_real_run_config_says_what_to_stage():
+    """Issue 57 trip 1: the README's step-2 command on a fresh clone names the model folder, then ``DATA_DIR``."""
+    line = next(w for w in _readme_shell_commands() if w[:1] == ["config"] and "configs/qwen3_8b_fp8.yaml" in w)
+    env = {**os.environ, "WORLD_SIZE": "8"}
+    env.pop("DATA_DIR", None)
+    proc = _warm_cli.run(line, cwd=ROOT, timeout=300, env=env)
+    assert proc.returncode == 1 and "/shared/models/Qwen3-8B' does not exist" in proc.stderr, proc.stderr[-2000:]
+    without_model = [w for w in line if not w.startswith("model.name_or_path=")]
+    proc = _warm_cli.run(without_model, cwd=ROOT, timeout=300, env=env)
+    assert proc.returncode == 1, proc.stderr[-2000:]
+    assert "data.train.data_path: no such file data/openmathinstruct2/train.jsonl" in proc.stderr
+    assert "${oc.env:DATA_DIR,data}" in proc.stderr and "DATA_DIR unset" in proc.stderr
+    assert 'docs/cluster.md, "Stage the data"' in proc.stderr and "Traceback" not in proc.stderr
+    staged = {**env, "DATA_DIR": "/nonexistent-data"}
+    proc = _warm_cli.run(without_model, cwd=ROOT, timeout=300, env=staged)
+    assert "DATA_DIR='/nonexistent-data'" in proc.stderr, proc.stderr[-2000:]

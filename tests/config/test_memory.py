@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -70,7 +71,8 @@ def test_config_prints_the_layout_and_the_estimate_even_when_it_refuses():
     )
     assert (
         "# memory per GPU (estimate): 8.19 B params x (6 B + 12 B / DP 4 of 8 GPUs assumed) / (TP x PP = 2) = "
-        "36.9 GB trainer state + colocated engine 40.0 GB = 76.9 GB of 80 GB" in proc.stdout
+        "36.9 GB trainer state (weights, gradients, Adam state, all on the GPU at once); the plan by phase below "
+        "gives the verdict" in proc.stdout
     )
     assert "does not fit one GPU" not in proc.stderr
 
@@ -137,3 +139,15 @@ def test_the_rollout_engine_line_shards_its_weights_over_rollout_tp_and_warns_wh
     )
     line, fits = describe_engine_memory(small, dims, gpu=H100)
     assert not fits and "its budget 8.0 GB" in line
+
+
+def test_the_config_header_gives_one_memory_verdict():
+    """Issue 57 trip 9: NeMo-RL's keys file printed "100.2 GB of 80 GB: EXCEEDS it", then "peak 62.2 GB: fits", then
+    "approved"; the per-phase plan is the one verdict, the whole-run sum is gone."""
+    cmd = [sys.executable, "-m", "megatron_fp8.cli", "config", "--config", "configs/llama31_8b_fp8_nemorl_keys.yaml"]
+    proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    header = [line for line in proc.stdout.splitlines() if line.startswith("#")]
+    verdicts = [line for line in header if re.search(r": (fits|EXCEEDS)", line)]
+    assert len(verdicts) == 1 and verdicts[0].startswith("#   peak: training 62.2 GB of 80 GB"), header
+    assert "100.2 GB" not in proc.stdout and "60.2 GB trainer state" in proc.stdout and "approved" in proc.stdout

@@ -24,6 +24,8 @@ from __future__ import annotations
 
 import logging
 import operator
+import os
+import re
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -297,6 +299,43 @@ def resolve(tree: ComposedTree) -> dict[str, JSONValue]:
         where = tree.sources.get(str(key)) or (tree.files[-1] if tree.files else "the config")
         raise ConfigError(f"{where}: cannot resolve '{key}': {_first_line(exc)}") from exc
     return {str(k): v for k, v in plain.items()} if isinstance(plain, dict) else {}
+
+
+ENV_INTERPOLATION = re.compile(r"\$\{oc\.env:([A-Za-z_][A-Za-z0-9_]*)(?:,([^}]*))?\}")
+"""``${oc.env:NAME}`` or ``${oc.env:NAME,default}`` in a config value: the variable and its default."""
+
+
+def env_hints(tree: ComposedTree) -> dict[str, str]:
+    """What each value read from an environment variable came from, for messages about that key.
+
+    Returns:
+        Dotted leaf path -> e.g. ``"the config sets it as ${oc.env:DATA_DIR,data}/x.jsonl with DATA_DIR unset (its
+        default 'data' used): set DATA_DIR, or give data.train.data_path=..."``; only keys whose value names one.
+    """
+    hints: dict[str, str] = {}
+    for key in leaf_paths(tree.data):
+        raw = _value_at(tree.data, key)
+        found = ENV_INTERPOLATION.findall(raw) if isinstance(raw, str) else []
+        if not found:
+            continue
+        states = [
+            f"{name}={os.environ[name]!r}" if name in os.environ else f"{name} unset (its default {default!r} used)"
+            for name, default in found
+        ]
+        names = " / ".join(dict.fromkeys(name for name, _ in found))
+        hints[key] = f"the config sets it as {raw} with {', '.join(states)}: set {names}, or give {key}=..."
+        if key.endswith(".data_path"):
+            hints[key] += '; docs/cluster.md, "Stage the data", has the commands that stage a dataset as local files'
+    return hints
+
+
+def with_env_hints(message: str, hints: Mapping[str, str]) -> str:
+    """``message`` with the :func:`env_hints` of every key a line of it starts with (``"  - key: ..."``)."""
+    lines = []
+    for line in message.splitlines():
+        key = line.strip().removeprefix("- ").split(":", 1)[0]
+        lines.append(f"{line}; {hints[key]}" if key in hints and hints[key] not in line else line)
+    return "\n".join(lines)
 
 
 def leaf_paths(data: Mapping[str, JSONValue], prefix: str = "") -> list[str]:

@@ -199,6 +199,14 @@ def run_grpo(
         logger.info(
             "outputs go to %s (no --out given%s)", out, ": the folder of the checkpoint resumed" if resuming else ""
         )
+    elif resuming and placement.trainer_rank == 0:
+        before = resumed_run_dir(info for info in resumed.values() if info is not None)
+        if before is not None and before.resolve() != out.resolve():
+            logger.warning(
+                "resuming the run of %s into another folder, %s: its earlier steps' metrics stay in %s, the steps "
+                "from here on go to %s (rerun with --out %s to keep the run in one folder)",
+                before, out, before, out, before,
+            )  # fmt: skip
     for manager in checkpoints.values():
         manager.run_extra[OUT_DIR_KEY] = str(out.resolve())
     if placement.trainer_rank == 0:  # the writer claims the folder before any model is built

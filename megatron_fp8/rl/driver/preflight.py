@@ -41,7 +41,7 @@ from megatron_fp8.config.models import known_dims
 from megatron_fp8.config.nemo_rl.inheritance import check_config_size
 from megatron_fp8.config.schema import RunConfig
 from megatron_fp8.config.validate import validate_config
-from megatron_fp8.errors import ConfigError
+from megatron_fp8.errors import ConfigError, UsageError
 from megatron_fp8.launch_env import env_int, launch_place
 from megatron_fp8.layout import engine_group_problem
 from megatron_fp8.models import resolve_model
@@ -136,7 +136,9 @@ def preflight(
     try:
         model_path = resolve_model(config.model.name_or_path, download=download)
     except ConfigError as exc:
-        if download or not _is_hub_id(config.model.name_or_path):  # a damaged local folder is an error here too
+        if (
+            download or not _is_hub_id(config.model.name_or_path) or isinstance(exc, UsageError)
+        ):  # a damaged local folder, a bad HF_HUB_OFFLINE: errors here too
             raise
         known = (
             "checked against its known dimensions" if config.model.hidden_size is not None else "no known dimensions"
@@ -509,11 +511,21 @@ def _data_problems(config: RunConfig, tokenizer: PromptTokenizer) -> list[str]:
     return []
 
 
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json", "vocab.txt")
+"""A model folder holding none of these has no tokenizer (transformers then builds one that encodes nothing)."""
+
+
 def _tokenizer_problems(config: RunConfig, model_path: Path, *, warm_start: bool) -> list[str]:
     """The tokenizer loads, has EOS, turns the task's prompts (and, for the warm start, answers) into tokens, and
     turns the dataset's rows into prompts (:func:`_data_problems`, with the same tokenizer)."""
     from transformers import AutoTokenizer  # lazy: transformers is optional (not a core dependency)
 
+    if model_path.is_dir() and not any((model_path / name).is_file() for name in TOKENIZER_FILES):
+        return [
+            f"the model folder {model_path} has no tokenizer files (none of {', '.join(TOKENIZER_FILES)}); GRPO "
+            "needs the model's tokenizer: copy them from where the weights came from (e.g. `huggingface-cli download "
+            "ID tokenizer.json tokenizer_config.json --local-dir DIR`)"
+        ]
     try:
         tokenizer = AutoTokenizer.from_pretrained(str(model_path))
     except Exception as exc:  # transformers raises many types for a bad tokenizer folder

@@ -1,0 +1,94 @@
+"""Issue 57's new-user trips, each through the real CLI: the message a newcomer gets names the thing and the fix.
+
+Every command is a fork of the suite's warm launcher (tests/_warm_cli.py): the same ``megatron_fp8.cli.main``,
+argv and environment as ``megatron-fp8 ...`` in a shell.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+from pathlib import Path
+
+import _warm_cli
+
+from megatron_fp8.models import tiny_model_path
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def _cli(*args: str, env: dict[str, str] | None = None):
+    proc = _warm_cli.run(list(args), cwd=ROOT, timeout=300, env=env)
+    assert "Traceback" not in proc.stderr, proc.stderr[-3000:]
+    return proc
+
+
+def test_a_model_folder_without_tokenizer_files_is_named(tmp_path):
+    """Was: "the tokenizer of DIR encodes the task text '1+1=' to no tokens"."""
+    folder = tmp_path / "no-tokenizer"
+    shutil.copytree(tiny_model_path("tiny"), folder)
+    for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"):
+        (folder / name).unlink()
+    proc = _cli("config", "--model", str(folder))
+    assert proc.returncode == 1, proc.stderr[-2000:]
+    assert f"the model folder {folder} has no tokenizer files (none of tokenizer.json" in proc.stderr
+    assert "no tokens" not in proc.stderr
+
+
+def test_config_takes_arms_as_grpo_does():
+    """Was: the top-level "unrecognized arguments: --arms"."""
+    proc = _cli("config", "--arms", "bf16")
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert "arms: bf16; approved" in proc.stdout
+    proc = _cli("config", "--arms", "bf16,fp9")
+    assert proc.returncode == 2 and "unknown arm(s) ['fp9']; valid arms: bf16, fp8, fp8_tis" in proc.stderr
+
+
+def test_a_deadline_of_the_wrong_type_names_the_format():
+    """Was: "checkpointing.checkpoint_must_save_by: expected str, got int -1"."""
+    proc = _cli("config", "checkpointing.checkpoint_must_save_by=-1")
+    assert proc.returncode == 1
+    assert "expected str, got int -1 (NeMo-RL's DD:HH:MM:SS after the training loop starts" in proc.stderr
+    assert "checkpointing.checkpoint_must_save_by=00:03:30:00" in proc.stderr
+
+
+def test_a_hugging_face_dataset_name_is_refused_without_a_warning_first():
+    """Was: a WARNING that the run would train on the built-in task, then the refusal saying the same."""
+    proc = _cli("config", "data.train.dataset_name=OpenMathInstruct-2")
+    assert proc.returncode == 1, proc.stderr[-2000:]
+    assert "data.train.dataset_name='OpenMathInstruct-2' names a Hugging Face dataset" in proc.stderr
+    assert proc.stderr.count("names a Hugging Face dataset") == 1 and "WARNING" not in proc.stderr, proc.stderr
+
+
+def test_a_malformed_override_is_a_usage_error():
+    """Was: exit 1 (a usage error is exit 2, as the README says); an unclosed bracket was "please report it"."""
+    proc = _cli("config", "grpo.max_num_steps")
+    assert proc.returncode == 2 and "is not of the form dotted.key=value" in proc.stderr
+    proc = _cli("config", "grpo.max_num_steps=[1")
+    assert proc.returncode == 2 and "a value is not valid YAML" in proc.stderr and "report it" not in proc.stderr
+
+
+def test_hf_hub_offline_neither_on_nor_off_is_refused():
+    """Was: ``HF_HUB_OFFLINE=maybe`` accepted silently (huggingface_hub reads it as online)."""
+    env = {**os.environ, "HF_HUB_OFFLINE": "maybe"}
+    proc = _cli("config", "--model", "Qwen/Qwen3-8B", "--allow-over-memory", env=env)
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    assert "HF_HUB_OFFLINE='maybe' is neither on nor off; set it to 1" in proc.stderr
+
+
+def test_resuming_into_another_out_names_both_folders(tmp_path):
+    """Was: resuming a checkpoint_dir into another --out split the metrics over two folders without a word."""
+    small = ["grpo.num_prompts_per_step=2", "grpo.num_generations_per_prompt=2", "grpo.warm_start_steps=1"]
+    ckpt = [
+        f"checkpointing.checkpoint_dir={tmp_path / 'ckpt'}",
+        "checkpointing.enabled=true",
+        "checkpointing.save_period=1",
+    ]
+    first, second = tmp_path / "first", tmp_path / "second"
+    common = ["--arms", "bf16", "--no-progress", *small, *ckpt]
+    proc = _cli("grpo", "--steps", "1", "--out", str(first), *common)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    proc = _cli("grpo", "--steps", "2", "--out", str(second), *common)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert f"resuming the run of {first.resolve()} into another folder, {second}" in proc.stderr, proc.stderr[-3000:]
+    assert f"rerun with --out {first.resolve()} to keep the run in one folder" in proc.stderr
