@@ -97,7 +97,7 @@ def run(args: argparse.Namespace) -> int:
     try:
         refuse_before_run(cfg, loaded.no_effect)
         # every check `grpo` makes before it touches a model
-        report = preflight(cfg, download=False, launch_checks="WORLD_SIZE" in os.environ)
+        report = preflight(cfg, download=False, launch_checks="WORLD_SIZE" in os.environ, runs_here=False)
     except ConfigError as exc:  # a value read from an environment variable: the message names it
         hinted = with_env_hints(str(exc), loaded.env)
         if hinted == str(exc):

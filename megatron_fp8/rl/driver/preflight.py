@@ -93,6 +93,7 @@ def preflight(
     launch_checks: bool = True,
     download: bool = True,
     scan_weights: bool = False,
+    runs_here: bool = True,
 ) -> PreflightReport:
     """Run every check a GRPO run makes before touching a model; raise one error listing every problem.
 
@@ -105,6 +106,8 @@ def preflight(
             launch is not known yet; a note says what it needs).
         download: a Hugging Face id may be fetched; ``False`` uses only a cached copy (``config``).
         scan_weights: read every weight and refuse NaN/Inf, naming the tensor.
+        runs_here: the run starts on this machine (``grpo``); ``False`` (``config``, which plans a run wherever it
+            is launched): what only this machine's lack of a GPU refuses becomes a note.
 
     Returns:
         The :class:`PreflightReport`.
@@ -117,6 +120,10 @@ def preflight(
     n_steps = config.grpo.max_num_steps if steps is None else int(steps)
     problems = _argument_problems(config, n_steps=n_steps, arm_names=arm_names)
     notes: list[str] = []
+    expert, cpu_only = _expert_problems(config)
+    problems += expert
+    if cpu_only:
+        (problems if runs_here else notes).extend(cpu_only)
     if launch_checks:
         problems += _world_problems(config, world_size)
     else:
@@ -256,7 +263,6 @@ def _argument_problems(config: RunConfig, *, n_steps: int, arm_names: tuple[str,
             "loss_fn.use_importance_sampling_correction: true (NeMo-RL's async GRPO guide requires it)",
             ", ".join(uncorrected),
         )
-    problems += _expert_problems(config)
     try:
         get_task(config.grpo.task, max_digits=config.grpo.task_max_digits)
     except ConfigError as exc:
@@ -264,25 +270,26 @@ def _argument_problems(config: RunConfig, *, n_steps: int, arm_names: tuple[str,
     return problems
 
 
-def _expert_problems(config: RunConfig) -> list[str]:
-    """Expert parallelism needs routed experts that split evenly, and no CPU distributed optimizer beside it."""
+def _expert_problems(config: RunConfig) -> tuple[list[str], list[str]]:
+    """Expert parallelism needs routed experts that split evenly, and no CPU distributed optimizer beside it:
+    ``(problems, problems of a run on this machine only)``."""
     ep, key = config.policy.megatron_cfg.expert_model_parallel_size, "policy.megatron_cfg.expert_model_parallel_size"
     if ep == 1:
-        return []
+        return [], []
     if ep < 1:
-        return [f"{key}={ep} must be >= 1"]
+        return [f"{key}={ep} must be >= 1"], []
     if not config.model.is_moe:
-        return [f"{key}={ep}: {config.model.name_or_path!r} has no routed experts; set it to 1"]
-    problems = []
+        return [f"{key}={ep}: {config.model.name_or_path!r} has no routed experts; set it to 1"], []
+    problems, here = [], []
     if config.model.num_experts % ep:
         problems.append(f"{key}={ep} does not split the model's {config.model.num_experts} experts evenly")
     if config.policy.megatron_cfg.optimizer.use_distributed_optimizer and not torch.cuda.is_available():
-        problems.append(
-            f"{key}={ep} with policy.megatron_cfg.optimizer.use_distributed_optimizer: the CPU distributed optimizer "
-            "shards over the dense data-parallel ranks, which hold different experts; set one of them off on CPU "
-            "(Megatron-Core's DistributedOptimizer handles both on a GPU)"
+        here.append(
+            f"{key}={ep} with policy.megatron_cfg.optimizer.use_distributed_optimizer on this machine (no GPU): the "
+            "CPU distributed optimizer shards over the dense data-parallel ranks, which hold different experts; set "
+            "one of them off on CPU (Megatron-Core's DistributedOptimizer handles both on a GPU)"
         )
-    return problems
+    return problems, here
 
 
 def _world_problems(config: RunConfig, world_size: int | None) -> list[str]:

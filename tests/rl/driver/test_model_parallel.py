@@ -226,17 +226,21 @@ def test_expert_parallelism_needs_a_moe_model_and_splits_its_experts_evenly(warm
     for overrides, message in (
         (("policy.megatron_cfg.expert_model_parallel_size=2",), "'tiny' has no routed experts"),
         ((*MOE, "policy.megatron_cfg.expert_model_parallel_size=3"), "does not split the model's 4 experts evenly"),
-        (
-            (
-                "model.name_or_path=tiny-moe",
-                "policy.megatron_cfg.optimizer.use_distributed_optimizer=true",
-                "policy.megatron_cfg.expert_model_parallel_size=2",
-            ),
-            "the CPU distributed optimizer shards over the dense data-parallel ranks",
-        ),
     ):
         proc = warm_cli.run(["config", *overrides], cwd=REPO, env=env, timeout=300)
         assert proc.returncode != 0 and message in proc.stderr and "approved" not in proc.stdout, proc.stderr
+    # a limit of this machine's CPU optimizer: `config` (which plans a run for a GPU node too) notes it, a run here
+    # is refused before it touches a model
+    cpu_only = (
+        "model.name_or_path=tiny-moe",
+        "policy.megatron_cfg.optimizer.use_distributed_optimizer=true",
+        "policy.megatron_cfg.expert_model_parallel_size=2",
+    )
+    message = "the CPU distributed optimizer shards over the dense data-parallel ranks"
+    planned = warm_cli.run(["config", *cpu_only], cwd=REPO, env=env, timeout=300)
+    assert planned.returncode == 0 and message in planned.stdout and "on this machine (no GPU)" in planned.stdout
+    run = warm_cli.run(["grpo", "--steps", "1", *cpu_only], cwd=REPO, env=env, timeout=300)
+    assert run.returncode != 0 and message in run.stderr, run.stderr[-2000:]
 
 
 def test_global_batch_splits_a_step_into_updates_and_micro_batches_stay_exact(tmp_path, one_process, warm_cli):

@@ -79,6 +79,7 @@ def _metrics(step: int, *, arm: str = "fp8", reward: float = 0.5, refit_error: f
         train_seconds=3.0,
         step_seconds=6.0,
         sample="2+2= 4",
+        filtered_reward_mean=0.5,
     )
 
 
