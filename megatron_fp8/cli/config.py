@@ -109,7 +109,8 @@ def run(args: argparse.Namespace) -> int:
         print(json.dumps(cfg.to_dict(), indent=2))
     else:
         print(
-            f"# training recipe: {cfg.training_recipe}; rollout: {cfg.policy.generation.vllm_cfg.precision}"
+            f"# training recipe: {cfg.training_recipe}, policy.precision {cfg.policy.precision}; rollout: "
+            f"{cfg.policy.generation.vllm_cfg.precision}"
             f"{' blockwise' if cfg.rollout_blockwise else ''}; arms: {', '.join(report.arms)}; "
             "approved: every check `megatron-fp8 grpo` makes before it starts passed"
         )
