@@ -40,7 +40,14 @@ import traceback
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
-IMPORT_TIME_ENV = ("OMP_NUM_THREADS", "HF_HUB_OFFLINE", "HF_HOME", "TRANSFORMERS_OFFLINE", "TORCH_CPP_LOG_LEVEL")
+IMPORT_TIME_ENV = (
+    "OMP_NUM_THREADS",
+    "HF_HUB_OFFLINE",
+    "HF_HOME",
+    "TRANSFORMERS_OFFLINE",
+    "TORCH_CPP_LOG_LEVEL",
+    "PYTHONPATH",  # what a user's reward module imports from
+)
 """Variables read when a library is imported: a command whose values differ from its zygote's is not forked."""
 _CLI_MAIN = str(REPO / "megatron_fp8" / "cli" / "__main__.py")
 

@@ -17,6 +17,7 @@ import logging
 import os
 import shlex
 import sys
+from collections.abc import Mapping
 from pathlib import Path
 
 from megatron_fp8.cli._io import say
@@ -148,6 +149,32 @@ def run_job(args: argparse.Namespace) -> tuple[Path, Path, Path] | None:
     return result.metrics_path, result.summary_path, result.plot_path
 
 
+def continue_prefix(env: Mapping[str, str]) -> str:
+    """How the printed continue command starts: the ``megatron-fp8 launch ...`` that started the ranks; under plain
+    torchrun on one node the equivalent ``launch`` (torchrun in process: a signal ends in one line, not torchrun's
+    traceback); on several nodes, torchrun's node and process counts (the rendezvous options are the user's: not
+    known here); else ``megatron-fp8``.
+
+    Args:
+        env: the rank's environment (``MEGATRON_FP8_LAUNCH``, torchrun's ``TORCHELASTIC_RUN_ID``,
+            ``LOCAL_WORLD_SIZE``, ``WORLD_SIZE``).
+    """
+    from megatron_fp8.cli.launch import LAUNCH_ENV  # set by `megatron-fp8 launch` for the ranks it starts
+
+    if env.get(LAUNCH_ENV):
+        return env[LAUNCH_ENV]
+    if "TORCHELASTIC_RUN_ID" not in env:
+        return "megatron-fp8"
+    try:
+        local = max(1, int(env.get("LOCAL_WORLD_SIZE", "1")))
+        nodes = max(1, int(env.get("WORLD_SIZE", str(local))) // local)
+    except ValueError:
+        return "megatron-fp8"
+    if nodes == 1:
+        return f"megatron-fp8 launch --nproc-per-node {local}"
+    return f"torchrun --nnodes {nodes} --nproc-per-node {local} -m megatron_fp8"  # + the rendezvous, on every node
+
+
 def run(args: argparse.Namespace) -> int:
     """Run the job; errors of the package propagate (exit 1 via the CLI).
 
@@ -168,11 +195,11 @@ def run(args: argparse.Namespace) -> int:
     try:
         paths = run_job(args)
     except RunStopped as stopped:
-        from megatron_fp8.cli.launch import LAUNCH_ENV  # set by `megatron-fp8 launch` for the ranks it starts
-
-        prefix = os.environ.get(LAUNCH_ENV) or "megatron-fp8"
-        command = " ".join([prefix, *(shlex.quote(a) for a in next_command(sys.argv[1:], stopped))])
-        say(f"megatron-fp8 grpo: {stop_message(stopped, command=command)}")
+        command = " ".join(
+            [continue_prefix(os.environ), *(shlex.quote(a) for a in next_command(sys.argv[1:], stopped))]
+        )
+        if os.environ.get("RANK", "0") == "0":  # every rank stopped at the same step (agreed): one line says so
+            say(f"megatron-fp8 grpo: {stop_message(stopped, command=command)}")
         if stopped.reason == "SIGINT":
             return EXIT_INTERRUPTED
         return EXIT_STOPPED if stopped.checkpoint is not None else EXIT_ERROR  # nothing to continue from

@@ -240,9 +240,17 @@ def test_metrics_records_round_trip_and_rebuild(tmp_path):
     assert back.to_json_dict() == steps[5].to_json_dict()
     summary, plot, _ = rebuild_outputs(tmp_path)
     assert "| fp8 |" in summary.read_text() and plot.read_bytes()[:4] == b"\x89PNG"
+    # issue 57 trip 10: the run's summary said how the FP8 manifest was obtained; `report` keeps that line, and every
+    # line of the summary reads as text (two tables instead of one of 188 columns)
+    manifest = "asked of vLLM (0.11.0) for tiny, cached in /cache/manifest-1234.json"
+    text = summary.read_text().replace("- gen_kl:", f"- FP8 manifest: {manifest}\n- gen_kl:")
+    summary.write_text(text)
     proc = _cli("report", str(tmp_path))
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert "rebuilt from 6 step(s) of 2 arm(s)" in proc.stdout
+    rebuilt = summary.read_text()
+    assert f"- FP8 manifest: {manifest}" in rebuilt and rebuilt.count("| fp8 |") == 2
+    assert max(len(line) for line in rebuilt.splitlines() if line.startswith("|")) <= 120
 
 
 def test_report_names_the_bad_line(tmp_path):

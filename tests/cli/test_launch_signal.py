@@ -58,7 +58,7 @@ def test_ctrl_c_under_launch_ends_in_one_line_and_the_printed_command_resumes(tm
     assert "Traceback" not in stderr and "SignalException" not in stderr, stderr[-3000:]
     assert stderr.strip().splitlines()[-1].startswith("megatron-fp8 launch: SIGINT passed on to every rank")
     stops = [line for line in stderr.splitlines() if line.startswith("megatron-fp8 grpo: stopped (interrupted by")]
-    assert len(stops) == 2, stderr[-3000:]  # both ranks, at the same step
+    assert len(stops) == 1, stderr[-3000:]  # rank 0's line (every rank stopped at the step it names)
     command = shlex.split(stops[0][stops[0].rindex("continue with: ") + len("continue with: ") :])
     assert command == argv, command  # the launch command itself, as the user typed it
     done = metrics.read_text().count("\n")

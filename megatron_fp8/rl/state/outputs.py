@@ -180,7 +180,8 @@ def rebuild_outputs(
         raise ConfigError(f"{path / METRICS_FILE} holds no step yet; nothing to report")
     arms = arms_from_records(records, arm_order=arm_order, where=str(path / METRICS_FILE))
     config = load_config(path / CONFIG_FILE) if (path / CONFIG_FILE).is_file() else None
-    summary = report.write_summary(arms, path / SUMMARY_FILE, config=config, partial=partial)
+    manifest = report.manifest_line(path / SUMMARY_FILE)  # the run asked vLLM; the rebuilt summary keeps it
+    summary = report.write_summary(arms, path / SUMMARY_FILE, config=config, partial=partial, manifest_source=manifest)
     is_cap = config.loss_fn.is_cap if config is not None else 2.0
     plot = report.plot_metrics(arms, path / PLOT_FILE, is_cap=is_cap, partial=partial)
     return summary, plot, arms

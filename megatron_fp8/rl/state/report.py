@@ -5,8 +5,9 @@
   :func:`read_metrics` reads it back.
 * ``summary.md`` (:func:`write_summary`): per arm the first / last / best mean reward, the mean
   ``gen_kl`` (KL(pi_rollout || pi_train) per token, k3 estimator), the mean
-  ``token_mult_prob_error``, the refit payload per step (FP8 / scales / BF16, MiB) and the mean
-  refit time.
+  ``token_mult_prob_error`` (one table), the refit payload per step (FP8 / scales / BF16, MiB) and the mean
+  refit time (a second table); the header says how the FP8 manifest was obtained, kept when the summary is
+  rebuilt (:func:`manifest_line`).
 * ``metrics.png`` (:func:`plot_metrics`): reward, ``gen_kl``, IS-weight spread and the fraction of
   tokens token-TIS truncates, per step, one line per arm (matplotlib, Agg backend: no display needed).
 """
@@ -69,22 +70,44 @@ def _fmt(value: float, spec: str) -> str:
     return "n/a" if value is None or not math.isfinite(value) else format(value, spec)
 
 
+MANIFEST_PREFIX = "- FP8 manifest: "
+"""How the summary's header line on the FP8 manifest starts."""
+
+
+def manifest_line(summary: str | Path) -> str:
+    """How the FP8 manifest of a run was obtained, from its ``summary.md`` (``""`` when it has no such line or no
+    file): a rebuilt summary keeps it (the manifest is asked of vLLM during the run, not recorded per step)."""
+    try:
+        text = Path(summary).read_text()
+    except (OSError, UnicodeDecodeError):
+        return ""
+    found = [line.removeprefix(MANIFEST_PREFIX) for line in text.splitlines() if line.startswith(MANIFEST_PREFIX)]
+    return found[0] if found else ""
+
+
 def summary_table(arms: Sequence[ArmResult]) -> str:
-    """The per-arm markdown table (see the module docstring for the columns)."""
-    header = (
-        "| arm | engine | training | first reward | last reward | best reward | mean gen_kl | "
-        "token_mult_prob_error | refit FP8 MiB | refit scales MiB | refit BF16 MiB | refit total MiB | refit s |"
-    )
-    rule = "|" + "|".join(["---"] * (header.count("|") - 1)) + "|"
-    lines = [header, rule]
+    """The per-arm markdown tables (see the module docstring for the columns): rewards and mismatch, then the refit
+    payload per step, each narrow enough to read as text."""
+    lines = [
+        "| arm | engine | training | reward first / last / best | mean gen_kl | token_mult_prob_error |",
+        "|---|---|---|---|---|---|",
+    ]
+    for a in arms:
+        rewards = " / ".join(_fmt(v, ".3f") for v in (a.first_reward, a.last_reward, a.best_reward))
+        lines.append(
+            f"| {a.arm} | {a.engine} | {a.training_recipe} ({a.training_math}) | {rewards} | "
+            f"{_fmt(a.mean_gen_kl, '.2e')} | {_fmt(a.mean_token_mult_prob_error, '.4f')} |"
+        )
+    lines += [
+        "",
+        "| arm | refit FP8 MiB | refit scales MiB | refit BF16 MiB | refit total MiB | refit s |",
+        "|---|---|---|---|---|---|",
+    ]
     for a in arms:
         b = a.mean_refit_bytes
         lines.append(
-            f"| {a.arm} | {a.engine} | {a.training_recipe} ({a.training_math}) | {_fmt(a.first_reward, '.3f')} | "
-            f"{_fmt(a.last_reward, '.3f')} | {_fmt(a.best_reward, '.3f')} | {_fmt(a.mean_gen_kl, '.2e')} | "
-            f"{_fmt(a.mean_token_mult_prob_error, '.4f')} | {_fmt(b['fp8'] / MIB, '.3f')} | "
-            f"{_fmt(b['scales'] / MIB, '.4f')} | {_fmt(b['bf16'] / MIB, '.3f')} | {_fmt(b['total'] / MIB, '.3f')} | "
-            f"{_fmt(a.mean_refit_seconds, '.3f')} |"
+            f"| {a.arm} | {_fmt(b['fp8'] / MIB, '.3f')} | {_fmt(b['scales'] / MIB, '.4f')} | "
+            f"{_fmt(b['bf16'] / MIB, '.3f')} | {_fmt(b['total'] / MIB, '.3f')} | {_fmt(a.mean_refit_seconds, '.3f')} |"
         )
     return "\n".join(lines) + "\n"
 
@@ -141,7 +164,7 @@ def write_summary(
     trained = dict.fromkeys((a.training_recipe, a.training_math) for a in arms if a.training_recipe != "n/a")
     lines += [f"- {precision_sentence(recipe=recipe, label=label)}" for recipe, label in trained]
     if manifest_source:
-        lines.append(f"- FP8 manifest: {manifest_source}")
+        lines.append(f"{MANIFEST_PREFIX}{manifest_source}")
     if any(a.engine.startswith("reference") for a in arms):
         lines.append(
             "- `reference-*` engines are the CPU emulator of vLLM's FP8 W8A8 blockwise numerics "

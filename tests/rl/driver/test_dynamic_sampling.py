@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import textwrap
 from pathlib import Path
 
@@ -160,3 +161,35 @@ def test_a_step_that_runs_out_of_rounds_stops_naming_the_keys_and_keeps_the_last
         DynamicSamplingError, match=r"after 2 generation rounds .*grpo\.dynamic_sampling_max_gen_batches=1"
     ):
         run_grpo(cfg, out_dir=tmp_path / "out", steps=2, arms=["fp8"], progress=False)
+
+
+def test_data_parallel_2_trains_on_what_one_process_trains_on(tmp_path, reward_pkg, warm_cli):
+    """Two data-parallel replicas (torchrun's worker environment, gloo): each generates half of every round, their
+    kept samples are gathered in order, so both draw the same rounds, keep and discard the same samples as one
+    process, and train on its halves (the update equal to one process's up to float32 summation order)."""
+    data = tmp_path / "train.jsonl"
+    data.write_text("\n".join((MATH / "train.jsonl").read_text().splitlines()[:60]) + "\n")
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "MFP8_ROLE", "ROLLOUT_TASKS")}
+    env |= {"OMP_NUM_THREADS": "1", "PYTHONPATH": os.pathsep.join([str(tmp_path), env.get("PYTHONPATH", "")])}
+    overrides = (
+        f"data.train.data_path={data}", "data.train.input_key=problem", "data.train.output_key=expected_answer",
+        f"data.default.env_name={reward_pkg}:odd_answers_always_right", "grpo.num_prompts_per_step=4",
+        f"grpo.num_generations_per_prompt={GROUP}", "grpo.warm_start_steps=1", *DS,
+    )  # fmt: skip
+    runs = {}
+    for processes in (1, 2):
+        out = tmp_path / f"dp{processes}"
+        argv = ["grpo", "--out", str(out), "--steps", "3", "--arms", "fp8", "--no-progress", *overrides]
+        proc = warm_cli.run(argv, env=env, nprocs=processes, timeout=900)
+        assert proc.returncode == 0, proc.stderr[-4000:]
+        runs[processes] = _records(out)
+    assert sum(r["dynamic_sampling_num_gen_batches"] for r in runs[1]) > 3  # a step took a second round
+    for one, two in zip(runs[1], runs[2], strict=True):
+        for key in ("dynamic_sampling_num_gen_batches", "dynamic_sampling_num_discarded_valid_samples"):
+            assert two[key] == one[key], key
+        assert two["dynamic_sampling_filtered_share"] == pytest.approx(one["dynamic_sampling_filtered_share"])
+        assert two["reward_mean"] == pytest.approx(one["reward_mean"], rel=1e-6)
+        assert two["filtered_reward_mean"] == pytest.approx(one["filtered_reward_mean"], rel=1e-6)
+        assert two["rollout_prompts_per_rank"] == [sum(one["rollout_prompts_per_rank"]) // 2] * 2
+        assert two["loss"] == pytest.approx(one["loss"], rel=1e-4, abs=1e-6)
+        assert two["grad_norm"] == pytest.approx(one["grad_norm"], rel=1e-4)

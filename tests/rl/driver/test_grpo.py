@@ -131,8 +131,9 @@ def test_summary_and_plot(tmp_path):
     summary = report.write_summary(arms, tmp_path / "summary.md", manifest_source="test")
     text = summary.read_text()
     rows = [line for line in text.splitlines() if line.startswith("| fp8_tis")]
-    assert len(rows) == 1 and "| 0.100 | 0.350 | 0.350 |" in rows[0]
-    assert "| 2.000 |" in [line for line in text.splitlines() if line.startswith("| bf16")][0]  # 2 MiB BF16 refit
+    assert len(rows) == 2 and "| 0.100 / 0.350 / 0.350 |" in rows[0]  # rewards, then the refit table
+    assert "| 2.000 |" in [line for line in text.splitlines() if line.startswith("| bf16")][1]  # 2 MiB BF16 refit
+    assert "- FP8 manifest: test" in text
     png = report.plot_metrics(arms, tmp_path / "metrics.png")
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
