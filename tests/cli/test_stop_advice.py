@@ -95,7 +95,8 @@ def test_ctrl_c_with_checkpoints_and_no_out_continues_in_the_runs_own_folder(tmp
     assert not (cwd / "checkpoints").exists()  # no folder shared by every run of the working directory
     command = _printed_command(first.stderr)
     saved = Path("out") / out.name / "checkpoints" / "bf16" / "step_0"  # relative, as the run named its folder
-    assert f"the last completed step is saved in {saved}; continue with: " in first.stderr, first.stderr[-2000:]
+    saved_line = f"the last completed step is saved in {saved} (folder names count steps from 0); continue with: "
+    assert saved_line in first.stderr, first.stderr[-2000:]
     assert command[-2:] == ["--out", str(out.relative_to(cwd))] and "--overwrite" not in command, command
 
     again = _run(command, cwd)  # run as printed: resumes after step 1 and finishes

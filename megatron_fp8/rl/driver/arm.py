@@ -341,7 +341,13 @@ def _resume(state: ArmState, checkpoints: CheckpointManager | None, *, steps: in
     first = resumed.step + 1
     # the data batches drawn before (one per step; dynamic sampling: one per generation round)
     state.cursor.next_batch = int(resumed.extra.get(DATA_BATCHES_KEY, first))  # type: ignore[arg-type]
-    logger.info("arm %s: resumed from step %d (%s)", state.spec.name, first, resumed.path)
+    logger.info(  # step_N folders count from 0 (step_1 holds 2 steps), as the checkpoint format has them
+        "arm %s: resumed from step %d (%s: folder names count steps from 0); continuing at step %d",
+        state.spec.name,
+        first,
+        resumed.path,
+        first + 1,
+    )
     if first < steps:  # the engine still holds the initial weights: send it the restored policy
         with phase(f"arm {state.spec.name}: refit of the restored weights"):
             refit_phase(state)

@@ -277,7 +277,8 @@ def stop_message(stopped: RunStopped, *, command: str) -> str:
         stopped.reason, stopped.reason
     )
     if stopped.checkpoint is not None:
-        saved, verb = f"the last completed step is saved in {stopped.checkpoint}", "continue with"
+        saved = f"the last completed step is saved in {stopped.checkpoint} (folder names count steps from 0)"
+        verb = "continue with"
     else:
         kept = f"; the completed steps' metrics are in {stopped.out_dir}" if stopped.out_dir is not None else ""
         saved = f"nothing was saved (checkpointing.enabled=false){kept}"

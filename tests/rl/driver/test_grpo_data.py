@@ -68,7 +68,8 @@ def test_train_on_jsonl_checkpoint_resume_equals_an_uninterrupted_run(tmp_path, 
     assert sorted(p.name for p in (tmp_path / "b" / "ckpt" / "fp8").iterdir()) == ["step_0", "step_1"]
     with caplog.at_level(logging.INFO, logger="megatron_fp8.rl.driver.arm"):
         resumed = run_grpo(_config(tmp_path / "b"), out_dir=out, steps=3, arms=["fp8"], progress=False)
-    assert "arm fp8: resumed from step 2" in caplog.text
+    assert "arm fp8: resumed from step 2" in caplog.text and "step_1: folder names count steps from 0" in caplog.text
+    assert "continuing at step 3" in caplog.text  # issue 57 trip 10: 1-based messages, 0-based folders, both said
     assert [r["step"] for r in _records(out)] == [0, 1, 2]  # metrics continue at step 3 (index 2)
     assert [s.step for s in resumed.arm("fp8").steps] == [0, 1, 2]
     a, b = _records(tmp_path / "a" / "out")[2], _records(out)[2]
