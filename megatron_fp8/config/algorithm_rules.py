@@ -214,6 +214,23 @@ def async_rules(cfg: RunConfig) -> list[str]:
     return problems
 
 
+def loss_scale_rules(cfg: RunConfig) -> list[str]:
+    """FP16's dynamic loss scale (``policy.megatron_cfg.optimizer``): ``0 < min_loss_scale <= initial_loss_scale``,
+    ``loss_scale_window >= 1``, ``hysteresis >= 1`` (checked whatever ``policy.precision`` is: a file is valid or
+    not on its own)."""
+    o, key = cfg.policy.megatron_cfg.optimizer, "policy.megatron_cfg.optimizer"
+    problems = []
+    if not 0 < o.min_loss_scale <= o.initial_loss_scale:
+        problems.append(
+            f"{key}.min_loss_scale={o.min_loss_scale} and initial_loss_scale={o.initial_loss_scale}: need "
+            "0 < min_loss_scale <= initial_loss_scale"
+        )
+    for name in ("loss_scale_window", "hysteresis"):
+        if getattr(o, name) < 1:
+            problems.append(f"{key}.{name} must be >= 1, got {getattr(o, name)}")
+    return problems
+
+
 def dynamic_sampling_rules(cfg: RunConfig) -> list[str]:
     """``grpo.use_dynamic_sampling``: ``batch_multiplier >= 1`` (``1`` without dynamic sampling, as NeMo-RL asserts),
     ``dynamic_sampling_max_gen_batches >= 1``, a round's prompts split evenly over the data-parallel replicas when

@@ -61,6 +61,11 @@ EFFECTS: Mapping[str, str] = {
     "grpo.reward_shaping.stop_properly_penalty_coef": "instead: a truncated response's reward times this (in [0, 1])",
     "grpo.overlong_filtering": "responses cut at max_new_tokens leave the loss (their group's baseline keeps them; "
     "rl.driver.phases.train_phase)",
+    "policy.megatron_cfg.optimizer.initial_loss_scale": "FP16 (policy.precision: float16): the dynamic loss scale's "
+    "first value (Megatron-Core's DynamicGradScaler; megatron.optim.DynamicLossScaler on CPU)",
+    "policy.megatron_cfg.optimizer.min_loss_scale": "FP16: the loss scale never goes below it",
+    "policy.megatron_cfg.optimizer.loss_scale_window": "FP16: steps without overflow before the loss scale doubles",
+    "policy.megatron_cfg.optimizer.hysteresis": "FP16: overflowing steps before the loss scale halves",
     "grpo.use_dynamic_sampling": "DAPO: a step trains only on groups whose rewards vary, generation rounds repeated "
     "until it has num_prompts_per_step x num_generations_per_prompt such samples (rl.sampling.dynamic)",
     "grpo.batch_multiplier": "prompts of one dynamic-sampling generation round: num_prompts_per_step x this",

@@ -287,6 +287,14 @@ def layout_report(cfg: RunConfig, *, total_decides: bool = True) -> tuple[list[s
         f"layout: {describe_layout(cfg)}",
         f"rollout ({processes} processes): {describe_rollout(cfg, processes=processes)}",
     ]
+    g = cfg.grpo
+    if g.use_dynamic_sampling:
+        lines.append(
+            f"dynamic sampling: generation rounds of {g.round_prompts} prompts x {g.num_generations_per_prompt} = "
+            f"{g.round_prompts * g.num_generations_per_prompt} samples until {g.num_prompts_per_step} x "
+            f"{g.num_generations_per_prompt} = {g.num_prompts_per_step * g.num_generations_per_prompt} have varying "
+            f"group rewards; at most {g.dynamic_sampling_max_gen_batches + 1} rounds a step, then the run stops"
+        )
     dims = known_dims(cfg.model.name_or_path)
     if dims is None or not dims.vocab_size:
         lines.append(

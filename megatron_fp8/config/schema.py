@@ -158,6 +158,8 @@ class OptimizerConfig:
             a GPU; needs ``use_distributed_optimizer``); the colocated schedule leaves it there.
         optimizer_offload_fraction: the share of the optimizer state ``optimizer_cpu_offload`` keeps in host memory,
             in (0, 1] (Megatron-Core's); 0 without ``optimizer_cpu_offload``.
+        initial_loss_scale, min_loss_scale, loss_scale_window, hysteresis: ``policy.precision: float16``'s dynamic
+            loss scale, Megatron-Core ``OptimizerConfig``'s fields and defaults (NeMo-RL passes this section to it).
     """
 
     lr: float = 1e-5
@@ -170,6 +172,10 @@ class OptimizerConfig:
     use_distributed_optimizer: bool = False
     optimizer_cpu_offload: bool = False
     optimizer_offload_fraction: float = 0.0
+    initial_loss_scale: float = 2.0**32
+    min_loss_scale: float = 1.0
+    loss_scale_window: int = 1000
+    hysteresis: int = 2
 
 
 @dataclass(frozen=True)

@@ -22,6 +22,7 @@ from megatron_fp8.config.algorithm_rules import (
     batching_rules,
     dynamic_sampling_rules,
     loss_rules,
+    loss_scale_rules,
     reward_rules,
     scheduler_rules,
 )
@@ -515,6 +516,7 @@ RULES: tuple[Rule, ...] = (
     batching_rules,
     async_rules,
     dynamic_sampling_rules,
+    loss_scale_rules,
     reward_rules,
     grpo_rules,
     refit_rules,

@@ -23,8 +23,8 @@ def _cli(*args: str) -> subprocess.CompletedProcess[str]:
     return _warm_cli.run(list(args), timeout=300)
 
 
-def _refused(proc: subprocess.CompletedProcess[str]) -> str:
-    assert proc.returncode == 1, proc.stderr[-2000:]
+def _refused(proc: subprocess.CompletedProcess[str], *, code: int = 1) -> str:
+    assert proc.returncode == code, proc.stderr[-2000:]
     assert "Traceback" not in proc.stderr and "approved" not in proc.stdout
     return proc.stderr.strip().splitlines()[-1]
 
@@ -41,7 +41,7 @@ def test_an_oversized_config_is_refused_by_its_size_before_parsing(tmp_path):
 
 def test_an_oversized_override_is_refused_by_its_size(tmp_path):
     override = "grpo.arms=[" + ",".join(["bf16"] * 14000) + "]"  # 70 KB, below Linux's 128 KiB per argument
-    message = _refused(_cli("config", override))
+    message = _refused(_cli("config", override), code=2)  # a bad override is a usage error
     assert f"override grpo.arms=... is {len(override)} bytes (the limit is 65536 bytes)" in message, message
 
 

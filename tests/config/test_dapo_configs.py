@@ -68,6 +68,7 @@ def test_each_report_config_is_approved_by_config_with_its_dapo_keys(name, data_
     assert "approved: every check" in proc.stdout and "# memory plan per GPU by phase" in proc.stdout
     assert ": fits" in proc.stdout and "EXCEEDS" not in proc.stdout
     assert "data: 78 rows read and checked" in proc.stdout
+    assert "# dynamic sampling: generation rounds of 96 prompts x 16 = 1536 samples until 32 x 16 = 512" in proc.stdout
     monkeypatch.setenv("DATA_DIR", str(data_dir))  # the file's ${oc.env:DATA_DIR,data}
     cfg = load_config(REPO / "configs" / name)
     g = cfg.grpo
@@ -79,6 +80,8 @@ def test_each_report_config_is_approved_by_config_with_its_dapo_keys(name, data_
     assert g.arms == want["arms"] and cfg.policy.generation.vllm_cfg.precision == "fp8"
     assert cfg.policy.generation.vllm_cfg.kv_cache_dtype == want["kv"] and cfg.policy.precision == want["precision"]
     assert cfg.data.train.input_key == "prompt[0].content" and cfg.data.train.output_key == "reward_model.ground_truth"
+    if want["precision"] == "float16":  # a first scale FP16 gradients do not overflow at once
+        assert cfg.policy.megatron_cfg.optimizer.initial_loss_scale == 2.0**16
     if "30b" in name:  # the report's rollout at TP 1 / EP 1: one whole engine per GPU
         assert cfg.model.is_moe and cfg.policy.generation.vllm_cfg.tensor_parallel_size == 1
 

@@ -74,9 +74,13 @@ class RecordingTransport(InProcTransport):
     def __init__(self, **kwargs):
         super().__init__(**kwargs)
         self.sent_ptrs: list[int] = []
+        self._alive: list[torch.Tensor] = []
         self.buckets = 0
 
     def send(self, bucket, *, timeout=None):
+        # kept alive: a freed bucket's address can be handed to a later allocation (a host copy), and the storage
+        # comparisons below must see only what a sender's live buffers are
+        self._alive.append(bucket.payload)
         self.sent_ptrs.append(bucket.payload.untyped_storage().data_ptr())
         self.buckets += 1
         super().send(bucket, timeout=timeout)

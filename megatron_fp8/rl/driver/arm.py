@@ -23,6 +23,7 @@ from megatron_fp8.config.schema import RunConfig
 from megatron_fp8.config.wiring import megatron_parallel_args, vllm_engine_args, vllm_env
 from megatron_fp8.megatron import build_megatron_model, make_optimizer, megatron_parallel
 from megatron_fp8.megatron.build import RecomputeSettings
+from megatron_fp8.megatron.optim import LossScaleConfig
 from megatron_fp8.megatron.reference import ReferenceWeights
 from megatron_fp8.rl.algorithm.kv_calibration import KVAmaxRecorder, attach_kv_amax_hooks
 from megatron_fp8.rl.cluster.distributed import DataParallel, check_against_megatron
@@ -212,6 +213,12 @@ def run_arm(
                 distributed=mcfg.optimizer.use_distributed_optimizer,
                 cpu_offload=mcfg.optimizer.optimizer_cpu_offload,
                 cpu_offload_fraction=mcfg.optimizer.optimizer_offload_fraction,
+                loss_scale=LossScaleConfig(  # FP16 only (policy.precision: float16); Megatron-Core's field names
+                    initial_scale=mcfg.optimizer.initial_loss_scale,
+                    min_scale=mcfg.optimizer.min_loss_scale,
+                    growth_interval=mcfg.optimizer.loss_scale_window,
+                    hysteresis=mcfg.optimizer.hysteresis,
+                ),
             )
             # colocated: the engine sleeps while the trainer trains (its applier wrapped before the refit target)
             memory = colocated_memory(engine, model, optimizer, config) if groups is None else None

@@ -57,3 +57,24 @@ def test_refit_sends_an_fp16_trainer_as_the_bf16_engine_holds_it():
     assert torch.equal(q16.view(torch.uint8), q32.view(torch.uint8)) and torch.equal(s16, s32)
     default = dict(rollout_dtype_stream(stream))  # the BF16 / float32 trainer's path is unchanged
     assert all(t.dtype == torch.bfloat16 for t in default.values())
+
+
+def test_the_loss_scale_keys_reach_the_optimizer(tmp_path):
+    """``policy.megatron_cfg.optimizer.initial_loss_scale`` (Megatron-Core's field, passed through by NeMo-RL): from
+    2**10 the first step's gradients do not overflow, so it trains (where 2**32 skips it, above)."""
+    if torch.cuda.is_available():
+        return  # the CPU emulation's overflow rule is the subject; the GPU path is tests/megatron/test_fp16_gpu.py's
+    out = tmp_path / "run"
+    run = _warm_cli.run(
+        ["grpo", "--steps", "1", "--arms", "fp8", "--no-progress", "--out", str(out), "policy.precision=float16"]
+        + ["policy.megatron_cfg.optimizer.initial_loss_scale=1024", "policy.megatron_cfg.optimizer.hysteresis=1"]
+        + ["grpo.warm_start_steps=0", "grpo.num_prompts_per_step=2", "grpo.num_generations_per_prompt=2"],
+        timeout=600,
+    )
+    assert run.returncode == 0, run.stderr[-3000:]
+    assert "gradients overflow" not in run.stderr
+    record = json.loads((out / "metrics.jsonl").read_text().splitlines()[0])
+    assert record["update_successful"] is True and record["grad_norm"] > 0
+    bad = _warm_cli.run(["config", "policy.megatron_cfg.optimizer.min_loss_scale=4096", "policy.precision=float16",
+                         "policy.megatron_cfg.optimizer.initial_loss_scale=1024"], timeout=300)  # fmt: skip
+    assert bad.returncode != 0 and "need 0 < min_loss_scale <= initial_loss_scale" in bad.stderr, bad.stderr[-2000:]
