@@ -265,6 +265,12 @@ def gather_within_replica(part: Sequence[T], share: RolloutShare) -> list[T]:
     return [item for engine in range(share.engines) for item in parts[engine]]
 
 
+def _reduce_device() -> torch.device:
+    """Where a tensor of a collective over Megatron-Core's groups lives: the rank's GPU (NCCL reduces device tensors
+    only), else the host (gloo)."""
+    return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
+
+
 def longest_over_replicas(length: int, dp: DataParallel) -> int:
     """The largest ``length`` over the data-parallel replicas (an all-reduce over Megatron-Core's data-parallel group;
     ``length`` itself with one replica)."""
@@ -272,9 +278,23 @@ def longest_over_replicas(length: int, dp: DataParallel) -> int:
         return length
     from megatron.core import parallel_state  # lazy: Megatron-Core is optional (the GPU test box has torch only)
 
-    box = torch.tensor([length], dtype=torch.int64)
+    box = torch.tensor([length], dtype=torch.int64, device=_reduce_device())
     dist.all_reduce(box, op=dist.ReduceOp.MAX, group=parallel_state.get_data_parallel_group())
     return int(box)
+
+
+def mean_over_replicas(value: float, dp: DataParallel) -> float:
+    """The mean of ``value`` over the data-parallel replicas (a float64 all-reduce over Megatron-Core's data-parallel
+    group; ``value`` itself with one replica). An update's loss divides by the mean of the replicas' token (or
+    sequence) counts: with DDP's mean of the replicas' gradients, that is the whole batch's token mean, as NeMo-RL
+    normalizes by the global batch's count, whatever the data-parallel size."""
+    if dp.dp_size == 1:
+        return value
+    from megatron.core import parallel_state  # lazy: Megatron-Core is optional
+
+    box = torch.tensor([value], dtype=torch.float64, device=_reduce_device())
+    dist.all_reduce(box, group=parallel_state.get_data_parallel_group())
+    return float(box) / dp.dp_size
 
 
 def check_against_megatron(dp: DataParallel) -> None:

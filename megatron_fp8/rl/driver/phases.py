@@ -36,7 +36,7 @@ from megatron_fp8.rl.algorithm.correction import ISResult, PPOStats, loss_units,
 from megatron_fp8.rl.algorithm.kl import per_token_kl
 from megatron_fp8.rl.algorithm.kv_calibration import KVAmaxRecorder
 from megatron_fp8.rl.algorithm.metrics import METRIC_KEYS, mismatch_metrics
-from megatron_fp8.rl.cluster.distributed import DataParallel, longest_over_replicas
+from megatron_fp8.rl.cluster.distributed import DataParallel, longest_over_replicas, mean_over_replicas
 from megatron_fp8.rl.driver.colocated import PhaseMemory, refit_stream
 from megatron_fp8.rl.driver.stopping import signal_point
 from megatron_fp8.rl.driver.train_settings import (
@@ -234,8 +234,11 @@ def train_phase(state: ArmState, ctx: GRPOContext, out: RolloutOutcome, scores: 
 
     def update_loss(update: slice) -> Callable[..., torch.Tensor]:
         """The loss over one update's rows (token mean, or sequence mean of token means); a micro-batch (``rows``
-        within them) returns its share: its own mean times its fraction of the update's tokens (sequences)."""
-        units = loss_units(loss_mask[update], aggregation).clamp(min=1.0)
+        within them), or this replica's rows of a data-parallel update, returns its share: its own mean times its
+        fraction of the update's tokens (sequences), counted over every replica."""
+        # NeMo-RL's normalization: the whole update's count over every replica (DDP then means the gradients)
+        units = torch.tensor(mean_over_replicas(float(loss_units(loss_mask[update], aggregation)), state.dp))
+        units = units.clamp(min=1.0)
         update_stats.clear()
 
         def loss_fn(logp_new: torch.Tensor, rows: torch.Tensor | None = None) -> torch.Tensor:
@@ -268,7 +271,7 @@ def train_phase(state: ArmState, ctx: GRPOContext, out: RolloutOutcome, scores: 
                 dual_clip=config.loss_fn.ratio_clip_c,
             )
             update_stats.append(stats)
-            if rows is None:
+            if rows is None and state.dp.dp_size == 1:
                 return loss
             return loss * (loss_units(loss_mask[part], aggregation) / units)
 

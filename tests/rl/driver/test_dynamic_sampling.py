@@ -191,5 +191,7 @@ def test_data_parallel_2_trains_on_what_one_process_trains_on(tmp_path, reward_p
         assert two["reward_mean"] == pytest.approx(one["reward_mean"], rel=1e-6)
         assert two["filtered_reward_mean"] == pytest.approx(one["filtered_reward_mean"], rel=1e-6)
         assert two["rollout_prompts_per_rank"] == [sum(one["rollout_prompts_per_rank"]) // 2] * 2
-        assert two["loss"] == pytest.approx(one["loss"], rel=1e-4, abs=1e-6)
+        # the update: both halves normalized by the whole batch's token count (NeMo-RL's), so the gradient and the
+        # loss are one process's
         assert two["grad_norm"] == pytest.approx(one["grad_norm"], rel=1e-4)
+        assert two["loss"] == pytest.approx(one["loss"], rel=1e-4, abs=1e-7)

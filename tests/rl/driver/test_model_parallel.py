@@ -136,6 +136,18 @@ def test_micro_batches_accumulate_to_the_whole_batch_update(tmp_path, one_proces
     _assert_same_run(got, one_process, engines_per_replica=1)
 
 
+def test_data_parallel_2_updates_as_one_process(data_parallel_2, one_process):
+    """Each replica's loss is divided by the whole batch's token count (NeMo-RL's global normalization, an
+    all-reduce of the replicas' counts), so DDP's mean of their gradients is one process's update: the same loss and
+    gradient norm, step after step (the samples the same, the reward mean over both replicas' halves)."""
+    assert [(r["arm"], r["step"]) for r in data_parallel_2] == [(r["arm"], r["step"]) for r in one_process] != []
+    for g, r in zip(data_parallel_2, one_process, strict=True):
+        where = f"arm {r['arm']} step {r['step']}"
+        assert g["reward_mean"] == pytest.approx(r["reward_mean"], rel=1e-6), where
+        assert g["loss"] == pytest.approx(r["loss"], rel=REL, abs=ABS_LOSS), where
+        assert g["grad_norm"] == pytest.approx(r["grad_norm"], rel=REL), where
+
+
 def test_tensor_parallel_2_by_data_parallel_2_equals_data_parallel_2(tmp_path, data_parallel_2, warm_cli):
     got = _grpo(warm_cli, tmp_path / "tp2dp2", 4, "policy.megatron_cfg.tensor_model_parallel_size=2")
     _assert_same_run(got, data_parallel_2, engines_per_replica=2)
