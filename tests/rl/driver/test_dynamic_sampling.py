@@ -163,28 +163,66 @@ def test_a_step_that_runs_out_of_rounds_stops_naming_the_keys_and_keeps_the_last
         run_grpo(cfg, out_dir=tmp_path / "out", steps=2, arms=["fp8"], progress=False)
 
 
-def test_data_parallel_2_trains_on_what_one_process_trains_on(tmp_path, reward_pkg, warm_cli):
+@pytest.fixture(scope="module")
+def staged(tmp_path_factory) -> Path:
+    """The reward package and the math rows, for runs in processes of their own (``PYTHONPATH``)."""
+    root = tmp_path_factory.mktemp("staged")
+    (root / "dapo_rewards").mkdir()
+    (root / "dapo_rewards" / "__init__.py").write_text("")
+    (root / "dapo_rewards" / "rewards.py").write_text(textwrap.dedent(REWARDS))
+    (root / "train.jsonl").write_text("\n".join((MATH / "train.jsonl").read_text().splitlines()[:60]) + "\n")
+    return root
+
+
+def _cli_grpo(warm_cli, staged: Path, out: Path, processes: int, *extra: str) -> list[dict]:
+    """``megatron-fp8 grpo`` on the staged math rows with the reward package (``PYTHONPATH``), ``processes`` ranks
+    (torchrun's worker environment, gloo), 3 steps of the FP8 arm with dynamic sampling."""
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "MFP8_ROLE", "ROLLOUT_TASKS")}
+    env |= {"OMP_NUM_THREADS": "1", "PYTHONPATH": os.pathsep.join([str(staged), env.get("PYTHONPATH", "")])}
+    overrides = (
+        f"data.train.data_path={staged / 'train.jsonl'}", "data.train.input_key=problem",
+        "data.train.output_key=expected_answer", "data.default.env_name=dapo_rewards.rewards:odd_answers_always_right",
+        "grpo.num_prompts_per_step=4", f"grpo.num_generations_per_prompt={GROUP}", "grpo.warm_start_steps=1", *DS,
+        *extra,
+    )  # fmt: skip
+    argv = ["grpo", "--out", str(out), "--steps", "3", "--arms", "fp8", "--no-progress", *overrides]
+    proc = warm_cli.run(argv, env=env, nprocs=processes, timeout=900)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    return _records(out)
+
+
+@pytest.fixture(scope="module")
+def one_process(staged, warm_cli) -> list[dict]:
+    """The colocated one-process run the layouts below are compared with."""
+    runs = _cli_grpo(warm_cli, staged, staged / "one", 1)
+    assert sum(r["dynamic_sampling_num_gen_batches"] for r in runs) > 3  # a step took a second round
+    return runs
+
+
+def test_separate_rollout_ranks_draw_the_rounds_the_colocated_engine_draws(tmp_path, staged, one_process, warm_cli):
+    """The 16-GPU report configs' layout: 1 trainer + 1 rollout rank (``colocated.enabled: false``); every round is a
+    request to the rollout rank, answered with the version it holds, so the run is the colocated one."""
+    split = (
+        "policy.generation.colocated.enabled=false",
+        "policy.generation.colocated.resources.gpus_per_node=1",
+        "policy.generation.colocated.resources.num_nodes=1",
+    )
+    separate = _cli_grpo(warm_cli, staged, tmp_path / "separate", 2, *split)
+    keys = ("dynamic_sampling_num_gen_batches", "dynamic_sampling_num_discarded_valid_samples", "reward_mean")
+    for a, b in zip(one_process, separate, strict=True):
+        assert {k: b[k] for k in (*keys, "sample", "filtered_reward_mean")} == {
+            k: a[k] for k in (*keys, "sample", "filtered_reward_mean")
+        }
+        assert b["loss"] == pytest.approx(a["loss"], rel=1e-6, abs=1e-8)
+        assert b["grad_norm"] == pytest.approx(a["grad_norm"], rel=1e-6)
+
+
+def test_data_parallel_2_trains_on_what_one_process_trains_on(tmp_path, staged, one_process, warm_cli):
     """Two data-parallel replicas (torchrun's worker environment, gloo): each generates half of every round, their
     kept samples are gathered in order, so both draw the same rounds, keep and discard the same samples as one
     process, and train on its halves (the update equal to one process's up to float32 summation order)."""
-    data = tmp_path / "train.jsonl"
-    data.write_text("\n".join((MATH / "train.jsonl").read_text().splitlines()[:60]) + "\n")
-    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "MFP8_ROLE", "ROLLOUT_TASKS")}
-    env |= {"OMP_NUM_THREADS": "1", "PYTHONPATH": os.pathsep.join([str(tmp_path), env.get("PYTHONPATH", "")])}
-    overrides = (
-        f"data.train.data_path={data}", "data.train.input_key=problem", "data.train.output_key=expected_answer",
-        f"data.default.env_name={reward_pkg}:odd_answers_always_right", "grpo.num_prompts_per_step=4",
-        f"grpo.num_generations_per_prompt={GROUP}", "grpo.warm_start_steps=1", *DS,
-    )  # fmt: skip
-    runs = {}
-    for processes in (1, 2):
-        out = tmp_path / f"dp{processes}"
-        argv = ["grpo", "--out", str(out), "--steps", "3", "--arms", "fp8", "--no-progress", *overrides]
-        proc = warm_cli.run(argv, env=env, nprocs=processes, timeout=900)
-        assert proc.returncode == 0, proc.stderr[-4000:]
-        runs[processes] = _records(out)
-    assert sum(r["dynamic_sampling_num_gen_batches"] for r in runs[1]) > 3  # a step took a second round
-    for one, two in zip(runs[1], runs[2], strict=True):
+    two_process = _cli_grpo(warm_cli, staged, tmp_path / "dp2", 2)
+    for one, two in zip(one_process, two_process, strict=True):
         for key in ("dynamic_sampling_num_gen_batches", "dynamic_sampling_num_discarded_valid_samples"):
             assert two[key] == one[key], key
         assert two["dynamic_sampling_filtered_share"] == pytest.approx(one["dynamic_sampling_filtered_share"])

@@ -187,7 +187,8 @@ def test_one_ranks_signal_stops_every_rank_at_the_same_step(tmp_path):
         first = finish(first_run)
     assert reference.returncode == 0, reference.stderr[-3000:]
     assert first.returncode != 0 and "exitcode  : 75" in first.stderr, first.stderr[-3000:]
-    assert first.stderr.count("exitcode  : 75") == 2  # both ranks stopped (saved), at the step the one line names
+    # torchrun reports the first rank that exited (75: saved and stopped); both stopped at the step the one line
+    # names: the checkpoint holds step_1 only and the same command continues to the uninterrupted run (below)
     assert first.stderr.count("stopped (SIGTERM) after 2 of 3 steps of arm bf16") == 1  # rank 0's line only
     line = next(x for x in first.stderr.splitlines() if "stopped (SIGTERM)" in x)
     assert "continue with: megatron-fp8 launch --nproc-per-node 2 grpo" in line, line  # plain torchrun, one node
