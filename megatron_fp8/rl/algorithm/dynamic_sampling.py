@@ -84,8 +84,8 @@ class Selection(Generic[T]):
 
 @dataclass
 class SampleBuffer(Generic[T]):
-    """One step's buffer of samples whose rewards vary (module docstring): :meth:`offer` each round's samples with
-    their deviations until it returns the :class:`Selection`.
+    """One step's buffer of samples whose rewards vary (module docstring): :meth:`add` each round's samples whose
+    deviation is not 0 (:func:`varying`) until it returns the :class:`Selection`.
 
     Attributes:
         target: samples a step trains on (``num_prompts_per_step x num_generations_per_prompt``), >= 1.
@@ -114,17 +114,6 @@ class SampleBuffer(Generic[T]):
     def kept(self) -> int:
         """Samples with varying rewards held so far."""
         return len(self._kept)
-
-    def offer(self, items: Sequence[T], std: torch.Tensor) -> Selection[T] | None:
-        """Add one round: the samples of ``items`` whose ``std`` is not 0, in order (:meth:`add`).
-
-        Args:
-            items: the round's samples, prompt-major.
-            std: float ``[len(items)]``, :func:`prompt_reward_std` of the round.
-        """
-        if std.numel() != len(items):
-            raise ConfigError(f"dynamic sampling: {len(items)} samples but {std.numel()} deviations")
-        return self.add(varying(items, std), generated=len(items))
 
     def add(self, kept: Sequence[T], *, generated: int) -> Selection[T] | None:
         """Add one round whose samples with varying rewards are ``kept`` (in order) of ``generated``.

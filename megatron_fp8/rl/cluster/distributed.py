@@ -283,6 +283,19 @@ def longest_over_replicas(length: int, dp: DataParallel) -> int:
     return int(box)
 
 
+def gather_over_replicas(item: T, dp: DataParallel) -> list[T]:
+    """``item`` of every data-parallel replica, in replica order (an all-gather of objects over Megatron-Core's
+    data-parallel group; ``[item]`` with one replica)."""
+    if dp.dp_size == 1:
+        return [item]
+    from megatron.core import parallel_state  # lazy: Megatron-Core is optional
+
+    group = parallel_state.get_data_parallel_group()
+    boxes: list[T | None] = [None] * dist.get_world_size(group)
+    dist.all_gather_object(boxes, item, group=group)
+    return boxes  # type: ignore[return-value]
+
+
 def mean_over_replicas(value: float, dp: DataParallel) -> float:
     """The mean of ``value`` over the data-parallel replicas (a float64 all-reduce over Megatron-Core's data-parallel
     group; ``value`` itself with one replica). An update's loss divides by the mean of the replicas' token (or

@@ -21,9 +21,9 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
-import torch.distributed as dist
 
 from megatron_fp8.rl.algorithm.dynamic_sampling import SampleBuffer, prompt_reward_std, varying
+from megatron_fp8.rl.cluster.distributed import gather_over_replicas
 from megatron_fp8.rl.data.rewards import RewardResult
 from megatron_fp8.rl.data.task import Problem
 from megatron_fp8.rl.sampling.context import GRPOContext
@@ -117,19 +117,6 @@ def _samples(out: RolloutOutcome, scores: Scores) -> list[_Sample]:
     ]
 
 
-def _over_replicas(item: object, side: RolloutSide) -> list[object]:
-    """``item`` of every data-parallel replica, in replica order (an all-gather over Megatron-Core's data-parallel
-    group; ``[item]`` with one replica)."""
-    if side.dp.dp_size == 1:
-        return [item]
-    from megatron.core import parallel_state  # lazy: Megatron-Core is optional
-
-    group = parallel_state.get_data_parallel_group()
-    boxes: list[object] = [None] * dist.get_world_size(group)
-    dist.all_gather_object(boxes, item, group=group)
-    return boxes
-
-
 def dynamic_sampling_phase(
     side: RolloutSide, ctx: GRPOContext, *, cursor: DataCursor, step: int
 ) -> tuple[RolloutOutcome, Scores, DynamicSamplingStats]:
@@ -171,7 +158,7 @@ def dynamic_sampling_phase(
             sum(b.exact for b in scores.breakdowns),
             len(scores.breakdowns),
         )
-        parts = _over_replicas(mine, side)
+        parts = gather_over_replicas(mine, side.dp)
         kept = [s for part in parts for s in part[0]]  # type: ignore[index]
         round_totals = [sum(part[k] for part in parts) for k in (1, 2, 3)]  # type: ignore[index]
         totals = [a + b for a, b in zip(totals, round_totals, strict=True)]

@@ -12,37 +12,14 @@ import contextlib
 import sys
 import types
 from dataclasses import dataclass
-from pathlib import Path
 from unittest import mock
 
 import pytest
 import torch
+from _nemo_rl_code import exec_excerpt, stand_in
 
 from megatron_fp8.errors import DynamicSamplingError
-from megatron_fp8.rl.algorithm.dynamic_sampling import SampleBuffer, prompt_reward_std
-
-DATA = Path(__file__).parent / "data" / "nemo_rl"
-
-
-class _Unused:
-    """Stand-in for a name the excerpts never call (``PackedTensor``: no value here is one)."""
-
-
-def _stand_in(name: str, *, package: bool = False) -> types.ModuleType:
-    mod = types.ModuleType(name)
-    if package:
-        mod.__path__ = []
-    mod.__getattr__ = lambda attr: _Unused  # PEP 562: `from X import anything` works
-    return mod
-
-
-def _exec(name: str, file: str, **names: object) -> types.ModuleType:
-    mod = types.ModuleType(name)
-    mod.__dict__.update(names)
-    sys.modules[name] = mod
-    source = DATA / file
-    exec(compile(source.read_text(), str(source), "exec"), mod.__dict__)  # NeMo-RL's code, as it is
-    return mod
+from megatron_fp8.rl.algorithm.dynamic_sampling import SampleBuffer, prompt_reward_std, varying
 
 
 @pytest.fixture(scope="module")
@@ -51,13 +28,13 @@ def nemo_rl() -> types.SimpleNamespace:
     ``sys.modules`` left as found."""
     with mock.patch.dict(sys.modules):
         for name in ("nemo_rl", "nemo_rl.data", "nemo_rl.distributed"):
-            sys.modules[name] = _stand_in(name, package=True)
+            sys.modules[name] = stand_in(name, package=True)
         for name in ("nemo_rl.data.multimodal_utils", "nemo_rl.data.packing", "nemo_rl.distributed.collectives"):
-            sys.modules[name] = _stand_in(name)
-        batched = _exec("nemo_rl.distributed.batched_data_dict", "batched_data_dict.py.txt")
-        utils = _exec("nemo_rl.algorithms.utils", "utils_baseline_std.py.txt")
+            sys.modules[name] = stand_in(name)
+        batched = exec_excerpt("nemo_rl.distributed.batched_data_dict", "batched_data_dict.py.txt")
+        utils = exec_excerpt("nemo_rl.algorithms.utils", "utils_baseline_std.py.txt")
         # the function's annotations name NeMo-RL's config, datum and timer types: only annotations here
-        grpo = _exec(
+        grpo = exec_excerpt(
             "nemo_rl.algorithms.grpo",
             "grpo_dynamic_sampling.py.txt",
             BatchedDataDict=batched.BatchedDataDict,
@@ -145,7 +122,8 @@ def _ours_step(rounds, *, prompts: int, group: int, max_rounds: int, loo: bool):
     buffer: SampleBuffer[int] = SampleBuffer(target=prompts * group, max_rounds=max_rounds)
     for rnd in rounds:
         filter_on = rnd.unshaped if rnd.unshaped is not None else rnd.rewards
-        chosen = buffer.offer(rnd.ids, prompt_reward_std(filter_on, group_size=group, leave_one_out=loo))
+        std = prompt_reward_std(filter_on, group_size=group, leave_one_out=loo)
+        chosen = buffer.add(varying(rnd.ids, std), generated=len(rnd.ids))  # what the GRPO step calls
         if chosen is not None:
             assert chosen.generated == chosen.rounds * len(rnd.ids)
             return list(chosen.items), chosen.rounds, chosen.discarded

@@ -20,13 +20,13 @@ from unittest import mock
 import pytest
 import torch
 import yaml
+from _nemo_rl_code import exec_excerpt, stand_in
 
 from megatron_fp8.config import load_config
 from megatron_fp8.config.schema import RunConfig
 from megatron_fp8.rl.algorithm.correction import ppo_loss
 from megatron_fp8.rl.driver.train_settings import correction_weights, ratio_inputs
 
-DATA = Path(__file__).parent / "data" / "nemo_rl"
 _PACKAGES = (
     "nemo_rl",
     "nemo_rl.algorithms",
@@ -44,41 +44,21 @@ _UNUSED = (  # imported by loss_functions.py for its other losses; ClippedPGLoss
 _KEY = "use_importance_sampling_correction"
 
 
-class _Unused:
-    """Stand-in for a name ClippedPGLossFn never calls."""
-
-
-def _module(name: str, *, package: bool = False) -> types.ModuleType:
-    mod = types.ModuleType(name)
-    if package:
-        mod.__path__ = []
-    mod.__getattr__ = lambda attr: _Unused  # PEP 562: `from X import anything` works
-    return mod
-
-
-def _exec(name: str, file: str) -> types.ModuleType:
-    mod = types.ModuleType(name)
-    sys.modules[name] = mod
-    source = DATA / file
-    exec(compile(source.read_text(), str(source), "exec"), mod.__dict__)  # NeMo-RL's code, as it is
-    return mod
-
-
 @pytest.fixture(scope="module")
 def nemo_rl_loss() -> types.ModuleType:
     """NeMo-RL's ``nemo_rl.algorithms.loss.loss_functions`` (the ClippedPG excerpt), ``sys.modules`` left as found."""
     with mock.patch.dict(sys.modules):
         for name in _PACKAGES:
-            sys.modules[name] = _module(name, package=True)
+            sys.modules[name] = stand_in(name, package=True)
         for name in _UNUSED:
-            sys.modules[name] = _module(name)
-        batched = sys.modules["nemo_rl.distributed.batched_data_dict"] = _module(
+            sys.modules[name] = stand_in(name)
+        batched = sys.modules["nemo_rl.distributed.batched_data_dict"] = stand_in(
             "nemo_rl.distributed.batched_data_dict"
         )
         batched.BatchedDataDict = dict  # the loss reads it with [] and .get
-        _exec("nemo_rl.algorithms.utils", "utils_kl_mean.py.txt")
-        _exec("nemo_rl.algorithms.loss.interfaces", "interfaces.py.txt")
-        return _exec("nemo_rl.algorithms.loss.loss_functions", "loss_functions_clipped_pg.py.txt")
+        exec_excerpt("nemo_rl.algorithms.utils", "utils_kl_mean.py.txt")
+        exec_excerpt("nemo_rl.algorithms.loss.interfaces", "interfaces.py.txt")
+        return exec_excerpt("nemo_rl.algorithms.loss.loss_functions", "loss_functions_clipped_pg.py.txt")
 
 
 @dataclass(frozen=True)
