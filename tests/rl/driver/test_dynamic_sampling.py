@@ -183,7 +183,7 @@ def _cli_grpo(warm_cli, staged: Path, out: Path, processes: int, *extra: str) ->
         f"data.train.data_path={staged / 'train.jsonl'}", "data.train.input_key=problem",
         "data.train.output_key=expected_answer", "data.default.env_name=dapo_rewards.rewards:odd_answers_always_right",
         "grpo.num_prompts_per_step=4", f"grpo.num_generations_per_prompt={GROUP}", "grpo.warm_start_steps=1", *DS,
-        *extra,
+        "policy.megatron_cfg.fp8_cfg.fp8_recipe=tensorwise", *extra,  # tensorwise: the tiny model splits at TP 2
     )  # fmt: skip
     argv = ["grpo", "--out", str(out), "--steps", "3", "--arms", "fp8", "--no-progress", *overrides]
     proc = warm_cli.run(argv, env=env, nprocs=processes, timeout=900)
@@ -233,3 +233,26 @@ def test_data_parallel_2_trains_on_what_one_process_trains_on(tmp_path, staged, 
         # loss are one process's
         assert two["grad_norm"] == pytest.approx(one["grad_norm"], rel=1e-4)
         assert two["loss"] == pytest.approx(one["loss"], rel=1e-4, abs=1e-7)
+
+
+@pytest.mark.parametrize(
+    ("layout", "engines"),
+    [
+        ("policy.megatron_cfg.tensor_model_parallel_size=2", 2),
+        ("policy.megatron_cfg.pipeline_model_parallel_size=2", 2),
+    ],
+    ids=["tp2", "pp2"],
+)
+def test_tensor_and_pipeline_parallel_2_draw_and_train_as_one_process(
+    tmp_path, staged, one_process, warm_cli, layout, engines
+):
+    """One replica over 2 ranks (TP 2 or PP 2): each rank's engine generates half of every round, the halves are
+    gathered within the replica, so the rounds, the kept samples and the update are one process's (losses and
+    gradient norms to the model-parallel tests' 1e-5)."""
+    got = _cli_grpo(warm_cli, staged, tmp_path / "out", 2, layout)
+    keys = ("dynamic_sampling_num_gen_batches", "dynamic_sampling_num_discarded_valid_samples", "reward_mean", "sample")
+    for a, b in zip(one_process, got, strict=True):
+        assert {k: b[k] for k in keys} == {k: a[k] for k in keys}
+        assert b["rollout_prompts_per_rank"] == [sum(a["rollout_prompts_per_rank"]) // engines] * engines
+        assert b["loss"] == pytest.approx(a["loss"], rel=1e-5, abs=1e-6)
+        assert b["grad_norm"] == pytest.approx(a["grad_norm"], rel=1e-5)

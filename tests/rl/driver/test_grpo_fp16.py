@@ -62,8 +62,6 @@ def test_refit_sends_an_fp16_trainer_as_the_bf16_engine_holds_it():
 def test_the_loss_scale_keys_reach_the_optimizer(tmp_path):
     """``policy.megatron_cfg.optimizer.initial_loss_scale`` (Megatron-Core's field, passed through by NeMo-RL): from
     2**10 the first step's gradients do not overflow, so it trains (where 2**32 skips it, above)."""
-    if torch.cuda.is_available():
-        return  # the CPU emulation's overflow rule is the subject; the GPU path is tests/megatron/test_fp16_gpu.py's
     out = tmp_path / "run"
     run = _warm_cli.run(
         ["grpo", "--steps", "1", "--arms", "fp8", "--no-progress", "--out", str(out), "policy.precision=float16"]
