@@ -27,14 +27,14 @@ import os
 import sys
 
 from megatron_fp8.cli._noise import quiet_third_party
-from megatron_fp8.cli.grpo import ARMS_HELP, MODEL_HELP, arms_argument, model_override
+from megatron_fp8.cli.grpo import ARMS_HELP, MODEL_HELP, command_overrides
 from megatron_fp8.config.explain import explain_rows, render_json, render_text
 from megatron_fp8.config.loader import load_config_report
 from megatron_fp8.config.memory_plan import memory_report
 from megatron_fp8.config.nemo_rl.inheritance import with_env_hints
 from megatron_fp8.config.refusals import refuse_before_run
 from megatron_fp8.config.schema import RunConfig
-from megatron_fp8.errors import ConfigError
+from megatron_fp8.errors import ConfigError, UsageError
 
 logger = logging.getLogger(__name__)
 
@@ -74,19 +74,16 @@ def _layout_lines(cfg: RunConfig) -> list[str]:
 def run(args: argparse.Namespace) -> int:
     """Print the resolved config or its explanation; a ``ConfigError`` propagates (exit 1 via the CLI)."""
     if args.explain is not None and args.config is not None and args.explain != args.config:
-        parser_error = f"--config {args.config} and --explain {args.explain} name different files; give one"
-        raise SystemExit(f"megatron-fp8 config: {parser_error}")
+        raise UsageError(
+            f"--config {args.config} and --explain {args.explain} name different files; give one "
+            f"(`megatron-fp8 config --explain {args.explain}` explains that file's keys)"
+        )
     quiet_third_party(verbose=getattr(args, "verbose", False))
     # lazy: the preflight imports torch and the model stack; `config --explain` and `--help` need neither
     from megatron_fp8.rl.driver.preflight import preflight, refuse_empty_config
 
     refuse_empty_config(args.explain or args.config)
-    overrides = [*args.overrides, *model_override(args)]
-    arms = arms_argument(args)
-    overrides += [f"grpo.arms=[{','.join(arms)}]"] if arms is not None else []  # as `grpo --arms` applies it
-    overrides += ["grpo.allow_no_effect=true"] if getattr(args, "allow_no_effect", False) else []
-    overrides += ["grpo.allow_over_memory=true"] if getattr(args, "allow_over_memory", False) else []
-    loaded = load_config_report(args.explain or args.config, overrides)
+    loaded = load_config_report(args.explain or args.config, command_overrides(args))  # as `grpo` applies them
     cfg = loaded.config
     if args.explain is not None:
         rows = explain_rows(loaded)

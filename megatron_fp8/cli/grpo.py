@@ -28,6 +28,8 @@ from megatron_fp8.config.refusals import refuse_before_run
 from megatron_fp8.errors import ConfigError, UsageError
 from megatron_fp8.vocab import ARMS
 
+logger = logging.getLogger(__name__)
+
 MODEL_HELP = "'tiny', 'tiny-moe', a checkpoint folder or a Hugging Face id (= model.name_or_path=NAME)"
 
 
@@ -63,6 +65,43 @@ def arms_argument(args: argparse.Namespace) -> list[str] | None:
     if unknown:
         raise UsageError(f"--arms {args.arms!r}: unknown arm(s) {unknown}; valid arms: {', '.join(ARMS)}")
     return arms
+
+
+def command_overrides(args: argparse.Namespace) -> list[str]:
+    """The overrides ``config`` and ``grpo`` apply: the ``KEY=VALUE`` words, then what ``--model``, ``--arms``,
+    ``--allow-no-effect`` and ``--allow-over-memory`` stand for (so every check of the config sees them).
+
+    A key given twice with different values takes the last one, as NeMo-RL's command line does, and a warning names
+    every value and the one used (``--model`` is applied after the words, so it wins over ``model.name_or_path=``).
+
+    Raises:
+        UsageError: an empty ``--model``, an empty or unknown arm.
+    """
+    given = [(item, item) for item in getattr(args, "overrides", None) or []]  # (override, as the user wrote it)
+    given += [(item, f"--model {args.model}") for item in model_override(args)]
+    arms = arms_argument(args)
+    if arms is not None:
+        given.append((f"grpo.arms=[{','.join(arms)}]", f"--arms {args.arms}"))
+    for flag in ("allow_no_effect", "allow_over_memory"):
+        if getattr(args, flag, False):
+            given.append((f"grpo.{flag}=true", f"--{flag.replace('_', '-')}"))
+    _warn_repeated(given)
+    return [item for item, _ in given]
+
+
+def _warn_repeated(given: list[tuple[str, str]]) -> None:
+    """Warn about each key set more than once to different values (``given``: (override, as written) pairs)."""
+    by_key: dict[str, list[tuple[str, str]]] = {}
+    for item, written in given:
+        key, sep, value = item.lstrip("+").partition("=")
+        if sep:  # a malformed word is the loader's usage error
+            by_key.setdefault(key.strip(), []).append((value.strip(), written))
+    for key, values in by_key.items():
+        if len({value for value, _ in values}) > 1:
+            logger.warning(
+                "%s is given %d times (%s): the last, %s, is used",
+                key, len(values), ", ".join(written for _, written in values), values[-1][1],
+            )  # fmt: skip
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -107,14 +146,8 @@ def run_job(args: argparse.Namespace) -> tuple[Path, Path, Path] | None:
     from megatron_fp8.rl.driver.preflight import refuse_empty_config
 
     refuse_empty_config(args.config)
-    overrides = list(getattr(args, "overrides", []) or []) + model_override(args)
-    if getattr(args, "allow_no_effect", False):
-        overrides.append("grpo.allow_no_effect=true")
-    if getattr(args, "allow_over_memory", False):
-        overrides.append("grpo.allow_over_memory=true")
+    overrides = command_overrides(args)  # every check of the config sees --model, --arms and the --allow-* flags
     arms = arms_argument(args)
-    if arms is not None:
-        overrides.append(f"grpo.arms=[{','.join(arms)}]")  # every check of the config sees the arms that run
     loaded = load_config_report(args.config, overrides)
     config = loaded.config
     refuse_before_run(config, loaded.no_effect)

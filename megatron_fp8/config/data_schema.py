@@ -192,7 +192,8 @@ class GRPOConfig:
     warm_start_steps: supervised steps on task answers before the arms (shared; 0 = none): a random-init
         model gets a policy RL can improve, as RL normally starts from a pretrained model.
     warm_start_learning_rate: learning rate of the warm-start steps.
-    val_period: validate (accuracy on ``data.validation`` or held-out task problems) every N steps; 0 = never.
+    val_period: validate (accuracy on ``data.validation`` or held-out task problems) every N steps; 0 or below
+        (NeMo-RL's files write -1) = never.
     val_at_start: also validate before the first step.
     max_val_samples: validation problems used (``None`` = all).
     normalize_rewards: divide each advantage by its group's reward standard deviation (where it is not 0).

@@ -89,7 +89,8 @@ def _type_name(tp: object) -> str:
 
 FORMATS = {
     "checkpointing.checkpoint_must_save_by": "NeMo-RL's DD:HH:MM:SS after the training loop starts: e.g. "
-    "checkpointing.checkpoint_must_save_by=00:03:30:00 for 3.5 hours, quoted in a YAML file",
+    "checkpointing.checkpoint_must_save_by=00:03:30:00 for 3.5 hours, quoted in a YAML file; all four fields, two "
+    "digits each: YAML reads an unquoted 1:30 as the base-60 number 90",
 }
 """Keys whose type alone does not say what to write: dotted path -> the format, named in a type error."""
 

@@ -451,7 +451,8 @@ def vllm_engine_rules(cfg: RunConfig) -> list[str]:
 
 
 def grpo_rules(cfg: RunConfig) -> list[str]:
-    """``grpo``: positive counts and rates, known distinct arms, groups of at least 2 generations."""
+    """``grpo``: positive counts and rates, known distinct arms, groups of at least 2 generations,
+    ``max_val_samples`` >= 1 or null (``val_period`` <= 0 never validates, as in NeMo-RL, whose files use -1)."""
     g = cfg.grpo
     counts = (
         "max_num_steps",
@@ -482,6 +483,10 @@ def grpo_rules(cfg: RunConfig) -> list[str]:
     if len(set(g.arms)) != len(g.arms):
         problems.append(f"grpo.arms lists an arm twice: {list(g.arms)}")
     problems += _at_least("grpo", g, ("warm_start_steps",), 0)
+    if g.max_val_samples is not None and g.max_val_samples < 1:
+        problems.append(
+            f"grpo.max_val_samples must be >= 1 (or null: every validation problem), got {g.max_val_samples}"
+        )
     if g.warm_start_learning_rate <= 0:
         problems.append(f"grpo.warm_start_learning_rate must be > 0, got {g.warm_start_learning_rate}")
     if g.num_generations_per_prompt < 2:
@@ -497,6 +502,17 @@ def refit_rules(cfg: RunConfig) -> list[str]:
     problems = _at_least("refit", cfg.refit, ("bucket_size_mb",), 1)
     if cfg.refit.timeout_s <= 0:
         problems.append(f"refit.timeout_s must be > 0, got {cfg.refit.timeout_s}")
+    return problems
+
+
+def checkpointing_rules(cfg: RunConfig) -> list[str]:
+    """``checkpointing``: a save period of at least 1 step, ``keep_top_k`` of at least 1 (or null: keep all); checked
+    whether or not checkpointing is on, so a value that a later ``checkpointing.enabled=true`` would refuse is
+    named now (the checkpoint manager refuses the same values)."""
+    ck = cfg.checkpointing
+    problems = _at_least("checkpointing", ck, ("save_period",), 1)
+    if ck.keep_top_k is not None and ck.keep_top_k < 1:
+        problems.append(f"checkpointing.keep_top_k must be >= 1 (or null: keep every checkpoint), got {ck.keep_top_k}")
     return problems
 
 
@@ -519,6 +535,7 @@ RULES: tuple[Rule, ...] = (
     loss_scale_rules,
     reward_rules,
     grpo_rules,
+    checkpointing_rules,
     refit_rules,
     memory_rules,
 )

@@ -261,8 +261,9 @@ def next_command(argv: Sequence[str], stopped: RunStopped) -> list[str]:
         args += ["--out", str(stopped.out_dir)]
     if stopped.checkpoint is None and "--overwrite" not in args:
         args.append("--overwrite")
-    if stopped.checkpoint is None and stopped.reason == DEADLINE and "checkpointing.enabled=true" not in args:
-        args.append("checkpointing.enabled=true")  # the same deadline would stop the same step again: save steps
+    if stopped.checkpoint is None and stopped.reason == DEADLINE:  # the same deadline would stop the same step again
+        args = [a for a in args if not a.lstrip("+").startswith("checkpointing.enabled=")]  # (=false): replaced
+        args.append("checkpointing.enabled=true")  # save steps
     return args
 
 

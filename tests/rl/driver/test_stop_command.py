@@ -44,3 +44,11 @@ def test_with_a_checkpoint_the_command_continues_and_never_overwrites(reason):
     stopped = _stopped(reason, checkpoint=Path("o/checkpoints/fp8/step_0"), out_dir=Path("o"))
     assert next_command(["grpo", "--out", "o", "--overwrite"], stopped) == ["grpo", "--out", "o"]
     assert "continue with: megatron-fp8 grpo --out o" in stop_message(stopped, command="megatron-fp8 grpo --out o")
+
+
+def test_a_deadline_start_over_replaces_checkpointing_off_instead_of_repeating_the_key():
+    """A command that turned checkpointing off by name gets it on in its place, not the key twice (was: both
+    ``checkpointing.enabled=false`` and ``=true`` in the printed command, which now warns about a repeated key)."""
+    stopped = _stopped(DEADLINE, checkpoint=None, out_dir=Path("o"))
+    command = next_command(["grpo", "--out", "o", "checkpointing.enabled=false", "grpo.seed=1"], stopped)
+    assert command == ["grpo", "--out", "o", "grpo.seed=1", "--overwrite", "checkpointing.enabled=true"]
