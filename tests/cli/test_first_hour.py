@@ -92,3 +92,53 @@ def test_resuming_into_another_out_names_both_folders(tmp_path):
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert f"resuming the run of {first.resolve()} into another folder, {second}" in proc.stderr, proc.stderr[-3000:]
     assert f"rerun with --out {first.resolve()} to keep the run in one folder" in proc.stderr
+
+
+# ------------------------------------------------------------------- the re-run of the new-user pass (issue 57)
+SMALL = ["--no-progress", "grpo.num_prompts_per_step=2", "grpo.num_generations_per_prompt=2", "grpo.warm_start_steps=1"]
+
+
+def test_a_key_given_twice_warns_naming_every_value_and_the_one_used():
+    """Was: the last value taken without a word (``--model`` over ``model.name_or_path=`` too)."""
+    proc = _cli("config", "grpo.max_num_steps=3", "grpo.max_num_steps=4")
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert (
+        "grpo.max_num_steps is given 2 times (grpo.max_num_steps=3, grpo.max_num_steps=4): the last, "
+        "grpo.max_num_steps=4, is used" in proc.stderr
+    )
+    assert "  max_num_steps: 4\n" in proc.stdout
+    proc = _cli("config", "--model", "tiny", "model.name_or_path=tiny-moe")
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert "(model.name_or_path=tiny-moe, --model tiny): the last, --model tiny, is used" in proc.stderr
+    proc = _cli("config", "--model", "tiny", "model.name_or_path=tiny")  # the same value twice: nothing to say
+    assert proc.returncode == 0 and "given 2 times" not in proc.stderr, proc.stderr[-2000:]
+
+
+def test_an_unwritable_checkpoint_dir_is_refused_before_the_warm_start(tmp_path):
+    """Was: the warm start and the first step ran, then the first save failed ("No such file or directory")."""
+    blocker = tmp_path / "a-file"
+    blocker.write_text("not a folder\n")
+    out = tmp_path / "run"
+    ckpt = [f"checkpointing.checkpoint_dir={blocker / 'ckpt'}", "checkpointing.enabled=true"]
+    proc = _cli("grpo", "--steps", "1", "--arms", "bf16", "--out", str(out), *SMALL, *ckpt)
+    assert proc.returncode == 1, proc.stderr[-2000:]
+    assert f"checkpointing.checkpoint_dir={blocker / 'ckpt'} cannot be written (Not a directory); set " in proc.stderr
+    assert "warm start" not in proc.stderr and not (out / "metrics.jsonl").exists()
+
+
+def test_a_run_says_which_arms_it_corrected_and_writes_validation_jsonl_only_when_it_validates(tmp_path):
+    """Was: every summary said "correction of arm fp8_tis" (also without that arm) and every run left an empty
+    validation.jsonl; the preflight's data line was logged twice."""
+    out = tmp_path / "plain"
+    proc = _cli("grpo", "--steps", "1", "--arms", "bf16", "--out", str(out), *SMALL)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert proc.stderr.count("grpo.task: addition (built-in") == 1, proc.stderr[-3000:]
+    summary = (out / "summary.md").read_text()
+    assert "- 1 step(s) x 2 prompts" in summary and "- no arm corrected the train/rollout mismatch" in summary
+    assert "fp8_tis" not in summary and not (out / "validation.jsonl").exists()
+    out = tmp_path / "corrected"
+    switch = ["loss_fn.use_importance_sampling_correction=true", "grpo.val_period=1"]
+    proc = _cli("grpo", "--steps", "1", "--arms", "bf16", "--out", str(out), *SMALL, *switch)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert "- correction of arm(s) bf16: `token_tis` with cap C=2" in (out / "summary.md").read_text()
+    assert len((out / "validation.jsonl").read_text().splitlines()) == 1

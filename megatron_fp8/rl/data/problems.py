@@ -427,7 +427,7 @@ def _dataset_source(config: RunConfig, tokenizer: PromptTokenizer | None) -> Dat
     )
 
 
-def problem_source(config: RunConfig, tokenizer: PromptTokenizer | None) -> ProblemSource:
+def problem_source(config: RunConfig, tokenizer: PromptTokenizer | None, *, log: bool = True) -> ProblemSource:
     """The run's problems: the dataset of ``data.train`` when it names a file, else the toy task ``grpo.task``.
 
     Loads (and checks) the files now, holds out ``data.train.split_validation_size`` of the training rows for
@@ -437,6 +437,7 @@ def problem_source(config: RunConfig, tokenizer: PromptTokenizer | None) -> Prob
         config: the run config (``data``, ``grpo.seed``, ``grpo.task``, ``grpo.val_period``, ``grpo.val_at_start``).
         tokenizer: the policy's tokenizer (chat template, prompt lengths); ``None`` = prompts without a chat
             template and no length limit (refused when ``data.max_input_seq_length`` is set).
+        log: log the description (``False``: the preflight, which built the same source, logged it).
 
     Raises:
         ConfigError: any dataset or prompt-file error; validation asked for (``grpo.val_period > 0`` or
@@ -454,5 +455,6 @@ def problem_source(config: RunConfig, tokenizer: PromptTokenizer | None) -> Prob
         source: ProblemSource = TaskSource(name=f"grpo.task: {task.name}", task=task, seed=g.seed)
     else:
         source = _dataset_source(config, tokenizer)
-    logger.info("%s", source.describe())
+    if log:
+        logger.info("%s", source.describe())
     return source

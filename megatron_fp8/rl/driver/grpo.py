@@ -100,6 +100,7 @@ from megatron_fp8.rl.state.loggers import MetricsLogger, build_loggers
 from megatron_fp8.rl.state.outputs import (
     OUT_DIR_KEY,
     checkpoints_inside,
+    claim_checkpoint_dir,
     claim_out_dir,
     new_run_dir,
     rebuild_outputs,
@@ -183,7 +184,7 @@ def run_grpo(
             seconds=time.perf_counter() - t_run,
         )
     tokenizer = _tokenizer(checked.model_path)
-    problems = problem_source(config, tokenizer)
+    problems = problem_source(config, tokenizer, log=False)  # the preflight logged what it reads
     task = None if config.data.train.data_path else get_task(config.grpo.task, max_digits=config.grpo.task_max_digits)
     reward = reward_function(config, task)
     if out is None and config.checkpointing.enabled and config.checkpointing.checkpoint_dir is None:
@@ -212,6 +213,8 @@ def run_grpo(
     if placement.trainer_rank == 0:  # the writer claims the folder before any model is built
         root = _checkpoint_root(checkpoints) if checkpoints else None
         claim_out_dir(out, overwrite=overwrite, resume=resuming, checkpoint_dir=root)
+        if root is not None and checkpoints_inside(out, root) is None:  # one inside --out: claimed with it
+            claim_checkpoint_dir(root)
     kept = kept_records(out, resumed) if resuming else {}
     # signals are handled until the outputs are written: one after the last step lets the run finish normally
     stop = StopRequests(config.checkpointing.checkpoint_must_save_by)
@@ -397,7 +400,8 @@ def _run_arms(
     resuming: bool,
     stop: StopRequests | None = None,
 ) -> tuple[list[ArmResult], str]:
-    """Every arm in turn, on this rank; rank 0 writes ``config.yaml``, ``metrics.jsonl`` and ``validation.jsonl``.
+    """Every arm in turn, on this rank; rank 0 writes ``config.yaml``, ``metrics.jsonl`` and (when the run validates)
+    ``validation.jsonl``.
 
     Returns:
         ``(arm results, how the FP8 manifest was obtained)`` (``""`` without FP8 arms).
@@ -417,7 +421,8 @@ def _run_arms(
     manifest, qcfg = None, None
     mode = "a" if resuming else "w"
     sink_cm = MetricsSink(out / METRICS_FILE, mode=mode) if dp.is_writer else contextlib.nullcontext(None)
-    val_cm = (out / VALIDATION_FILE).open(mode) if dp.is_writer else contextlib.nullcontext(None)
+    validates = config.grpo.val_period > 0 or config.grpo.val_at_start  # else no validation.jsonl
+    val_cm = (out / VALIDATION_FILE).open(mode) if dp.is_writer and validates else contextlib.nullcontext(None)
     with (
         environment(config.policy.megatron_cfg.env_vars),
         sink_cm as sink,

@@ -7,6 +7,7 @@ file, cannot be written, or already holds another run's outputs (:data:`RUN_OUTP
 rebuilds ``summary.md`` and ``metrics.png`` from ``metrics.jsonl`` (``megatron-fp8 report DIR``, and
 the driver after Ctrl-C). Without ``--out`` or ``out_dir`` a run gets a new folder (:func:`new_run_dir`), and a run
 resumed from checkpoints continues in the folder its checkpoint names (:func:`resumed_run_dir`).
+:func:`claim_checkpoint_dir` checks a ``checkpointing.checkpoint_dir`` outside it as early.
 """
 
 from __future__ import annotations
@@ -155,6 +156,29 @@ def claim_out_dir(
         shutil.rmtree(target) if target.is_dir() else target.unlink()
         logger.info("--overwrite: removed %s", target)
     return path
+
+
+def claim_checkpoint_dir(path: str | Path) -> Path:
+    """Make ``checkpointing.checkpoint_dir`` ready before any model is built: created with its parents and written to
+    once, so a folder that cannot hold checkpoints is refused now, not after the warm start and the first steps.
+
+    Returns:
+        ``path`` as a :class:`~pathlib.Path`.
+
+    Raises:
+        ConfigError: it lies under a file, cannot be created or cannot be written (the message names the key).
+    """
+    folder = Path(path)
+    fix = "set checkpointing.checkpoint_dir to a writable folder (or leave it unset: checkpoints/ inside --out)"
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+        with tempfile.NamedTemporaryFile(dir=folder, prefix=".write-test-"):
+            pass
+    except OSError as exc:
+        raise ConfigError(
+            f"checkpointing.checkpoint_dir={folder} cannot be written ({exc.strerror or exc}); {fix}"
+        ) from None
+    return folder
 
 
 def rebuild_outputs(

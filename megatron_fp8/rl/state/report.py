@@ -154,12 +154,15 @@ def write_summary(
     if config is not None:
         g, gen, opt = config.grpo, config.policy.generation, config.policy.megatron_cfg.optimizer
         steps = max((len(a.steps) for a in arms), default=0)
+        corrected = [a.arm for a in arms if any(m.is_applied for m in a.steps)]  # the arms this run corrected
+        cap = f"cap C={config.loss_fn.is_cap:g}" if config.loss_fn.is_cap is not None else "no truncation cap"
         lines += [
             f"- model: `{config.model.name_or_path}`; {_problems_line(config)}",
-            f"- {steps} steps x {g.num_prompts_per_step} prompts x {g.num_generations_per_prompt} generations, "
+            f"- {steps} step(s) x {g.num_prompts_per_step} prompts x {g.num_generations_per_prompt} generations, "
             f"max {gen.max_new_tokens} new tokens, temperature {gen.temperature}, lr {opt.lr:g}, seed {g.seed}",
-            f"- correction of arm fp8_tis: `{config.loss_fn.is_variant}` with "
-            + (f"cap C={config.loss_fn.is_cap:g}" if config.loss_fn.is_cap is not None else "no truncation cap"),
+            f"- correction of arm(s) {', '.join(corrected)}: `{config.loss_fn.is_variant}` with {cap}"
+            if corrected
+            else "- no arm corrected the train/rollout mismatch (no importance-sampling weights)",
         ]
     trained = dict.fromkeys((a.training_recipe, a.training_math) for a in arms if a.training_recipe != "n/a")
     lines += [f"- {precision_sentence(recipe=recipe, label=label)}" for recipe, label in trained]
