@@ -339,3 +339,14 @@ def test_rerun_refused_overwrite_allowed_and_sigint_keeps_completed_steps(tmp_pa
     done = metrics.read_text().count("\n")
     assert 1 <= done < 50
     assert "| bf16 |" in (out / "summary.md").read_text()
+
+
+def test_report_rebuilds_from_metrics_when_config_yaml_is_unreadable(tmp_path):
+    """Was: ``report`` refused the whole rebuild for a truncated config.yaml (a crash or a full disk leaves one)."""
+    steps = [_step(a, 0, 0.5) for a in ("bf16", "fp8")]
+    (tmp_path / METRICS_FILE).write_text("".join(json.dumps(m.to_json_dict()) + "\n" for m in steps))
+    (tmp_path / "config.yaml").write_text("grpo: [\n")
+    proc = _cli("report", str(tmp_path))
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert f"{tmp_path / 'config.yaml'} is unreadable (" in proc.stderr and "without the run's settings" in proc.stderr
+    assert "rebuilt from 2 step(s) of 2 arm(s)" in proc.stdout and "| fp8 |" in (tmp_path / "summary.md").read_text()

@@ -142,3 +142,14 @@ def test_a_run_says_which_arms_it_corrected_and_writes_validation_jsonl_only_whe
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert "- correction of arm(s) bf16: `token_tis` with cap C=2" in (out / "summary.md").read_text()
     assert len((out / "validation.jsonl").read_text().splitlines()) == 1
+
+
+def test_an_unset_environment_variable_of_a_config_names_the_fix(tmp_path):
+    """Was: OmegaConf's "Environment variable 'X' not found" and nothing about what to do."""
+    config = tmp_path / "mine.yaml"
+    config.write_text("grpo:\n  seed: ${oc.env:NU_NOT_SET_ANYWHERE}\n")
+    env = {k: v for k, v in os.environ.items() if k != "NU_NOT_SET_ANYWHERE"}
+    proc = _cli("config", "--config", str(config), env=env)
+    assert proc.returncode == 1, proc.stderr[-2000:]
+    assert f"{config}: cannot resolve 'grpo.seed'" in proc.stderr
+    assert "; set NU_NOT_SET_ANYWHERE, or give the file a default: ${oc.env:NU_NOT_SET_ANYWHERE,VALUE}" in proc.stderr

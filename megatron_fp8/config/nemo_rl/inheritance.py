@@ -297,7 +297,10 @@ def resolve(tree: ComposedTree) -> dict[str, JSONValue]:
     except OmegaConfBaseException as exc:
         key = getattr(exc, "full_key", None) or "?"
         where = tree.sources.get(str(key)) or (tree.files[-1] if tree.files else "the config")
-        raise ConfigError(f"{where}: cannot resolve '{key}': {_first_line(exc)}") from exc
+        reason = _first_line(exc)
+        unset = re.search(r"Environment variable '([^']+)' not found", reason)
+        fix = f"; set {unset[1]}, or give the file a default: ${{oc.env:{unset[1]},VALUE}}" if unset else ""
+        raise ConfigError(f"{where}: cannot resolve '{key}': {reason}{fix}") from exc
     return {str(k): v for k, v in plain.items()} if isinstance(plain, dict) else {}
 
 

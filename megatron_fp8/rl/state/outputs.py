@@ -20,7 +20,7 @@ import time
 from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
 
-from megatron_fp8.config import load_config
+from megatron_fp8.config import RunConfig, load_config
 from megatron_fp8.errors import ConfigError, UsageError
 from megatron_fp8.launch_env import launch_place
 from megatron_fp8.rl.state import report
@@ -184,7 +184,7 @@ def claim_checkpoint_dir(path: str | Path) -> Path:
 def rebuild_outputs(
     out: str | Path, *, arm_order: Sequence[str] | None = None, partial: str | None = None
 ) -> tuple[Path, Path, list[ArmResult]]:
-    """Rebuild ``summary.md`` and ``metrics.png`` from ``metrics.jsonl`` (and ``config.yaml`` when present).
+    """Rebuild ``summary.md`` and ``metrics.png`` from ``metrics.jsonl`` (and ``config.yaml`` when present and readable).
 
     Args:
         out: a run's output folder.
@@ -203,9 +203,21 @@ def rebuild_outputs(
     if not records:
         raise ConfigError(f"{path / METRICS_FILE} holds no step yet; nothing to report")
     arms = arms_from_records(records, arm_order=arm_order, where=str(path / METRICS_FILE))
-    config = load_config(path / CONFIG_FILE) if (path / CONFIG_FILE).is_file() else None
+    config = _run_config(path / CONFIG_FILE)
     manifest = report.manifest_line(path / SUMMARY_FILE)  # the run asked vLLM; the rebuilt summary keeps it
     summary = report.write_summary(arms, path / SUMMARY_FILE, config=config, partial=partial, manifest_source=manifest)
     is_cap = config.loss_fn.is_cap if config is not None else 2.0
     plot = report.plot_metrics(arms, path / PLOT_FILE, is_cap=is_cap, partial=partial)
     return summary, plot, arms
+
+
+def _run_config(path: Path) -> RunConfig | None:
+    """The run's ``config.yaml`` for the summary's settings lines; ``None`` when it is missing or unreadable (a crash or
+    a full disk may leave it truncated: the summary is rebuilt from ``metrics.jsonl`` alone, with a warning)."""
+    if not path.is_file():
+        return None
+    try:
+        return load_config(path)
+    except ConfigError as exc:
+        logger.warning("%s is unreadable (%s); the summary is rebuilt without the run's settings", path, exc)
+        return None
