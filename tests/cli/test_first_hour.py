@@ -136,6 +136,10 @@ def test_a_run_says_which_arms_it_corrected_and_writes_validation_jsonl_only_whe
     summary = (out / "summary.md").read_text()
     assert "- 1 step(s) x 2 prompts" in summary and "- no arm corrected the train/rollout mismatch" in summary
     assert "fp8_tis" not in summary and not (out / "validation.jsonl").exists()
+    # config.yaml keeps the plan (grpo.max_num_steps 20: the schedule's length) and says what --steps 1 ran
+    written = (out / "config.yaml").read_text()
+    assert written.startswith("# --steps 1: this run goes to step 1 of each arm; grpo.max_num_steps (20) below is")
+    assert "  max_num_steps: 20\n" in written
     out = tmp_path / "corrected"
     switch = ["loss_fn.use_importance_sampling_correction=true", "grpo.val_period=1"]
     proc = _cli("grpo", "--steps", "1", "--arms", "bf16", "--out", str(out), *SMALL, *switch)

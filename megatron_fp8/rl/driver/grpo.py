@@ -407,7 +407,14 @@ def _run_arms(
         ``(arm results, how the FP8 manifest was obtained)`` (``""`` without FP8 arms).
     """
     if dp.is_writer:
-        write_atomically(out / CONFIG_FILE, config.dump_yaml())
+        planned = config.grpo.max_num_steps
+        note = (  # --steps ends this invocation; the config's step count stays the plan (the LR schedule's length)
+            f"# --steps {n_steps}: this run goes to step {n_steps} of each arm; grpo.max_num_steps ({planned}) below "
+            "is the plan (the learning-rate schedule's length; a rerun with more --steps resumes)\n"
+            if n_steps != planned
+            else ""
+        )
+        write_atomically(out / CONFIG_FILE, note + config.dump_yaml())
     eos_id, pad_id = eos_and_pad(parts.tokenizer, where=model_path)
     ctx = GRPOContext(
         config=config,
