@@ -27,6 +27,7 @@ Run as a script, this file is the zygote (its protocol: one JSON request per std
 from __future__ import annotations
 
 import atexit
+import gc
 import json
 import os
 import select
@@ -73,6 +74,13 @@ def _preload() -> None:
     assert set(COMMANDS) >= {"config", "grpo"}
     import megatron_fp8.rl.driver.grpo
     import megatron_fp8.rl.driver.runtime
+
+    # the imported heap (~700k objects) to the permanent generation before any fork: a child's full collections
+    # (vLLM runs four while it builds an engine, Python one whenever the old generation grows by a quarter) no longer
+    # traverse it (~0.35 s each on 2 cores), and collecting never writes to the pages the children share with the
+    # zygote (what gc.freeze is for: https://docs.python.org/3/library/gc.html#gc.freeze)
+    gc.collect()
+    gc.freeze()
 
 
 def _free_port() -> int:
