@@ -103,18 +103,26 @@ def cache_root() -> Path:
     return Path(root).expanduser() if root else Path.home() / ".cache" / "megatron-fp8"
 
 
+def unwritable_dir(path: Path) -> str | None:
+    """Create ``path`` (and its parents) if missing and write a file in it once: ``None`` when that worked, else the
+    operating system's reason (e.g. ``"Permission denied"``), for the caller's message."""
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+        with tempfile.NamedTemporaryFile(dir=path, prefix=".write-test-"):
+            pass
+    except OSError as exc:
+        return exc.strerror or str(exc)
+    return None
+
+
 def ensure_dir(path: Path, *, what: str, root_from_env: bool = False) -> Path:
     """Create ``path`` (and its parents) if missing and check that a file can be written in it.
 
     Raises:
         ConfigError: naming ``what``, the path and the reason (``MEGATRON_FP8_CACHE`` when ``root_from_env``).
     """
-    try:
-        path.mkdir(parents=True, exist_ok=True)
-        with tempfile.NamedTemporaryFile(dir=path, prefix=".write-test-"):
-            pass
-    except OSError as exc:
-        reason = exc.strerror or str(exc)
+    reason = unwritable_dir(path)
+    if reason is not None:
         if root_from_env:
             raise ConfigError(
                 f"{CACHE_ENV_VAR}={os.environ.get(CACHE_ENV_VAR)}: {what} folder {path} cannot be created or written "

@@ -91,6 +91,7 @@ from megatron_fp8.rl.driver.runtime import (
     validation_recorder,
 )
 from megatron_fp8.rl.driver.stopping import RunStopped, StopRequests
+from megatron_fp8.rl.driver.validation import validates
 from megatron_fp8.rl.driver.warm_start import warm_start
 from megatron_fp8.rl.sampling.context import GRPOContext
 from megatron_fp8.rl.state import report
@@ -428,8 +429,7 @@ def _run_arms(
     manifest, qcfg = None, None
     mode = "a" if resuming else "w"
     sink_cm = MetricsSink(out / METRICS_FILE, mode=mode) if dp.is_writer else contextlib.nullcontext(None)
-    validates = config.grpo.val_period > 0 or config.grpo.val_at_start  # else no validation.jsonl
-    val_cm = (out / VALIDATION_FILE).open(mode) if dp.is_writer and validates else contextlib.nullcontext(None)
+    val_cm = (out / VALIDATION_FILE).open(mode) if dp.is_writer and validates(config) else contextlib.nullcontext(None)
     with (
         environment(config.policy.megatron_cfg.env_vars),
         sink_cm as sink,

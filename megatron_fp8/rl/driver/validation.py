@@ -59,6 +59,12 @@ class ValidationResult:
         return asdict(self)
 
 
+def validates(config: RunConfig) -> bool:
+    """Whether the run validates at all (``grpo.val_at_start`` or a ``grpo.val_period`` above 0; NeMo-RL's -1 never):
+    only then is there a ``validation.jsonl``."""
+    return config.grpo.val_at_start or config.grpo.val_period > 0
+
+
 def validation_due(config: RunConfig, *, completed_steps: int) -> bool:
     """Whether a validation runs after ``completed_steps`` steps (0: before the first step)."""
     g = config.grpo

@@ -15,13 +15,13 @@ from __future__ import annotations
 import logging
 import os
 import shutil
-import tempfile
 import time
 from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
 
 from megatron_fp8.config import RunConfig, load_config
 from megatron_fp8.errors import ConfigError, UsageError
+from megatron_fp8.files import unwritable_dir
 from megatron_fp8.launch_env import launch_place
 from megatron_fp8.rl.state import report
 from megatron_fp8.rl.state.results import (
@@ -145,12 +145,9 @@ def claim_out_dir(
             "Choose another --out, or pass --overwrite to replace them (a run with checkpointing.enabled resumes "
             "from its checkpoints instead)"
         )
-    try:
-        path.mkdir(parents=True, exist_ok=True)
-        with tempfile.NamedTemporaryFile(dir=path, prefix=".write-test-"):
-            pass
-    except OSError as exc:
-        raise UsageError(f"--out {path} cannot be written ({exc.strerror or exc}); choose a writable folder") from None
+    reason = unwritable_dir(path)
+    if reason is not None:
+        raise UsageError(f"--out {path} cannot be written ({reason}); choose a writable folder")
     for name in found:
         target = path / name
         shutil.rmtree(target) if target.is_dir() else target.unlink()
@@ -169,15 +166,12 @@ def claim_checkpoint_dir(path: str | Path) -> Path:
         ConfigError: it lies under a file, cannot be created or cannot be written (the message names the key).
     """
     folder = Path(path)
-    fix = "set checkpointing.checkpoint_dir to a writable folder (or leave it unset: checkpoints/ inside --out)"
-    try:
-        folder.mkdir(parents=True, exist_ok=True)
-        with tempfile.NamedTemporaryFile(dir=folder, prefix=".write-test-"):
-            pass
-    except OSError as exc:
+    reason = unwritable_dir(folder)
+    if reason is not None:
         raise ConfigError(
-            f"checkpointing.checkpoint_dir={folder} cannot be written ({exc.strerror or exc}); {fix}"
-        ) from None
+            f"checkpointing.checkpoint_dir={folder} cannot be written ({reason}); set checkpointing.checkpoint_dir to "
+            "a writable folder (or leave it unset: checkpoints/ inside --out)"
+        )
     return folder
 
 
