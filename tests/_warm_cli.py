@@ -19,7 +19,10 @@ test_stopping.py), the 2-rank sharded-rollout layout (tests/rl/driver/test_shard
 (tests/slurm). Environment variables that a library reads when it is imported (``OMP_NUM_THREADS`` for libgomp's
 pool, ``HF_HUB_OFFLINE``/``HF_HOME`` for huggingface_hub's constants) are taken at zygote start: a zygote is kept
 per ``OMP_NUM_THREADS`` value, and a command whose environment differs from its zygote's in
-:data:`IMPORT_TIME_ENV` runs as a plain subprocess instead.
+:data:`IMPORT_TIME_ENV` runs as a plain subprocess instead. A command's ``PYTHONPATH`` (where a user's reward module
+is found) becomes the fork's ``sys.path`` as a fresh interpreter would build it; where one of its folders holds a
+module the zygote has already imported from elsewhere (a fresh interpreter would import that copy), the fork execs
+a fresh interpreter instead.
 
 Run as a script, this file is the zygote (its protocol: one JSON request per stdin line, one JSON reply per line).
 """
@@ -47,10 +50,11 @@ IMPORT_TIME_ENV = (
     "HF_HOME",
     "TRANSFORMERS_OFFLINE",
     "TORCH_CPP_LOG_LEVEL",
-    "PYTHONPATH",  # what a user's reward module imports from
 )
 """Variables read when a library is imported: a command whose values differ from its zygote's is not forked."""
 _CLI_MAIN = str(REPO / "megatron_fp8" / "cli" / "__main__.py")
+_ZYGOTE_PYTHONPATH = os.environ.get("PYTHONPATH")
+"""The zygote's own ``PYTHONPATH`` (what its ``sys.path`` was built with at start-up)."""
 
 
 # ----------------------------------------------------------------------------------------------- the zygote side
@@ -89,6 +93,53 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+def _pythonpath_entries(value: str | None) -> list[str]:
+    """``sys.path`` entries a fresh interpreter makes of ``PYTHONPATH=value`` in the current directory: in order,
+    absolute (an empty entry is the directory itself), without repeats."""
+    entries: list[str] = []
+    for part in value.split(os.pathsep) if value else []:
+        path = os.path.abspath(part)
+        if path not in entries:
+            entries.append(path)
+    return entries
+
+
+def _shadowed(entry: str) -> str | None:
+    """The first module the zygote imported that ``entry`` would resolve elsewhere, coming first on ``sys.path``
+    (``None``: nothing imported is shadowed)."""
+    try:
+        names = os.listdir(entry)
+    except OSError:
+        return None
+    for name in names:
+        top = name.split(".", 1)[0]
+        module = sys.modules.get(top)
+        if module is None or not (name == top or name.endswith((".py", ".so", ".pyc"))):
+            continue
+        where = getattr(module, "__file__", None) or next(iter(getattr(module, "__path__", []) or []), None)
+        if where is None or os.path.commonpath([os.path.realpath(where), os.path.realpath(entry)]) != os.path.realpath(
+            entry
+        ):
+            return top
+    return None
+
+
+def _apply_pythonpath(value: str | None) -> bool:
+    """Make ``sys.path`` what a fresh interpreter started with ``PYTHONPATH=value`` would have: the zygote's own
+    ``PYTHONPATH`` entries out, ``value``'s in, after the checkout and the suite's folder (modules are looked up
+    there at run time: a user's reward module). False, with ``sys.path`` untouched, where an entry would shadow a
+    module the zygote already imported (a fresh interpreter would import that one from the entry): the caller then
+    starts a fresh interpreter."""
+    if value == _ZYGOTE_PYTHONPATH:
+        return True
+    old, new = _pythonpath_entries(_ZYGOTE_PYTHONPATH), _pythonpath_entries(value)
+    if any(_shadowed(entry) for entry in new if entry not in old):
+        return False
+    head, rest = sys.path[:2], [p for p in sys.path[2:] if p not in old and p not in new]
+    sys.path[:] = [*head, *[p for p in new if p not in head], *rest]
+    return True
+
+
 def _run_command(argv: list[str], env: dict[str, str], cwd: str, out: str, err: str) -> None:
     """In a forked child: become the command (fds, cwd, environment, signals), run it, exit with its code."""
     try:
@@ -98,6 +149,8 @@ def _run_command(argv: list[str], env: dict[str, str], cwd: str, out: str, err: 
         for fd, target in ((fd_in, 0), (fd_out, 1), (fd_err, 2)):
             os.dup2(fd, target)
         os.chdir(cwd)
+        if not _apply_pythonpath(env.get("PYTHONPATH")):  # a fresh interpreter, as a user's shell would start
+            os.execve(sys.executable, [sys.executable, "-m", "megatron_fp8.cli", *argv], env)
         os.environ.clear()
         os.environ.update(env)
         for sig in (signal.SIGTERM, signal.SIGUSR1, signal.SIGUSR2, signal.SIGHUP):

@@ -4,6 +4,7 @@ per rank."""
 
 from __future__ import annotations
 
+import ast
 import os
 import subprocess
 import sys
@@ -68,3 +69,59 @@ def test_a_launcher_whose_pipe_is_above_fd_1024_still_hears_its_replies():
         cli.close()
         for fd in fds:
             os.close(fd)
+
+
+def test_pythonpath_entries_are_the_ones_a_fresh_interpreter_puts_on_sys_path(tmp_path):
+    value = os.pathsep.join(["rel", "", str(tmp_path / "abs"), "rel", str(tmp_path / "abs")])
+    fresh = subprocess.run(
+        [sys.executable, "-S", "-c", "import sys; print(repr(sys.path))"],
+        env={**os.environ, "PYTHONPATH": value},
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        check=True,
+    )
+    # -S: no site, so the entries stay as the interpreter wrote them; site only makes them absolute and unique
+    listed = [os.path.abspath(os.path.join(tmp_path, p)) for p in ast.literal_eval(fresh.stdout)[1 : 1 + 5]]
+    unique = list(dict.fromkeys(listed))
+    cwd = os.getcwd()
+    os.chdir(tmp_path)
+    try:
+        assert _warm_cli._pythonpath_entries(value) == unique
+    finally:
+        os.chdir(cwd)
+    assert _warm_cli._pythonpath_entries("") == _warm_cli._pythonpath_entries(None) == []
+
+
+def test_a_users_module_on_pythonpath_is_imported_by_the_forked_command(launcher, tmp_path):
+    """The reward function comes from a package on the command's ``PYTHONPATH``, which the zygote never had."""
+    launcher._zygote({k: v for k, v in os.environ.items() if k != "PYTHONPATH"}).wait_ready()  # started without it
+    pkg = tmp_path / "site" / "my_rewards"
+    pkg.mkdir(parents=True)
+    (pkg / "__init__.py").write_text("")
+    (pkg / "fns.py").write_text("def always(prompt, response, answer):\n    return 1.0\n")
+    env = {**os.environ, "PYTHONPATH": str(tmp_path / "site"), "MEGATRON_FP8_CACHE": str(tmp_path / "cache")}
+    argv = [
+        "grpo", "--steps", "1", "--arms", "bf16", "--no-progress", "--out", str(tmp_path / "out"),
+        "grpo.warm_start_steps=0", "grpo.num_prompts_per_step=2", "grpo.num_generations_per_prompt=2",
+        "data.train.data_path=data/math_tiny/train.jsonl", "data.train.input_key=problem",
+        "data.train.output_key=expected_answer", "data.default.env_name=my_rewards.fns:always",
+    ]  # fmt: skip
+    proc = launcher.run(argv, env=env, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert '"reward_mean": 1.0' in (tmp_path / "out" / "metrics.jsonl").read_text()
+
+
+def test_a_pythonpath_folder_shadowing_an_imported_module_gets_a_fresh_interpreter(launcher, tmp_path):
+    """A fresh interpreter imports the ``yaml`` it finds first on ``PYTHONPATH``; so does the command, though its
+    zygote imported the installed one."""
+    shadow = tmp_path / "shadow"
+    shadow.mkdir()
+    (shadow / "yaml.py").write_text("raise SystemExit('the yaml of PYTHONPATH was imported')\n")
+    env = {**os.environ, "PYTHONPATH": str(shadow)}
+    fresh = subprocess.run(
+        [sys.executable, "-m", "megatron_fp8.cli", "config"], env=env, capture_output=True, text=True, timeout=300
+    )
+    warm = launcher.run(["config"], env=env, timeout=300)
+    assert fresh.returncode == 1 and "the yaml of PYTHONPATH was imported" in fresh.stderr
+    assert (warm.returncode, warm.stderr.splitlines()[-1:]) == (fresh.returncode, fresh.stderr.splitlines()[-1:])
