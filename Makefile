@@ -12,12 +12,11 @@ STAMP := $(VENV)/.installed-$(shell cat $(CONSTRAINTS) pyproject.toml | sha1sum 
 OUT ?= out
 PYTEST_ARGS ?=
 # PYTEST_WORKERS=N runs the suite on N pytest-xdist workers (--dist loadscope: tests/conftest.py keeps each test
-# module, and all Slurm tests, on one worker, the slow modules first); 0, the default, runs it in one process. On 2
-# cores, 2 workers took 44 min against ~48 serial (fresh clone, 2026-11-26) and their oversubscribed CPU pushed a
-# Slurm job past its time limit once; on 2026-11-27 (same AVX2 kind, one checkout) 29.7 min against 35.9 serial,
-# load average up to 37, the requeue test's jobs 431 s instead of 142: a gain of ~15% bought with CI's margins,
-# so 0 stays the default on 2 cores; use it on bigger machines.
-PYTEST_WORKERS ?= 0
+# module, and all Slurm tests, on one worker; the modules that start several processes at once, marked `processes`,
+# all on the first worker, one after the other, so no two of them oversubscribe the cores; docs/testing.md). 2 by
+# default: on 2 cores the other worker runs the in-process tests beside them (19.7 min against 27.6 serial on
+# 2026-11-29, AVX512-BF16); 0 runs the suite in one process.
+PYTEST_WORKERS ?= 2
 
 .PHONY: help install test test-fast demo bench gpu-run lint freeze clean
 

@@ -24,6 +24,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 logger = logging.getLogger("bench.async_grpo")
@@ -47,17 +48,32 @@ def _cpu() -> str:
     return platform.processor() or "unknown"
 
 
-def run(mode: str, *, steps: int, out: Path, extra: tuple[str, ...]) -> tuple[list[dict], float]:
+def grpo_argv(mode: str, *, steps: int, out: Path, extra: tuple[str, ...]) -> list[str]:
+    """The ``megatron-fp8`` arguments of one run of ``mode`` (a key of :data:`MODES`)."""
+    return [
+        "grpo", "--out", str(out), "--overwrite", "--steps", str(steps), "--no-progress",
+        "--arms", "fp8_tis", "policy.megatron_cfg.fp8_cfg.fp8_recipe=tensorwise", *SPLIT, *MODES[mode], *extra,
+    ]  # fmt: skip
+
+
+def torchrun(argv: list[str], env: dict[str, str]) -> subprocess.CompletedProcess:
+    """``megatron-fp8 ARGV`` on 2 ranks under ``torchrun --standalone`` (what ``make bench`` runs)."""
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", "-m", "megatron_fp8"]
+    return subprocess.run([*cmd, *argv], cwd=REPO, env=env, capture_output=True, text=True, timeout=1800, check=False)
+
+
+Launcher = Callable[[list[str], dict[str, str]], subprocess.CompletedProcess]
+"""Runs ``megatron-fp8 ARGV`` on 2 ranks with an environment: :func:`torchrun`, or the test suite's warm launcher."""
+
+
+def run(
+    mode: str, *, steps: int, out: Path, extra: tuple[str, ...], launch: Launcher = torchrun
+) -> tuple[list[dict], float]:
     """One ``megatron-fp8 grpo`` run on 1 trainer + 1 rollout rank; its records and its process wall time."""
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "MFP8_ROLE", "ROLLOUT_TASKS")}
     env["OMP_NUM_THREADS"] = "1"
-    cmd = [
-        sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-        "-m", "megatron_fp8", "grpo", "--out", str(out), "--overwrite", "--steps", str(steps), "--no-progress",
-        "--arms", "fp8_tis", "policy.megatron_cfg.fp8_cfg.fp8_recipe=tensorwise", *SPLIT, *MODES[mode], *extra,
-    ]  # fmt: skip
     t0 = time.perf_counter()
-    proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=1800, check=False)
+    proc = launch(grpo_argv(mode, steps=steps, out=out, extra=extra), env)
     wall = time.perf_counter() - t0
     if proc.returncode != 0:
         raise SystemExit(f"{mode} run failed ({proc.returncode}):\n{proc.stderr[-3000:]}")
@@ -82,7 +98,8 @@ def summarize(records: list[dict], wall: float) -> dict:
     }
 
 
-def main(argv: list[str] | None = None) -> dict:
+def main(argv: list[str] | None = None, *, launch: Launcher = torchrun) -> dict:
+    """Both runs, the table and the JSON; ``launch`` starts each run's 2 ranks (:func:`torchrun`)."""
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--steps", type=int, default=6)
     parser.add_argument("--warm-start-steps", type=int, default=2)
@@ -98,7 +115,7 @@ def main(argv: list[str] | None = None) -> dict:
     with tempfile.TemporaryDirectory() as tmp:
         for mode in MODES:
             logger.info("%s: %d steps on 1 trainer + 1 rollout rank ...", mode, args.steps)
-            records, wall = run(mode, steps=args.steps, out=Path(tmp) / mode, extra=extra)
+            records, wall = run(mode, steps=args.steps, out=Path(tmp) / mode, extra=extra, launch=launch)
             result["runs"][mode] = summarize(records, wall)
     s, a = result["runs"]["sync"], result["runs"]["async"]
     result["ratio_async_over_sync"] = {

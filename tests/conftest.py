@@ -207,14 +207,14 @@ def xdist_scope(nodeid: str) -> str:
     return "tests/slurm" if path.startswith("tests/slurm/") else path
 
 
-_SOLO_MARK = re.compile(r"pytest\.mark\.(slow|slurm)\b")
+_SOLO_MARK = re.compile(r"pytest\.mark\.(processes|slurm)\b")
 
 
 @functools.cache
 def solo_unit(scope: str) -> bool:
-    """Whether the work unit ``scope`` (:func:`xdist_scope`) runs alone under pytest-xdist: a Slurm test, or a module
-    with a ``slow`` test (several processes of its own: ranks, launchers, jobs). Read from the module's source: the
-    pytest-xdist controller collects nothing, so it sees node ids, not markers."""
+    """Whether the work unit ``scope`` (:func:`xdist_scope`) runs alone under pytest-xdist: the Slurm tests, or a
+    module with a ``processes`` test (several processes of its own at once: ranks, launchers). Read from the module's
+    source: the pytest-xdist controller collects nothing, so it sees node ids, not markers."""
     if scope == "tests/slurm":
         return True
     try:
@@ -234,7 +234,7 @@ if LoadScopeScheduling is not None:
         """``--dist loadscope`` whose units are :func:`xdist_scope`, handed out in collection order, in lanes: the
         first worker runs the :func:`solo_unit` units one after the other, then helps with the rest; the other workers
         run only the rest, so no two solo units ever run at once (each keeps the cores busy with processes of its
-        own; two of them at once oversubscribed 2 cores: 26.9 min against 20.9 serial). A worker left with nothing
+        own; any two units at once oversubscribed 2 cores: 26.9 min against 20.9 serial). A worker left with nothing
         it may run is shut down.
 
         Not ``--dist loadgroup`` with ``xdist_group`` markers: pytest-xdist 3.8 puts the group into

@@ -1,29 +1,40 @@
 """bench/async_grpo.py in smoke mode: the synchronous and the async run side by side on 1 trainer + 1 rollout rank,
-JSON written. Structure and ages only, never timings (a shared 2-core machine makes them noise at 2 steps)."""
+JSON written. Structure and ages only, never timings (a shared 2-core machine makes them noise at 2 steps).
+
+The bench's ``main`` runs in this process; its two runs' ranks are forks of the suite's warm launcher
+(tests/_warm_cli.py, torchrun's worker environment per rank) instead of ``torchrun`` (``make bench``'s), which would
+start 2 fresh interpreters per run (~12 s of imports each). The arguments are the bench's own (:func:`grpo_argv`);
+torchrun starting ``megatron-fp8 grpo`` ranks is tests/rl/driver/test_sharded_rollout.py's claim."""
 
 from __future__ import annotations
 
+import importlib.util
 import json
-import os
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
 REPO = Path(__file__).resolve().parents[2]
 
-pytestmark = pytest.mark.slow  # two 2-process GRPO runs
+pytestmark = [pytest.mark.slow, pytest.mark.processes]  # two 2-process GRPO runs
 
 
-def test_bench_async_grpo_smoke(tmp_path):
+def _bench():
+    spec = importlib.util.spec_from_file_location("bench_async_grpo", REPO / "bench" / "async_grpo.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_bench_async_grpo_smoke(tmp_path, warm_cli):
     out = tmp_path / "async_grpo.json"
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(REPO))
-    for k in ("RANK", "WORLD_SIZE", "MFP8_ROLE", "ROLLOUT_TASKS"):
-        env.pop(k, None)
-    cmd = [sys.executable, "bench/async_grpo.py", "--steps", "3", "--warm-start-steps", "0", "--out", str(out)]
-    proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=900, check=False)
-    assert proc.returncode == 0, proc.stderr[-3000:]
+    bench = _bench()
+
+    def launch(argv: list[str], env: dict[str, str]) -> subprocess.CompletedProcess:
+        return warm_cli.run(argv, env=env, cwd=REPO, nprocs=2, timeout=900)
+
+    bench.main(["--steps", "3", "--warm-start-steps", "0", "--out", str(out)], launch=launch)
     result = json.loads(out.read_text())
     sync, ahead = result["runs"]["sync"], result["runs"]["async"]
     assert sync["ages"] == [0, 0, 0] and ahead["ages"] == [0, 1, 1]

@@ -165,6 +165,7 @@ def test_doctor_fits_one_screen_and_all_gives_every_reason():
 
 
 @pytest.mark.slow
+@pytest.mark.processes  # two fresh interpreters at once
 def test_refit_and_manifest_refresh_show_progress_and_no_third_party_noise(tmp_path):
     """Without -v: our phase lines, no Megatron parameter count or loading bar, no vLLM loading bar, no C++ warning
     of torch/vLLM, no Python warning (issue 21, item 6)."""

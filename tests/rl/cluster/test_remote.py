@@ -38,6 +38,8 @@ from megatron_fp8.rl.cluster.roles import TORCH_CHECKED, Placement, identity_gro
 from megatron_fp8.rollout.engines import Rollout
 from megatron_fp8.rollout.vllm.adapter import describe_gemm_paths
 
+pytestmark = pytest.mark.processes  # a trainer and a rollout rank (or two trainers), each a process of its own
+
 WORKER = Path(__file__).with_name("_remote_worker.py")
 REPO = Path(__file__).resolve().parents[3]
 SPLIT = "policy.generation.colocated.enabled=false,policy.generation.colocated.resources.gpus_per_node=1"

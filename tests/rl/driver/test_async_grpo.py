@@ -24,7 +24,7 @@ import pytest
 
 from megatron_fp8.rl.driver.stopping import FAULT_ENV
 
-pytestmark = [pytest.mark.slow]
+pytestmark = [pytest.mark.slow, pytest.mark.processes]
 
 REPO = Path(__file__).resolve().parents[3]
 SPLIT = (

@@ -27,7 +27,7 @@ from megatron_fp8.rl.driver.grpo import run_grpo
 from megatron_fp8.rl.sampling import dynamic as dynamic_module
 from megatron_fp8.rl.state.results import METRICS_FILE, TIMING_SUFFIXES
 
-pytestmark = [pytest.mark.slow, pytest.mark.megatron]
+pytestmark = [pytest.mark.slow, pytest.mark.megatron, pytest.mark.processes]
 
 MATH = Path(__file__).resolve().parents[3] / "data" / "math_tiny"
 GROUP = 4

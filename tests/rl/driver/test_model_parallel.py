@@ -41,7 +41,7 @@ from pathlib import Path
 
 import pytest
 
-pytestmark = [pytest.mark.slow]
+pytestmark = [pytest.mark.slow, pytest.mark.processes]
 
 REPO = Path(__file__).resolve().parents[3]
 COMMON = (

@@ -32,7 +32,7 @@ import pytest
 from megatron_fp8.models import tiny_model_path
 from megatron_fp8.models.folder_check import header_shapes
 
-pytestmark = [pytest.mark.vllm, pytest.mark.slow]
+pytestmark = [pytest.mark.vllm, pytest.mark.slow, pytest.mark.processes]
 
 REPO = Path(__file__).resolve().parents[3]
 COMMON = (

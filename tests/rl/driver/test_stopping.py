@@ -139,6 +139,7 @@ def test_the_deadline_is_judged_from_the_longest_step_and_save():
 
 
 @pytest.mark.slow
+@pytest.mark.processes  # two ranks under torchrun
 def test_one_ranks_signal_stops_every_rank_at_the_same_step(tmp_path):
     """torchrun, two data-parallel ranks (gloo): only rank 1 gets SIGTERM, inside its train step; both finish that
     step, agree, save it once and exit 75; the same command continues to the uninterrupted two-rank run.

@@ -30,7 +30,7 @@ from pathlib import Path
 
 import pytest
 
-pytestmark = [pytest.mark.vllm, pytest.mark.slow]
+pytestmark = [pytest.mark.vllm, pytest.mark.slow, pytest.mark.processes]
 
 REPO = Path(__file__).resolve().parents[3]
 
