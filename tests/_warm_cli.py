@@ -111,15 +111,14 @@ def _shadowed(entry: str) -> str | None:
         names = os.listdir(entry)
     except OSError:
         return None
+    folder = os.path.realpath(entry)
     for name in names:
         top = name.split(".", 1)[0]
         module = sys.modules.get(top)
         if module is None or not (name == top or name.endswith((".py", ".so", ".pyc"))):
             continue
-        where = getattr(module, "__file__", None) or next(iter(getattr(module, "__path__", []) or []), None)
-        if where is None or os.path.commonpath([os.path.realpath(where), os.path.realpath(entry)]) != os.path.realpath(
-            entry
-        ):
+        where = getattr(module, "__file__", None) or next(iter(getattr(module, "__path__", None) or []), None)
+        if where is None or os.path.commonpath([os.path.realpath(where), folder]) != folder:  # imported elsewhere
             return top
     return None
 

@@ -250,13 +250,11 @@ if LoadScopeScheduling is not None:
             if scope is None and solo_lane:
                 scope = next(iter(self.workqueue))
             if scope is None:  # only solo units are left: the solo lane runs them
-                if not self._pending_of(self.assigned_work.get(node, {})):
+                if not self._pending_of(self.assigned_work[node]):
                     node.shutdown()
                 return
-            work_unit = self.workqueue.pop(scope)
-            self.assigned_work.setdefault(node, {})[scope] = work_unit
-            collection = self.registered_collections[node]
-            node.send_runtest_some([collection.index(nodeid) for nodeid, done in work_unit.items() if not done])
+            self.workqueue.move_to_end(scope, last=False)  # loadscope hands out the queue's first unit
+            super()._assign_work_unit(node)
 
     def pytest_xdist_make_scheduler(config, log):
         if config.getvalue("dist") != "loadscope":
