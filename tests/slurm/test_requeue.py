@@ -7,8 +7,8 @@ steps. The uninterrupted run they are compared with is the reference, not the su
 they run as a fork of the suite's warm launcher (tests/_warm_cli.py) in the environment the jobs get (a
 third job would wait for a free CPU: ~130 s for the three jobs against ~80 s for two). What the equality compares
 does not depend on where the run ran: the same code and settings, and the same thread count (Slurm's task/none
-binds nothing and the sbatch scripts set no ``OMP_NUM_THREADS``: torch's thread count is the machine's, as in the
-warm launcher's fork, not its load).
+binds nothing and the sbatch scripts set no ``OMP_NUM_THREADS``: the jobs and the warm launcher's fork inherit the
+suite's, the machine's in one process and a worker's share of the cores under pytest-xdist, tests/conftest.py).
 """
 
 from __future__ import annotations
