@@ -19,10 +19,10 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass
 
-from megatron_fp8.config.models import ModelDims, known_dims
 from megatron_fp8.config.schema import RunConfig
 from megatron_fp8.launch_env import launch_place
 from megatron_fp8.layout import engine_group_problem, engine_replica_span
+from megatron_fp8.models.dims import ModelDims, known_dims
 
 TRAINER_BYTES_PER_PARAM = 2 + 4 + 8 + 4
 """BF16 weights + FP32 main weights + two FP32 Adam moments + FP32 gradients (bytes per parameter)."""
@@ -297,9 +297,7 @@ def layout_report(cfg: RunConfig, *, total_decides: bool = True) -> tuple[list[s
         )
     dims = known_dims(cfg.model.name_or_path)
     if dims is None or not dims.vocab_size:
-        lines.append(
-            f"memory per GPU: no estimate ({cfg.model.name_or_path!r} is not in megatron_fp8/config/models.py)"
-        )
+        lines.append(f"memory per GPU: no estimate ({cfg.model.name_or_path!r} is not in megatron_fp8/models/dims.py)")
         return lines, None
     estimate = estimate_memory(cfg, dims)
     lines.append(f"memory per GPU (estimate): {estimate.describe(verdict=total_decides)}")

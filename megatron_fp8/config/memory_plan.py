@@ -42,8 +42,8 @@ from megatron_fp8.config.memory import (
     gpu_memory,
     layout_report,
 )
-from megatron_fp8.config.models import ModelDims, known_dims
 from megatron_fp8.config.schema import RunConfig
+from megatron_fp8.models.dims import ModelDims, known_dims
 from megatron_fp8.vocab import MEMORY_PHASES, SLEEP_LEVELS
 
 COLOCATED_QUEUED_BUCKETS = 1

@@ -27,10 +27,10 @@ from megatron_fp8.config.algorithm_rules import (
     scheduler_rules,
 )
 from megatron_fp8.config.memory_plan import memory_rules
-from megatron_fp8.config.models import ModelDims
 from megatron_fp8.config.schema import FP8TrainConfig, RunConfig, VllmConfig
 from megatron_fp8.errors import ConfigError
 from megatron_fp8.layout import is_blockable
+from megatron_fp8.models.dims import ModelDims
 from megatron_fp8.recipes.registry import FP32_BLOCK_SCALES_ENV, RECIPES, fp8_recipe_names
 
 

@@ -26,7 +26,7 @@ MAPPED_ARCHITECTURES: dict[str, str] = {
 """The Hugging Face architectures megatron-fp8 maps end to end (Megatron-Bridge build and export, the FP8 manifest's
 ``model.layers.N.self_attn.q_proj``-style names, the refit's fused q/k/v and gate/up rows), each with its
 ``model_type``: the families of the embedded tiny models (``tiny-llama``, ``tiny``, ``tiny-moe``) and of
-:mod:`megatron_fp8.config.models`. Another architecture (GPT-2, GPT-NeoX, ...) would fail late, inside the bridge or
+:mod:`megatron_fp8.models.dims`. Another architecture (GPT-2, GPT-NeoX, ...) would fail late, inside the bridge or
 the manifest; it is refused before anything is built."""
 
 MAX_HEADER_BYTES = 100 << 20

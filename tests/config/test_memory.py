@@ -12,7 +12,7 @@ import pytest
 
 from megatron_fp8.config import load_config
 from megatron_fp8.config.memory import TRAINER_BYTES_PER_PARAM, estimate_memory
-from megatron_fp8.config.models import KNOWN_MODELS
+from megatron_fp8.models.dims import KNOWN_MODELS
 from megatron_fp8.models.tiny import TINY_MODELS
 
 REPO = Path(__file__).resolve().parents[2]

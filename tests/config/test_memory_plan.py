@@ -20,9 +20,9 @@ from megatron_fp8.config.memory_plan import (
     trainer_offloads,
     what_would_fit,
 )
-from megatron_fp8.config.models import KNOWN_MODELS
 from megatron_fp8.config.validate import validate_config
 from megatron_fp8.errors import ConfigError
+from megatron_fp8.models.dims import KNOWN_MODELS
 
 REPO = Path(__file__).resolve().parents[2]
 H100 = (80 * 10**9, "H100 80 GB")

@@ -18,7 +18,7 @@
   tensor (a NaN would otherwise surface as a non-finite warm-start loss).
 
 ``megatron-fp8 config`` calls it with ``download=False``: a Hugging Face model that is not in the
-local cache is checked against the known dimensions (:mod:`megatron_fp8.config.models`) and the
+local cache is checked against the known dimensions (:mod:`megatron_fp8.models.dims`) and the
 report says what could not be checked.
 """
 
@@ -37,7 +37,6 @@ from safetensors import safe_open
 
 from megatron_fp8.config.algorithm_rules import correction_switch_problems
 from megatron_fp8.config.memory import describe_engine_memory
-from megatron_fp8.config.models import known_dims
 from megatron_fp8.config.nemo_rl.inheritance import check_config_size
 from megatron_fp8.config.schema import RunConfig
 from megatron_fp8.config.validate import validate_config
@@ -45,6 +44,7 @@ from megatron_fp8.errors import ConfigError, UsageError
 from megatron_fp8.launch_env import env_int, launch_place
 from megatron_fp8.layout import engine_group_problem
 from megatron_fp8.models import resolve_model
+from megatron_fp8.models.dims import known_dims
 from megatron_fp8.models.folder_check import folder_problems
 from megatron_fp8.models.tiny import HF_ID_PATTERN
 from megatron_fp8.rl.algorithm.batch import eos_and_pad
