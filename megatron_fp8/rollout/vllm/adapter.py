@@ -253,6 +253,8 @@ def build_llm(
             stack.enter_context(_patches.torch_distributed_cpu_groups())
             if sharded:  # each shard is refit in place with its own part: its linear weights must stay readable
                 stack.enter_context(_patches.readable_cpu_linear_weights())
+                if _patches.eager_vocab_masking():  # inductor's AVX2 kernel of it is wrong (torch 2.13)
+                    logger.info("vLLM's vocabulary-parallel input masking runs eagerly on CPU (exact on every CPU)")
         llm = LLM(**args)
     _ADOPTED_WORLD[llm] = adopted
     if not torch.cuda.is_available():
