@@ -14,8 +14,9 @@ PYTEST_ARGS ?=
 # PYTEST_WORKERS=N runs the suite on N pytest-xdist workers (--dist loadscope: tests/conftest.py keeps each test
 # module, and all Slurm tests, on one worker; the modules that start several processes at once, marked `processes`,
 # all on the first worker, one after the other, so no two of them oversubscribe the cores; docs/testing.md). 2 by
-# default: on 2 cores the other worker runs the in-process tests beside them (17.9 min against 21.3 in one process,
-# side by side on a fresh clone, 2026-11-29, AVX512-BF16); 0 runs the suite in one process.
+# default: on 2 cores the other worker runs the in-process tests beside them, each worker on one thread (its share of
+# the cores, also given to the processes its tests start): 15.1 min of pytest on a fresh clone, 2026-11-29,
+# AVX512-BF16, against 19.3 at the machine's thread count and 16.9 with three workers; 0 runs it in one process.
 PYTEST_WORKERS ?= 2
 
 .PHONY: help install test test-fast demo bench gpu-run lint freeze clean
