@@ -2,12 +2,15 @@
 
 A value a launcher did not write (``WORLD_SIZE=abc``, ``RANK=5`` of 2 processes, a negative ``LOCAL_RANK``) is a
 :class:`~megatron_fp8.errors.ConfigError` of one line naming the variable, its value and the fix, never a
-``ValueError`` deep inside a run. No torch: a shared leaf (``docs/architecture.md``).
+``ValueError`` deep inside a run. :func:`find_free_port` picks a rendezvous port no outgoing connection takes. No
+torch: a shared leaf (``docs/architecture.md``).
 """
 
 from __future__ import annotations
 
 import os
+import random
+import socket
 from collections.abc import Mapping
 from dataclasses import dataclass
 
@@ -67,3 +70,48 @@ def launch_place(env: Mapping[str, str] | None = None) -> LaunchPlace:
             f"{_SET_BY}: unset both to run one process"
         )
     return LaunchPlace(rank=rank, world_size=world, local_rank=local_rank)
+
+
+_EPHEMERAL_RANGE = "/proc/sys/net/ipv4/ip_local_port_range"
+_RENDEZVOUS_PORTS = (20000, 32768)
+"""Where :func:`find_free_port` looks: above ``slurm/common.sh``'s ``10000 + job id % 10000`` and below Linux's
+default ephemeral range (32768-60999), from which the kernel hands every outgoing connection its local port."""
+
+
+def _ephemeral_low() -> int:
+    """The first port the kernel hands out on its own (Linux: ``ip_local_port_range``; elsewhere 32768)."""
+    try:
+        with open(_EPHEMERAL_RANGE, encoding="ascii") as f:
+            return int(f.read().split()[0])
+    except (OSError, ValueError, IndexError):
+        return _RENDEZVOUS_PORTS[1]
+
+
+def find_free_port(host: str = "127.0.0.1", *, tries: int = 64) -> int:
+    """A TCP port on ``host`` that is free now and that the kernel does not hand out on its own.
+
+    A port from ``bind(0)`` is an ephemeral one: once the probe closes it, any process's next outgoing
+    connection may take it as its local port before the rendezvous binds it (``EADDRINUSE`` on a busy
+    machine). This one is drawn at random from :data:`_RENDEZVOUS_PORTS`, below the ephemeral range, and
+    checked bindable; only another explicit pick can race it.
+
+    Args:
+        host: the address the port will be bound on.
+        tries: random candidates to probe before falling back to ``bind(0)``.
+
+    Returns:
+        Port number.
+    """
+    low, high = _RENDEZVOUS_PORTS[0], min(_RENDEZVOUS_PORTS[1], _ephemeral_low())
+    rng = random.SystemRandom()
+    for _ in range(tries if high - low >= 1024 else 0):
+        port = rng.randrange(low, high)
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+            try:
+                sock.bind((host, port))
+            except OSError:
+                continue
+            return port
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind((host, 0))
+        return int(sock.getsockname()[1])

@@ -35,7 +35,6 @@ import json
 import os
 import select
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -85,12 +84,6 @@ def _preload() -> None:
     # zygote (what gc.freeze is for: https://docs.python.org/3/library/gc.html#gc.freeze)
     gc.collect()
     gc.freeze()
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _pythonpath_entries(value: str | None) -> list[str]:
@@ -187,7 +180,9 @@ def _launch(req: dict) -> int:
     env = dict(req["env"])
     if nprocs == 1:
         _run_command(req["argv"], env, req["cwd"], req["stdout"], req["stderr"])
-    port = _free_port()
+    from megatron_fp8.launch_env import find_free_port  # imported by the zygote's preload
+
+    port = find_free_port()
     run_id = f"warm-{os.getpid()}"
     pids = {}
     for rank in range(nprocs):

@@ -6,7 +6,7 @@ happens inside :func:`megatron_parallel`, which
 
 1. initialises a gloo process group (single process by default, or the
    ``RANK`` / ``WORLD_SIZE`` / ``MASTER_ADDR`` / ``MASTER_PORT`` of a launcher such
-   as ``torchrun`` or ``srun``), choosing a free TCP port when none is given;
+   as ``torchrun`` or ``srun``); a lone process without a port meets on an in-process store;
 2. calls ``parallel_state.initialize_model_parallel`` with the requested sizes;
 3. tears both down on exit, in reverse order, even on error. A process group that
    already existed before entry is reused and left alone.
@@ -17,7 +17,6 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
-import socket
 from collections.abc import Iterator
 from dataclasses import dataclass
 from datetime import timedelta
@@ -55,19 +54,6 @@ class ParallelState:
     owns_process_group: bool
 
 
-def find_free_port(host: str = "127.0.0.1") -> int:
-    """Ask the OS for a TCP port that is free right now on ``host``.
-
-    Returns:
-        Port number. Another process may take it before it is bound again; the
-        window is small and :func:`megatron_parallel` binds it at once.
-    """
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        sock.bind((host, 0))
-        return int(sock.getsockname()[1])
-
-
 @contextlib.contextmanager
 def megatron_parallel(
     *,
@@ -92,8 +78,8 @@ def megatron_parallel(
         world_size: number of processes; defaults to the initialized default group's size, else ``$WORLD_SIZE``
             or 1 (with separate rollout ranks the trainers' world, not every process of the run).
         master_addr: rendezvous host; defaults to ``$MASTER_ADDR`` or 127.0.0.1.
-        master_port: rendezvous port; defaults to ``$MASTER_PORT``, else a free port
-            (only valid for a single process: several processes must agree on it).
+        master_port: rendezvous port; defaults to ``$MASTER_PORT``. Without one a single process
+            initialises on an in-process store (no port); several processes must agree on a port.
         backend: torch.distributed backend; ``"gloo"`` for CPU.
         timeout_s: collective timeout in seconds.
         seed: seed for Megatron's model-parallel RNG tracker (and ``torch.manual_seed``).
@@ -133,20 +119,21 @@ def megatron_parallel(
     if owns_pg:
         addr = master_addr or os.environ.get("MASTER_ADDR") or "127.0.0.1"
         port = master_port or (env_int("MASTER_PORT", default=0, minimum=1) or None)
-        if port is None:
-            if world_size > 1:
-                raise ConfigError(
-                    f"world_size {world_size} > 1 needs a shared master_port (or $MASTER_PORT) so ranks can meet"
-                )
-            port = find_free_port(addr)
-        logger.debug("init_process_group(%s) rank %d/%d at %s:%d", backend, rank, world_size, addr, port)
-        dist.init_process_group(
-            backend=backend,
-            init_method=f"tcp://{addr}:{port}",
-            rank=rank,
-            world_size=world_size,
-            timeout=timedelta(seconds=timeout_s),
-        )
+        timeout = timedelta(seconds=timeout_s)
+        if port is not None:
+            logger.debug("init_process_group(%s) rank %d/%d at %s:%d", backend, rank, world_size, addr, port)
+            dist.init_process_group(
+                backend=backend, init_method=f"tcp://{addr}:{port}", rank=rank, world_size=world_size, timeout=timeout
+            )
+        elif world_size > 1:
+            raise ConfigError(
+                f"world_size {world_size} > 1 needs a shared master_port (or $MASTER_PORT) so ranks can meet"
+            )
+        else:
+            # a lone process meets no one: an in-process store binds no port, so no other process can take it
+            # between a free-port probe and the bind (EADDRINUSE under a busy machine's parallel jobs)
+            logger.debug("init_process_group(%s) rank 0/1 on an in-process store", backend)
+            dist.init_process_group(backend=backend, store=dist.HashStore(), rank=0, world_size=1, timeout=timeout)
     else:
         rank, world_size = dist.get_rank(), dist.get_world_size()
     try:

@@ -2,22 +2,32 @@
 
 from __future__ import annotations
 
-import socket
-
 import pytest
 import torch.distributed as dist
 
 from megatron_fp8.errors import ConfigError
+from megatron_fp8.launch_env import find_free_port
 from megatron_fp8.megatron import megatron_parallel
-from megatron_fp8.megatron.parallel import find_free_port
 
 pytestmark = pytest.mark.megatron
 
 
-def test_find_free_port_is_bindable():
-    port = find_free_port()
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", port))
+def test_a_lone_process_meets_on_an_in_process_store(monkeypatch):
+    """No port for a single process: nothing another process does can make its start-up fail (EADDRINUSE)."""
+    monkeypatch.delenv("MASTER_PORT", raising=False)
+    with megatron_parallel() as state:
+        assert state.owns_process_group and dist.get_world_size() == 1
+        assert isinstance(_underlying_store(), dist.HashStore)
+    monkeypatch.setenv("MASTER_PORT", str(find_free_port()))
+    with megatron_parallel():  # a launcher's port is used as given
+        assert isinstance(_underlying_store(), dist.TCPStore)
+
+
+def _underlying_store() -> dist.Store:
+    store = dist.distributed_c10d._get_default_store()
+    while isinstance(store, dist.PrefixStore):
+        store = store.underlying_store
+    return store
 
 
 def test_context_sets_up_and_tears_down():

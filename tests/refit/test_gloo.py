@@ -9,7 +9,6 @@ from __future__ import annotations
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -17,16 +16,11 @@ from pathlib import Path
 import pytest
 
 from megatron_fp8.errors import ConfigError
+from megatron_fp8.launch_env import find_free_port
 from megatron_fp8.refit import make_transport
 
 WORKER = Path(__file__).with_name("_gloo_worker.py")
 REPO = Path(__file__).resolve().parents[2]
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _run(
@@ -36,7 +30,7 @@ def _run(
 
     Ranks in ``killed`` must die by SIGKILL; every other rank but a stalled sender must exit 0.
     """
-    port, port2 = _free_port(), _free_port()
+    port, port2 = find_free_port(), find_free_port()
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(REPO))
     roles = [(rank, "rank") for rank in range(world)] + ([(0, "new_sender")] if new_sender else [])
     procs, outs = [], []

@@ -23,6 +23,8 @@ from pathlib import Path
 
 import pytest
 
+from megatron_fp8.launch_env import find_free_port
+
 REPO_ROOT = Path(__file__).resolve().parents[2]
 SLURM_BINARIES = ("slurmctld", "slurmd", "sbatch", "srun", "scontrol", "sinfo")
 FINISHED_STATES = {
@@ -141,12 +143,6 @@ def _ensure_slurm_installed() -> None:
         )
 
 
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _node_hardware() -> tuple[int, int]:
     """CPUs and RealMemory (MiB) as ``slurmd -C`` reports them (what slurmd will register)."""
     out = subprocess.run(["slurmd", "-C"], capture_output=True, text=True, timeout=30, check=True).stdout
@@ -157,7 +153,7 @@ def _node_hardware() -> tuple[int, int]:
 def _write_conf(root: Path, node: str, cpus: int, memory_mb: int) -> Path:
     for sub in ("state", "spool", "log", "run"):
         (root / sub).mkdir(parents=True, exist_ok=True)
-    ctld_port, slurmd_port = _free_port(), _free_port()
+    ctld_port, slurmd_port = find_free_port(), find_free_port()
     conf = root / "slurm.conf"
     conf.write_text(
         "\n".join(

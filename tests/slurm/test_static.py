@@ -12,7 +12,6 @@ import json
 import os
 import re
 import shutil
-import socket
 import stat
 import subprocess
 import sys
@@ -20,6 +19,8 @@ from fnmatch import fnmatch
 from pathlib import Path
 
 import pytest
+
+from megatron_fp8.launch_env import find_free_port
 
 REPO = Path(__file__).resolve().parents[2]
 DOCKERFILE = REPO / "docker" / "Dockerfile.ngc_pytorch"
@@ -431,14 +432,14 @@ def test_common_sh_rejects_unknown_subcommands():
 
 
 # --------------------------------------------------------------------------------------- rendezvous_check.py
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def test_rendezvous_check_single_process(tmp_path):
-    env = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(_free_port()), "WORLD_SIZE": "1", "RANK": "0"}
+    env = {
+        **os.environ,
+        "MASTER_ADDR": "127.0.0.1",
+        "MASTER_PORT": str(find_free_port()),
+        "WORLD_SIZE": "1",
+        "RANK": "0",
+    }
     out = tmp_path / "r.json"
     res = subprocess.run(
         [sys.executable, str(REPO / "slurm" / "rendezvous_check.py"), "--out", str(out), "--timeout-s", "30"],

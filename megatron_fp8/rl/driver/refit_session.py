@@ -27,7 +27,7 @@ import torch.distributed as dist
 from bridge_mappings.manifest import Manifest
 from bridge_mappings.quantized_export import checked_stream, quantized_stream, refit_stream
 from megatron_fp8.errors import RefitError
-from megatron_fp8.megatron import MegatronModel, export_hf_weights, find_free_port
+from megatron_fp8.megatron import MegatronModel, export_hf_weights
 from megatron_fp8.quant import dequantize_blockwise
 from megatron_fp8.refit import RefitReceiver, RefitSender, TorchDistTransport
 from megatron_fp8.refit.pipeline import ColocatedRefit
@@ -98,7 +98,7 @@ def _make_engine(model_path: Path, precision: str, qcfg: dict | None, fp8_names:
 class _ReceiverArgs:
     """What the spawned rollout process of ``--transport gloo`` needs (pickled to it)."""
 
-    init_method: str
+    store_port: int
     model_path: str
     precision: str
     qcfg: dict | None
@@ -128,7 +128,9 @@ class _ReceiverResult:
 def _receiver_main(args: _ReceiverArgs, queue: Queue[_ReceiverResult]) -> None:
     """Rollout process for ``--transport gloo``: receive refits into a reference engine."""
     try:
-        dist.init_process_group("gloo", init_method=args.init_method, rank=1, world_size=2)
+        timeout = datetime.timedelta(seconds=args.timeout)
+        store = dist.TCPStore("127.0.0.1", args.store_port, 2, is_master=False, timeout=timeout)
+        dist.init_process_group("gloo", store=store, rank=1, world_size=2, timeout=timeout)
         engine = _make_engine(Path(args.model_path), args.precision, args.qcfg, args.fp8_names)
         applier = ReferenceEngineApplier(engine)
         receiver = RefitReceiver(TorchDistTransport(src=0, timeout=args.timeout), apply=applier, timeout=args.timeout)
@@ -234,9 +236,14 @@ def run_refits_over_gloo(
 
     ctx = mp.get_context("spawn")
     queue: Queue[_ReceiverResult] = ctx.Queue()
-    init_method = f"tcp://127.0.0.1:{find_free_port()}"
+    if dist.is_initialized():
+        raise RefitError("--transport gloo needs its own process group; run it outside another torch.distributed job")
+    # the trainer binds the rendezvous port itself (0: the OS picks one, no probe another process could race)
+    store = dist.TCPStore(
+        "127.0.0.1", 0, 2, is_master=True, timeout=datetime.timedelta(seconds=timeout), wait_for_workers=False
+    )
     receiver_args = _ReceiverArgs(
-        init_method=init_method,
+        store_port=store.port,
         model_path=str(model_path),
         precision=precision,
         qcfg=manifest.quantization_config,
@@ -250,7 +257,7 @@ def run_refits_over_gloo(
     times: list[float] = []
     pg = None
     try:
-        pg = _init_pair(init_method, timeout)
+        pg = _init_pair(store, timeout)
         sender = RefitSender(TorchDistTransport(src=0, timeout=timeout), timeout=timeout)
         for v in range(1, repeats + 1):
             start = time.perf_counter()
@@ -280,13 +287,9 @@ def run_refits_over_gloo(
     )
 
 
-def _init_pair(init_method: str, timeout: float) -> dist.ProcessGroup | None:
-    """Join the trainer (rank 0) to a 2-process gloo group, unless Megatron already owns one."""
-    if dist.is_initialized():
-        raise RefitError("--transport gloo needs its own process group; run it outside another torch.distributed job")
-    dist.init_process_group(
-        "gloo", init_method=init_method, rank=0, world_size=2, timeout=datetime.timedelta(seconds=timeout)
-    )
+def _init_pair(store: dist.Store, timeout: float) -> dist.ProcessGroup | None:
+    """Join the trainer (rank 0) to the 2-process gloo group of the store it hosts."""
+    dist.init_process_group("gloo", store=store, rank=0, world_size=2, timeout=datetime.timedelta(seconds=timeout))
     return dist.group.WORLD
 
 

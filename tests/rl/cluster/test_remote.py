@@ -18,7 +18,6 @@ import logging
 import os
 import pickle
 import signal
-import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -30,6 +29,7 @@ import torch.distributed as dist
 from bridge_mappings.manifest import Fingerprint, Manifest
 from megatron_fp8.config.schema import ColocatedConfig, ColocatedResources, RunConfig
 from megatron_fp8.errors import ConfigError, RefitRefusedError
+from megatron_fp8.launch_env import find_free_port
 from megatron_fp8.layout import even_split as _split
 from megatron_fp8.refit.transport.torch_dist import TorchDistTransport
 from megatron_fp8.rl.cluster.distributed import trainer_data_parallel
@@ -43,12 +43,6 @@ pytestmark = pytest.mark.processes  # a trainer and a rollout rank (or two train
 WORKER = Path(__file__).with_name("_remote_worker.py")
 REPO = Path(__file__).resolve().parents[3]
 SPLIT = "policy.generation.colocated.enabled=false,policy.generation.colocated.resources.gpus_per_node=1"
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _run(
@@ -66,7 +60,7 @@ def _run(
     ``beside`` (scenario, extra environment): one more worker, started at the same time in the same environment
     but outside the process group (``WORLD_SIZE=1``, ``RANK=0``, a port of its own); its result comes last.
     """
-    port = _free_port()
+    port = find_free_port()
     base = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(REPO), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     base["WORLD_SIZE"] = str(len(envs))
     for k in ("MFP8_ROLE", "ROLLOUT_TASKS", "RANK"):
@@ -83,7 +77,7 @@ def _run(
         out = tmp_path / f"{name}_0.json"
         outs.append(out)
         cmd = [sys.executable, str(WORKER), "--scenario", name, "--out", str(out), "--overrides", overrides]
-        env = {**base, "WORLD_SIZE": "1", "RANK": "0", "MASTER_PORT": str(_free_port()), **extra}
+        env = {**base, "WORLD_SIZE": "1", "RANK": "0", "MASTER_PORT": str(find_free_port()), **extra}
         procs.append(subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE))
     try:
         for rank, p in enumerate(procs):

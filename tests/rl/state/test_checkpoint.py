@@ -13,7 +13,6 @@ import json
 import logging
 import os
 import random
-import socket
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -24,6 +23,7 @@ import torch.distributed as dist
 
 from megatron_fp8.config.schema import CheckpointingConfig, RunConfig
 from megatron_fp8.errors import ConfigError
+from megatron_fp8.launch_env import find_free_port
 from megatron_fp8.rl.state import checkpoint as ckpt
 from megatron_fp8.rl.state.checkpoint import (
     CheckpointError,
@@ -361,12 +361,6 @@ def test_save_consolidated_writes_a_loadable_hf_folder(tmp_path, trainer):
 # ----------------------------------------------------------------------------- two processes, no Megatron
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _two_rank_worker(rank: int, port: int, root: str) -> None:
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
     try:
@@ -397,7 +391,7 @@ def _two_rank_worker(rank: int, port: int, root: str) -> None:
 
 
 def test_two_ranks_save_once_and_both_resume(tmp_path):
-    port = _free_port()
+    port = find_free_port()
     torch.multiprocessing.spawn(_two_rank_worker, args=(port, str(tmp_path)), nprocs=2, join=True)
     step = tmp_path / "fp8" / "step_0"
     names = sorted(json.loads((step / CHECKPOINT_FILE).read_text())["files"])
