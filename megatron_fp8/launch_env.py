@@ -115,3 +115,12 @@ def find_free_port(host: str = "127.0.0.1", *, tries: int = 64) -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
         sock.bind((host, 0))
         return int(sock.getsockname()[1])
+
+
+def find_free_ports(count: int, host: str = "127.0.0.1") -> tuple[int, ...]:
+    """``count`` distinct ports from :func:`find_free_port` (two stores, or a daemon and its controller)."""
+    ports: list[int] = []
+    while len(ports) < count:
+        if (port := find_free_port(host)) not in ports:
+            ports.append(port)
+    return tuple(ports)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import socket
 
 from megatron_fp8 import launch_env
-from megatron_fp8.launch_env import find_free_port
+from megatron_fp8.launch_env import find_free_port, find_free_ports
 
 
 def test_find_free_port_is_bindable_and_not_one_the_kernel_hands_out():
@@ -27,3 +27,9 @@ def test_find_free_port_falls_back_to_the_os_where_the_kernel_leaves_no_room(mon
         monkeypatch.setattr(launch_env, "_RENDEZVOUS_PORTS", (port, port + 1024))
         monkeypatch.setattr(launch_env, "_ephemeral_low", lambda: port + 1)  # a 1-port range: no draw
         assert find_free_port() != port  # bind(0) picks another
+
+
+def test_find_free_ports_are_distinct(monkeypatch):
+    draws = iter([30001, 30001, 30002, 30001, 30003])
+    monkeypatch.setattr(launch_env, "find_free_port", lambda host: next(draws))
+    assert find_free_ports(3) == (30001, 30002, 30003)

@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 
 from megatron_fp8.errors import ConfigError
-from megatron_fp8.launch_env import find_free_port
+from megatron_fp8.launch_env import find_free_ports
 from megatron_fp8.refit import make_transport
 
 WORKER = Path(__file__).with_name("_gloo_worker.py")
@@ -30,7 +30,7 @@ def _run(
 
     Ranks in ``killed`` must die by SIGKILL; every other rank but a stalled sender must exit 0.
     """
-    port, port2 = find_free_port(), find_free_port()
+    port, port2 = find_free_ports(2)
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(REPO))
     roles = [(rank, "rank") for rank in range(world)] + ([(0, "new_sender")] if new_sender else [])
     procs, outs = [], []

@@ -23,7 +23,7 @@ from pathlib import Path
 
 import pytest
 
-from megatron_fp8.launch_env import find_free_port
+from megatron_fp8.launch_env import find_free_ports
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 SLURM_BINARIES = ("slurmctld", "slurmd", "sbatch", "srun", "scontrol", "sinfo")
@@ -153,7 +153,7 @@ def _node_hardware() -> tuple[int, int]:
 def _write_conf(root: Path, node: str, cpus: int, memory_mb: int) -> Path:
     for sub in ("state", "spool", "log", "run"):
         (root / sub).mkdir(parents=True, exist_ok=True)
-    ctld_port, slurmd_port = find_free_port(), find_free_port()
+    ctld_port, slurmd_port = find_free_ports(2)
     conf = root / "slurm.conf"
     conf.write_text(
         "\n".join(
