@@ -72,6 +72,17 @@ def launch_place(env: Mapping[str, str] | None = None) -> LaunchPlace:
     return LaunchPlace(rank=rank, world_size=world, local_rank=local_rank)
 
 
+def launcher_hosts_store(env: Mapping[str, str] | None = None) -> bool:
+    """Whether the launcher itself serves the store at ``MASTER_ADDR:MASTER_PORT`` (torchrun's agent does).
+
+    torchrun tells its workers so with ``TORCHELASTIC_USE_AGENT_STORE=True`` (torch
+    ``distributed/elastic/agent/server/local_elastic_agent.py``); a rank that then binds the port as well fails to,
+    and torch logs an ``[E ...] The server socket ... has failed to bind`` line before going on as a client.
+    """
+    env = os.environ if env is None else env
+    return env.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
+
+
 _EPHEMERAL_RANGE = "/proc/sys/net/ipv4/ip_local_port_range"
 _RENDEZVOUS_PORTS = (20000, 32768)
 """Where :func:`find_free_port` looks: above ``slurm/common.sh``'s ``10000 + job id % 10000`` and below Linux's

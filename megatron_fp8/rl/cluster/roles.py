@@ -9,7 +9,8 @@ roll out) and leaves ``ROLLOUT_TASKS`` in every task's environment. Given both, 
 Process groups (:func:`join_groups`), because Megatron-Core builds its parallel groups over the *whole*
 default world (``torch.distributed.get_world_size()``), rollout ranks must not be in the trainers' default group:
 
-* one ``TCPStore`` at ``MASTER_ADDR:MASTER_PORT`` for all ``WORLD_SIZE`` processes (global rank 0 hosts it);
+* one ``TCPStore`` at ``MASTER_ADDR:MASTER_PORT`` for all ``WORLD_SIZE`` processes (global rank 0 hosts it; under
+  torchrun its agent already does);
 * trainers: the default group (gloo) over the trainer ranks only (``PrefixStore("mfp8/trainers")``), which
   :func:`megatron_fp8.megatron.megatron_parallel` and the data-parallel helpers of
   :mod:`megatron_fp8.rl.cluster.distributed` then use unchanged;
@@ -42,7 +43,7 @@ import torch.distributed as dist
 
 from megatron_fp8.config.schema import RunConfig
 from megatron_fp8.errors import ConfigError, RefitError, TransportClosedError, TransportTimeoutError
-from megatron_fp8.launch_env import env_int, launch_place
+from megatron_fp8.launch_env import env_int, launch_place, launcher_hosts_store
 from megatron_fp8.refit.transport.torch_dist import TorchDistTransport
 from megatron_fp8.rl.cluster.devices import DeviceAssignment, bind_device
 
@@ -379,7 +380,7 @@ def join_groups(
         env["MASTER_ADDR"],
         env_int("MASTER_PORT", default=0, env=env),
         placement.world_size,
-        is_master=placement.rank == 0,
+        is_master=placement.rank == 0 and not launcher_hosts_store(env),  # under torchrun its agent serves it
         timeout=timeout,
         wait_for_workers=False,
     )

@@ -52,6 +52,7 @@ def _run(
     *,
     overrides: str = "",
     killed=(),
+    agent_store: bool = False,
     beside: tuple[str, dict[str, str]] | None = None,
 ) -> list[dict]:
     """Start one worker per entry of ``envs`` (rank = index); their JSON results, in rank order.
@@ -60,11 +61,15 @@ def _run(
     ``beside`` (scenario, extra environment): one more worker, started at the same time in the same environment
     but outside the process group (``WORLD_SIZE=1``, ``RANK=0``, a port of its own); its result comes last.
     """
-    port = find_free_port()
+    # torchrun's agent serves the store itself and says so to its workers (TORCHELASTIC_USE_AGENT_STORE=True)
+    agent = dist.TCPStore("127.0.0.1", 0, len(envs), is_master=True, wait_for_workers=False) if agent_store else None
+    port = agent.port if agent is not None else find_free_port()
     base = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(REPO), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     base["WORLD_SIZE"] = str(len(envs))
-    for k in ("MFP8_ROLE", "ROLLOUT_TASKS", "RANK"):
+    for k in ("MFP8_ROLE", "ROLLOUT_TASKS", "RANK", "TORCHELASTIC_USE_AGENT_STORE"):
         base.pop(k, None)
+    if agent_store:
+        base["TORCHELASTIC_USE_AGENT_STORE"] = "True"
     procs, outs = [], []
     for rank, extra in enumerate(envs):
         out = tmp_path / f"{scenario}_{rank}.json"
@@ -79,9 +84,11 @@ def _run(
         cmd = [sys.executable, str(WORKER), "--scenario", name, "--out", str(out), "--overrides", overrides]
         env = {**base, "WORLD_SIZE": "1", "RANK": "0", "MASTER_PORT": str(find_free_port()), **extra}
         procs.append(subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE))
+    errs = []
     try:
         for rank, p in enumerate(procs):
             _, err = p.communicate(timeout=240)
+            errs.append(err.decode(errors="replace"))
             if rank in killed:
                 assert p.returncode == -signal.SIGKILL, (rank, p.returncode, err.decode()[-3000:])
             elif not outs[rank].exists():
@@ -91,7 +98,10 @@ def _run(
             if p.poll() is None:
                 p.kill()
                 p.wait(timeout=30)
-    return [json.loads(o.read_text()) if o.exists() else {} for o in outs]
+    results = [json.loads(o.read_text()) if o.exists() else {} for o in outs]
+    for result, err in zip(results, errs, strict=False):
+        result["_stderr"] = err
+    return results
 
 
 def _assert_full_trainer(t: dict, *, root: bool) -> None:
@@ -118,8 +128,10 @@ def _assert_full_trainer(t: dict, *, root: bool) -> None:
 
 
 def test_one_trainer_one_rollout_from_the_config(tmp_path):
-    trainer, rollout = _run(tmp_path, "full", [{}, {}], overrides=SPLIT)
+    """The config's split, as torchrun starts it: its agent serves the store, so no rank tries to bind the port."""
+    trainer, rollout = _run(tmp_path, "full", [{}, {}], overrides=SPLIT, agent_store=True)
     assert trainer["role"] == "trainer" and rollout["role"] == "rollout"
+    assert not [r for r in (trainer, rollout) if "failed to bind" in r["_stderr"]], trainer["_stderr"][-2000:]
     _assert_full_trainer(trainer, root=True)
     assert rollout.get("served") and "error" not in rollout, rollout  # stopped by the trainer, in order
 
