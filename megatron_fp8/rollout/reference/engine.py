@@ -135,12 +135,15 @@ class ReferenceFP8Engine:
         )
         self._tensors = self.weights.tensors  # the live storage (same dict), for fault-planting tests
         self.model = ReferenceForward(self.weights, kv_cache_dtype=kv_cache_dtype)
+        held = (
+            f"{len(self.fp8_names)} FP8 weights of {len(self.weights.specs)} (W8A8 blockwise)"
+            if self.fp8_names
+            else f"{len(self.weights.specs)} weights, none in FP8 (BF16 rollout)"
+        )
         logger.info(
-            "reference FP8 engine (CPU emulator of vLLM W8A8 blockwise, not a server): %s, %d FP8 weights of %d, "
-            "kv_cache_dtype=%s",
+            "reference engine (the CPU emulator of vLLM, not a server): %s, %s, kv_cache_dtype=%s",
             self.model_config.model_type,
-            len(self.fp8_names),
-            len(self.weights.specs),
+            held,
             kv_cache_dtype,
         )
 
