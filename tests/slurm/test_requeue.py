@@ -26,8 +26,9 @@ from megatron_fp8.rl.state.results import TIMING_SUFFIXES
 pytestmark = [pytest.mark.slurm, pytest.mark.slow]
 
 REPO = Path(__file__).resolve().parents[2]
-STEPS = 6  # the signal lands after step 1 or 2 (it is sent once step 1 is in metrics.jsonl); the rest continue in the
-# next allocation (12 before: 18 more steps over the three jobs, no more proved)
+STEPS = 12  # the signal is sent once step 1 is in metrics.jsonl; the rest continue in the next allocation. A step
+# takes ~0.6 s at one thread per xdist worker, and the signal reached the run 3-4 s after step 1 under the suite's
+# load: with 6 steps the TERM job once finished before its signal arrived (2026-11-29), 12 leave twice that
 RUN = (
     "--arms", "fp8", "--no-progress", "grpo.warm_start_steps=0", "checkpointing.enabled=true",
     "checkpointing.save_period=10", "logger.tensorboard_enabled=false", "logger.wandb_enabled=false",
@@ -39,6 +40,9 @@ def _rows(path: Path) -> list[dict]:
     drop = {"seconds", "time", "timestamp", "refit_version"}
     rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
     return [{k: v for k, v in r.items() if k not in drop and not k.endswith(TIMING_SUFFIXES)} for r in rows]
+
+
+ENDED = ("COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "OUT_OF_MEMORY")
 
 
 def _state(cluster, job: str) -> str:
@@ -80,18 +84,18 @@ def _signal_and_wait(cluster, jobs: dict[str, tuple[str, Path, Path]], signals: 
     running = set(jobs)
     deadline = time.monotonic() + 900
     while running and time.monotonic() < deadline:
-        for name in sorted(running):
+        for name in sorted(pending):  # first, and without asking Slurm (scontrol takes ~0.5 s on a loaded machine)
             job, out, _ = jobs[name]
-            if _state(cluster, job) in ("COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "OUT_OF_MEMORY"):
-                running.discard(name)
-                continue
             metrics = out / "metrics.jsonl"
-            if name in pending and metrics.is_file() and metrics.read_text().count("\n") >= 1:
+            if metrics.is_file() and metrics.read_text().count("\n") >= 1:
                 if signals[name] == "USR1":  # what --signal=B:USR1@lead does: the batch shell, which passes it on
                     cluster.run("scancel", "--batch", "--signal=USR1", job)
                 else:  # the time limit / scancel: SIGTERM to the job's tasks
                     cluster.run("scancel", "--signal=TERM", job)
                 pending.discard(name)
+        for name in sorted(running):
+            if _state(cluster, jobs[name][0]) in ENDED:
+                running.discard(name)
         time.sleep(0.2)
 
 
