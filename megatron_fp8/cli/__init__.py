@@ -13,6 +13,7 @@ import importlib
 import logging
 import os
 import sys
+from collections.abc import Mapping
 from types import ModuleType
 
 from megatron_fp8 import __version__
@@ -60,6 +61,15 @@ def build_parser(argv: list[str]) -> argparse.ArgumentParser:
     return parser
 
 
+def log_format(env: Mapping[str, str]) -> str:
+    """The commands' log line: ``LEVEL name: message``, with ``[rank N]`` after the level where a launcher started
+    several processes (``WORLD_SIZE`` > 1), so the lines every rank prints can be told apart."""
+    rank, world = env.get("RANK", "").strip(), env.get("WORLD_SIZE", "").strip()
+    if rank.isdigit() and world.isdigit() and int(world) > 1:
+        return f"%(levelname)s [rank {int(rank)}] %(name)s: %(message)s"
+    return "%(levelname)s %(name)s: %(message)s"
+
+
 def main(argv: list[str] | None = None) -> int:
     """Run ``megatron-fp8``; returns the exit code.
 
@@ -83,9 +93,7 @@ def main(argv: list[str] | None = None) -> int:
         args.overrides = [*(args.overrides or []), *extra]
     elif extra:
         parser.error(f"unrecognized arguments: {' '.join(extra)}")
-    logging.basicConfig(
-        level=logging.DEBUG if args.verbose else logging.INFO, format="%(levelname)s %(name)s: %(message)s"
-    )
+    logging.basicConfig(level=logging.DEBUG if args.verbose else logging.INFO, format=log_format(os.environ))
     if args.command is None:
         parser.print_help()
         return EXIT_USAGE

@@ -186,3 +186,21 @@ def test_refit_and_manifest_refresh_show_progress_and_no_third_party_noise(tmp_p
         output = proc.stdout + proc.stderr
         assert not [n for n in noise if n in output], output[-3000:]
     assert "number of parameters" in verbose.stdout + verbose.stderr  # -v shows the Megatron stack's own output
+
+
+@pytest.mark.parametrize(
+    ("env", "prefix"),
+    [
+        ({}, "INFO name: message"),
+        ({"RANK": "0", "WORLD_SIZE": "1"}, "INFO name: message"),
+        ({"RANK": "3", "WORLD_SIZE": "8"}, "INFO [rank 3] name: message"),
+        ({"RANK": "x", "WORLD_SIZE": "8"}, "INFO name: message"),  # a bad RANK is the launch checks' to report
+    ],
+)
+def test_log_lines_name_the_rank_when_a_launcher_started_several(env, prefix):
+    import logging
+
+    from megatron_fp8.cli import log_format
+
+    record = logging.LogRecord("name", logging.INFO, __file__, 1, "message", None, None)
+    assert logging.Formatter(log_format(env)).format(record) == prefix

@@ -59,6 +59,7 @@ def test_ctrl_c_under_launch_ends_in_one_line_and_the_printed_command_resumes(tm
     assert proc.returncode == 130, stderr[-3000:]
     assert "Traceback" not in stderr and "SignalException" not in stderr, stderr[-3000:]
     assert stderr.strip().splitlines()[-1].startswith("megatron-fp8 launch: SIGINT passed on to every rank")
+    assert "INFO [rank 1] megatron_fp8" in stderr, stderr[-3000:]  # each rank's log lines say whose they are
     stops = [line for line in stderr.splitlines() if line.startswith("megatron-fp8 grpo: stopped (interrupted by")]
     assert len(stops) == 1, stderr[-3000:]  # rank 0's line (every rank stopped at the step it names)
     command = shlex.split(stops[0][stops[0].rindex("continue with: ") + len("continue with: ") :])
