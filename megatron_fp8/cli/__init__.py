@@ -19,7 +19,8 @@ from types import ModuleType
 from megatron_fp8 import __version__
 from megatron_fp8.cli._io import say
 from megatron_fp8.cli._noise import quiet_third_party
-from megatron_fp8.errors import MegatronFP8Error, UsageError
+from megatron_fp8.errors import ConfigError, MegatronFP8Error, UsageError
+from megatron_fp8.launch_env import launch_place
 
 COMMANDS: dict[str, tuple[str, str]] = {  # name -> (module, one-line help)
     "doctor": ("megatron_fp8.cli.doctor", "which FP8 recipes this machine can run, and why not"),
@@ -64,9 +65,12 @@ def build_parser(argv: list[str]) -> argparse.ArgumentParser:
 def log_format(env: Mapping[str, str]) -> str:
     """The commands' log line: ``LEVEL name: message``, with ``[rank N]`` after the level where a launcher started
     several processes (``WORLD_SIZE`` > 1), so the lines every rank prints can be told apart."""
-    rank, world = env.get("RANK", "").strip(), env.get("WORLD_SIZE", "").strip()
-    if rank.isdigit() and world.isdigit() and int(world) > 1:
-        return f"%(levelname)s [rank {int(rank)}] %(name)s: %(message)s"
+    try:
+        place = launch_place(env)
+    except ConfigError:  # reported, with its fix, where the command reads the launch (not before the CLI's handler)
+        place = None
+    if place is not None and place.world_size > 1:
+        return f"%(levelname)s [rank {place.rank}] %(name)s: %(message)s"
     return "%(levelname)s %(name)s: %(message)s"
 
 

@@ -37,7 +37,6 @@ _EXPORTS = {  # exported name -> the module that defines it (resolved on first u
     "position_ids_for": "megatron_fp8.megatron.logits",
     "StepOptimizer": "megatron_fp8.megatron.optim",
     "ParallelState": "megatron_fp8.megatron.parallel",
-    "find_free_port": "megatron_fp8.launch_env",
     "megatron_parallel": "megatron_fp8.megatron.parallel",
     "StepResult": "megatron_fp8.megatron.step",
     "forward_logits": "megatron_fp8.megatron.step",
